@@ -1,0 +1,89 @@
+"""What every listener shares: the store, the authenticator, limits, metrics, a thread pool.
+
+The listeners (`server/http.py`, `server/resp.py`) are thin asyncio protocols; every
+store call goes through `ServerContext.run`, which runs it on the thread pool so fsyncs,
+hashing and codec work never block the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
+
+from epistemic_kvcache.store.api import SharedKvBackend
+
+if TYPE_CHECKING:
+    from epistemic_kvcache.server.metrics import Metrics
+
+T = TypeVar("T")
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """A verified caller. `tenant` is the namespace every key of the caller lives in."""
+
+    tenant: str
+    subject: str
+    method: Literal["token", "jwt", "mtls"]
+
+
+class Authenticator(Protocol):
+    """Turns a credential into an `Identity` or raises `AuthError`.
+
+    HTTP passes the `Authorization: Bearer <credential>` value; RESP passes the AUTH
+    password (the username is informational).
+    """
+
+    def authenticate(self, credential: str) -> Identity: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """Bounds on everything a client can make the server hold. Defaults say why."""
+
+    max_block_bytes: int = 128 * MiB
+    """Llama-3-70B 256-token chunks are ~80 MiB; leave headroom, refuse the absurd."""
+    max_header_bytes: int = 16 * 1024
+    """Total request head size (nginx default large_client_header_buffers is 4x8 KiB)."""
+    max_headers: int = 100
+    """Header count (node.js maxHeadersCount defaults to 2000; we need a handful)."""
+    request_timeout_s: float = 60.0
+    """Deadline to receive one whole request once its first byte arrived (slowloris)."""
+    idle_timeout_s: float = 300.0
+    """Keep-alive connections idle this long are closed."""
+    max_connections: int = 1024
+    """Open connections per listener; more are accepted and closed at once."""
+    max_batch_keys: int = 1024
+    max_batch_bytes: int = 1024 * MiB
+    resp_unauthenticated_max_args: int = 4
+    """Before AUTH: at most this many arguments (Redis CVE-2021-32675 hardening)."""
+    resp_unauthenticated_max_bulk_bytes: int = 4096
+    resp_max_args: int = 1024 * 1024
+    """Redis' own multibulk limit is 1024*1024 arguments."""
+
+
+@dataclass(slots=True)
+class ServerContext:
+    """Shared state of one server instance (both listeners)."""
+
+    store: SharedKvBackend
+    auth: Authenticator
+    limits: ServerLimits
+    metrics: Metrics
+    executor: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(
+            max_workers=32, thread_name_prefix="kvcache-store"
+        )
+    )
+    open_connections: dict[str, int] = field(default_factory=dict)
+    """Live connections per listener name ("http", "resp"), for the connection cap."""
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        """Run a blocking store call on the thread pool."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, fn, *args)

@@ -1,0 +1,258 @@
+"""The store seam: `SharedKvBackend`, its result and stats types.
+
+Everything above the store (HTTP, RESP, tests) talks to this interface only. Both
+implementations (`SharedKvIndex`, RAM only; `SharedKvStoreBackend`, durable) are
+synchronous and thread-safe: the asyncio server calls them from a thread pool.
+
+Conventions:
+- `ns` is the namespace (the tenant taken from a verified identity), `key` the client's
+  key; both are `str`. Keys are 1..`MAX_KEY_BYTES` bytes of UTF-8; namespaces
+  1..`MAX_NAMESPACE_BYTES` and may not contain NUL.
+- A miss is `None` / `False`; a failure is a `StoreError` subclass.
+- Blocks come back as a bytes-like object (`bytes`, `bytearray` or `memoryview`); treat
+  it as read-only.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from epistemic_kvcache.errors import InvalidKeyError
+
+Buffer = bytes | bytearray | memoryview
+
+MAX_KEY_BYTES = 1024
+MAX_NAMESPACE_BYTES = 256
+
+
+def validate_key(key: str) -> bytes:
+    """Return the key's UTF-8 bytes, or raise `InvalidKeyError`."""
+    try:
+        raw = key.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidKeyError(f"invalid key: not valid UTF-8 ({exc.reason})") from exc
+    if not raw:
+        raise InvalidKeyError("invalid key: empty")
+    if len(raw) > MAX_KEY_BYTES:
+        raise InvalidKeyError(f"invalid key: {len(raw)} bytes, limit is {MAX_KEY_BYTES}")
+    return raw
+
+
+def validate_namespace(ns: str) -> bytes:
+    """Return the namespace's UTF-8 bytes, or raise `InvalidKeyError`."""
+    try:
+        raw = ns.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidKeyError(f"invalid namespace: not valid UTF-8 ({exc.reason})") from exc
+    if not raw or len(raw) > MAX_NAMESPACE_BYTES or b"\x00" in raw:
+        raise InvalidKeyError(
+            f"invalid namespace {ns!r}: expected 1..{MAX_NAMESPACE_BYTES} bytes without NUL"
+        )
+    return raw
+
+
+class PutOutcome(enum.Enum):
+    """What a PUT did."""
+
+    NEW = "new"
+    """The key was stored (its bytes may still have been deduplicated against another key)."""
+    DUPLICATE = "duplicate"
+    """The key already held these exact bytes; nothing was stored."""
+    CONFLICT = "conflict"
+    """The key already held different bytes; first write wins, the new bytes were dropped."""
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    """Outcome of one PUT. `digest` is the BLAKE3 digest of the bytes now stored."""
+
+    outcome: PutOutcome
+    digest: bytes
+    size: int
+
+    @property
+    def created(self) -> bool:
+        """True when the key did not exist before (HTTP 201)."""
+        return self.outcome is PutOutcome.NEW
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Occupancy of one tier. `bytes` are physical (compressed in warm)."""
+
+    blocks: int = 0
+    bytes: int = 0
+    capacity_bytes: int = 0
+    logical_bytes: int = 0
+    """Uncompressed size of the blocks in the tier (differs from `bytes` in warm)."""
+
+    @property
+    def compression_ratio(self) -> float:
+        """Physical / logical bytes (1.0 when empty or uncompressed)."""
+        return self.bytes / self.logical_bytes if self.logical_bytes else 1.0
+
+
+@dataclass(slots=True)
+class StoreStats:
+    """Stats for one namespace (or the whole store when asked with `ns=None`)."""
+
+    unique_blocks: int = 0
+    total_refs: int = 0
+    logical_bytes: int = 0
+    resident_bytes: int = 0
+    dedup_savings_bytes: int = 0
+    dedup_hits: int = 0
+    put_new: int = 0
+    put_conflicts: int = 0
+    get_hits: int = 0
+    get_misses: int = 0
+    stale_missed: int = 0
+    integrity_failures: int = 0
+    evictions: int = 0
+    promotions: int = 0
+    demotions: int = 0
+    pinned_blocks: int = 0
+    tiers: dict[str, TierStats] = field(default_factory=dict)
+    extra: dict[str, int | float] = field(default_factory=dict)
+    """Store-wide counters (e.g. fsyncs, group-commit batches); empty in tenant stats."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form: the DESIGN.md §5 field names, tiers nested, warm with a ratio."""
+        out = asdict(self)
+        out["tiers"] = {
+            name: {
+                "blocks": t.blocks,
+                "bytes": t.bytes,
+                "capacity_bytes": t.capacity_bytes,
+                "logical_bytes": t.logical_bytes,
+                "compression_ratio": round(t.compression_ratio, 4),
+            }
+            for name, t in self.tiers.items()
+        }
+        return out
+
+
+@dataclass(slots=True)
+class ConsistencyReport:
+    """Result of `SharedKvBackend.check()`. `ok` when every list is empty."""
+
+    blocks: int = 0
+    keys: int = 0
+    orphan_index_entries: list[str] = field(default_factory=list)
+    """Index entries whose digest has no blob (or a blob outside committed bytes)."""
+    orphan_blobs: list[str] = field(default_factory=list)
+    """Blobs no index entry references."""
+    refcount_mismatches: list[str] = field(default_factory=list)
+    corrupt_blobs: list[str] = field(default_factory=list)
+    """Blobs whose bytes no longer match their digest (only with `deep=True`)."""
+
+    @property
+    def ok(self) -> bool:
+        return not (
+            self.orphan_index_entries
+            or self.orphan_blobs
+            or self.refcount_mismatches
+            or self.corrupt_blobs
+        )
+
+
+class SharedKvBackend(abc.ABC):
+    """The block store interface. Thread-safe; every method may block on I/O."""
+
+    max_block_bytes: int
+
+    # -- single-key operations ---------------------------------------------------------
+    @abc.abstractmethod
+    def put(self, ns: str, key: str, data: Buffer) -> PutResult:
+        """Store `data` under `key`. Durable before it returns (durable backend).
+
+        Raises `InvalidKeyError`, `BlockTooLargeError`, `CapacityError`, `DiskFullError`,
+        `StorageIOError`, `StoreClosedError`.
+        """
+
+    @abc.abstractmethod
+    def get(self, ns: str, key: str) -> Buffer | None:
+        """The block's bytes (verified against its digest when read from disk or warm)."""
+
+    @abc.abstractmethod
+    def size(self, ns: str, key: str) -> int | None:
+        """The block's length without reading it (HTTP HEAD, RESP STRLEN)."""
+
+    @abc.abstractmethod
+    def exists(self, ns: str, key: str) -> bool:
+        """Whether `key` is present (no tier movement, no hit counted)."""
+
+    @abc.abstractmethod
+    def delete(self, ns: str, key: str) -> bool:
+        """Remove `key`; the blob goes when its last reference does. False if absent."""
+
+    @abc.abstractmethod
+    def pin(self, ns: str, key: str) -> bool:
+        """Protect the key's block from eviction (counted; unpin once per pin)."""
+
+    @abc.abstractmethod
+    def unpin(self, ns: str, key: str) -> bool:
+        """Undo one `pin`. False if absent or not pinned."""
+
+    @abc.abstractmethod
+    def evict(self, ns: str, key: str) -> bool:
+        """Push the key's block out of RAM (hot and warm tiers).
+
+        Durable backend: the block stays on disk and reads back. Memory backend: there is
+        no lower tier, so the key is gone. False if absent or pinned.
+        """
+
+    @abc.abstractmethod
+    def promote(self, ns: str, key: str) -> bool:
+        """Bring the key's block into the hot tier (graph-aware paging). False if absent."""
+
+    @abc.abstractmethod
+    def set_importance(self, ns: str, key: str, score: float) -> bool:
+        """Set an external importance in [0, 1] that the hot tier blends into eviction."""
+
+    @abc.abstractmethod
+    def keys(self, ns: str, *, after: str | None = None, limit: int = 1000) -> list[str]:
+        """Keys of `ns` in sorted order, strictly after `after` (RESP SCAN, DBSIZE)."""
+
+    @abc.abstractmethod
+    def count(self, ns: str) -> int:
+        """Number of keys in `ns`."""
+
+    @abc.abstractmethod
+    def stats(self, ns: str | None = None) -> StoreStats:
+        """Stats of one namespace (never revealing others), or the whole store."""
+
+    @abc.abstractmethod
+    def check(self, *, deep: bool = False) -> ConsistencyReport:
+        """Verify index <-> blobs <-> refcounts; `deep` also re-hashes every blob."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Flush and release everything. Idempotent."""
+
+    # -- batch forms (one lock acquisition / one group commit where it matters) ---------
+    def put_many(self, ns: str, items: Sequence[tuple[str, Buffer]]) -> list[PutResult]:
+        """PUT each item; raises on the first failure (earlier items stay stored)."""
+        return [self.put(ns, key, data) for key, data in items]
+
+    def get_many(self, ns: str, keys: Sequence[str]) -> list[Buffer | None]:
+        """GET each key."""
+        return [self.get(ns, key) for key in keys]
+
+    def exists_many(self, ns: str, keys: Sequence[str]) -> list[bool]:
+        """EXISTS for each key."""
+        return [self.exists(ns, key) for key in keys]
+
+    def delete_many(self, ns: str, keys: Sequence[str]) -> list[bool]:
+        """DELETE each key."""
+        return [self.delete(ns, key) for key in keys]
+
+    def __enter__(self) -> SharedKvBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
