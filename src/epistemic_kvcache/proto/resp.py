@@ -1,0 +1,642 @@
+"""Sans-IO Redis wire protocol (RESP2 and RESP3): a request parser and a reply serializer.
+
+How the parser works
+--------------------
+`RespParser` takes bytes (`receive_data`, or the zero-copy pair `get_buffer` /
+`buffer_updated` that `asyncio.BufferedProtocol` calls) and yields commands
+(`next_event()` -> list of arguments, or `NEED_DATA`). It frames two request forms, as
+Redis' `networking.c` does: multibulk (`*N\\r\\n$len\\r\\n<bytes>\\r\\n...`) and inline
+(`SET k v\\n`, for telnet and hand-typed input).
+
+Small arguments are sliced out of one growing receive buffer. A bulk argument of at
+least `large_bulk_threshold` bytes gets a `bytearray` of exactly its announced size as
+soon as its `$len` header is parsed; from then on `get_buffer` hands out the unfilled
+tail of that array, so the socket reads the payload straight into its final home (no
+chunk list, no join, no second copy). This is the one place where own RESP code beats
+hiredis, which buffers a whole bulk before returning it.
+
+While the connection is unauthenticated the parser applies tiny limits (Redis
+CVE-2021-32675) and parses lazily: at most one complete command is framed ahead, so the
+limits in force for a command are the ones set after the previous command (e.g. AUTH)
+ran. Once authenticated it frames eagerly, which lets big pipelined payloads land in
+preallocated buffers; the I/O layer bounds how much it reads ahead (`buffered_bytes`).
+
+A violation is raised as `RemoteProtocolError` carrying Redis' own wording. Commands
+framed before the bad bytes are still delivered first, then `next_event()` raises.
+
+The serializer (`serialize`) turns a Python value into a list of buffers; a large bulk
+payload is its own buffer (never concatenated) so the I/O layer can `writelines` it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from collections import deque
+from typing import Final, Literal
+
+from epistemic_kvcache.errors import LocalProtocolError, RemoteProtocolError
+
+Buffer = bytes | bytearray | memoryview
+Arg = bytes | bytearray
+Command = list[Arg]
+
+KiB: Final = 1024
+MiB: Final = 1024 * 1024
+
+DEFAULT_MAX_INLINE_BYTES: Final = 64 * KiB
+"""Longest inline request, and longest `*N` / `$N` header line (Redis PROTO_INLINE_MAX_SIZE)."""
+DEFAULT_MAX_MULTIBULK_LEN: Final = 1024 * 1024
+"""Most arguments in one command (Redis' historic multibulk limit, 1024*1024)."""
+DEFAULT_MAX_BULK_BYTES: Final = 512 * MiB
+"""Longest bulk argument (Redis `proto-max-bulk-len` default, 512 MiB)."""
+DEFAULT_UNAUTHENTICATED_MAX_MULTIBULK_LEN: Final = 10
+"""Before AUTH: Redis refuses more than 10 arguments (CVE-2021-32675 fix)."""
+DEFAULT_UNAUTHENTICATED_MAX_BULK_BYTES: Final = 16 * KiB
+"""Before AUTH: Redis refuses bulk arguments over 16 KiB (CVE-2021-32675 fix)."""
+DEFAULT_LARGE_BULK_THRESHOLD: Final = 32 * KiB
+"""Bulks this long or longer get a preallocated buffer (Redis PROTO_MBULK_BIG_ARG, 32 KiB)."""
+DEFAULT_READ_BUFFER_BYTES: Final = 256 * KiB
+"""Size of the scratch buffer lent to the socket for everything but large bulks."""
+DEFAULT_SERIALIZE_CUTOFF: Final = 16 * KiB
+"""Bulk replies this long or longer are returned as their own buffer, never copied."""
+
+_INT_RE: Final = re.compile(rb"-?(?:0|[1-9][0-9]{0,18})")
+_INT64_MAX: Final = 2**63 - 1
+_INT64_MIN: Final = -(2**63)
+_COMPACT_AT: Final = 64 * KiB
+
+
+class _NeedData(enum.Enum):
+    NEED_DATA = "NEED_DATA"
+
+    def __repr__(self) -> str:
+        return "NEED_DATA"
+
+
+NEED_DATA: Final = _NeedData.NEED_DATA
+"""Returned by `RespParser.next_event()` when no complete command is buffered."""
+
+Event = Command | Literal[_NeedData.NEED_DATA]
+
+
+def _perr(detail: str) -> RemoteProtocolError:
+    return RemoteProtocolError(f"Protocol error: {detail}")
+
+
+def _parse_int(raw: Buffer) -> int | None:
+    """Strict signed 64-bit decimal (Redis `string2ll`), or None."""
+    if _INT_RE.fullmatch(raw) is None:
+        return None
+    value = int(raw)
+    if value > _INT64_MAX or value < _INT64_MIN:
+        return None
+    return value
+
+
+def _show_byte(b: int) -> str:
+    """A byte as Redis shows it in "expected '$', got 'x'", escaped when unprintable."""
+    return chr(b) if 0x20 <= b < 0x7F else f"\\x{b:02x}"
+
+
+# -- inline commands ------------------------------------------------------------------
+
+_ESCAPES: Final = {
+    ord("n"): b"\n",
+    ord("r"): b"\r",
+    ord("t"): b"\t",
+    ord("b"): b"\b",
+    ord("a"): b"\a",
+}
+_HEX: Final = frozenset(b"0123456789abcdefABCDEF")
+_SPACE: Final = frozenset(b" \n\r\t\v\f\x00")
+
+
+def split_inline(line: Buffer) -> list[bytes]:
+    """Split an inline request like Redis' `sdssplitargs` (quotes and escapes).
+
+    Raises `RemoteProtocolError("Protocol error: unbalanced quotes in request")`.
+    """
+    data = bytes(line)
+    n = len(data)
+    i = 0
+    out: list[bytes] = []
+    while True:
+        while i < n and data[i] in _SPACE:
+            i += 1
+        if i >= n:
+            return out
+        cur = bytearray()
+        in_dq = in_sq = False
+        while True:
+            if in_dq:
+                if i >= n:
+                    raise _perr("unbalanced quotes in request")
+                c = data[i]
+                if (
+                    c == 0x5C  # backslash
+                    and i + 3 < n
+                    and data[i + 1] == ord("x")
+                    and data[i + 2] in _HEX
+                    and data[i + 3] in _HEX
+                ):
+                    cur.append(int(data[i + 2 : i + 4], 16))
+                    i += 3
+                elif c == 0x5C and i + 1 < n:
+                    i += 1
+                    cur += _ESCAPES.get(data[i], bytes((data[i],)))
+                elif c == 0x22:  # closing double quote must end the argument
+                    if i + 1 < n and data[i + 1] not in _SPACE:
+                        raise _perr("unbalanced quotes in request")
+                    in_dq = False
+                    i += 1
+                    break
+                else:
+                    cur.append(c)
+            elif in_sq:
+                if i >= n:
+                    raise _perr("unbalanced quotes in request")
+                c = data[i]
+                if c == 0x5C and i + 1 < n and data[i + 1] == 0x27:
+                    i += 1
+                    cur.append(0x27)
+                elif c == 0x27:
+                    if i + 1 < n and data[i + 1] not in _SPACE:
+                        raise _perr("unbalanced quotes in request")
+                    in_sq = False
+                    i += 1
+                    break
+                else:
+                    cur.append(c)
+            else:
+                if i >= n:
+                    break
+                c = data[i]
+                if c in _SPACE:
+                    break
+                if c == 0x22:
+                    in_dq = True
+                elif c == 0x27:
+                    in_sq = True
+                else:
+                    cur.append(c)
+            i += 1
+        out.append(bytes(cur))
+
+
+# -- the request parser ---------------------------------------------------------------
+
+
+class _State(enum.Enum):
+    START = 0
+    """Between commands: expect `*` (multibulk) or an inline line."""
+    ARG_HEADER = 1
+    """Inside a multibulk: expect `$len\\r\\n`."""
+    ARG_BODY = 2
+    """A small bulk: wait until `len + 2` bytes are buffered."""
+    BIG_BODY = 3
+    """A large bulk: fill the preallocated array, then expect `\\r\\n`."""
+
+
+class RespParser:
+    """Sans-IO RESP request parser. See the module docstring for how it works.
+
+    Every limit is a constructor argument; the defaults are Redis' own.
+    `authenticated` selects which argument limits apply (set it after AUTH succeeds).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_inline_bytes: int = DEFAULT_MAX_INLINE_BYTES,
+        max_multibulk_len: int = DEFAULT_MAX_MULTIBULK_LEN,
+        max_bulk_bytes: int = DEFAULT_MAX_BULK_BYTES,
+        unauthenticated_max_multibulk_len: int = DEFAULT_UNAUTHENTICATED_MAX_MULTIBULK_LEN,
+        unauthenticated_max_bulk_bytes: int = DEFAULT_UNAUTHENTICATED_MAX_BULK_BYTES,
+        large_bulk_threshold: int = DEFAULT_LARGE_BULK_THRESHOLD,
+        read_buffer_bytes: int = DEFAULT_READ_BUFFER_BYTES,
+        authenticated: bool = False,
+    ) -> None:
+        for name, value in (
+            ("max_inline_bytes", max_inline_bytes),
+            ("max_multibulk_len", max_multibulk_len),
+            ("max_bulk_bytes", max_bulk_bytes),
+            ("unauthenticated_max_multibulk_len", unauthenticated_max_multibulk_len),
+            ("unauthenticated_max_bulk_bytes", unauthenticated_max_bulk_bytes),
+            ("large_bulk_threshold", large_bulk_threshold),
+            ("read_buffer_bytes", read_buffer_bytes),
+        ):
+            if value < 1:
+                raise ValueError(f"invalid {name}: expected a positive integer (got {value!r})")
+        self.max_inline_bytes = max_inline_bytes
+        self.max_multibulk_len = max_multibulk_len
+        self.max_bulk_bytes = max_bulk_bytes
+        self.unauthenticated_max_multibulk_len = unauthenticated_max_multibulk_len
+        self.unauthenticated_max_bulk_bytes = unauthenticated_max_bulk_bytes
+        self.large_bulk_threshold = large_bulk_threshold
+        self.authenticated = authenticated
+
+        self._buf = bytearray()
+        self._pos = 0
+        self._scratch = bytearray(read_buffer_bytes)
+        self._lent_big = False
+
+        self._state = _State.START
+        self._args: Command = []
+        self._args_bytes = 0
+        self._args_left = 0
+        self._bulk_len = 0
+        self._big = bytearray()
+        self._big_filled = 0
+
+        self._ready: deque[tuple[Command, int]] = deque()
+        self._ready_bytes = 0
+        self._error: RemoteProtocolError | None = None
+        self.commands_parsed = 0
+        """Total commands framed so far (the I/O layer uses it to see progress)."""
+
+    # -- input ------------------------------------------------------------------------
+    def receive_data(self, data: Buffer) -> None:
+        """Feed received bytes. Never raises; errors surface from `next_event()`."""
+        if data:
+            self._buf += data
+            self._advance()
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        """A writable buffer for the next read (`asyncio.BufferedProtocol.get_buffer`).
+
+        While a large bulk is being received this is the unfilled tail of its
+        preallocated array, so the payload is read in place; otherwise a scratch buffer.
+        Call `buffer_updated(n)` after writing `n` bytes into it, before the next call.
+        """
+        big = self._big
+        if (
+            self._state is _State.BIG_BODY
+            and self._big_filled < len(big)
+            and self._pos == len(self._buf)
+            and self._error is None
+        ):
+            self._lent_big = True
+            return memoryview(big)[self._big_filled :]
+        self._lent_big = False
+        if sizehint > len(self._scratch):
+            self._scratch = bytearray(sizehint)
+        return memoryview(self._scratch)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        """`nbytes` were written into the buffer from the last `get_buffer()`."""
+        if nbytes <= 0:
+            return
+        if self._lent_big:
+            self._lent_big = False
+            self._big_filled += nbytes
+        else:
+            self._buf += memoryview(self._scratch)[:nbytes]
+        self._advance()
+
+    # -- output -----------------------------------------------------------------------
+    def next_event(self) -> Event:
+        """The next complete command, or `NEED_DATA`.
+
+        Raises `RemoteProtocolError` (again on every call) once the input is broken and
+        every command framed before the bad bytes has been returned.
+        """
+        if not self._ready and self._error is None:
+            self._advance()
+        if self._ready:
+            cmd, size = self._ready.popleft()
+            self._ready_bytes -= size
+            return cmd
+        if self._error is not None:
+            raise self._error
+        return NEED_DATA
+
+    @property
+    def has_ready(self) -> bool:
+        """Whether `next_event()` would return a command right now."""
+        return bool(self._ready)
+
+    @property
+    def has_partial(self) -> bool:
+        """Whether bytes of a not-yet-complete command are buffered."""
+        return self._state is not _State.START or (not self._ready and self._pos < len(self._buf))
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes held for commands not yet returned (framed, partial or unparsed)."""
+        return (
+            self._ready_bytes + self._args_bytes + self._big_filled + (len(self._buf) - self._pos)
+        )
+
+    # -- the state machine --------------------------------------------------------------
+    def _fail(self, exc: RemoteProtocolError) -> None:
+        self._error = exc
+        self._big = bytearray()
+        self._big_filled = 0
+        self._args = []
+
+    def _advance(self) -> None:
+        try:
+            self._advance_inner()
+        except RemoteProtocolError as exc:
+            self._fail(exc)
+        buf = self._buf
+        if self._pos >= len(buf):
+            buf.clear()
+            self._pos = 0
+        elif self._pos >= _COMPACT_AT:
+            del buf[: self._pos]
+            self._pos = 0
+
+    def _header_line(self, what: str) -> int:
+        """Index of the CR of the current header line, or -1 (checks its length)."""
+        buf = self._buf
+        cr = buf.find(b"\r\n", self._pos)
+        if cr < 0:
+            if len(buf) - self._pos > self.max_inline_bytes:
+                raise _perr(f"too big {what} count string")
+            return -1
+        if cr - self._pos > self.max_inline_bytes:
+            raise _perr(f"too big {what} count string")
+        return cr
+
+    def _advance_inner(self) -> None:
+        buf = self._buf
+        while self._error is None:
+            state = self._state
+            if state is _State.START:
+                if self._ready and not self.authenticated:
+                    return  # lazy before AUTH: limits may change after this command
+                if self._pos >= len(buf):
+                    return
+                if buf[self._pos] == 0x2A:  # '*'
+                    cr = self._header_line("mbulk")
+                    if cr < 0:
+                        return
+                    count = _parse_int(buf[self._pos + 1 : cr])
+                    self._pos = cr + 2
+                    if count is None or count < -1 or count > self.max_multibulk_len:
+                        raise _perr("invalid multibulk length")
+                    if not self.authenticated and count > self.unauthenticated_max_multibulk_len:
+                        raise _perr("unauthenticated multibulk length")
+                    if count <= 0:
+                        continue  # `*0` / `*-1`: an empty request, ignored like Redis
+                    self._args_left = count
+                    self._args = []
+                    self._args_bytes = 0
+                    self._state = _State.ARG_HEADER
+                elif not self._inline():
+                    return
+            elif state is _State.ARG_HEADER:
+                if self._pos >= len(buf):
+                    return
+                first = buf[self._pos]
+                if first != 0x24:  # '$'
+                    raise _perr(f"expected '$', got '{_show_byte(first)}'")
+                cr = self._header_line("bulk")
+                if cr < 0:
+                    return
+                length = _parse_int(buf[self._pos + 1 : cr])
+                self._pos = cr + 2
+                if length is None or length < 0 or length > self.max_bulk_bytes:
+                    raise _perr("invalid bulk length")
+                if not self.authenticated and length > self.unauthenticated_max_bulk_bytes:
+                    raise _perr("unauthenticated bulk length")
+                self._bulk_len = length
+                if length >= self.large_bulk_threshold:
+                    self._big = bytearray(length)
+                    self._big_filled = 0
+                    self._state = _State.BIG_BODY
+                else:
+                    self._state = _State.ARG_BODY
+            elif state is _State.ARG_BODY:
+                end = self._pos + self._bulk_len
+                if len(buf) < end + 2:
+                    return
+                if buf[end : end + 2] != b"\r\n":
+                    raise _perr("expected '\\r\\n' after bulk data")
+                self._push_arg(bytes(buf[self._pos : end]))
+                self._pos = end + 2
+            else:  # BIG_BODY
+                big = self._big
+                missing = len(big) - self._big_filled
+                if missing:
+                    avail = min(missing, len(buf) - self._pos)
+                    if avail:
+                        big[self._big_filled : self._big_filled + avail] = memoryview(buf)[
+                            self._pos : self._pos + avail
+                        ]
+                        self._big_filled += avail
+                        self._pos += avail
+                    if avail < missing:
+                        return
+                if len(buf) - self._pos < 2:
+                    return
+                if buf[self._pos : self._pos + 2] != b"\r\n":
+                    raise _perr("expected '\\r\\n' after bulk data")
+                self._pos += 2
+                self._big = bytearray()
+                self._big_filled = 0
+                self._push_arg(big)
+
+    def _push_arg(self, arg: Arg) -> None:
+        self._args.append(arg)
+        self._args_bytes += len(arg)
+        self._args_left -= 1
+        if self._args_left:
+            self._state = _State.ARG_HEADER
+            return
+        self._finish(self._args, self._args_bytes)
+        self._args = []
+        self._args_bytes = 0
+        self._state = _State.START
+
+    def _finish(self, cmd: Command, size: int) -> None:
+        self._ready.append((cmd, size))
+        self._ready_bytes += size
+        self.commands_parsed += 1
+
+    def _inline(self) -> bool:
+        """Frame one inline line; False when more data is needed."""
+        buf = self._buf
+        nl = buf.find(b"\n", self._pos)
+        if nl < 0:
+            if len(buf) - self._pos > self.max_inline_bytes:
+                raise _perr("too big inline request")
+            return False
+        if nl - self._pos > self.max_inline_bytes:
+            raise _perr("too big inline request")
+        end = nl - 1 if nl > self._pos and buf[nl - 1] == 0x0D else nl
+        line = buf[self._pos : end]
+        self._pos = nl + 1
+        args: Command = list(split_inline(line))
+        if not args:
+            return True
+        if not self.authenticated and (
+            len(args) > self.unauthenticated_max_multibulk_len
+            or any(len(a) > self.unauthenticated_max_bulk_bytes for a in args)
+        ):
+            raise _perr("unauthenticated inline request")
+        self._finish(args, sum(len(a) for a in args))
+        return True
+
+
+# -- the reply serializer -------------------------------------------------------------
+
+
+class SimpleString(str):
+    """A status reply: `+OK`. Must not contain CR or LF."""
+
+    __slots__ = ()
+
+
+class ErrorReply(str):
+    """An error reply; the text starts with its code: `ErrorReply("ERR syntax error")`."""
+
+    __slots__ = ()
+
+
+class Verbatim(str):
+    """A RESP3 verbatim string (`=txt:...`, e.g. INFO); a bulk string in RESP2."""
+
+    __slots__ = ()
+
+
+class NullArray:
+    """A RESP2 null array (`*-1`); `_` in RESP3."""
+
+    __slots__ = ()
+
+
+NULL_ARRAY: Final = NullArray()
+
+
+class _Writer:
+    __slots__ = ("cur", "cutoff", "out", "protocol")
+
+    def __init__(self, protocol: int, cutoff: int) -> None:
+        self.protocol = protocol
+        self.cutoff = cutoff
+        self.out: list[Buffer] = []
+        self.cur = bytearray()
+
+    def line(self, prefix: bytes, text: str) -> None:
+        if "\r" in text or "\n" in text:
+            raise LocalProtocolError(f"CR or LF in a RESP {prefix!r} line: {text[:64]!r}")
+        self.cur += prefix
+        self.cur += text.encode("utf-8")
+        self.cur += b"\r\n"
+
+    def bulk(self, data: Buffer) -> None:
+        n = memoryview(data).nbytes if isinstance(data, memoryview) else len(data)
+        self.cur += b"$%d\r\n" % n
+        if n >= self.cutoff:
+            self.out.append(self.cur)
+            self.out.append(data)
+            self.cur = bytearray(b"\r\n")
+        else:
+            self.cur += data
+            self.cur += b"\r\n"
+
+    def value(self, v: object) -> None:
+        resp3 = self.protocol == 3
+        if v is None or isinstance(v, NullArray):
+            if resp3:
+                self.cur += b"_\r\n"
+            else:
+                self.cur += b"*-1\r\n" if isinstance(v, NullArray) else b"$-1\r\n"
+        elif isinstance(v, ErrorReply):
+            self.line(b"-", v)
+        elif isinstance(v, SimpleString):
+            self.line(b"+", v)
+        elif isinstance(v, Verbatim):
+            if resp3:
+                raw = v.encode("utf-8")
+                self.cur += b"=%d\r\ntxt:" % (len(raw) + 4)
+                self.cur += raw
+                self.cur += b"\r\n"
+            else:
+                self.bulk(v.encode("utf-8"))
+        elif isinstance(v, str):
+            self.bulk(v.encode("utf-8"))
+        elif isinstance(v, bytes | bytearray | memoryview):
+            self.bulk(v)
+        elif isinstance(v, bool):
+            if resp3:
+                self.cur += b"#t\r\n" if v else b"#f\r\n"
+            else:
+                self.cur += b":1\r\n" if v else b":0\r\n"
+        elif isinstance(v, int):
+            if _INT64_MIN <= v <= _INT64_MAX:
+                self.cur += b":%d\r\n" % v
+            elif resp3:
+                self.cur += b"(%d\r\n" % v
+            else:
+                self.bulk(b"%d" % v)
+        elif isinstance(v, float):
+            if math.isnan(v):
+                text = "nan"
+            elif math.isinf(v):
+                text = "inf" if v > 0 else "-inf"
+            else:
+                text = repr(v)
+            if resp3:
+                self.line(b",", text)
+            else:
+                self.bulk(text.encode("ascii"))
+        elif isinstance(v, dict):
+            if resp3:
+                self.cur += b"%%%d\r\n" % len(v)
+            else:
+                self.cur += b"*%d\r\n" % (2 * len(v))
+            for key, item in v.items():
+                self.value(key)
+                self.value(item)
+        elif isinstance(v, set | frozenset):
+            self.cur += (b"~%d\r\n" if resp3 else b"*%d\r\n") % len(v)
+            for item in v:
+                self.value(item)
+        elif isinstance(v, list | tuple):
+            self.cur += b"*%d\r\n" % len(v)
+            for item in v:
+                self.value(item)
+        else:
+            raise LocalProtocolError(f"cannot serialize {type(v).__name__} as RESP")
+
+
+def serialize(
+    value: object, protocol: int = 2, *, cutoff: int = DEFAULT_SERIALIZE_CUTOFF
+) -> list[Buffer]:
+    """Encode one reply as a list of buffers (write them with `transport.writelines`).
+
+    Python -> RESP: None -> null; `SimpleString` -> `+`; `ErrorReply` -> `-`; `str`/bytes
+    -> bulk; bool -> `#` (RESP3) or `:1`/`:0`; int -> `:`; float -> `,` (RESP3) or bulk;
+    dict -> map (RESP3) or flat array; set -> `~` (RESP3) or array; list/tuple -> array;
+    `Verbatim` -> `=txt:` (RESP3) or bulk. Bulk payloads of `cutoff` bytes or more are
+    returned as their own buffer, untouched. Raises `LocalProtocolError` for values RESP
+    cannot carry.
+    """
+    if protocol not in (2, 3):
+        raise LocalProtocolError(f"unsupported RESP protocol version {protocol!r}")
+    w = _Writer(protocol, cutoff)
+    w.value(value)
+    if w.cur:
+        w.out.append(w.cur)
+    return w.out
+
+
+def pack_command(*args: Buffer | str | int, cutoff: int = DEFAULT_SERIALIZE_CUTOFF) -> list[Buffer]:
+    """Encode a request as multibulk (what a client sends); big arguments stay separate."""
+    w = _Writer(2, cutoff)
+    w.cur += b"*%d\r\n" % len(args)
+    for arg in args:
+        if isinstance(arg, str):
+            w.bulk(arg.encode("utf-8"))
+        elif isinstance(arg, int):
+            w.bulk(b"%d" % arg)
+        else:
+            w.bulk(arg)
+    if w.cur:
+        w.out.append(w.cur)
+    return w.out
