@@ -1,0 +1,875 @@
+"""Server configuration: one frozen `ServerConfig`, loaded in one place.
+
+How it works: every setting is one row of `SETTINGS` (name, parser, default, help). The
+row gives the three spellings of the setting — flag `--some-name`, environment
+`EPISTEMIC_GRAPH_KVCACHE_SOME_NAME`, TOML key `some_name` — and `load_config` resolves
+each row with the precedence flag > environment > TOML file > default, parsing every
+raw value with the row's parser so that a bad value fails the same way wherever it
+came from: a `ConfigurationError` naming the setting, the value and where it was set.
+The `ServerLimits` fields (server/context.py) become settings automatically, so a new
+limit is configurable the moment it is added there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import ipaddress
+import math
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from epistemic_kvcache.errors import ConfigurationError
+from epistemic_kvcache.server.context import ServerLimits
+
+ENV_PREFIX = "EPISTEMIC_GRAPH_KVCACHE_"
+"""Every server setting `some_name` is also read from `EPISTEMIC_GRAPH_KVCACHE_SOME_NAME`."""
+
+PERSIST_DIR_ENV_ALIAS = "GRAPH_SERVICE_PERSIST_DIR"
+"""The persist dir name the user's deployments already set (DESIGN.md §1)."""
+
+CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
+
+CLIENT_ENV_SUFFIXES = frozenset(
+    {"URL", "CLIENT_CERT", "CLIENT_KEY", "CA_CERT", "CA_BUNDLE", "TIMEOUT_S"}
+)
+"""Client-side variables sharing the prefix; the server ignores them without a warning."""
+
+DEFAULT_TENANT = "default"
+"""Tenant of `--token` tokens, of one-column token-file lines and of the generated token."""
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+JWT_ALGORITHMS = (
+    "HS256",
+    "HS384",
+    "HS512",
+    "RS256",
+    "RS384",
+    "RS512",
+    "PS256",
+    "PS384",
+    "PS512",
+    "ES256",
+    "ES256K",
+    "ES384",
+    "ES512",
+    "EdDSA",
+)
+"""Algorithms `--jwt-algorithms` may name (PyJWT's signing algorithms; never `none`)."""
+
+HMAC_MIN_SECRET_BYTES = {"HS256": 32, "HS384": 48, "HS512": 64}
+"""RFC 7518 §3.2: an HMAC key must be at least as long as the hash output."""
+
+
+class Address(NamedTuple):
+    """A listen address. `str()` gives `host:port` (`[v6]:port` for IPv6 literals)."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @property
+    def is_loopback(self) -> bool:
+        """True for `localhost` and loopback IP literals; any other name is not loopback."""
+        return is_loopback_host(self.host)
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether binding `host` keeps the listener on this machine only."""
+    if host.lower() in ("localhost", "localhost.", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+DEFAULT_ADDR = Address("127.0.0.1", 9130)
+DEFAULT_RESP_ADDR = Address("127.0.0.1", 6379)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything `epistemic-kvcache serve` needs. Build it with `load_config`.
+
+    Secrets (`tokens`, `jwt_secret`) are left out of `repr`.
+    """
+
+    addr: Address = DEFAULT_ADDR
+    resp_addr: Address | None = DEFAULT_RESP_ADDR
+    """`None` when the RESP listener is `off`."""
+    backend: str = "durable"
+    persist_dir: Path = Path("kvcache-data")
+    tokens: tuple[str, ...] = field(default=(), repr=False)
+    token_file: Path | None = None
+    generate_token: bool = True
+    jwt_secret: str | None = field(default=None, repr=False)
+    jwt_secret_file: Path | None = None
+    jwt_public_key: Path | None = None
+    jwt_jwks: Path | None = None
+    jwt_algorithms: tuple[str, ...] = ()
+    """Empty: derived from the configured keys (HS256 for a secret, the key's own type)."""
+    jwt_issuer: str | None = None
+    jwt_audience: tuple[str, ...] = ()
+    jwt_tenant_claim: str = "tenant"
+    jwt_leeway_s: float = 0.0
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    allow_insecure_bind: bool = False
+    hot_capacity_bytes: int = 1 * GiB
+    warm_capacity_bytes: int = 1 * GiB
+    cold_capacity_bytes: int = 64 * GiB
+    dedup_scope: str = "namespace"
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    store_threads: int = 32
+    shutdown_timeout_s: float = 10.0
+    log_level: str = "INFO"
+    stats_log_interval_s: float = 60.0
+    config_file: Path | None = None
+    warnings: tuple[str, ...] = field(default=(), compare=False)
+    """Non-fatal findings of `load_config` (unknown env vars, ...), logged at start-up."""
+
+    @property
+    def max_block_bytes(self) -> int:
+        """Largest block accepted (the store and the listeners share it)."""
+        return self.limits.max_block_bytes
+
+    @property
+    def tls_enabled(self) -> bool:
+        return self.tls_cert is not None
+
+    @property
+    def jwt_enabled(self) -> bool:
+        return bool(self.jwt_secret or self.jwt_secret_file or self.jwt_public_key or self.jwt_jwks)
+
+    @property
+    def auth_configured(self) -> bool:
+        """Whether any credential source is configured (else the first-run token applies)."""
+        return bool(self.tokens or self.token_file or self.jwt_enabled)
+
+    def store_options(self) -> dict[str, Any]:
+        """Keyword arguments for `SharedKvIndex` / `SharedKvStoreBackend`."""
+        return {
+            "hot_capacity_bytes": self.hot_capacity_bytes,
+            "warm_capacity_bytes": self.warm_capacity_bytes,
+            "cold_capacity_bytes": self.cold_capacity_bytes,
+            "max_block_bytes": self.max_block_bytes,
+            "dedup_scope": self.dedup_scope,
+        }
+
+
+# -- parsers: (setting name, raw value) -> value; raise ConfigurationError ----------------
+
+
+class _Invalid(Exception):
+    """Internal: a parser rejects a value; `load_config` adds name, value and source."""
+
+    def __init__(self, expected: str, *, show_value: bool = True) -> None:
+        super().__init__(expected)
+        self.expected = expected
+        self.show_value = show_value
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": KiB,
+    "ki": KiB,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": MiB,
+    "mi": MiB,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": GiB,
+    "gi": GiB,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1024 * GiB,
+    "ti": 1024 * GiB,
+}
+
+
+def parse_size(raw: object) -> int:
+    """`4GiB`, `512MiB`, `1G` (SI: 10**9), `1.5GiB`, `1048576` -> bytes. Must be > 0."""
+    expected = "a positive size like 4GiB"
+    if isinstance(raw, bool):
+        raise _Invalid(expected)
+    if isinstance(raw, int):
+        value = raw
+    else:
+        m = _SIZE_RE.match(str(raw))
+        if m is None or m.group(2).lower() not in _SIZE_UNITS:
+            raise _Invalid(expected)
+        number = float(m.group(1).replace("_", ""))
+        value = math.floor(number * _SIZE_UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise _Invalid(expected)
+    return value
+
+
+def _parse_positive_int(raw: object) -> int:
+    expected = "a positive integer"
+    if isinstance(raw, bool):
+        raise _Invalid(expected)
+    if isinstance(raw, int):
+        value = raw
+    else:
+        try:
+            value = int(str(raw).strip().replace("_", ""))
+        except ValueError:
+            raise _Invalid(expected) from None
+    if value <= 0:
+        raise _Invalid(expected)
+    return value
+
+
+def _parse_seconds(raw: object, *, allow_zero: bool) -> float:
+    expected = "a number of seconds >= 0" if allow_zero else "a number of seconds > 0"
+    if isinstance(raw, bool):
+        raise _Invalid(expected)
+    try:
+        value = float(raw) if isinstance(raw, int | float) else float(str(raw).strip())
+    except ValueError:
+        raise _Invalid(expected) from None
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise _Invalid(expected)
+    return value
+
+
+def _nonneg_seconds(raw: object) -> float:
+    return _parse_seconds(raw, allow_zero=True)
+
+
+def _pos_seconds(raw: object) -> float:
+    return _parse_seconds(raw, allow_zero=False)
+
+
+def parse_address(raw: object) -> Address:
+    """`host:port` or `[v6]:port`; port 0 asks the OS for a free port."""
+    expected = "host:port, e.g. 127.0.0.1:9130 or [::1]:9130"
+    if not isinstance(raw, str):
+        raise _Invalid(expected)
+    text = raw.strip()
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or not rest.startswith(":"):
+            raise _Invalid(expected)
+        port_text = rest[1:]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise _Invalid(expected) from None
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep or not host or ":" in host:
+            raise _Invalid(expected)
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise _Invalid(expected + ", port 0..65535")
+    if not re.fullmatch(r"[A-Za-z0-9._:%-]+", host):
+        raise _Invalid(expected)
+    return Address(host, int(port_text))
+
+
+def _parse_address_or_off(raw: object) -> Address | None:
+    if isinstance(raw, str) and raw.strip().lower() in ("off", "none", "disabled"):
+        return None
+    if raw is False:
+        return None
+    try:
+        return parse_address(raw)
+    except _Invalid:
+        raise _Invalid("host:port (e.g. 127.0.0.1:6379) or 'off'") from None
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def parse_bool(raw: object) -> bool:
+    """true/false, 1/0, yes/no, on/off (case-insensitive); TOML booleans."""
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise _Invalid("a boolean (true/false, 1/0, yes/no, on/off)")
+
+
+def _choice(*options: str) -> Callable[[object], str]:
+    def parse(raw: object) -> str:
+        text = str(raw).strip().lower() if isinstance(raw, str) else None
+        if text not in options:
+            raise _Invalid("one of " + ", ".join(options))
+        return text
+
+    return parse
+
+
+def _parse_log_level(raw: object) -> str:
+    levels = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+    text = str(raw).strip().upper() if isinstance(raw, str) else ""
+    if text == "WARN":
+        text = "WARNING"
+    if text not in levels:
+        raise _Invalid("one of " + ", ".join(level.lower() for level in levels))
+    return text
+
+
+def _parse_path(raw: object) -> Path:
+    if not isinstance(raw, str | Path) or not str(raw).strip():
+        raise _Invalid("a file system path")
+    return Path(str(raw).strip()).expanduser()
+
+
+def _parse_optional_text(raw: object) -> str | None:
+    if not isinstance(raw, str):
+        raise _Invalid("a string")
+    return raw.strip() or None
+
+
+def _parse_claim(raw: object) -> str:
+    if not isinstance(raw, str) or not raw.strip():
+        raise _Invalid("a claim name")
+    return raw.strip()
+
+
+def _parse_list(raw: object) -> tuple[str, ...]:
+    """A comma-separated string, or a TOML array / repeated flag of strings."""
+    items: list[object]
+    if isinstance(raw, str):
+        items = list(raw.split(","))
+    elif isinstance(raw, list | tuple):
+        items = []
+        for item in raw:
+            items.extend(item.split(",") if isinstance(item, str) else [item])
+    else:
+        raise _Invalid("a comma-separated list")
+    out: list[str] = []
+    for item in items:
+        if not isinstance(item, str):
+            raise _Invalid("a comma-separated list of strings")
+        if item.strip() and item.strip() not in out:
+            out.append(item.strip())
+    return tuple(out)
+
+
+def _parse_algorithms(raw: object) -> tuple[str, ...]:
+    algs = _parse_list(raw)
+    canonical = {a.lower(): a for a in JWT_ALGORITHMS}
+    out = []
+    for alg in algs:
+        if alg.lower() == "none":
+            raise _Invalid("signing algorithms; 'none' is never accepted")
+        if alg.lower() not in canonical:
+            raise _Invalid("algorithms among " + ", ".join(JWT_ALGORITHMS))
+        out.append(canonical[alg.lower()])
+    return tuple(out)
+
+
+def _parse_tokens(raw: object) -> tuple[str, ...]:
+    """`--token` (repeatable) / TOML string or array / env: one token."""
+    items = raw if isinstance(raw, list | tuple) else [raw]
+    out: list[str] = []
+    for item in items:
+        if not isinstance(item, str) or not item.strip():
+            raise _Invalid("a non-empty token string", show_value=False)
+        token = item.strip()
+        if any(c.isspace() for c in token):
+            raise _Invalid("a token without whitespace", show_value=False)
+        if token not in out:
+            out.append(token)
+    return tuple(out)
+
+
+def _parse_secret(raw: object) -> str | None:
+    if not isinstance(raw, str):
+        raise _Invalid("a string", show_value=False)
+    return raw.strip() or None
+
+
+# -- the settings table ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One configuration setting and its three spellings."""
+
+    name: str
+    parse: Callable[[object], Any]
+    default: Any
+    help: str
+    metavar: str | None = None
+    kind: str = "value"
+    """`value` (one argument), `bool` (--x / --no-x), `append` (repeatable flag)."""
+    secret: bool = False
+    """Never echo the value in error messages."""
+    extra_env: tuple[str, ...] = ()
+    """Further environment names, read after the canonical one."""
+    path_like: bool = False
+    """Relative paths in the TOML file are resolved against the file's directory."""
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def env_names(self) -> tuple[str, ...]:
+        return (self.env, *self.extra_env)
+
+
+_D = ServerConfig()
+
+_LIMIT_HELP = {
+    "max_block_bytes": "largest block accepted (HTTP 413 / RESP error above it)",
+    "max_header_bytes": "total HTTP request head size",
+    "max_headers": "HTTP header count per request",
+    "request_timeout_s": "deadline to receive one whole request once it started",
+    "idle_timeout_s": "idle keep-alive connections are closed after this long",
+    "max_connections": "open connections per listener",
+    "max_batch_keys": "keys per batch request",
+    "max_batch_bytes": "total block bytes per batch request",
+    "resp_unauthenticated_max_args": "RESP arguments per command before AUTH",
+    "resp_unauthenticated_max_bulk_bytes": "RESP bulk string size before AUTH",
+    "resp_max_args": "RESP arguments per command",
+}
+
+
+def _limit_settings() -> list[Setting]:
+    out = []
+    defaults = ServerLimits()
+    for f in dataclasses.fields(ServerLimits):
+        if f.name.endswith("_bytes"):
+            parse: Callable[[object], Any] = parse_size
+            metavar = "SIZE"
+        elif f.name.endswith("_s"):
+            parse, metavar = _pos_seconds, "SECONDS"
+        else:
+            parse, metavar = _parse_positive_int, "N"
+        help_text = _LIMIT_HELP.get(f.name, f.name.replace("_", " "))
+        out.append(Setting(f.name, parse, getattr(defaults, f.name), help_text, metavar))
+    return out
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "addr", parse_address, _D.addr, "HTTP listen address (port 0: any free port)", "HOST:PORT"
+    ),
+    Setting(
+        "resp_addr",
+        _parse_address_or_off,
+        _D.resp_addr,
+        "Redis RESP listen address, or 'off'",
+        "HOST:PORT|off",
+    ),
+    Setting(
+        "backend",
+        _choice("durable", "memory"),
+        _D.backend,
+        "durable (disk-backed) or memory (in-process, ephemeral)",
+    ),
+    Setting(
+        "persist_dir",
+        _parse_path,
+        _D.persist_dir,
+        "where the durable store (and a generated token) live",
+        "DIR",
+        extra_env=(PERSIST_DIR_ENV_ALIAS,),
+        path_like=True,
+    ),
+    Setting(
+        "token",
+        _parse_tokens,
+        _D.tokens,
+        "accepted bearer token for tenant 'default' (repeatable; prefer --token-file)",
+        "TOKEN",
+        kind="append",
+        secret=True,
+    ),
+    Setting(
+        "token_file",
+        _parse_path,
+        None,
+        "file of 'token [tenant]' lines (see docs/security.md)",
+        "FILE",
+        path_like=True,
+    ),
+    Setting(
+        "generate_token",
+        parse_bool,
+        _D.generate_token,
+        "with no credentials configured, create/reuse <persist-dir>/token",
+        kind="bool",
+    ),
+    Setting(
+        "jwt_secret",
+        _parse_secret,
+        None,
+        "HMAC secret for HS256/384/512 JWTs (>= 32 bytes; prefer --jwt-secret-file)",
+        "SECRET",
+        secret=True,
+    ),
+    Setting(
+        "jwt_secret_file",
+        _parse_path,
+        None,
+        "file holding the HMAC secret",
+        "FILE",
+        path_like=True,
+    ),
+    Setting(
+        "jwt_public_key",
+        _parse_path,
+        None,
+        "PEM public key (or certificate) verifying RS*/PS*/ES*/EdDSA JWTs",
+        "FILE",
+        path_like=True,
+    ),
+    Setting(
+        "jwt_jwks",
+        _parse_path,
+        None,
+        "JWKS file of public keys, selected by the token's kid",
+        "FILE",
+        path_like=True,
+    ),
+    Setting(
+        "jwt_algorithms",
+        _parse_algorithms,
+        _D.jwt_algorithms,
+        "accepted JWT algorithms, comma-separated (default: from the keys)",
+        "ALGS",
+    ),
+    Setting("jwt_issuer", _parse_optional_text, None, "required JWT iss", "ISS"),
+    Setting(
+        "jwt_audience",
+        _parse_list,
+        _D.jwt_audience,
+        "accepted JWT aud values, comma-separated (one must match)",
+        "AUD",
+    ),
+    Setting(
+        "jwt_tenant_claim",
+        _parse_claim,
+        _D.jwt_tenant_claim,
+        "JWT claim naming the tenant (falls back to sub)",
+        "CLAIM",
+    ),
+    Setting(
+        "jwt_leeway_s",
+        _nonneg_seconds,
+        _D.jwt_leeway_s,
+        "clock skew allowed on exp/nbf/iat",
+        "SECONDS",
+    ),
+    Setting("tls_cert", _parse_path, None, "TLS certificate chain (PEM)", "FILE", path_like=True),
+    Setting("tls_key", _parse_path, None, "TLS private key (PEM)", "FILE", path_like=True),
+    Setting(
+        "tls_client_ca",
+        _parse_path,
+        None,
+        "CA bundle for client certificates: turns on mTLS",
+        "FILE",
+        path_like=True,
+    ),
+    Setting(
+        "allow_insecure_bind",
+        parse_bool,
+        _D.allow_insecure_bind,
+        "allow a non-loopback listener without TLS",
+        kind="bool",
+    ),
+    Setting("hot_capacity_bytes", parse_size, _D.hot_capacity_bytes, "hot tier (RAM)", "SIZE"),
+    Setting(
+        "warm_capacity_bytes",
+        parse_size,
+        _D.warm_capacity_bytes,
+        "warm tier (RAM, compressed)",
+        "SIZE",
+    ),
+    Setting(
+        "cold_capacity_bytes",
+        parse_size,
+        _D.cold_capacity_bytes,
+        "cold tier (disk, durable backend)",
+        "SIZE",
+    ),
+    Setting(
+        "dedup_scope",
+        _choice("namespace", "global"),
+        _D.dedup_scope,
+        "share identical bytes within a namespace (default) or globally",
+    ),
+    *_limit_settings(),
+    Setting(
+        "store_threads",
+        _parse_positive_int,
+        _D.store_threads,
+        "threads running blocking store calls",
+        "N",
+    ),
+    Setting(
+        "shutdown_timeout_s",
+        _pos_seconds,
+        _D.shutdown_timeout_s,
+        "on SIGTERM, how long in-flight requests may take to finish",
+        "SECONDS",
+    ),
+    Setting("log_level", _parse_log_level, _D.log_level, "debug, info, warning, error", "LEVEL"),
+    Setting(
+        "stats_log_interval_s",
+        _nonneg_seconds,
+        _D.stats_log_interval_s,
+        "log hit rate, dedup and tier occupancy this often (0: never)",
+        "SECONDS",
+    ),
+)
+
+SETTINGS_BY_NAME: Mapping[str, Setting] = {s.name: s for s in SETTINGS}
+_LIMIT_NAMES = frozenset(f.name for f in dataclasses.fields(ServerLimits))
+_RENAMED = {"token": "tokens"}
+"""Setting name -> ServerConfig field, where they differ."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add `--config` and every setting's flag to `parser`.
+
+    Unset flags stay absent from the namespace (`argparse.SUPPRESS`), so `load_config`
+    can tell "not given" from "given the default". Values stay strings; `load_config`
+    parses them.
+    """
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help=f"TOML file of settings (env {CONFIG_FILE_ENV})",
+    )
+    for s in SETTINGS:
+        default_text = _format_default(s)
+        help_text = f"{s.help} (env {s.env}{default_text})"
+        if s.kind == "bool":
+            parser.add_argument(
+                s.flag,
+                dest=s.name,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=help_text,
+            )
+        elif s.kind == "append":
+            parser.add_argument(
+                s.flag,
+                dest=s.name,
+                action="append",
+                default=argparse.SUPPRESS,
+                metavar=s.metavar,
+                help=help_text,
+            )
+        else:
+            parser.add_argument(
+                s.flag, dest=s.name, default=argparse.SUPPRESS, metavar=s.metavar, help=help_text
+            )
+
+
+def _format_default(s: Setting) -> str:
+    if s.secret or s.default in (None, ()):
+        return ""
+    value = s.default
+    if isinstance(value, tuple):
+        value = ",".join(value)
+    if isinstance(value, bool):
+        value = "true" if value else "false"
+    if isinstance(value, int) and s.name.endswith("_bytes"):
+        value = format_size(value)
+    return f"; default {value}".replace("%", "%%")
+
+
+def format_size(n: int) -> str:
+    """Bytes as the largest exact binary unit: 1073741824 -> `1GiB`."""
+    for unit, factor in (("TiB", 1024 * GiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= factor and n % factor == 0:
+            return f"{n // factor}{unit}"
+    return str(n)
+
+
+def load_config(
+    cli: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    *,
+    config_file: str | Path | None = None,
+) -> ServerConfig:
+    """Resolve every setting: flag > environment > TOML file > default, then validate.
+
+    `cli` maps setting names to raw flag values (`vars()` of a parser built with
+    `add_arguments`; a `config` entry names the TOML file). `env` defaults to
+    `os.environ`. Raises `ConfigurationError` naming the setting and the value.
+    """
+    cli = dict(cli or {})
+    env = os.environ if env is None else env
+    warnings: list[str] = []
+
+    file_source = cli.pop("config", None) or config_file or env.get(CONFIG_FILE_ENV) or None
+    toml_values: dict[str, Any] = {}
+    toml_path: Path | None = None
+    if file_source is not None:
+        toml_path = Path(str(file_source)).expanduser()
+        toml_values = _read_toml(toml_path)
+
+    unknown_cli = set(cli) - set(SETTINGS_BY_NAME)
+    if unknown_cli:
+        raise ConfigurationError(f"unknown settings: {', '.join(sorted(unknown_cli))}")
+
+    known_env = {name for s in SETTINGS for name in s.env_names} | {CONFIG_FILE_ENV}
+    all_names = sorted(s.env for s in SETTINGS)
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX) or name in known_env:
+            continue
+        if name[len(ENV_PREFIX) :] in CLIENT_ENV_SUFFIXES or name == ENV_PREFIX + "TOKEN":
+            continue
+        hint = difflib.get_close_matches(name, all_names, n=1)
+        warnings.append(
+            f"unknown environment variable {name} ignored"
+            + (f" (did you mean {hint[0]}?)" if hint else "")
+        )
+
+    values: dict[str, Any] = {}
+    for s in SETTINGS:
+        raw: Any
+        if s.name in cli:
+            raw, source, from_toml = cli[s.name], s.flag, False
+        elif (env_name := next((n for n in s.env_names if env.get(n, "") != ""), None)) is not None:
+            raw, source, from_toml = env[env_name], f"environment {env_name}", False
+        elif s.name in toml_values:
+            raw, source, from_toml = toml_values[s.name], f"{toml_path} key {s.name}", True
+        else:
+            values[s.name] = s.default
+            continue
+        try:
+            value = s.parse(raw)
+        except _Invalid as exc:
+            shown = f"got {raw!r}" if exc.show_value else "value not shown"
+            raise ConfigurationError(
+                f"invalid {s.name}: expected {exc.expected} ({shown}); set by {source}"
+            ) from None
+        if s.path_like and from_toml and toml_path is not None and not value.is_absolute():
+            value = toml_path.parent / value
+        values[s.name] = value
+
+    limits = ServerLimits(**{name: values.pop(name) for name in _LIMIT_NAMES})
+    fields = {_RENAMED.get(k, k): v for k, v in values.items()}
+    config = ServerConfig(
+        **fields,
+        limits=limits,
+        config_file=toml_path,
+        warnings=tuple(warnings),
+    )
+    _validate(config)
+    return config
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigurationError(f"invalid config: file not found (got '{path}')") from None
+    except OSError as exc:
+        raise ConfigurationError(f"invalid config: cannot read '{path}': {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigurationError(f"invalid config: '{path}' is not valid TOML: {exc}") from None
+    unknown = [key for key in data if key not in SETTINGS_BY_NAME]
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, list(SETTINGS_BY_NAME), n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ConfigurationError(f"invalid config: unknown keys in '{path}': {', '.join(hints)}")
+    return data
+
+
+def _validate(c: ServerConfig) -> None:
+    """Cross-setting checks; each names the settings involved."""
+
+    def fail(name: str, message: str) -> None:
+        raise ConfigurationError(f"invalid {name}: {message}")
+
+    if c.resp_addr is not None and c.resp_addr.port != 0 and c.resp_addr == c.addr:
+        fail("resp_addr", f"same address as addr (got '{c.resp_addr}')")
+
+    # TLS
+    if (c.tls_cert is None) != (c.tls_key is None):
+        missing = "tls_key" if c.tls_key is None else "tls_cert"
+        fail(missing, "--tls-cert and --tls-key go together (one of them is missing)")
+    if c.tls_client_ca is not None and c.tls_cert is None:
+        fail("tls_client_ca", "mTLS needs --tls-cert and --tls-key as well")
+
+    for name in (
+        "token_file",
+        "jwt_secret_file",
+        "jwt_public_key",
+        "jwt_jwks",
+        "tls_cert",
+        "tls_key",
+        "tls_client_ca",
+    ):
+        path = getattr(c, name)
+        if path is not None and not path.is_file():
+            fail(name, f"file not found (got '{path}')")
+
+    # JWT
+    if c.jwt_secret is not None and c.jwt_secret_file is not None:
+        fail("jwt_secret", "give --jwt-secret or --jwt-secret-file, not both")
+    has_hmac_key = c.jwt_secret is not None or c.jwt_secret_file is not None
+    has_public_key = c.jwt_public_key is not None or c.jwt_jwks is not None
+    if not c.jwt_enabled:
+        for name in ("jwt_algorithms", "jwt_issuer", "jwt_audience"):
+            if getattr(c, name):
+                fail(
+                    name, "no JWT key configured (set --jwt-secret, --jwt-public-key or --jwt-jwks)"
+                )
+    hmac_algs = [a for a in c.jwt_algorithms if a.startswith("HS")]
+    public_algs = [a for a in c.jwt_algorithms if not a.startswith("HS")]
+    if hmac_algs and not has_hmac_key:
+        fail("jwt_algorithms", f"{', '.join(hmac_algs)} need --jwt-secret")
+    if public_algs and not has_public_key:
+        fail("jwt_algorithms", f"{', '.join(public_algs)} need --jwt-public-key or --jwt-jwks")
+    if c.jwt_algorithms and has_hmac_key and not hmac_algs:
+        fail("jwt_secret", "set, but --jwt-algorithms names no HS256/HS384/HS512")
+    if c.jwt_algorithms and has_public_key and not public_algs:
+        fail("jwt_algorithms", "no asymmetric algorithm for --jwt-public-key / --jwt-jwks")
+    if c.jwt_secret is not None:
+        check_hmac_secret(c.jwt_secret.encode("utf-8"), c.jwt_algorithms or ("HS256",))
+
+    if c.store_threads > 1024:
+        fail("store_threads", f"expected at most 1024 (got {c.store_threads})")
+
+
+def check_hmac_secret(secret: bytes, algorithms: Sequence[str]) -> None:
+    """Refuse an HMAC secret shorter than the longest hash of the HS algorithms in use."""
+    need = max(
+        (HMAC_MIN_SECRET_BYTES[a] for a in algorithms if a in HMAC_MIN_SECRET_BYTES), default=32
+    )
+    if len(secret) < need:
+        raise ConfigurationError(
+            f"invalid jwt_secret: expected at least {need} bytes (got {len(secret)} bytes)"
+        )
