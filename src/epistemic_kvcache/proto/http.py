@@ -1,0 +1,321 @@
+"""Sans-IO pieces of the `/kv` HTTP API: routes, keys, batch framing, response heads.
+
+HTTP/1.1 itself is parsed by httptools (llhttp); this module holds what is specific to
+this API, shared by the server (`server/http.py`) and the client:
+
+- `quote_key` / `decode_key_segment`: a key is ONE percent-encoded path segment.
+- `match_route`: request path -> route template (`"/kv/{key}"`, ...) and raw key segment.
+- Batch framing (`application/x-kvcache-batch`): ``u32 BE header_len``, a JSON header,
+  then the blocks back to back. Encoders return a list of buffers (header first, blocks
+  as they are) for `transport.writelines` / vectored sends; decoders return memoryviews
+  into the body, never copies.
+
+No sockets, no asyncio, no store: bytes in, values out; violations raise
+`RemoteProtocolError` with an HTTP `status_hint`.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from collections.abc import Sequence
+from email.utils import formatdate
+from urllib.parse import quote, unquote_to_bytes
+
+from epistemic_kvcache.errors import RemoteProtocolError
+
+Buffer = bytes | bytearray | memoryview
+
+MAX_KEY_BYTES = 1024
+"""Same bound as the store (`store.api.MAX_KEY_BYTES`)."""
+
+BATCH_CONTENT_TYPE = "application/x-kvcache-batch"
+JSON_CONTENT_TYPE = "application/json"
+OCTET_CONTENT_TYPE = "application/octet-stream"
+
+DEFAULT_MAX_BATCH_HEADER_BYTES = 8 * 1024 * 1024
+"""A batch JSON header for 1024 keys of 1024 bytes, each JSON-escaped up to 6x, fits."""
+
+_U32 = struct.Struct(">I")
+
+# -- routes -------------------------------------------------------------------------------
+
+ROUTE_HEALTHZ = "/healthz"
+ROUTE_METRICS = "/metrics"
+ROUTE_STATS = "/kv/stats"
+ROUTE_BATCH_EXISTS = "/kv/batch/exists"
+ROUTE_BATCH_GET = "/kv/batch/get"
+ROUTE_BATCH_PUT = "/kv/batch/put"
+ROUTE_KEY = "/kv/{key}"
+ROUTE_KEY_EXISTS = "/kv/{key}/exists"
+ROUTE_OTHER = "other"
+"""Metrics label for unknown paths and requests too malformed to route."""
+
+ROUTE_METHODS: dict[str, tuple[str, ...]] = {
+    ROUTE_HEALTHZ: ("GET", "HEAD"),
+    ROUTE_METRICS: ("GET", "HEAD"),
+    ROUTE_STATS: ("GET", "HEAD"),
+    ROUTE_BATCH_EXISTS: ("POST",),
+    ROUTE_BATCH_GET: ("POST",),
+    ROUTE_BATCH_PUT: ("POST",),
+    ROUTE_KEY: ("GET", "HEAD", "PUT", "DELETE"),
+    ROUTE_KEY_EXISTS: ("GET", "HEAD"),
+}
+"""Allowed methods per route (the `Allow` header of a 405)."""
+
+_FIXED_ROUTES = {
+    b"/healthz": ROUTE_HEALTHZ,
+    b"/metrics": ROUTE_METRICS,
+    b"/kv/stats": ROUTE_STATS,
+    b"/kv/batch/exists": ROUTE_BATCH_EXISTS,
+    b"/kv/batch/get": ROUTE_BATCH_GET,
+    b"/kv/batch/put": ROUTE_BATCH_PUT,
+}
+_RESERVED_SEGMENTS = (b"stats", b"batch")
+
+
+def request_path(target: bytes) -> bytes:
+    """The path of a request target (origin-form or absolute-form), query dropped."""
+    if target.startswith(b"/"):
+        path = target
+    else:
+        scheme_end = target.find(b"://")
+        if scheme_end < 0:  # "*" (OPTIONS) or authority-form (CONNECT)
+            return target
+        slash = target.find(b"/", scheme_end + 3)
+        path = target[slash:] if slash >= 0 else b"/"
+    for sep in (b"?", b"#"):
+        cut = path.find(sep)
+        if cut >= 0:
+            path = path[:cut]
+    return path
+
+
+def match_route(path: bytes) -> tuple[str | None, bytes | None]:
+    """Map a raw (still percent-encoded) path to `(route template, raw key segment)`.
+
+    Route names are matched on the raw segment, so `/kv/stats` is the stats route while
+    `/kv/%73tats` addresses the key `stats`. Unknown paths give `(None, None)`.
+    """
+    fixed = _FIXED_ROUTES.get(path)
+    if fixed is not None:
+        return fixed, None
+    if not path.startswith(b"/kv/"):
+        return None, None
+    parts = path[4:].split(b"/")
+    if len(parts) == 1:
+        seg = parts[0]
+        if seg in _RESERVED_SEGMENTS:
+            return None, None
+        return ROUTE_KEY, seg
+    if len(parts) == 2 and parts[1] == b"exists" and parts[0] not in _RESERVED_SEGMENTS:
+        return ROUTE_KEY_EXISTS, parts[0]
+    return None, None
+
+
+def decode_key_segment(segment: bytes) -> str:
+    """Percent-decode one path segment into a key; `RemoteProtocolError` (400) if invalid."""
+    raw = unquote_to_bytes(segment)
+    if not raw:
+        raise RemoteProtocolError("invalid key: empty", status_hint=400)
+    if len(raw) > MAX_KEY_BYTES:
+        raise RemoteProtocolError(
+            f"invalid key: {len(raw)} bytes, limit is {MAX_KEY_BYTES}", status_hint=400
+        )
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RemoteProtocolError(
+            f"invalid key: not valid UTF-8 ({exc.reason})", status_hint=400
+        ) from exc
+
+
+def quote_key(key: str) -> str:
+    """Percent-encode a key as one path segment (everything outside RFC 3986 unreserved)."""
+    return quote(key, safe="")
+
+
+# -- batch framing ------------------------------------------------------------------------
+
+
+def _frame(header: dict[str, object], blocks: Sequence[Buffer]) -> list[Buffer]:
+    head = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    return [_U32.pack(len(head)) + head, *blocks]
+
+
+def _split_frame(body: Buffer, max_header_bytes: int) -> tuple[dict[str, object], memoryview]:
+    view = memoryview(body).cast("B")
+    if len(view) < _U32.size:
+        raise RemoteProtocolError("batch body: shorter than its 4-byte header length")
+    (header_len,) = _U32.unpack_from(view, 0)
+    if header_len > max_header_bytes:
+        raise RemoteProtocolError(
+            f"batch body: header of {header_len} bytes exceeds {max_header_bytes}",
+            status_hint=413,
+        )
+    end = _U32.size + header_len
+    if end > len(view):
+        raise RemoteProtocolError("batch body: truncated JSON header")
+    try:
+        header = json.loads(bytes(view[_U32.size : end]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RemoteProtocolError(f"batch body: invalid JSON header ({exc})") from exc
+    if not isinstance(header, dict):
+        raise RemoteProtocolError("batch body: JSON header is not an object")
+    return header, view[end:]
+
+
+def _int_list(header: dict[str, object], name: str, *, allow_miss: bool) -> list[int]:
+    values = header.get(name)
+    if not isinstance(values, list):
+        raise RemoteProtocolError(f"batch body: {name!r} must be a list")
+    low = -1 if allow_miss else 0
+    for v in values:
+        if type(v) is not int or v < low:
+            raise RemoteProtocolError(f"batch body: {name!r} holds an invalid size {v!r}")
+    return values
+
+
+def _slice_blocks(payload: memoryview, sizes: Sequence[int]) -> list[memoryview | None]:
+    total = sum(s for s in sizes if s > 0)
+    if total != len(payload):
+        raise RemoteProtocolError(
+            f"batch body: sizes add up to {total} bytes but {len(payload)} follow the header"
+        )
+    out: list[memoryview | None] = []
+    pos = 0
+    for s in sizes:
+        if s < 0:
+            out.append(None)
+        else:
+            out.append(payload[pos : pos + s])
+            pos += s
+    return out
+
+
+def encode_batch_get_response(blocks: Sequence[Buffer | None]) -> list[Buffer]:
+    """Frame a `POST /kv/batch/get` answer: `{"sizes": [n | -1]}` then the hits in order."""
+    sizes = [-1 if b is None else len(b) for b in blocks]
+    return _frame({"sizes": sizes}, [b for b in blocks if b is not None])
+
+
+def decode_batch_get_response(
+    body: Buffer, *, max_header_bytes: int = DEFAULT_MAX_BATCH_HEADER_BYTES
+) -> list[memoryview | None]:
+    """Split a batch-get answer into one view per key (`None` = miss)."""
+    header, payload = _split_frame(body, max_header_bytes)
+    return _slice_blocks(payload, _int_list(header, "sizes", allow_miss=True))
+
+
+def encode_batch_put_request(keys: Sequence[str], blocks: Sequence[Buffer]) -> list[Buffer]:
+    """Frame a `POST /kv/batch/put` body: `{"keys", "sizes"}` then the blocks in order."""
+    if len(keys) != len(blocks):
+        raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
+    return _frame({"keys": list(keys), "sizes": [len(b) for b in blocks]}, list(blocks))
+
+
+def decode_batch_put_request(
+    body: Buffer,
+    *,
+    max_keys: int,
+    max_header_bytes: int = DEFAULT_MAX_BATCH_HEADER_BYTES,
+) -> list[tuple[str, memoryview]]:
+    """Split a batch-put body into `(key, view)` pairs (keys are not validated here)."""
+    header, payload = _split_frame(body, max_header_bytes)
+    keys = header.get("keys")
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise RemoteProtocolError("batch body: 'keys' must be a list of strings")
+    if len(keys) > max_keys:
+        raise RemoteProtocolError(
+            f"batch of {len(keys)} keys exceeds max_batch_keys={max_keys}", status_hint=413
+        )
+    sizes = _int_list(header, "sizes", allow_miss=False)
+    if len(sizes) != len(keys):
+        raise RemoteProtocolError(f"batch body: {len(keys)} keys but {len(sizes)} sizes")
+    views = _slice_blocks(payload, sizes)
+    return [(k, v) for k, v in zip(keys, views, strict=True) if v is not None]
+
+
+def decode_key_list(body: Buffer, *, max_keys: int) -> list[str]:
+    """Parse a JSON `{"keys": [...]}` body (batch exists/get)."""
+    try:
+        doc = json.loads(bytes(body))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RemoteProtocolError(f"invalid JSON body ({exc})") from exc
+    keys = doc.get("keys") if isinstance(doc, dict) else None
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise RemoteProtocolError('body must be {"keys": [<string>, ...]}')
+    if len(keys) > max_keys:
+        raise RemoteProtocolError(
+            f"batch of {len(keys)} keys exceeds max_batch_keys={max_keys}", status_hint=413
+        )
+    return keys
+
+
+# -- responses ----------------------------------------------------------------------------
+
+REASONS: dict[int, str] = {
+    100: "Continue",
+    200: "OK",
+    201: "Created",
+    204: "No Content",
+    400: "Bad Request",
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    408: "Request Timeout",
+    411: "Length Required",
+    413: "Content Too Large",
+    429: "Too Many Requests",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+    507: "Insufficient Storage",
+}
+
+_date_cache: tuple[int, bytes] = (0, b"")
+
+
+def http_date() -> bytes:
+    """The current IMF-fixdate (`Date` header), formatted once per second."""
+    global _date_cache
+    now = int(time.time())
+    if _date_cache[0] != now:
+        _date_cache = (now, formatdate(now, usegmt=True).encode("ascii"))
+    return _date_cache[1]
+
+
+def response_head(
+    status: int,
+    headers: Sequence[tuple[str, str]],
+    *,
+    content_length: int | None,
+    close: bool = False,
+    keep_alive_header: bool = False,
+) -> bytes:
+    """The status line and headers of a response, ending with the blank line.
+
+    `content_length=None` omits the header (204, 1xx). `close` adds `Connection: close`;
+    `keep_alive_header` adds `Connection: keep-alive` (HTTP/1.0 clients).
+    """
+    reason = REASONS.get(status, "Unknown")
+    parts = [f"HTTP/1.1 {status} {reason}\r\n".encode("ascii"), b"Date: ", http_date(), b"\r\n"]
+    for name, value in headers:
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+            raise ValueError(f"header {name!r} holds a line break")
+        parts.append(f"{name}: {value}\r\n".encode("latin-1"))
+    if content_length is not None:
+        parts.append(b"Content-Length: %d\r\n" % content_length)
+    if close:
+        parts.append(b"Connection: close\r\n")
+    elif keep_alive_header:
+        parts.append(b"Connection: keep-alive\r\n")
+    parts.append(b"\r\n")
+    return b"".join(parts)
+
+
+def error_body(code: str, message: str) -> bytes:
+    """The JSON error document `{"error": code, "message": message}`."""
+    return json.dumps({"error": code, "message": message}).encode("utf-8")
