@@ -1,4 +1,8 @@
-"""The synchronous, thread-safe block store: index, CAS, tiers, durability."""
+"""The synchronous, thread-safe block store: index, CAS, tiers, durability.
+
+`SharedKvIndex` keeps everything in RAM (hot + warm); `SharedKvStoreBackend` adds the
+durable cold tier under a persist directory. Both implement `SharedKvBackend`.
+"""
 
 from epistemic_kvcache.store.api import (
     Buffer,
@@ -10,15 +14,18 @@ from epistemic_kvcache.store.api import (
     TierStats,
 )
 from epistemic_kvcache.store.codec import WarmCodec
+from epistemic_kvcache.store.durable import DiskIO, SharedKvStoreBackend
 from epistemic_kvcache.store.engine import SharedKvIndex, digest_of
 
 __all__ = [
     "Buffer",
     "ConsistencyReport",
+    "DiskIO",
     "PutOutcome",
     "PutResult",
     "SharedKvBackend",
     "SharedKvIndex",
+    "SharedKvStoreBackend",
     "StoreStats",
     "TierStats",
     "WarmCodec",

@@ -536,15 +536,19 @@ class TieredEngine(SharedKvBackend):
                 return b.hot
             warm = b.warm
         data: Buffer | None
+        corrupt = False
         if warm is not None:
             try:
                 data = warm if len(warm) == b.size else self._codec.decompress(warm)
             except ValueError:
-                data = None
+                data, corrupt = None, True
         else:
-            data = self._read_lower(b)
-        if data is None or len(data) != b.size or digest_of(data) != b.digest:
-            self._quarantine(b, "digest mismatch")
+            data = self._read_lower(b)  # None: unreadable right now (I/O error), a miss
+        if data is not None and (len(data) != b.size or digest_of(data) != b.digest):
+            data, corrupt = None, True
+        if data is None:
+            if corrupt:
+                self._quarantine(b, "digest mismatch")
             with self._lock:
                 c.get_misses += 1
                 self._total.get_misses += 1

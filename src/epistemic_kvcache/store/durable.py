@@ -1,0 +1,754 @@
+"""The durable backend: LMDB index + append-only segment files + group commit.
+
+How a PUT becomes durable
+-------------------------
+1. The caller's thread validates, hashes (BLAKE3) and, if the key already holds these
+   bytes, answers at once (a dedup hit costs no I/O). Otherwise it queues an operation
+   for the committer thread and waits for its future.
+2. The committer takes *every* queued operation (group commit), opens one LMDB write
+   transaction, and decides each operation inside it (the transaction sees its own
+   writes, so two PUTs of one key in one batch are ordered correctly). New blocks are
+   appended to the active segment file with `pwrite`.
+3. One `fdatasync` of the segment makes all the batch's bytes stable (data first), then
+   the LMDB commit (which fsyncs) makes the index entries, refcounts and the segment's
+   new committed length stable (index second). Only then are the effects applied to RAM
+   and the futures resolved: an acknowledged PUT is on disk, an unacknowledged one is
+   invisible. fsyncs per PUT = 2 / batch size.
+4. Any failed write or sync fails the whole batch (nothing acked, nothing visible), and
+   the segment is abandoned: its unsynced tail is never trusted again (the "fsyncgate"
+   lesson: a failed fsync may have dropped the dirty pages, retrying it would lie).
+   The next batch starts a fresh segment, so service resumes once the fault clears.
+
+Why this layout (DESIGN.md §4)
+------------------------------
+LMDB is an excellent index, but multi-MiB values live in overflow pages whose free-list
+search degrades as the store churns, and every value is rewritten on update. KV blocks
+are 4-80 MiB, so blocks go to append-only segment files (one sequential write + one sync
+per batch, whatever its size or count), and LMDB only holds small rows:
+
+- ``keys``:  ns NUL key            -> u32 pins + scoped digest
+- ``blobs``: scoped digest         -> u64 size, u64 offset, u32 segment, u32 refs
+- ``meta``:  ``seg:%08d``          -> u64 committed length; ``format`` -> version
+
+Crash recovery never reads blob bytes: open = read the rows (O(index), not O(data)) and
+truncate each segment to its committed length (bytes past it were never acknowledged).
+Reads `pread` the block and verify BLAKE3 before serving. Segments whose blocks are all
+gone are deleted; space inside partly-dead segments is reclaimed by compaction.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from epistemic_kvcache.errors import (
+    CapacityError,
+    ConfigurationError,
+    DiskFullError,
+    StorageIOError,
+    StoreClosedError,
+    StoreError,
+)
+from epistemic_kvcache.store.api import (
+    Buffer,
+    ConsistencyReport,
+    PutOutcome,
+    PutResult,
+    validate_namespace,
+)
+from epistemic_kvcache.store.codec import WarmCodec
+from epistemic_kvcache.store.engine import (
+    AddKey,
+    DedupScope,
+    DelKey,
+    Effect,
+    PinDelta,
+    TieredEngine,
+    _Blob,
+    digest_of,
+)
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = b"1"
+_BLOB_ROW = struct.Struct(">QQII")  # size, offset, segment, refs
+_PINS = struct.Struct(">I")
+_SEG_LEN = struct.Struct(">Q")
+
+
+class DiskIO:
+    """The system calls that make bytes durable. A seam for fault-injection tests."""
+
+    def pwrite(self, fd: int, data: Buffer, offset: int) -> int:
+        return os.pwrite(fd, data, offset)
+
+    def fdatasync(self, fd: int) -> None:
+        os.fdatasync(fd)
+
+
+class _Segment:
+    """An append-only file of blocks. The fd closes when the last reader lets go."""
+
+    __slots__ = ("fd", "id", "path")
+
+    def __init__(self, seg_id: int, path: Path, *, create: bool) -> None:
+        self.id = seg_id
+        self.path = path
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        self.fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o600)
+
+    def read(self, offset: int, size: int) -> bytearray:
+        buf = bytearray(size)
+        view = memoryview(buf)
+        done = 0
+        while done < size:
+            n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise OSError(errno.EIO, f"short read in {self.path.name} at {offset + done}")
+            done += n
+        return buf
+
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+@dataclass(slots=True)
+class _Op:
+    kind: str  # put | delete | pin | unpin | quarantine | evict_ram
+    ns: str
+    key: str
+    sdig: bytes = b""
+    digest: bytes = b""
+    data: Buffer | None = None
+    deduped: bool = False  # a new key whose bytes were already stored
+    future: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
+
+
+def _key_row(ns: str, key: str) -> bytes:
+    return ns.encode() + b"\x00" + key.encode()
+
+
+def _split_key_row(row: bytes) -> tuple[str, str]:
+    ns, _, key = row.partition(b"\x00")
+    return ns.decode(), key.decode()
+
+
+class SharedKvStoreBackend(TieredEngine):
+    """Durable backend (`--backend durable`): hot + warm in RAM, cold on disk.
+
+    Every acknowledged PUT is on stable storage; `close()` then reopen finds every block.
+    Only one process may open a persist directory at a time (an exclusive lock file).
+    """
+
+    def __init__(
+        self,
+        persist_dir: str | os.PathLike[str],
+        *,
+        hot_capacity_bytes: int = 1 << 30,
+        warm_capacity_bytes: int = 1 << 30,
+        cold_capacity_bytes: int = 100 << 30,
+        max_block_bytes: int = 128 << 20,
+        dedup_scope: DedupScope = "namespace",
+        codec: WarmCodec | None = None,
+        segment_bytes: int = 1 << 30,
+        map_size_bytes: int = 64 << 30,
+        max_batch_bytes: int = 512 << 20,
+        io: DiskIO | None = None,
+    ) -> None:
+        super().__init__(
+            hot_capacity_bytes=hot_capacity_bytes,
+            warm_capacity_bytes=warm_capacity_bytes,
+            max_block_bytes=max_block_bytes,
+            dedup_scope=dedup_scope,
+            codec=codec,
+        )
+        if not isinstance(cold_capacity_bytes, int) or cold_capacity_bytes <= 0:
+            raise ConfigurationError(
+                f"invalid cold_capacity_bytes: expected a positive integer "
+                f"(got {cold_capacity_bytes!r})"
+            )
+        self.cold_capacity_bytes = cold_capacity_bytes
+        self._segment_bytes = segment_bytes
+        self._max_batch_bytes = max_batch_bytes
+        self._io = io or DiskIO()
+        self.path = Path(persist_dir)
+        self._seg_dir = self.path / "segments"
+        try:
+            self._seg_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigurationError(
+                f"invalid persist_dir: cannot create {str(self.path)!r} ({exc.strerror})"
+            ) from exc
+        self._lock_fd = os.open(self.path / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(self._lock_fd)
+            raise ConfigurationError(
+                f"invalid persist_dir: {str(self.path)!r} is in use by another process"
+            ) from exc
+        self._env = lmdb.open(
+            str(self.path / "index"),
+            map_size=map_size_bytes,
+            max_dbs=8,
+            subdir=True,
+            sync=True,
+            metasync=True,
+            readahead=False,
+            lock=True,
+        )
+        self._db_keys = self._env.open_db(b"keys")
+        self._db_blobs = self._env.open_db(b"blobs")
+        self._db_meta = self._env.open_db(b"meta")
+        self._db_quarantine = self._env.open_db(b"quarantine")
+        self._segments: dict[int, _Segment] = {}
+        self._seg_len: dict[int, int] = {}  # committed length per segment
+        self._seg_live: dict[int, int] = {}  # live block bytes per segment
+        self._active: _Segment | None = None
+        self._active_pos = 0
+        self._next_seg = 1
+        self._inflight: dict[tuple[str, str], int] = {}
+        self._queue: deque[_Op] = deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._fsyncs = 0
+        self._batches = 0
+        self._committed_ops = 0
+        self._write_failures = 0
+        t0 = time.perf_counter()
+        self._recover()
+        self.open_seconds = time.perf_counter() - t0
+        self._committer = threading.Thread(
+            target=self._commit_loop, name="kvcache-committer", daemon=True
+        )
+        self._committer.start()
+
+    # -- open / recovery -----------------------------------------------------------------
+    def _recover(self) -> None:
+        with self._env.begin(write=True) as txn:
+            fmt = txn.get(b"format", db=self._db_meta)
+            if fmt is None:
+                txn.put(b"format", FORMAT_VERSION, db=self._db_meta)
+            elif fmt != FORMAT_VERSION:
+                raise ConfigurationError(
+                    f"invalid persist_dir: store format {fmt!r}, this version reads "
+                    f"{FORMAT_VERSION!r}"
+                )
+            for k, v in txn.cursor(db=self._db_meta):
+                if k.startswith(b"seg:"):
+                    self._seg_len[int(k[4:])] = _SEG_LEN.unpack(v)[0]
+        for p in self._seg_dir.iterdir():
+            if not p.name.endswith(".seg"):
+                continue
+            seg_id = int(p.stem)
+            committed = self._seg_len.get(seg_id)
+            if committed is None:
+                p.unlink()  # created but never committed: nothing acknowledged lives here
+                continue
+            if p.stat().st_size > committed:
+                with p.open("r+b") as f:  # drop the unacknowledged tail
+                    f.truncate(committed)
+                    os.fsync(f.fileno())
+            elif p.stat().st_size < committed:
+                log.error("segment %s is shorter than its committed length", p.name)
+            self._segments[seg_id] = _Segment(seg_id, p, create=False)
+        for seg_id in self._seg_len:
+            if seg_id not in self._segments:
+                log.error("segment %08d is missing from %s", seg_id, self._seg_dir)
+        self._next_seg = max(self._seg_len, default=0) + 1
+        blobs: dict[bytes, tuple[int, int, int]] = {}
+        with self._env.begin() as txn:
+            for sdig, row in txn.cursor(db=self._db_blobs):
+                size, off, seg, _refs = _BLOB_ROW.unpack(row)
+                blobs[bytes(sdig)] = (size, seg, off)
+            effects: list[Effect] = []
+            pins: list[PinDelta] = []
+            for krow, v in txn.cursor(db=self._db_keys):
+                ns, key = _split_key_row(bytes(krow))
+                n = _PINS.unpack(v[:4])[0]
+                sdig = bytes(v[4:])
+                loc = blobs.get(sdig)
+                if loc is None:
+                    log.error("index entry %s/%s has no blob; ignoring it", ns, key)
+                    continue
+                effects.append(AddKey(ns, key, sdig, loc[0], None, loc[1], loc[2]))
+                if n:
+                    pins.append(PinDelta(ns, key, n))
+        with self._lock:
+            self._apply(effects)
+            self._apply(pins)
+
+    # -- hooks from the engine -----------------------------------------------------------
+    def _has_lower_tier(self) -> bool:
+        return True
+
+    def _on_blob_created(self, b: _Blob) -> None:
+        self._seg_live[b.seg] = self._seg_live.get(b.seg, 0) + b.size
+
+    def _on_blob_destroyed(self, b: _Blob) -> None:
+        self._seg_live[b.seg] = self._seg_live.get(b.seg, 0) - b.size
+
+    def _tier_caps(self) -> dict[str, int]:
+        caps = super()._tier_caps()
+        caps["cold"] = self.cold_capacity_bytes
+        return caps
+
+    def _extra_stats(self) -> dict[str, int | float]:
+        out = super()._extra_stats()
+        out.update(
+            fsyncs=self._fsyncs,
+            commit_batches=self._batches,
+            committed_ops=self._committed_ops,
+            write_failures=self._write_failures,
+            segments=len(self._segments),
+            segment_bytes=sum(self._seg_len.values()),
+        )
+        return out
+
+    def _read_lower(self, b: _Blob) -> Buffer | None:
+        seg = self._segments.get(b.seg)
+        if seg is None:
+            return None
+        try:
+            return seg.read(b.off, b.size)
+        except OSError as exc:
+            log.error("read of %s failed: %s", b.digest.hex(), exc)
+            return None
+
+    def _quarantine(self, b: _Blob, reason: str) -> None:
+        log.error("integrity failure: blob %s (%s); quarantined", b.digest.hex(), reason)
+        with self._lock:
+            self._total.integrity_failures += 1
+            for ns in b.owners():
+                self._counters(ns).integrity_failures += 1
+        op = _Op("quarantine", "", "", sdig=b.sdig)
+        self._submit(op)
+        with contextlib.suppress(StoreError):
+            op.future.result()
+
+    # -- the public operations -----------------------------------------------------------
+    def put(self, ns: str, key: str, data: Buffer) -> PutResult:
+        ns_raw = self._validate(ns, key)
+        self._check_size(data)
+        self._check_open()
+        digest = digest_of(data)
+        sdig = self._scoped(ns_raw, digest)
+        ref = (ns, key)
+        with self._lock:
+            existing = self._lookup(ns, key)
+            if existing is not None and not self._inflight.get(ref):
+                outcome = PutOutcome.DUPLICATE if existing.sdig == sdig else PutOutcome.CONFLICT
+                self._count_put(ns, outcome, False)
+                return PutResult(outcome, existing.digest, existing.size)
+        result: PutResult = self._call(_Op("put", ns, key, sdig=sdig, digest=digest, data=data))
+        if result.outcome is PutOutcome.NEW:
+            self._rebalance()
+        return result
+
+    def put_many(self, ns: str, items: Sequence[tuple[str, Buffer]]) -> list[PutResult]:
+        """Queue every item before waiting, so the batch shares one group commit."""
+        ns_raw = validate_namespace(ns)
+        ops = []
+        for key, data in items:
+            self._validate(ns, key)
+            self._check_size(data)
+        self._check_open()
+        for key, data in items:
+            digest = digest_of(data)
+            op = _Op("put", ns, key, sdig=self._scoped(ns_raw, digest), digest=digest, data=data)
+            self._submit(op)
+            ops.append(op)
+        results = [op.future.result() for op in ops]
+        self._rebalance()
+        return results
+
+    def delete(self, ns: str, key: str) -> bool:
+        self._validate(ns, key)
+        self._check_open()
+        return bool(self._call(_Op("delete", ns, key)))
+
+    def pin(self, ns: str, key: str) -> bool:
+        self._validate(ns, key)
+        self._check_open()
+        return bool(self._call(_Op("pin", ns, key)))
+
+    def unpin(self, ns: str, key: str) -> bool:
+        self._validate(ns, key)
+        self._check_open()
+        return bool(self._call(_Op("unpin", ns, key)))
+
+    def evict(self, ns: str, key: str) -> bool:
+        """Drop the block's RAM copies; it stays on disk and reads back (a promotion)."""
+        self._validate(ns, key)
+        self._check_open()
+        with self._lock:
+            b = self._lookup(ns, key)
+            if b is None or b.pins:
+                return False
+            if b.hot is not None:
+                self._set_hot(b, None)
+            if b.warm is not None:
+                self._set_warm(b, None)
+            self._total.evictions += 1
+            for o in b.owners():
+                self._counters(o).evictions += 1
+            return True
+
+    def _call(self, op: _Op) -> Any:
+        self._submit(op)
+        return op.future.result()
+
+    def _submit(self, op: _Op) -> None:
+        with self._cv:
+            if self._stopping:
+                raise StoreClosedError("the store is closed")
+            if op.key:
+                ref = (op.ns, op.key)
+                with self._lock:
+                    self._inflight[ref] = self._inflight.get(ref, 0) + 1
+            self._queue.append(op)
+            self._cv.notify()
+
+    # -- the committer -------------------------------------------------------------------
+    def _commit_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopping:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                batch = [self._queue.popleft()]
+                size = len(batch[0].data or b"")
+                while self._queue and size < self._max_batch_bytes:
+                    op = self._queue.popleft()
+                    size += len(op.data or b"")
+                    batch.append(op)
+            try:
+                self._commit(batch)
+            except BaseException as exc:  # never let the committer die silently
+                log.exception("commit failed unexpectedly")
+                err = StorageIOError(f"commit failed: {exc}")
+                self._finish(batch, [err] * len(batch), [])
+
+    def _commit(self, batch: list[_Op]) -> None:
+        results: list[Any] = [None] * len(batch)
+        effects: list[Effect] = []
+        writes: list[tuple[Buffer, int]] = []
+        touched: set[bytes] = set()
+        txn = self._env.begin(write=True)
+        try:
+            state = _BatchState()
+            for i, op in enumerate(batch):
+                try:
+                    results[i] = self._decide(txn, op, effects, writes, touched, state)
+                except StoreError as exc:
+                    results[i] = exc
+            if writes:
+                self._write_and_sync(writes, txn)
+            txn.commit()
+        except (OSError, lmdb.Error) as exc:
+            txn.abort()
+            self._write_failures += 1
+            self._abandon_segment()
+            err: StoreError
+            if (isinstance(exc, OSError) and exc.errno == errno.ENOSPC) or "No space" in str(exc):
+                err = DiskFullError(f"disk full under {self.path}: nothing was stored")
+            else:
+                err = StorageIOError(f"write to {self.path} failed: {exc}; nothing was stored")
+            log.error("group commit of %d operations failed: %s", len(batch), exc)
+            self._finish(batch, [err] * len(batch), [])
+            return
+        if writes:
+            assert self._active is not None
+            self._seg_len[self._active.id] = self._active_pos
+        self._batches += 1
+        self._committed_ops += len(batch)
+        self._finish(batch, results, effects)
+        self._drop_dead_segments()
+
+    def _finish(self, batch: list[_Op], results: list[Any], effects: list[Effect]) -> None:
+        with self._lock:
+            self._apply(effects)
+            for op, res in zip(batch, results, strict=True):
+                if op.key:
+                    ref = (op.ns, op.key)
+                    n = self._inflight.get(ref, 1) - 1
+                    if n:
+                        self._inflight[ref] = n
+                    else:
+                        self._inflight.pop(ref, None)
+                if op.kind == "put" and isinstance(res, PutResult):
+                    self._count_put(op.ns, res.outcome, op.deduped)
+        for op, res in zip(batch, results, strict=True):
+            if isinstance(res, BaseException):
+                op.future.set_exception(res)
+            else:
+                op.future.set_result(res)
+
+    def _decide(
+        self,
+        txn: Any,
+        op: _Op,
+        effects: list[Effect],
+        writes: list[tuple[Buffer, int]],
+        touched: set[bytes],
+        state: _BatchState,
+    ) -> Any:
+        if op.kind == "quarantine":
+            self._decide_drop_blob(txn, op.sdig, effects, evicted=False)
+            txn.put(op.sdig, str(time.time()).encode(), db=self._db_quarantine)
+            return None
+        krow = _key_row(op.ns, op.key)
+        row = txn.get(krow, db=self._db_keys)
+        if op.kind == "put":
+            assert op.data is not None
+            if row is not None:
+                old = bytes(row[4:])
+                outcome = PutOutcome.DUPLICATE if old == op.sdig else PutOutcome.CONFLICT
+                brow = txn.get(old, db=self._db_blobs)
+                size = _BLOB_ROW.unpack(brow)[0] if brow else len(op.data)
+                return PutResult(outcome, old[-32:], size)
+            size = len(op.data)
+            brow = txn.get(op.sdig, db=self._db_blobs)
+            if brow is not None:
+                bsize, off, seg, refs = _BLOB_ROW.unpack(brow)
+                txn.put(op.sdig, _BLOB_ROW.pack(bsize, off, seg, refs + 1), db=self._db_blobs)
+                txn.put(krow, _PINS.pack(0) + op.sdig, db=self._db_keys)
+                effects.append(AddKey(op.ns, op.key, op.sdig, bsize, None, seg, off))
+                touched.add(op.sdig)
+                op.deduped = True
+                return PutResult(PutOutcome.NEW, op.digest, bsize)
+            self._make_room(txn, size, effects, touched, state)
+            seg_id, off = self._allocate(txn, size)
+            writes.append((op.data, off))
+            state.new_bytes += size
+            txn.put(op.sdig, _BLOB_ROW.pack(size, off, seg_id, 1), db=self._db_blobs)
+            txn.put(krow, _PINS.pack(0) + op.sdig, db=self._db_keys)
+            effects.append(AddKey(op.ns, op.key, op.sdig, size, op.data, seg_id, off))
+            touched.add(op.sdig)
+            return PutResult(PutOutcome.NEW, op.digest, size)
+        if row is None:
+            return False
+        sdig = bytes(row[4:])
+        pins = _PINS.unpack(row[:4])[0]
+        if op.kind == "delete":
+            txn.delete(krow, db=self._db_keys)
+            self._decref(txn, sdig)
+            effects.append(DelKey(op.ns, op.key))
+            return True
+        if op.kind == "pin":
+            txn.put(krow, _PINS.pack(pins + 1) + sdig, db=self._db_keys)
+            effects.append(PinDelta(op.ns, op.key, +1))
+            return True
+        if op.kind == "unpin":
+            if pins == 0:
+                return False
+            txn.put(krow, _PINS.pack(pins - 1) + sdig, db=self._db_keys)
+            effects.append(PinDelta(op.ns, op.key, -1))
+            return True
+        raise StoreError(f"unknown operation {op.kind!r}")
+
+    def _decref(self, txn: Any, sdig: bytes) -> None:
+        brow = txn.get(sdig, db=self._db_blobs)
+        if brow is None:
+            return
+        size, off, seg, refs = _BLOB_ROW.unpack(brow)
+        if refs <= 1:
+            txn.delete(sdig, db=self._db_blobs)
+        else:
+            txn.put(sdig, _BLOB_ROW.pack(size, off, seg, refs - 1), db=self._db_blobs)
+
+    def _decide_drop_blob(
+        self, txn: Any, sdig: bytes, effects: list[Effect], *, evicted: bool
+    ) -> int:
+        """Delete a blob and every key referencing it (cold eviction, quarantine)."""
+        with self._lock:
+            b = self._blobs.get(sdig)
+            refs = b.key_refs() if b is not None else []
+            size = b.size if b is not None else 0
+        for ns, key in refs:
+            krow = _key_row(ns, key)
+            row = txn.get(krow, db=self._db_keys)
+            if row is not None and bytes(row[4:]) == sdig:
+                txn.delete(krow, db=self._db_keys)
+            effects.append(DelKey(ns, key, evicted=evicted))
+        txn.delete(sdig, db=self._db_blobs)
+        return size
+
+    def _make_room(
+        self,
+        txn: Any,
+        size: int,
+        effects: list[Effect],
+        touched: set[bytes],
+        state: _BatchState,
+    ) -> None:
+        """Evict the least valuable unpinned blocks until `size` more fits in cold."""
+        with self._lock:
+            used = self._total.cold_bytes
+        need = used - state.freed + state.new_bytes + size - self.cold_capacity_bytes
+        if need <= 0:
+            return
+        victims: list[_Blob] = []
+        with self._lock:
+            for b in self._blobs.values():  # least recently used first
+                if need <= 0:
+                    break
+                if b.pins or b.sdig in touched or b.sdig in state.dropped:
+                    continue
+                victims.append(b)
+                need -= b.size
+        if need > 0:
+            raise CapacityError(
+                f"no room for a {size}-byte block: the cold tier ({self.cold_capacity_bytes} "
+                f"bytes) is full of pinned or in-flight blocks"
+            )
+        for b in victims:
+            state.dropped.add(b.sdig)
+            state.freed += self._decide_drop_blob(txn, b.sdig, effects, evicted=True)
+
+    def _allocate(self, txn: Any, size: int) -> tuple[int, int]:
+        if self._active is None or (
+            self._active_pos > 0 and self._active_pos + size > self._segment_bytes
+        ):
+            self._open_segment()
+        assert self._active is not None
+        off = self._active_pos
+        self._active_pos += size
+        txn.put(b"seg:%08d" % self._active.id, _SEG_LEN.pack(self._active_pos), db=self._db_meta)
+        return self._active.id, off
+
+    def _open_segment(self) -> None:
+        seg_id = self._next_seg
+        self._next_seg += 1
+        path = self._seg_dir / f"{seg_id:08d}.seg"
+        seg = _Segment(seg_id, path, create=True)
+        self._segments[seg_id] = seg
+        self._seg_live.setdefault(seg_id, 0)
+        self._active = seg
+        self._active_pos = 0
+        # make the new file's directory entry durable before any index row names it
+        dfd = os.open(self._seg_dir, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+            self._fsyncs += 1
+        finally:
+            os.close(dfd)
+
+    def _write_and_sync(self, writes: list[tuple[Buffer, int]], txn: Any) -> None:
+        assert self._active is not None
+        fd = self._active.fd
+        for data, off in writes:
+            view = memoryview(data).cast("B")
+            done = 0
+            while done < len(view):
+                n = self._io.pwrite(fd, view[done:], off + done)
+                if n <= 0:
+                    raise OSError(errno.EIO, "short write")
+                done += n
+        self._io.fdatasync(fd)
+        self._fsyncs += 2  # the segment's, and LMDB's commit
+
+    def _abandon_segment(self) -> None:
+        """After a failed write/sync the active segment's tail is untrusted: seal it."""
+        seg = self._active
+        if seg is None:
+            return
+        committed = self._seg_len.get(seg.id)
+        self._active = None
+        if committed is None:  # nothing committed in it: remove the file
+            self._segments.pop(seg.id, None)
+            self._seg_live.pop(seg.id, None)
+            with contextlib.suppress(OSError):
+                seg.path.unlink()
+
+    def _drop_dead_segments(self) -> None:
+        """Delete sealed segments whose blocks are all gone."""
+        with self._lock:
+            dead = [
+                s
+                for s, live in self._seg_live.items()
+                if live <= 0
+                and (self._active is None or s != self._active.id)
+                and s in self._segments
+            ]
+        if not dead:
+            return
+        with self._env.begin(write=True) as txn:
+            for s in dead:
+                txn.delete(b"seg:%08d" % s, db=self._db_meta)
+        for s in dead:
+            seg = self._segments.pop(s)
+            self._seg_len.pop(s, None)
+            self._seg_live.pop(s, None)
+            with contextlib.suppress(OSError):
+                seg.path.unlink()
+
+    # -- checks and shutdown -------------------------------------------------------------
+    def check(self, *, deep: bool = False) -> ConsistencyReport:
+        """Cross-check LMDB rows, RAM state and segment files (`deep`: re-hash blobs)."""
+        report = ConsistencyReport()
+        with self._lock:
+            self._base_check(report)
+        refs: dict[bytes, int] = {}
+        rows: dict[bytes, tuple[int, int, int, int]] = {}
+        with self._env.begin() as txn:
+            for krow, v in txn.cursor(db=self._db_keys):
+                sdig = bytes(v[4:])
+                refs[sdig] = refs.get(sdig, 0) + 1
+                if txn.get(sdig, db=self._db_blobs) is None:
+                    ns, key = _split_key_row(bytes(krow))
+                    report.orphan_index_entries.append(f"{ns}/{key}")
+            for sdig, row in txn.cursor(db=self._db_blobs):
+                rows[bytes(sdig)] = _BLOB_ROW.unpack(row)
+        for sdig, (size, off, seg, n) in rows.items():
+            name = sdig[-32:].hex()
+            if refs.get(sdig, 0) == 0:
+                report.orphan_blobs.append(name)
+            elif refs[sdig] != n:
+                report.refcount_mismatches.append(f"{name}: row {n} != keys {refs[sdig]}")
+            s = self._segments.get(seg)
+            committed = self._seg_len.get(seg, -1)
+            if s is None or off + size > committed or off + size > os.fstat(s.fd).st_size:
+                report.orphan_index_entries.append(f"blob {name} outside segment {seg}")
+                continue
+            if deep and digest_of(s.read(off, size)) != sdig[-32:]:
+                report.corrupt_blobs.append(name)
+        return report
+
+    def close(self) -> None:
+        with self._cv:
+            if self._stopping:
+                return
+            self._stopping = True
+            self._cv.notify_all()
+        self._committer.join()
+        with self._lock:
+            self._closed = True
+        self._env.close()
+        self._segments.clear()
+        self._active = None
+        with contextlib.suppress(OSError):
+            os.close(self._lock_fd)
+
+
+@dataclass(slots=True)
+class _BatchState:
+    new_bytes: int = 0
+    freed: int = 0
+    dropped: set[bytes] = field(default_factory=set)
