@@ -1,0 +1,14 @@
+"""The Python client of epistemic-kvcache: `KvCacheConfig` and `EpistemicGraphKVBackend`."""
+
+from epistemic_kvcache.client.backend import EpistemicGraphKVBackend
+from epistemic_kvcache.client.config import KvCacheConfig, is_loopback_host
+from epistemic_kvcache.client.stats import ClientCounters, KvCacheStats, TierOccupancy
+
+__all__ = [
+    "ClientCounters",
+    "EpistemicGraphKVBackend",
+    "KvCacheConfig",
+    "KvCacheStats",
+    "TierOccupancy",
+    "is_loopback_host",
+]

@@ -1,0 +1,227 @@
+"""`KvCacheConfig`: where the server is, how to trust it, how long to wait.
+
+Trust rules are enforced when the object is built, so a bad setting fails at start-up
+rather than on the first cache miss:
+
+- plain `http://` is accepted only for loopback hosts (`localhost`, `127.0.0.0/8`, `::1`);
+- anything else needs `https://`, always with certificate and host-name verification
+  (trust roots from `ca_file`/`ca_dir`, else `SSL_CERT_FILE`/`REQUESTS_CA_BUNDLE`/
+  `SSL_CERT_DIR`, else the system store). There is deliberately no switch that turns
+  verification off;
+- a client identity for mTLS is a certificate plus (optionally) a separate key file.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from epistemic_kvcache.errors import ConfigurationError
+
+ENV_URL = "EPISTEMIC_GRAPH_KVCACHE_URL"
+ENV_ADDR = "EPISTEMIC_GRAPH_KVCACHE_ADDR"
+ENV_TOKEN = "EPISTEMIC_GRAPH_KVCACHE_TOKEN"  # noqa: S105 - a variable name
+ENV_CLIENT_CERT = "EPISTEMIC_GRAPH_KVCACHE_CLIENT_CERT"
+ENV_CLIENT_KEY = "EPISTEMIC_GRAPH_KVCACHE_CLIENT_KEY"
+ENV_CONNECT_TIMEOUT = "EPISTEMIC_GRAPH_KVCACHE_CONNECT_TIMEOUT_S"
+ENV_READ_TIMEOUT = "EPISTEMIC_GRAPH_KVCACHE_READ_TIMEOUT_S"
+ENV_MAX_CONNECTIONS = "EPISTEMIC_GRAPH_KVCACHE_MAX_CONNECTIONS"
+
+DEFAULT_ADDR = "127.0.0.1:9130"
+DEFAULT_CONNECT_TIMEOUT_S = 2.0
+"""Connecting on a LAN takes well under a millisecond; 2 s means the server is not there."""
+DEFAULT_READ_TIMEOUT_S = 30.0
+"""Per socket read. A durable PUT waits for a group-commit fsync; an 80 MiB GET on a busy
+server may take a few seconds. Past 30 s recomputing the KV is cheaper."""
+DEFAULT_MAX_CONNECTIONS = 16
+"""Keep-alive connections kept per client; one per concurrently requesting thread."""
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for `localhost` and loopback IP literals (IPv4 127/8, IPv6 ::1)."""
+    h = host.strip("[]").lower()
+    if h == "localhost" or h.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
+
+
+def _url_from_addr(addr: str) -> str:
+    """`host:port` -> base URL: http for loopback hosts, https for anything else."""
+    addr = addr.strip()
+    if "://" in addr:
+        raise ConfigurationError(
+            f"invalid {ENV_ADDR}: expected host:port, not a URL (got {addr!r}); "
+            f"use {ENV_URL} for a full URL"
+        )
+    parsed = urllib.parse.urlsplit(f"//{addr}")
+    try:
+        port = parsed.port
+    except ValueError as exc:
+        raise ConfigurationError(f"invalid {ENV_ADDR}: bad port (got {addr!r})") from exc
+    host = parsed.hostname
+    if not host or port is None:
+        raise ConfigurationError(f"invalid {ENV_ADDR}: expected host:port (got {addr!r})")
+    scheme = "http" if is_loopback_host(host) else "https"
+    netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return f"{scheme}://{netloc}"
+
+
+@dataclass(frozen=True, slots=True)
+class KvCacheConfig:
+    """Client settings. Validated on construction (raises `ConfigurationError`)."""
+
+    base_url: str = f"http://{DEFAULT_ADDR}"
+    """`http://127.0.0.1:9130` or `https://kv.example:9130[/prefix]`."""
+    token: str | None = field(default=None, repr=False)
+    """Bearer token (or JWT) sent with every request."""
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    ca_file: str | None = None
+    """PEM bundle of trusted CAs (https only)."""
+    ca_dir: str | None = None
+    """Directory of hashed CA certificates (https only)."""
+    client_cert: str | None = None
+    """PEM client certificate for mTLS (may also hold the key)."""
+    client_key: str | None = None
+    """PEM private key for `client_cert`, when it is in a separate file."""
+
+    def __post_init__(self) -> None:
+        url = self.base_url.strip().rstrip("/")
+        parsed = urllib.parse.urlsplit(url)
+        scheme = parsed.scheme.lower()
+        if scheme not in ("http", "https"):
+            raise ConfigurationError(
+                f"invalid base_url: scheme must be http or https (got {self.base_url!r})"
+            )
+        try:
+            port = parsed.port
+        except ValueError as exc:
+            raise ConfigurationError(f"invalid base_url: bad port (got {self.base_url!r})") from exc
+        host = parsed.hostname
+        if not host:
+            raise ConfigurationError(f"invalid base_url: no host (got {self.base_url!r})")
+        if parsed.query or parsed.fragment or parsed.username or parsed.password:
+            raise ConfigurationError(
+                "invalid base_url: query, fragment and user-info are not allowed "
+                f"(got {self.base_url!r}); pass the token separately"
+            )
+        if scheme == "http" and not is_loopback_host(host):
+            raise ConfigurationError(
+                f"invalid base_url {self.base_url!r}: plain http is allowed only for loopback "
+                "hosts; use https:// (with a CA the client trusts) for remote servers"
+            )
+        if scheme == "http" and (self.client_cert or self.client_key):
+            raise ConfigurationError(
+                "invalid client_cert: a client certificate needs an https:// base_url "
+                f"(got {self.base_url!r})"
+            )
+        if port is not None and not 0 < port < 65536:
+            raise ConfigurationError(f"invalid base_url: port out of range (got {port})")
+        object.__setattr__(self, "base_url", url)
+        for name in ("connect_timeout_s", "read_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ConfigurationError(
+                    f"invalid {name}: expected a positive number of seconds (got {value!r})"
+                )
+        if (
+            isinstance(self.max_connections, bool)
+            or not isinstance(self.max_connections, int)
+            or self.max_connections < 1
+        ):
+            raise ConfigurationError(
+                f"invalid max_connections: expected a positive integer "
+                f"(got {self.max_connections!r})"
+            )
+        if self.token is not None and (not self.token or any(c in self.token for c in "\r\n")):
+            raise ConfigurationError("invalid token: empty or contains a line break")
+        if self.client_key and not self.client_cert:
+            raise ConfigurationError("invalid client_key: given without client_cert")
+        for name in ("ca_file", "client_cert", "client_key"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ConfigurationError(f"invalid {name}: no such file (got {path!r})")
+        if self.ca_dir is not None and not os.path.isdir(self.ca_dir):
+            raise ConfigurationError(f"invalid ca_dir: no such directory (got {self.ca_dir!r})")
+
+    # -- derived ------------------------------------------------------------------------
+    @property
+    def scheme(self) -> str:
+        """`http` or `https`."""
+        return urllib.parse.urlsplit(self.base_url).scheme.lower()
+
+    @property
+    def host(self) -> str:
+        """Host name or IP literal (without brackets)."""
+        return urllib.parse.urlsplit(self.base_url).hostname or ""
+
+    @property
+    def port(self) -> int:
+        """Port, defaulting to 80 / 443 by scheme."""
+        port = urllib.parse.urlsplit(self.base_url).port
+        if port is not None:
+            return port
+        return 443 if self.scheme == "https" else 80
+
+    @property
+    def path_prefix(self) -> str:
+        """Path the API is mounted under ('' for the root)."""
+        return urllib.parse.urlsplit(self.base_url).path.rstrip("/")
+
+    def with_overrides(self, **changes: Any) -> KvCacheConfig:
+        """A copy with some fields replaced (validated again)."""
+        return replace(self, **changes)
+
+    # -- construction -------------------------------------------------------------------
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> KvCacheConfig:
+        """Build from the environment (DESIGN.md §1); keyword arguments win over it.
+
+        `EPISTEMIC_GRAPH_KVCACHE_URL` wins over `_ADDR` (`host:port`; loopback hosts get
+        `http://`, others `https://`). Trust roots: `SSL_CERT_FILE`, else
+        `REQUESTS_CA_BUNDLE`, and `SSL_CERT_DIR`; none of them means the system store.
+        """
+        env = os.environ if environ is None else environ
+
+        def get(name: str) -> str | None:
+            value = env.get(name)
+            return value if value else None
+
+        kwargs: dict[str, Any] = {}
+        url = get(ENV_URL)
+        addr = get(ENV_ADDR)
+        if url is not None:
+            kwargs["base_url"] = url
+        else:
+            kwargs["base_url"] = _url_from_addr(addr or DEFAULT_ADDR)
+        kwargs["token"] = get(ENV_TOKEN)
+        kwargs["client_cert"] = get(ENV_CLIENT_CERT)
+        kwargs["client_key"] = get(ENV_CLIENT_KEY)
+        kwargs["ca_file"] = get("SSL_CERT_FILE") or get("REQUESTS_CA_BUNDLE")
+        kwargs["ca_dir"] = get("SSL_CERT_DIR")
+        for env_name, key, conv in (
+            (ENV_CONNECT_TIMEOUT, "connect_timeout_s", float),
+            (ENV_READ_TIMEOUT, "read_timeout_s", float),
+            (ENV_MAX_CONNECTIONS, "max_connections", int),
+        ):
+            raw = get(env_name)
+            if raw is None:
+                continue
+            try:
+                kwargs[key] = conv(raw)
+            except ValueError as exc:
+                raise ConfigurationError(
+                    f"invalid {env_name}: expected a number (got {raw!r})"
+                ) from exc
+        kwargs.update(overrides)
+        if kwargs.get("base_url") is None:
+            del kwargs["base_url"]
+        return cls(**kwargs)

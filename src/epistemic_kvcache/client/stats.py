@@ -1,0 +1,122 @@
+"""Typed views of `/kv/stats` and of the client's own counters."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _int(d: Mapping[str, Any], name: str) -> int:
+    value = d.get(name, 0)
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value)
+    return 0
+
+
+@dataclass(frozen=True, slots=True)
+class TierOccupancy:
+    """One tier as `/kv/stats` reports it. `bytes` are physical (compressed in warm)."""
+
+    blocks: int = 0
+    bytes: int = 0
+    capacity_bytes: int = 0
+    logical_bytes: int = 0
+    compression_ratio: float = 1.0
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> TierOccupancy:
+        """Parse one entry of the `tiers` object (missing fields read as 0)."""
+        ratio = d.get("compression_ratio", 1.0)
+        return cls(
+            blocks=_int(d, "blocks"),
+            bytes=_int(d, "bytes"),
+            capacity_bytes=_int(d, "capacity_bytes"),
+            logical_bytes=_int(d, "logical_bytes"),
+            compression_ratio=float(ratio) if isinstance(ratio, int | float) else 1.0,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class KvCacheStats:
+    """The caller's namespace stats from `GET /kv/stats` (docs/http-api.md)."""
+
+    namespace: str = ""
+    unique_blocks: int = 0
+    total_refs: int = 0
+    logical_bytes: int = 0
+    resident_bytes: int = 0
+    dedup_savings_bytes: int = 0
+    dedup_hits: int = 0
+    put_new: int = 0
+    put_conflicts: int = 0
+    get_hits: int = 0
+    get_misses: int = 0
+    stale_missed: int = 0
+    integrity_failures: int = 0
+    evictions: int = 0
+    promotions: int = 0
+    demotions: int = 0
+    pinned_blocks: int = 0
+    tiers: dict[str, TierOccupancy] = field(default_factory=dict)
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    """The whole JSON document, including fields this client version does not know."""
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> KvCacheStats:
+        """Parse the `/kv/stats` JSON object."""
+        tiers_raw = d.get("tiers") or {}
+        tiers = {
+            str(name): TierOccupancy.from_json(t)
+            for name, t in (tiers_raw.items() if isinstance(tiers_raw, Mapping) else ())
+            if isinstance(t, Mapping)
+        }
+        ns = d.get("namespace", "")
+        return cls(
+            namespace=ns if isinstance(ns, str) else str(ns),
+            unique_blocks=_int(d, "unique_blocks"),
+            total_refs=_int(d, "total_refs"),
+            logical_bytes=_int(d, "logical_bytes"),
+            resident_bytes=_int(d, "resident_bytes"),
+            dedup_savings_bytes=_int(d, "dedup_savings_bytes"),
+            dedup_hits=_int(d, "dedup_hits"),
+            put_new=_int(d, "put_new"),
+            put_conflicts=_int(d, "put_conflicts"),
+            get_hits=_int(d, "get_hits"),
+            get_misses=_int(d, "get_misses"),
+            stale_missed=_int(d, "stale_missed"),
+            integrity_failures=_int(d, "integrity_failures"),
+            evictions=_int(d, "evictions"),
+            promotions=_int(d, "promotions"),
+            demotions=_int(d, "demotions"),
+            pinned_blocks=_int(d, "pinned_blocks"),
+            tiers=tiers,
+            raw=dict(d),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ClientCounters:
+    """What one client instance saw since it was created (a snapshot)."""
+
+    requests: int = 0
+    """HTTP requests sent (a batch is one)."""
+    hits: int = 0
+    """Blocks read (GET and batch GET hits)."""
+    misses: int = 0
+    """Blocks asked for and not found (404 / batch miss)."""
+    puts_ok: int = 0
+    puts_failed: int = 0
+    """Blocks the server did not store (transport error, 413, 507, 5xx, per-key error)."""
+    transport_errors: int = 0
+    """Refused, reset, timed out, TLS failures after the handshake: degraded to a miss."""
+    server_errors: int = 0
+    """5xx / 429 / 408 answers: degraded to a miss."""
+    size_mismatches: int = 0
+    """`get_into` blocks whose size did not match the caller's buffer (read as a miss)."""
+    bytes_sent: int = 0
+    bytes_received: int = 0
