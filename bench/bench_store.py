@@ -95,7 +95,6 @@ def bench_hot(budget: int) -> list[str]:
         t_dup = timed(lambda: [store.put("b", f"d{i}", same) for i in range(n)])
         t_get = timed(lambda: [store.get("b", k) for k in keys])
         store.close()
-        del blocks
         gbs = lambda t: n * size / t / 1e9  # noqa: E731
         rows.append(
             f"| {human(size)} | {gbs(t_put):.2f} | {n / t_put:,.0f} | {gbs(t_dup):.2f} | "
