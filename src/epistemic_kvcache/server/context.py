@@ -60,8 +60,9 @@ class ServerLimits:
     """Open connections per listener; more are accepted and closed at once."""
     max_batch_keys: int = 1024
     max_batch_bytes: int = 1024 * MiB
-    resp_unauthenticated_max_args: int = 4
-    """Before AUTH: at most this many arguments (Redis CVE-2021-32675 hardening)."""
+    resp_unauthenticated_max_args: int = 10
+    """Before AUTH: at most this many arguments, command name included (Redis'
+    CVE-2021-32675 limit; `HELLO 3 AUTH <user> <pass> SETNAME <name>` needs 7)."""
     resp_unauthenticated_max_bulk_bytes: int = 4096
     resp_max_args: int = 1024 * 1024
     """Redis' own multibulk limit is 1024*1024 arguments."""
