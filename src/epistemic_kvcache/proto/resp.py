@@ -318,6 +318,11 @@ class RespParser:
         return bool(self._ready)
 
     @property
+    def ready_count(self) -> int:
+        """How many framed commands wait for `next_event()`."""
+        return len(self._ready)
+
+    @property
     def has_partial(self) -> bool:
         """Whether bytes of a not-yet-complete command are buffered."""
         return self._state is not _State.START or (not self._ready and self._pos < len(self._buf))

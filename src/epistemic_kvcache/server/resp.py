@@ -1,0 +1,1052 @@
+"""The Redis (RESP2/RESP3) listener: asyncio glue between sockets, `RespParser` and the store.
+
+How it works
+------------
+One `RespConnection` (an `asyncio.BufferedProtocol`) per client. The event loop reads
+straight into the parser's buffers (`get_buffer`/`buffer_updated`: a large SET payload
+lands in its final preallocated `bytearray`). A per-connection task pulls commands from
+the parser in order, runs each one (store calls go to the thread pool via `ctx.run`),
+and writes the reply before taking the next, so pipelined replies keep request order.
+
+Back-pressure, both ways:
+- Reads: when a complete command is waiting and the parser holds more than
+  `_READ_HIGH_WATER` bytes (or `_MAX_QUEUED_COMMANDS` commands), reading is paused until
+  the task has drained below half of that. Reading always resumes when the parser needs
+  data, so a single large command can never deadlock.
+- Writes: `pause_writing` blocks the task before its next command, so a client that does
+  not read its replies stops being served (and then stops being read).
+
+Timeouts: a connection with no traffic for `idle_timeout_s` is closed; a command whose
+first byte arrived more than `request_timeout_s` ago and is still incomplete (slowloris)
+is cut off. Malformed input gets `-ERR Protocol error: ...` and the connection closes
+after the replies to the commands before it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import secrets
+import socket
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Final, TypeVar, cast
+
+from epistemic_kvcache.errors import (
+    AuthError,
+    BlockTooLargeError,
+    CapacityError,
+    DiskFullError,
+    InvalidKeyError,
+    RemoteProtocolError,
+    StoreError,
+)
+from epistemic_kvcache.proto.resp import (
+    NEED_DATA,
+    Buffer,
+    Command,
+    ErrorReply,
+    RespParser,
+    SimpleString,
+    Verbatim,
+    serialize,
+)
+from epistemic_kvcache.server.context import Identity, ServerContext
+from epistemic_kvcache.store.api import MAX_KEY_BYTES, SharedKvBackend
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+WIRE: Final = "resp"
+REDIS_COMPAT_VERSION: Final = "7.0.0"
+"""The Redis version we answer in INFO/HELLO: the command set we implement is 7.0's."""
+_READ_HIGH_WATER: Final = 4 * 1024 * 1024
+"""Bytes of not-yet-executed commands above which reading pauses."""
+_MAX_QUEUED_COMMANDS: Final = 4096
+"""Framed-but-not-executed commands above which reading pauses (pipelines)."""
+_SCAN_CURSORS: Final = 16384
+"""SCAN cursors remembered server-wide (oldest forgotten first)."""
+_SCAN_MAX_COUNT: Final = 10000
+_SCAN_DEFAULT_COUNT: Final = 10
+
+OK: Final = SimpleString("OK")
+NOAUTH: Final = ErrorReply("NOAUTH Authentication required.")
+WRONGPASS: Final = ErrorReply("WRONGPASS invalid username-password pair or user is disabled.")
+NOT_AN_INTEGER: Final = ErrorReply("ERR value is not an integer or out of range")
+SYNTAX_ERROR: Final = ErrorReply("ERR syntax error")
+INTERNAL_ERROR: Final = ErrorReply("ERR internal error")
+_HELLO_NOAUTH: Final = ErrorReply(
+    "NOAUTH HELLO must be called with the client already authenticated, otherwise the "
+    "HELLO <proto> AUTH <user> <pass> option can be used to authenticate the client and "
+    "select the RESP protocol version at the same time"
+)
+_TTL_UNSUPPORTED: Final = ErrorReply(
+    "ERR SET with EX/PX/EXAT/PXAT is not supported: entries never expire, they are "
+    "evicted by the cache tiers or removed with DEL"
+)
+
+
+class _Reply(Exception):
+    """Raised inside a handler to answer with an error reply."""
+
+    def __init__(self, reply: ErrorReply) -> None:
+        super().__init__(reply)
+        self.reply = reply
+
+
+def _text(arg: Buffer, limit: int = 128) -> str:
+    """Client bytes for an error message: truncated, CR/LF-free."""
+    s = bytes(arg[:limit]).decode("utf-8", "backslashreplace")
+    return s.replace("\r", " ").replace("\n", " ")
+
+
+def _int(arg: Buffer, error: ErrorReply = NOT_AN_INTEGER) -> int:
+    raw = bytes(arg)
+    if re.fullmatch(rb"-?(?:0|[1-9][0-9]{0,18})", raw) is None:
+        raise _Reply(error)
+    value = int(raw)
+    if not -(2**63) <= value < 2**63:
+        raise _Reply(error)
+    return value
+
+
+def _key(arg: Buffer) -> str:
+    try:
+        return bytes(arg).decode("utf-8")
+    except UnicodeDecodeError:
+        raise _Reply(ErrorReply("ERR invalid key: not valid UTF-8")) from None
+
+
+def _wrong_args(name: str) -> ErrorReply:
+    return ErrorReply(f"ERR wrong number of arguments for '{name}' command")
+
+
+def _unknown_subcommand(sub: Buffer, cmd: str) -> ErrorReply:
+    return ErrorReply(f"ERR unknown subcommand '{_text(sub)}'. Try {cmd} HELP.")
+
+
+def glob_to_regex(pattern: bytes) -> re.Pattern[bytes]:
+    """Compile a Redis glob (`*`, `?`, `[a-z]`, `[^x]`, `\\x`) into a full-match regex."""
+    out = bytearray()
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i : i + 1]
+        if c == b"*":
+            out += b".*"
+        elif c == b"?":
+            out += b"."
+        elif c == b"\\" and i + 1 < n:
+            i += 1
+            out += re.escape(pattern[i : i + 1])
+        elif c == b"[":
+            j = i + 1
+            negate = j < n and pattern[j : j + 1] == b"^"
+            if negate:
+                j += 1
+            items = bytearray()
+            while j < n and pattern[j : j + 1] != b"]":
+                if pattern[j : j + 1] == b"\\" and j + 1 < n:
+                    j += 1
+                    items += re.escape(pattern[j : j + 1])
+                elif pattern[j + 1 : j + 2] == b"-" and j + 2 < n and pattern[j + 2] != 0x5D:
+                    lo, hi = sorted((pattern[j], pattern[j + 2]))
+                    items += re.escape(bytes((lo,))) + b"-" + re.escape(bytes((hi,)))
+                    j += 2
+                else:
+                    items += re.escape(pattern[j : j + 1])
+                j += 1
+            # Redis treats an unterminated class as running to the end of the pattern.
+            if items:
+                out += b"[" + (b"^" if negate else b"") + items + b"]"
+            else:
+                out += b"[^\\s\\S]" if not negate else b"[\\s\\S]"
+            i = j
+        else:
+            out += re.escape(c)
+        i += 1
+    return re.compile(bytes(out), re.DOTALL)
+
+
+# -- command table ----------------------------------------------------------------------
+
+Handler = Callable[["RespConnection", Command], Awaitable[object]]
+
+
+@dataclass(frozen=True, slots=True)
+class CommandSpec:
+    """One command: Redis arity (negative = at least), flags, key positions, handler."""
+
+    name: str
+    arity: int
+    flags: tuple[str, ...]
+    first_key: int
+    last_key: int
+    step: int
+    group: str
+    summary: str
+    handler: Handler
+    no_auth: bool = False
+
+
+COMMANDS: dict[bytes, CommandSpec] = {}
+
+
+def _command(
+    name: str,
+    arity: int,
+    flags: tuple[str, ...],
+    keys: tuple[int, int, int],
+    group: str,
+    summary: str,
+    *,
+    no_auth: bool = False,
+) -> Callable[[Handler], Handler]:
+    def register(fn: Handler) -> Handler:
+        COMMANDS[name.encode()] = CommandSpec(
+            name, arity, flags, *keys, group, summary, fn, no_auth=no_auth
+        )
+        return fn
+
+    return register
+
+
+# -- shared per-listener state ----------------------------------------------------------
+
+
+class _Listener:
+    """What all connections of one RESP listener share."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+        self.started = time.monotonic()
+        self._next_id = 0
+        self._cursors: OrderedDict[int, tuple[str, str]] = OrderedDict()
+        try:
+            self.version = metadata.version("epistemic-kvcache")
+        except metadata.PackageNotFoundError:
+            self.version = "0"
+        self.durable = _is_durable(ctx.store)
+
+    def next_client_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def new_cursor(self, tenant: str, after: str) -> int:
+        cursor = 0
+        while cursor == 0 or cursor in self._cursors:
+            cursor = secrets.randbits(63)
+        self._cursors[cursor] = (tenant, after)
+        while len(self._cursors) > _SCAN_CURSORS:
+            self._cursors.popitem(last=False)
+        return cursor
+
+    def cursor_position(self, tenant: str, cursor: int) -> str | None:
+        entry = self._cursors.get(cursor)
+        if entry is None or entry[0] != tenant:
+            return None
+        self._cursors.move_to_end(cursor)
+        return entry[1]
+
+
+def _is_durable(store: SharedKvBackend) -> bool:
+    """Whether acknowledged writes are on disk (drives CONFIG GET appendonly/INFO)."""
+    from epistemic_kvcache.store import SharedKvIndex
+
+    return not isinstance(store, SharedKvIndex)
+
+
+def make_resp_factory(ctx: ServerContext) -> Callable[[], asyncio.BufferedProtocol]:
+    """A protocol factory for `loop.create_server` serving RESP on `ctx`'s store."""
+    listener = _Listener(ctx)
+
+    def factory() -> asyncio.BufferedProtocol:
+        return RespConnection(listener)
+
+    return factory
+
+
+# -- the connection -----------------------------------------------------------------------
+
+
+class RespConnection(asyncio.BufferedProtocol):
+    """One RESP client connection. Create through `make_resp_factory`."""
+
+    def __init__(self, listener: _Listener) -> None:
+        self._listener = listener
+        self._ctx = ctx = listener.ctx
+        limits = ctx.limits
+        self._parser = RespParser(
+            max_multibulk_len=limits.resp_max_args,
+            max_bulk_bytes=max(limits.max_block_bytes, MAX_KEY_BYTES),
+            unauthenticated_max_multibulk_len=limits.resp_unauthenticated_max_args,
+            unauthenticated_max_bulk_bytes=limits.resp_unauthenticated_max_bulk_bytes,
+        )
+        self.client_id = listener.next_client_id()
+        self.identity: Identity | None = None
+        self.protocol_version = 2
+        self.name: str | None = None
+        self.lib_name: str | None = None
+        self.lib_version: str | None = None
+
+        self._loop = asyncio.get_running_loop()
+        self._transport: asyncio.Transport | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._wakeup = asyncio.Event()
+        self._can_write = asyncio.Event()
+        self._can_write.set()
+        self._counted = False
+        self._closing = False
+        self._eof = False
+        self._quit = False
+        self._reading_paused = False
+        self._busy = False
+        self._last_activity = self._loop.time()
+        self._partial_since: float | None = None
+        self._seen_parsed = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    # -- asyncio callbacks ----------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport = cast(asyncio.Transport, transport)
+        open_now = self._ctx.open_connections.get(WIRE, 0)
+        if open_now >= self._ctx.limits.max_connections:
+            self._closing = True
+            transport.write(b"-ERR max number of clients reached\r\n")
+            transport.close()
+            return
+        self._ctx.open_connections[WIRE] = open_now + 1
+        self._counted = True
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._task = self._loop.create_task(self._serve())
+        self._arm_timer(self._timeout_check_delay())
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._parser.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        parser = self._parser
+        parser.buffer_updated(nbytes)
+        now = self._loop.time()
+        self._last_activity = now
+        if parser.has_partial:
+            if self._partial_since is None or parser.commands_parsed != self._seen_parsed:
+                self._partial_since = now
+                self._seen_parsed = parser.commands_parsed
+        else:
+            self._partial_since = None
+        self._wakeup.set()
+        if (
+            not self._reading_paused
+            and parser.has_ready
+            and (
+                parser.buffered_bytes > _READ_HIGH_WATER
+                or parser.ready_count > _MAX_QUEUED_COMMANDS
+            )
+            and self._transport is not None
+        ):
+            self._reading_paused = True
+            self._transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        self._eof = True
+        self._wakeup.set()
+        return True  # keep the write side open until the queued replies are sent
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closing = True
+        if self._counted:
+            self._counted = False
+            self._ctx.open_connections[WIRE] -= 1
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        self._can_write.set()
+        self._wakeup.set()
+
+    def pause_writing(self) -> None:
+        self._can_write.clear()
+
+    def resume_writing(self) -> None:
+        self._last_activity = self._loop.time()
+        self._can_write.set()
+
+    # -- the command loop -------------------------------------------------------------------
+    async def _serve(self) -> None:
+        parser = self._parser
+        try:
+            while not self._closing:
+                try:
+                    event = parser.next_event()
+                except RemoteProtocolError as exc:
+                    self._observe("protocol_error", "error", 0.0)
+                    self._write(serialize(ErrorReply(f"ERR {exc}"), self.protocol_version))
+                    self._close()
+                    return
+                if event is NEED_DATA:
+                    self._resume_reading(force=True)
+                    if self._eof:
+                        self._close()
+                        return
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                self._resume_reading(force=False)
+                if not self._can_write.is_set():
+                    await self._can_write.wait()
+                    if self._closing:
+                        return
+                reply = await self._execute(event)
+                if self._closing:
+                    return
+                self._write(serialize(reply, self.protocol_version))
+                if self._quit:
+                    self._close()
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("RESP connection %d failed", self.client_id)
+            self._close(abort=True)
+
+    async def _execute(self, cmd: Command) -> object:
+        started = time.perf_counter()
+        name = bytes(cmd[0]).lower()
+        spec = COMMANDS.get(name)
+        route = spec.name if spec is not None else "unknown"
+        reply: object
+        try:
+            if self.identity is None and (spec is None or not spec.no_auth):
+                reply = NOAUTH
+            elif spec is None:
+                reply = self._unknown_command(cmd)
+            elif (spec.arity > 0 and len(cmd) != spec.arity) or len(cmd) < -spec.arity:
+                reply = _wrong_args(spec.name)
+            else:
+                self._busy = True
+                try:
+                    reply = await spec.handler(self, cmd)
+                finally:
+                    self._busy = False
+                    self._last_activity = self._loop.time()
+        except _Reply as exc:
+            reply = exc.reply
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("RESP %s failed", route)
+            reply = INTERNAL_ERROR
+        status = "error" if isinstance(reply, ErrorReply) else "ok"
+        self._observe(route, status, time.perf_counter() - started)
+        return reply
+
+    @staticmethod
+    def _unknown_command(cmd: Command) -> ErrorReply:
+        args = ""
+        for arg in cmd[1:]:
+            if len(args) >= 128:
+                break
+            args += f"'{_text(arg, 128 - len(args))}' "
+        return ErrorReply(
+            f"ERR unknown command '{_text(cmd[0])}', with args beginning with: {args}"
+        )
+
+    def _observe(self, route: str, status: str, seconds: float) -> None:
+        try:
+            self._ctx.metrics.observe_request(
+                wire=WIRE, route=route, status=status, seconds=seconds
+            )
+        except Exception:  # metrics must never break serving
+            log.exception("metrics.observe_request failed")
+
+    # -- I/O helpers ------------------------------------------------------------------------
+    def _write(self, buffers: list[Buffer]) -> None:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        if len(buffers) == 1:
+            transport.write(buffers[0])
+        else:
+            transport.writelines(buffers)
+
+    def _close(self, *, abort: bool = False) -> None:
+        self._closing = True
+        transport = self._transport
+        if transport is not None and not transport.is_closing():
+            if abort:
+                transport.abort()
+            else:
+                transport.close()
+
+    def _resume_reading(self, *, force: bool) -> None:
+        if not self._reading_paused or self._transport is None:
+            return
+        parser = self._parser
+        if force or (
+            parser.buffered_bytes <= _READ_HIGH_WATER // 2
+            and parser.ready_count <= _MAX_QUEUED_COMMANDS // 2
+        ):
+            self._reading_paused = False
+            self._partial_since = None  # the wait was ours, not the client's
+            self._transport.resume_reading()
+
+    def _timeout_check_delay(self) -> float:
+        limits = self._ctx.limits
+        return max(0.05, min(limits.idle_timeout_s, limits.request_timeout_s))
+
+    def _arm_timer(self, delay: float) -> None:
+        self._timer = self._loop.call_later(delay, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self._closing:
+            return
+        limits = self._ctx.limits
+        now = self._loop.time()
+        if self._busy:
+            self._last_activity = now
+        idle_deadline = self._last_activity + limits.idle_timeout_s
+        deadline = idle_deadline
+        if self._partial_since is not None and not self._reading_paused:
+            deadline = min(deadline, self._partial_since + limits.request_timeout_s)
+        if now >= deadline:
+            log.info("RESP connection %d timed out", self.client_id)
+            self._close(abort=True)
+            return
+        self._arm_timer(max(0.05, deadline - now))
+
+    # -- store access -----------------------------------------------------------------------
+    @property
+    def namespace(self) -> str:
+        identity = self.identity
+        if identity is None:  # handlers run only once authenticated
+            raise _Reply(NOAUTH)
+        return identity.tenant
+
+    async def _store(self, fn: Callable[..., T], *args: object) -> T:
+        try:
+            return await self._ctx.run(fn, *args)
+        except InvalidKeyError as exc:
+            raise _Reply(ErrorReply(f"ERR {_text(str(exc).encode(), 400)}")) from None
+        except BlockTooLargeError as exc:
+            raise _Reply(ErrorReply(f"ERR block too large: {exc}")) from None
+        except DiskFullError as exc:
+            raise _Reply(ErrorReply(f"ERR disk full: {exc}")) from None
+        except CapacityError as exc:
+            raise _Reply(ErrorReply(f"ERR no room in the cache: {exc}")) from None
+        except StoreError:
+            log.exception("store call %s failed", getattr(fn, "__name__", fn))
+            raise _Reply(INTERNAL_ERROR) from None
+
+    def _authenticate(self, password: Buffer) -> ErrorReply | None:
+        """Verify a credential and switch identity; an error reply on failure."""
+        try:
+            credential = bytes(password).decode("utf-8")
+            identity = self._ctx.auth.authenticate(credential)
+        except (UnicodeDecodeError, AuthError):
+            return WRONGPASS
+        self.identity = identity
+        self._parser.authenticated = True
+        return None
+
+    def _hello_map(self) -> dict[str, object]:
+        return {
+            "server": "epistemic-kvcache",
+            "version": REDIS_COMPAT_VERSION,
+            "proto": self.protocol_version,
+            "id": self.client_id,
+            "mode": "standalone",
+            "role": "master",
+            "modules": [],
+        }
+
+
+# The handlers below are module-level functions registered in COMMANDS.
+
+
+def _valid_client_name(raw: Buffer) -> str:
+    data = bytes(raw)
+    if any(b < 0x21 or b > 0x7E for b in data):
+        raise _Reply(
+            ErrorReply("ERR Client names cannot contain spaces, newlines or special characters.")
+        )
+    return data.decode("ascii")
+
+
+# -- connection commands --------------------------------------------------------------------
+
+
+@_command("ping", -1, ("fast", "stale"), (0, 0, 0), "connection", "Ping the server.", no_auth=True)
+async def _ping(c: RespConnection, cmd: Command) -> object:
+    if len(cmd) > 2:
+        return _wrong_args("ping")
+    return cmd[1] if len(cmd) == 2 else SimpleString("PONG")
+
+
+@_command("echo", 2, ("fast", "stale"), (0, 0, 0), "connection", "Return the argument.")
+async def _echo(c: RespConnection, cmd: Command) -> object:
+    return cmd[1]
+
+
+@_command(
+    "quit", -1, ("fast", "stale"), (0, 0, 0), "connection", "Close the connection.", no_auth=True
+)
+async def _quit(c: RespConnection, cmd: Command) -> object:
+    c._quit = True
+    return OK
+
+
+@_command(
+    "auth",
+    -2,
+    ("fast", "stale", "no-auth"),
+    (0, 0, 0),
+    "connection",
+    "Authenticate the connection; its keys live in the credential's namespace.",
+    no_auth=True,
+)
+async def _auth(c: RespConnection, cmd: Command) -> object:
+    if len(cmd) > 3:
+        return SYNTAX_ERROR
+    return c._authenticate(cmd[-1]) or OK
+
+
+@_command(
+    "hello",
+    -1,
+    ("fast", "stale", "no-auth"),
+    (0, 0, 0),
+    "connection",
+    "Handshake: select RESP2/RESP3, optionally authenticate and name the client.",
+    no_auth=True,
+)
+async def _hello(c: RespConnection, cmd: Command) -> object:
+    version = c.protocol_version
+    password: Buffer | None = None
+    setname: str | None = None
+    if len(cmd) >= 2:
+        version = _int(cmd[1], ErrorReply("ERR Protocol version is not an integer or out of range"))
+        i = 2
+        while i < len(cmd):
+            opt = bytes(cmd[i]).upper()
+            if opt == b"AUTH" and i + 2 < len(cmd):
+                password = cmd[i + 2]
+                i += 3
+            elif opt == b"SETNAME" and i + 1 < len(cmd):
+                setname = _valid_client_name(cmd[i + 1])
+                i += 2
+            else:
+                return ErrorReply(f"ERR Syntax error in HELLO option '{_text(cmd[i])}'")
+        if version not in (2, 3):
+            return ErrorReply("NOPROTO unsupported protocol version")
+    if password is not None:
+        failed = c._authenticate(password)
+        if failed is not None:
+            return failed
+    if c.identity is None:
+        return _HELLO_NOAUTH
+    if setname is not None:
+        c.name = setname or None
+    c.protocol_version = version
+    return c._hello_map()
+
+
+@_command(
+    "select",
+    2,
+    ("fast", "loading", "stale"),
+    (0, 0, 0),
+    "connection",
+    "Select database 0 (the only one).",
+)
+async def _select(c: RespConnection, cmd: Command) -> object:
+    if _int(cmd[1]) != 0:
+        return ErrorReply("ERR DB index is out of range")
+    return OK
+
+
+@_command(
+    "reset",
+    1,
+    ("fast", "stale", "no-auth"),
+    (0, 0, 0),
+    "connection",
+    "Reset the connection: RESP2, no name, unauthenticated.",
+    no_auth=True,
+)
+async def _reset(c: RespConnection, cmd: Command) -> object:
+    c.protocol_version = 2
+    c.name = None
+    c.identity = None
+    c._parser.authenticated = False
+    return SimpleString("RESET")
+
+
+@_command(
+    "client", -2, ("stale",), (0, 0, 0), "connection", "CLIENT SETNAME | GETNAME | ID | SETINFO."
+)
+async def _client(c: RespConnection, cmd: Command) -> object:
+    sub = bytes(cmd[1]).upper()
+    if sub == b"SETNAME" and len(cmd) == 3:
+        c.name = _valid_client_name(cmd[2]) or None
+        return OK
+    if sub == b"GETNAME" and len(cmd) == 2:
+        return c.name
+    if sub == b"ID" and len(cmd) == 2:
+        return c.client_id
+    if sub == b"SETINFO" and len(cmd) == 4:
+        attr = bytes(cmd[2]).upper()
+        value = _valid_client_name(cmd[3]) if cmd[3] else ""
+        if attr == b"LIB-NAME":
+            c.lib_name = value or None
+        elif attr == b"LIB-VER":
+            c.lib_version = value or None
+        else:
+            return ErrorReply(f"ERR Unrecognized option '{_text(cmd[2])}'")
+        return OK
+    if sub in (b"SETNAME", b"GETNAME", b"ID", b"SETINFO"):
+        return ErrorReply(
+            f"ERR wrong number of arguments for 'client|{sub.decode().lower()}' command"
+        )
+    return _unknown_subcommand(cmd[1], "CLIENT")
+
+
+# -- key commands ---------------------------------------------------------------------------
+
+
+@_command("get", 2, ("readonly", "fast"), (1, 1, 1), "string", "Get the value of a key.")
+async def _get(c: RespConnection, cmd: Command) -> object:
+    return await c._store(c._ctx.store.get, c.namespace, _key(cmd[1]))
+
+
+@_command(
+    "set",
+    -3,
+    ("write", "denyoom"),
+    (1, 1, 1),
+    "string",
+    "Set a key (first write wins: an existing key keeps its bytes).",
+)
+async def _set(c: RespConnection, cmd: Command) -> object:
+    nx = xx = get = keepttl = False
+    ttl = False
+    i = 3
+    while i < len(cmd):
+        opt = bytes(cmd[i]).upper()
+        if opt == b"NX" and not xx:
+            nx = True
+        elif opt == b"XX" and not nx:
+            xx = True
+        elif opt == b"GET":
+            get = True
+        elif opt == b"KEEPTTL" and not ttl:
+            keepttl = True
+        elif opt in (b"EX", b"PX", b"EXAT", b"PXAT") and not ttl and not keepttl:
+            if i + 1 >= len(cmd):
+                return SYNTAX_ERROR
+            if _int(cmd[i + 1]) <= 0:
+                return ErrorReply("ERR invalid expire time in 'set' command")
+            ttl = True
+            i += 1
+        else:
+            return SYNTAX_ERROR
+        i += 1
+    if ttl:
+        return _TTL_UNSUPPORTED
+    store = c._ctx.store
+    ns = c.namespace
+    key = _key(cmd[1])
+    old: Buffer | None = None
+    if get:
+        old = await c._store(store.get, ns, key)
+    ok_reply: object = old if get else OK
+    if nx:
+        if get and old is not None:
+            return old
+        result = await c._store(store.put, ns, key, cmd[2])
+        return ok_reply if result.created else None
+    if xx and not (old is not None or await c._store(store.exists, ns, key)):
+        return None
+    await c._store(store.put, ns, key, cmd[2])
+    return ok_reply
+
+
+@_command("mget", -2, ("readonly", "fast"), (1, -1, 1), "string", "Get the values of keys.")
+async def _mget(c: RespConnection, cmd: Command) -> object:
+    keys = [_key(k) for k in cmd[1:]]
+    return await c._store(c._ctx.store.get_many, c.namespace, keys)
+
+
+@_command(
+    "mset",
+    -3,
+    ("write", "denyoom"),
+    (1, -1, 2),
+    "string",
+    "Set several keys (first write wins per key).",
+)
+async def _mset(c: RespConnection, cmd: Command) -> object:
+    if len(cmd) % 2 == 0:
+        return _wrong_args("mset")
+    items = [(_key(cmd[i]), cmd[i + 1]) for i in range(1, len(cmd), 2)]
+    await c._store(c._ctx.store.put_many, c.namespace, items)
+    return OK
+
+
+@_command(
+    "exists", -2, ("readonly", "fast"), (1, -1, 1), "keyspace", "Count how many of the keys exist."
+)
+async def _exists(c: RespConnection, cmd: Command) -> object:
+    keys = [_key(k) for k in cmd[1:]]
+    return sum(await c._store(c._ctx.store.exists_many, c.namespace, keys))
+
+
+async def _delete(c: RespConnection, cmd: Command) -> object:
+    keys = [_key(k) for k in cmd[1:]]
+    return sum(await c._store(c._ctx.store.delete_many, c.namespace, keys))
+
+
+_command("del", -2, ("write",), (1, -1, 1), "keyspace", "Delete keys.")(_delete)
+_command("unlink", -2, ("write", "fast"), (1, -1, 1), "keyspace", "Delete keys.")(_delete)
+
+
+@_command("strlen", 2, ("readonly", "fast"), (1, 1, 1), "string", "Length of a value.")
+async def _strlen(c: RespConnection, cmd: Command) -> object:
+    size = await c._store(c._ctx.store.size, c.namespace, _key(cmd[1]))
+    return size or 0
+
+
+@_command(
+    "dbsize",
+    1,
+    ("readonly", "fast"),
+    (0, 0, 0),
+    "server",
+    "Number of keys in the caller's namespace.",
+)
+async def _dbsize(c: RespConnection, cmd: Command) -> object:
+    return await c._store(c._ctx.store.count, c.namespace)
+
+
+@_command(
+    "scan",
+    -2,
+    ("readonly",),
+    (0, 0, 0),
+    "keyspace",
+    "Iterate the caller's keys (cursor, MATCH, COUNT, TYPE).",
+)
+async def _scan(c: RespConnection, cmd: Command) -> object:
+    invalid_cursor = ErrorReply("ERR invalid cursor")
+    cursor = _int(cmd[1], invalid_cursor)
+    count = _SCAN_DEFAULT_COUNT
+    match: re.Pattern[bytes] | None = None
+    only_strings = True
+    i = 2
+    while i < len(cmd):
+        opt = bytes(cmd[i]).upper()
+        if i + 1 >= len(cmd):
+            return SYNTAX_ERROR
+        if opt == b"COUNT":
+            count = _int(cmd[i + 1])
+            if count < 1:
+                return SYNTAX_ERROR
+        elif opt == b"MATCH":
+            match = glob_to_regex(bytes(cmd[i + 1]))
+        elif opt == b"TYPE":
+            only_strings = bytes(cmd[i + 1]).lower() == b"string"
+        else:
+            return SYNTAX_ERROR
+        i += 2
+    ns = c.namespace
+    after: str | None = None
+    if cursor != 0:
+        after = c._listener.cursor_position(ns, cursor)
+        if after is None:
+            return invalid_cursor
+    limit = min(count, _SCAN_MAX_COUNT)
+    keys: list[str] = await c._store(_scan_page, c._ctx.store, ns, after, limit)
+    next_cursor = c._listener.new_cursor(ns, keys[-1]) if len(keys) == limit else 0
+    encoded = [k.encode("utf-8") for k in keys] if only_strings else []
+    if match is not None:
+        encoded = [k for k in encoded if match.fullmatch(k)]
+    return [str(next_cursor), encoded]
+
+
+def _scan_page(store: SharedKvBackend, ns: str, after: str | None, limit: int) -> list[str]:
+    return store.keys(ns, after=after, limit=limit)
+
+
+# -- server commands ------------------------------------------------------------------------
+
+_INFO_DEFAULT: Final = ("server", "clients", "persistence", "stats", "kvcache", "keyspace")
+
+
+@_command(
+    "info",
+    -1,
+    ("loading", "stale"),
+    (0, 0, 0),
+    "server",
+    "Server information and the caller's namespace stats.",
+)
+async def _info(c: RespConnection, cmd: Command) -> object:
+    wanted = {bytes(a).decode("ascii", "replace").lower() for a in cmd[1:]}
+    if not wanted or wanted & {"all", "default", "everything"}:
+        wanted = set(_INFO_DEFAULT)
+    stats = await c._store(c._ctx.store.stats, c.namespace)
+    nkeys = await c._store(c._ctx.store.count, c.namespace)
+    ctx, lst = c._ctx, c._listener
+    sections: list[tuple[str, list[tuple[str, object]]]] = [
+        (
+            "server",
+            [
+                ("redis_version", REDIS_COMPAT_VERSION),
+                ("redis_mode", "standalone"),
+                ("server_name", "epistemic-kvcache"),
+                ("kvcache_version", lst.version),
+                ("arch_bits", 64),
+                ("uptime_in_seconds", int(time.monotonic() - lst.started)),
+                ("resp_protocols", "2,3"),
+            ],
+        ),
+        (
+            "clients",
+            [
+                ("connected_clients", ctx.open_connections.get(WIRE, 0)),
+                ("maxclients", ctx.limits.max_connections),
+            ],
+        ),
+        (
+            "persistence",
+            [
+                ("loading", 0),
+                ("aof_enabled", int(lst.durable)),
+                ("rdb_changes_since_last_save", 0),
+            ],
+        ),
+        (
+            "stats",
+            [
+                ("keyspace_hits", stats.get_hits),
+                ("keyspace_misses", stats.get_misses),
+                ("evicted_keys", stats.evictions),
+                ("expired_keys", 0),
+            ],
+        ),
+    ]
+    kv: list[tuple[str, object]] = []
+    for field, value in stats.to_dict().items():
+        if field == "tiers":
+            for tier, tstats in value.items():
+                kv.extend((f"tier_{tier}_{k}", v) for k, v in tstats.items())
+        elif field != "extra":
+            kv.append((field, value))
+    sections.append(("kvcache", kv))
+    sections.append(("keyspace", [("db0", f"keys={nkeys},expires=0,avg_ttl=0")]))
+    lines: list[str] = []
+    for title, fields in sections:
+        if title not in wanted:
+            continue
+        if lines:
+            lines.append("")
+        lines.append(f"# {title.capitalize()}")
+        lines.extend(f"{k}:{v}" for k, v in fields)
+    text = "\r\n".join(lines) + ("\r\n" if lines else "")
+    return Verbatim(text) if c.protocol_version == 3 else text.encode("utf-8")
+
+
+def _config_table(c: RespConnection) -> dict[str, str]:
+    limits = c._ctx.limits
+    durable = c._listener.durable
+    return {
+        "save": "",
+        "appendonly": "yes" if durable else "no",
+        "appendfsync": "always" if durable else "no",
+        "databases": "1",
+        "maxclients": str(limits.max_connections),
+        "proto-max-bulk-len": str(limits.max_block_bytes),
+        "timeout": str(int(limits.idle_timeout_s)),
+        "maxmemory": "0",
+        "maxmemory-policy": "allkeys-lru",
+    }
+
+
+@_command(
+    "config",
+    -2,
+    ("admin", "noscript", "loading", "stale"),
+    (0, 0, 0),
+    "server",
+    "CONFIG GET: the Redis settings clients look at, answered truthfully.",
+)
+async def _config(c: RespConnection, cmd: Command) -> object:
+    if bytes(cmd[1]).upper() != b"GET":
+        return _unknown_subcommand(cmd[1], "CONFIG")
+    if len(cmd) < 3:
+        return ErrorReply("ERR wrong number of arguments for 'config|get' command")
+    table = _config_table(c)
+    out: dict[str, str] = {}
+    for pattern in cmd[2:]:
+        rx = glob_to_regex(bytes(pattern).lower())
+        for name, value in table.items():
+            if rx.fullmatch(name.encode()):
+                out[name] = value
+    return out
+
+
+def _command_info(spec: CommandSpec) -> list[object]:
+    return [
+        spec.name,
+        spec.arity,
+        {SimpleString(f) for f in spec.flags},
+        spec.first_key,
+        spec.last_key,
+        spec.step,
+        set(),
+        [],
+        [],
+        [],
+    ]
+
+
+def _command_docs(spec: CommandSpec) -> dict[str, object]:
+    return {"summary": spec.summary, "since": "1.0.0", "group": spec.group}
+
+
+def _lookup_specs(names: Sequence[Buffer]) -> list[CommandSpec | None]:
+    return [COMMANDS.get(bytes(n).lower()) for n in names]
+
+
+@_command(
+    "command",
+    -1,
+    ("loading", "stale"),
+    (0, 0, 0),
+    "server",
+    "COMMAND, COMMAND COUNT | LIST | INFO | DOCS.",
+)
+async def _command_cmd(c: RespConnection, cmd: Command) -> object:
+    if len(cmd) == 1:
+        return [_command_info(s) for s in COMMANDS.values()]
+    sub = bytes(cmd[1]).upper()
+    if sub == b"COUNT" and len(cmd) == 2:
+        return len(COMMANDS)
+    if sub == b"LIST" and len(cmd) == 2:
+        return [s.name for s in COMMANDS.values()]
+    if sub == b"INFO":
+        specs = _lookup_specs(cmd[2:]) if len(cmd) > 2 else list(COMMANDS.values())
+        return [_command_info(s) if s is not None else None for s in specs]
+    if sub == b"DOCS":
+        specs = _lookup_specs(cmd[2:]) if len(cmd) > 2 else list(COMMANDS.values())
+        return {s.name: _command_docs(s) for s in specs if s is not None}
+    return _unknown_subcommand(cmd[1], "COMMAND")
