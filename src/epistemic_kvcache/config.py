@@ -130,7 +130,7 @@ class ServerConfig:
     allow_insecure_bind: bool = False
     hot_capacity_bytes: int = 1 * GiB
     warm_capacity_bytes: int = 1 * GiB
-    cold_capacity_bytes: int = 64 * GiB
+    cold_capacity_bytes: int = 100 * GiB
     dedup_scope: str = "namespace"
     limits: ServerLimits = field(default_factory=ServerLimits)
     store_threads: int = 32
@@ -695,7 +695,9 @@ def _format_default(s: Setting) -> str:
     if s.secret or s.default in (None, ()):
         return ""
     value = s.default
-    if isinstance(value, tuple):
+    if isinstance(value, Address):
+        value = str(value)
+    elif isinstance(value, tuple):
         value = ",".join(value)
     if isinstance(value, bool):
         value = "true" if value else "false"

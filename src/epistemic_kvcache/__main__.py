@@ -1,0 +1,7 @@
+"""`python -m epistemic_kvcache serve ...`"""
+
+import sys
+
+from epistemic_kvcache.cli import main
+
+sys.exit(main())

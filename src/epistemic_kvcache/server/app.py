@@ -1,0 +1,543 @@
+"""The server runner: config -> store, authenticator, listeners; graceful stop.
+
+How it works:
+- `serve(config)` builds the authenticator first (cheap, may create the first-run
+  token), checks each listener's bind rule and loads TLS, opens the store, then starts
+  the HTTP and RESP listeners. Each bound address is logged as one parseable line,
+  `listening http=127.0.0.1:40123` / `listening resp=127.0.0.1:40124` (port 0 shows the
+  real port). Nothing listens before every check has passed.
+- Every connection's protocol is wrapped in a thin proxy that records its transport
+  and counts reads; the store thread pool counts calls in flight. On SIGTERM/SIGINT (or
+  `ServerHandle.stop()`) the listeners stop accepting, then the runner waits — at most
+  `shutdown_timeout_s` — until no store call is in flight, no connection received bytes
+  during the last poll and every write buffer is empty (requests in progress finish,
+  idle keep-alive connections do not hold the exit up). Then it closes the remaining
+  connections, drains the thread pool and closes the store.
+- `ServerThread` runs the same `serve` in a background thread with its own loop, for
+  tests and embedding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import errno
+import logging
+import signal
+import ssl
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ParamSpec, TypeVar
+
+from epistemic_kvcache.config import Address, ServerConfig, format_size
+from epistemic_kvcache.errors import KvCacheError
+from epistemic_kvcache.server.auth import build_authenticator
+from epistemic_kvcache.server.context import ServerContext
+from epistemic_kvcache.server.tls import check_bind, ssl_context_from_config
+from epistemic_kvcache.store.api import SharedKvBackend, StoreStats
+
+log = logging.getLogger("epistemic_kvcache.server")
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+_POLL_S = 0.05
+
+
+class ListenerError(KvCacheError):
+    """A listener could not be opened (address in use, permission denied, ...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerHandle:
+    """A running server: where it listens and how to stop it (thread-safe)."""
+
+    http_addrs: tuple[Address, ...]
+    resp_addrs: tuple[Address, ...]
+    tls: bool
+    _loop: asyncio.AbstractEventLoop = field(repr=False)
+    _stop: asyncio.Event = field(repr=False)
+
+    @property
+    def http(self) -> Address:
+        """The first bound HTTP address."""
+        return self.http_addrs[0]
+
+    @property
+    def resp(self) -> Address | None:
+        """The first bound RESP address, or None when RESP is off."""
+        return self.resp_addrs[0] if self.resp_addrs else None
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the HTTP listener."""
+        return f"{'https' if self.tls else 'http'}://{self.http}"
+
+    def stop(self) -> None:
+        """Ask the server to shut down gracefully. Safe from any thread; idempotent."""
+        with contextlib.suppress(RuntimeError):  # loop already closed: nothing to stop
+            self._loop.call_soon_threadsafe(self._stop.set)
+
+
+class CountingExecutor(concurrent.futures.ThreadPoolExecutor):
+    """A thread pool that knows how many submitted calls have not finished yet."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str = "kvcache-store") -> None:
+        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
+        self._pending = 0
+        self._pending_lock = threading.Lock()
+
+    @property
+    def pending(self) -> int:
+        """Calls submitted and not finished."""
+        return self._pending
+
+    def submit(
+        self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs
+    ) -> concurrent.futures.Future[T]:
+        with self._pending_lock:
+            self._pending += 1
+        try:
+            future = super().submit(fn, *args, **kwargs)
+        except BaseException:
+            self._done(None)
+            raise
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, _future: object) -> None:
+        with self._pending_lock:
+            self._pending -= 1
+
+
+# -- connection tracking ---------------------------------------------------------------
+
+
+class _Connections:
+    """Live connections of all listeners, for the graceful stop."""
+
+    def __init__(self) -> None:
+        self.live: set[_Tracked | _TrackedBuffered] = set()
+
+
+class _Tracked(asyncio.Protocol):
+    """Proxy for a plain `asyncio.Protocol`: records the transport and counts reads."""
+
+    __slots__ = ("_inner", "_registry", "reads", "transport")
+
+    def __init__(self, inner: asyncio.Protocol, registry: _Connections) -> None:
+        self._inner = inner
+        self._registry = registry
+        self.reads = 0
+        self.transport: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self._registry.live.add(self)
+        self._inner.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._registry.live.discard(self)
+        self._inner.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self.reads += 1
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+
+class _TrackedBuffered(asyncio.BufferedProtocol):
+    """Proxy for an `asyncio.BufferedProtocol` (reads go into the inner protocol's buffers)."""
+
+    __slots__ = ("_inner", "_registry", "reads", "transport")
+
+    def __init__(self, inner: asyncio.BufferedProtocol, registry: _Connections) -> None:
+        self._inner = inner
+        self._registry = registry
+        self.reads = 0
+        self.transport: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self._registry.live.add(self)
+        self._inner.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._registry.live.discard(self)
+        self._inner.connection_lost(exc)
+
+    def get_buffer(self, sizehint: int) -> Any:
+        return self._inner.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.reads += 1
+        self._inner.buffer_updated(nbytes)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+
+def _tracking(
+    factory: Callable[[], asyncio.BaseProtocol], registry: _Connections
+) -> Callable[[], asyncio.BaseProtocol]:
+    def make() -> asyncio.BaseProtocol:
+        inner = factory()
+        if isinstance(inner, asyncio.BufferedProtocol):
+            return _TrackedBuffered(inner, registry)
+        if isinstance(inner, asyncio.Protocol):
+            return _Tracked(inner, registry)
+        raise TypeError(f"unsupported protocol type {type(inner).__name__}")
+
+    return make
+
+
+# -- building blocks -------------------------------------------------------------------
+
+
+def build_store(config: ServerConfig) -> SharedKvBackend:
+    """The store `config` describes (durable in `persist_dir`, or in RAM)."""
+    from epistemic_kvcache.store import SharedKvIndex, SharedKvStoreBackend
+
+    options = config.store_options()
+    if config.backend == "memory":
+        options.pop("cold_capacity_bytes")
+        return SharedKvIndex(**options)
+    return SharedKvStoreBackend(config.persist_dir, **options)
+
+
+def format_stats(stats: StoreStats) -> str:
+    """One log line: hit rate, dedup rate and tier occupancy (whole store)."""
+    gets = stats.get_hits + stats.get_misses
+    hit_rate = stats.get_hits / gets if gets else 0.0
+    dedup_rate = stats.dedup_savings_bytes / stats.logical_bytes if stats.logical_bytes else 0.0
+    parts = [
+        f"hit_rate={hit_rate:.3f}",
+        f"gets={gets}",
+        f"puts={stats.put_new}",
+        f"dedup_rate={dedup_rate:.3f}",
+        f"dedup_hits={stats.dedup_hits}",
+        f"blocks={stats.unique_blocks}",
+        f"keys={stats.total_refs}",
+    ]
+    for name, tier in stats.tiers.items():
+        used = tier.bytes / tier.capacity_bytes if tier.capacity_bytes else 0.0
+        parts.append(
+            f"{name}={format_size(tier.bytes)}/{format_size(tier.capacity_bytes)}"
+            f"({used:.0%},{tier.blocks}blk)"
+        )
+    if stats.integrity_failures:
+        parts.append(f"integrity_failures={stats.integrity_failures}")
+    return "stats " + " ".join(parts)
+
+
+async def _log_stats_forever(ctx: ServerContext, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            stats = await ctx.run(ctx.store.stats, None)
+        except Exception:
+            log.exception("stats collection failed")
+            continue
+        log.info("%s", format_stats(stats))
+
+
+def _sock_address(sockname: Any) -> Address:
+    return Address(str(sockname[0]), int(sockname[1]))
+
+
+async def _listen(
+    loop: asyncio.AbstractEventLoop,
+    name: str,
+    flag: str,
+    addr: Address,
+    factory: Callable[[], asyncio.BaseProtocol],
+    tls: ssl.SSLContext | None,
+    backlog: int,
+) -> tuple[asyncio.Server, tuple[Address, ...]]:
+    try:
+        server = await loop.create_server(
+            factory,
+            host=addr.host,
+            port=addr.port,
+            ssl=tls,
+            backlog=backlog,
+            ssl_handshake_timeout=10.0 if tls else None,
+        )
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            reason = "address already in use"
+        elif exc.errno in (errno.EACCES, errno.EPERM):
+            reason = "permission denied (ports below 1024 need privileges)"
+        elif exc.errno == errno.EADDRNOTAVAIL:
+            reason = "address not available on this machine"
+        else:
+            reason = exc.strerror or str(exc)
+        raise ListenerError(f"{flag} {addr}: {reason}") from None
+    bound = tuple(_sock_address(s.getsockname()) for s in server.sockets)
+    mode = "off"
+    if tls is not None:
+        mode = "mtls" if tls.verify_mode == ssl.CERT_REQUIRED else "on"
+    for a in bound:
+        log.info("listening %s=%s tls=%s", name, a, mode)
+    return server, bound
+
+
+async def serve(
+    config: ServerConfig, *, ready: Callable[[ServerHandle], None] | None = None
+) -> None:
+    """Run the server until SIGTERM/SIGINT or `ServerHandle.stop()`; then stop gracefully.
+
+    `ready` is called (on the loop) with the `ServerHandle` once every listener is open.
+    Raises `ConfigurationError`, `ListenerError` or a `StoreError` when start-up fails;
+    no listener stays open in that case.
+    """
+    from epistemic_kvcache.server.http import make_http_factory
+    from epistemic_kvcache.server.metrics import Metrics
+    from epistemic_kvcache.server.resp import make_resp_factory
+
+    loop = asyncio.get_running_loop()
+    for warning in config.warnings:
+        log.warning("%s", warning)
+
+    auth = build_authenticator(config)
+    tls = ssl_context_from_config(config)
+    check_bind(
+        config.addr,
+        flag="--addr",
+        tls=tls is not None,
+        allow_insecure_bind=config.allow_insecure_bind,
+    )
+    if config.resp_addr is not None:
+        check_bind(
+            config.resp_addr,
+            flag="--resp-addr",
+            tls=tls is not None,
+            allow_insecure_bind=config.allow_insecure_bind,
+        )
+    if config.allow_insecure_bind and tls is None:
+        for addr in (config.addr, config.resp_addr):
+            if addr is not None and not addr.is_loopback:
+                log.warning("plaintext listener on %s (--allow-insecure-bind)", addr)
+
+    store = await loop.run_in_executor(None, build_store, config)
+    executor = CountingExecutor(config.store_threads)
+    servers: list[asyncio.Server] = []
+    connections = _Connections()
+    stats_task: asyncio.Task[None] | None = None
+    stop = asyncio.Event()
+    installed_signals: list[int] = []
+    try:
+        ctx = ServerContext(
+            store=store,
+            auth=auth,
+            limits=config.limits,
+            metrics=Metrics(store),
+            executor=executor,
+        )
+        backlog = max(128, min(config.limits.max_connections, 4096))
+        http_server, http_addrs = await _listen(
+            loop,
+            "http",
+            "--addr",
+            config.addr,
+            _tracking(make_http_factory(ctx), connections),
+            tls,
+            backlog,
+        )
+        servers.append(http_server)
+        resp_addrs: tuple[Address, ...] = ()
+        if config.resp_addr is not None:
+            resp_server, resp_addrs = await _listen(
+                loop,
+                "resp",
+                "--resp-addr",
+                config.resp_addr,
+                _tracking(make_resp_factory(ctx), connections),
+                tls,
+                backlog,
+            )
+            servers.append(resp_server)
+        else:
+            log.info("RESP listener off")
+
+        installed_signals = _install_signals(loop, stop)
+        if config.stats_log_interval_s > 0:
+            stats_task = asyncio.create_task(
+                _log_stats_forever(ctx, config.stats_log_interval_s), name="kvcache-stats-log"
+            )
+        handle = ServerHandle(http_addrs, resp_addrs, tls is not None, loop, stop)
+        log.info(
+            "serving backend=%s persist_dir=%s dedup_scope=%s",
+            config.backend,
+            config.persist_dir.resolve() if config.backend == "durable" else "-",
+            config.dedup_scope,
+        )
+        if ready is not None:
+            ready(handle)
+        await stop.wait()
+        log.info("shutting down: no new connections, waiting for requests in flight")
+        for server in servers:
+            server.close()
+        await _drain(connections, executor, config.shutdown_timeout_s)
+    finally:
+        for sig in installed_signals:
+            loop.remove_signal_handler(sig)
+        for server in servers:
+            server.close()
+        if stats_task is not None:
+            stats_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stats_task
+        for conn in list(connections.live):
+            if isinstance(conn.transport, asyncio.WriteTransport):
+                conn.transport.abort()
+        await asyncio.sleep(0)
+        await loop.run_in_executor(None, _close_store, executor, store)
+    log.info("stopped")
+
+
+def _close_store(executor: concurrent.futures.ThreadPoolExecutor, store: SharedKvBackend) -> None:
+    executor.shutdown(wait=True)
+    store.close()
+
+
+def _install_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> list[int]:
+    """SIGTERM/SIGINT -> graceful stop (main thread only; elsewhere the caller stops us)."""
+    if threading.current_thread() is not threading.main_thread():
+        return []
+    installed: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+
+        def on_signal(sig: signal.Signals = sig) -> None:
+            if stop.is_set():
+                log.warning("%s again: already shutting down", sig.name)
+            else:
+                log.info("%s received", sig.name)
+            stop.set()
+
+        try:
+            loop.add_signal_handler(sig, on_signal)
+        except (NotImplementedError, RuntimeError, ValueError):
+            continue
+        installed.append(sig)
+    return installed
+
+
+def _write_buffer_size(transport: asyncio.BaseTransport | None) -> int:
+    if isinstance(transport, asyncio.WriteTransport):
+        try:
+            return transport.get_write_buffer_size()
+        except (AttributeError, RuntimeError):
+            return 0
+    return 0
+
+
+async def _drain(connections: _Connections, executor: CountingExecutor, timeout_s: float) -> None:
+    """Wait (bounded) until requests in flight finished, then close every connection."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    last_reads = {id(c): c.reads for c in connections.live}
+    while loop.time() < deadline:
+        await asyncio.sleep(_POLL_S)
+        reads = {id(c): c.reads for c in connections.live}
+        busy = executor.pending > 0 or any(reads[key] != last_reads.get(key, -1) for key in reads)
+        busy = busy or any(_write_buffer_size(c.transport) for c in connections.live)
+        last_reads = reads
+        if not busy:
+            break
+    else:
+        log.warning(
+            "shutdown_timeout_s=%s elapsed: closing %d connection(s), %d store call(s) in flight",
+            timeout_s,
+            len(connections.live),
+            executor.pending,
+        )
+    for conn in list(connections.live):
+        if conn.transport is not None and not conn.transport.is_closing():
+            conn.transport.close()
+    # Let the protocols see connection_lost and flush what close() allows.
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+def run(config: ServerConfig) -> int:
+    """Serve on uvloop until stopped; return the process exit code (0 on a clean stop)."""
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(serve(config))
+    return 0
+
+
+class ServerThread:
+    """`serve(config)` on a background thread with its own uvloop; for tests and embedding.
+
+    ```
+    with ServerThread(config) as handle:
+        urlopen(handle.http_url + "/healthz")
+    ```
+    """
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.handle: ServerHandle | None = None
+        self.error: BaseException | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="kvcache-server", daemon=True)
+
+    def _main(self) -> None:
+        import uvloop
+
+        def on_ready(handle: ServerHandle) -> None:
+            self.handle = handle
+            self._ready.set()
+
+        try:
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                runner.run(serve(self.config, ready=on_ready))
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self._ready.set()
+
+    def start(self, timeout_s: float = 30.0) -> ServerHandle:
+        """Start and wait until the listeners are open; re-raise a start-up failure."""
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"server did not start within {timeout_s}s")
+        if self.handle is None:
+            self._thread.join(timeout_s)
+            raise self.error or RuntimeError("server stopped before it was ready")
+        return self.handle
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop gracefully and wait for the thread; re-raise an error raised while serving."""
+        if self.handle is not None:
+            self.handle.stop()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"server did not stop within {timeout_s}s")
+        if self.error is not None:
+            raise self.error
+
+    def __enter__(self) -> ServerHandle:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
