@@ -99,6 +99,7 @@ class EpistemicGraphKVBackend:
         headers = {"User-Agent": "epistemic-kvcache-client/0.1", "Accept-Encoding": "identity"}
         if config.token:
             headers["Authorization"] = f"Bearer {config.token}"
+        self._headers = headers
         timeout = urllib3.Timeout(connect=config.connect_timeout_s, read=config.read_timeout_s)
         self._pool: urllib3.HTTPConnectionPool
         if config.scheme == "https":
@@ -109,7 +110,6 @@ class EpistemicGraphKVBackend:
                 block=True,
                 timeout=timeout,
                 retries=False,
-                headers=headers,
                 ssl_context=self._ssl_context(config),
             )
         else:
@@ -120,7 +120,6 @@ class EpistemicGraphKVBackend:
                 block=True,
                 timeout=timeout,
                 retries=False,
-                headers=headers,
             )
         self._lock = threading.Lock()
         self._counts = {f.name: 0 for f in fields(ClientCounters)}
@@ -204,6 +203,7 @@ class EpistemicGraphKVBackend:
         """Send one request. Raises `_TransportFailure` (counted) or auth/config errors."""
         if self._closed:
             raise _TransportFailure("client closed")
+        all_headers = self._headers if not headers else {**self._headers, **headers}
         sent = 0
         payload: Any = body
         if body is not None:
@@ -218,7 +218,7 @@ class EpistemicGraphKVBackend:
                     method,
                     path,
                     body=payload,
-                    headers=headers,
+                    headers=all_headers,
                     retries=False,
                     redirect=False,
                     preload_content=preload,

@@ -52,7 +52,7 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
-def _url_from_addr(addr: str) -> str:
+def url_from_addr(addr: str) -> str:
     """`host:port` -> base URL: http for loopback hosts, https for anything else."""
     addr = addr.strip()
     if "://" in addr:
@@ -201,7 +201,7 @@ class KvCacheConfig:
         if url is not None:
             kwargs["base_url"] = url
         else:
-            kwargs["base_url"] = _url_from_addr(addr or DEFAULT_ADDR)
+            kwargs["base_url"] = url_from_addr(addr or DEFAULT_ADDR)
         kwargs["token"] = get(ENV_TOKEN)
         kwargs["client_cert"] = get(ENV_CLIENT_CERT)
         kwargs["client_key"] = get(ENV_CLIENT_KEY)
