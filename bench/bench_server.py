@@ -1,0 +1,258 @@
+"""Wire benchmarks (issue 3): our server vs a real redis-server, same client, one run.
+
+    .venv/bin/python -m bench.bench_server [--quick] [--clients 8]
+
+Starts, on loopback ports picked at run time:
+- redis-server with no persistence, and redis-server --appendonly yes --appendfsync always;
+- epistemic-kvcache with the memory backend, and with the durable backend;
+then drives each with the same load generator (bench/loadgen.py: unique payloads, 8
+concurrent connections, one request in flight per connection), for 4 KiB, 256 KiB,
+4 MiB and 32 MiB blocks, and prints GB/s, ops/s, p50/p99 and ratios. Also: HTTP vs RESP
+on our server, and loopback single-stream TCP bandwidth (iperf3) as the physical limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from bench import loadgen
+
+KiB, MiB = 1024, 1024 * 1024
+SIZES = [4 * KiB, 256 * KiB, 4 * MiB, 32 * MiB]
+TOKEN = "bench-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def human(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+
+
+def wait_port(port: int, timeout: float = 30.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"port {port} never opened")
+
+
+@contextmanager
+def redis_server(tmp: Path, *, fsync_always: bool) -> Iterator[int]:
+    port = free_port()
+    d = tmp / f"redis-{port}"
+    d.mkdir()
+    args = [
+        "redis-server",
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--dir",
+        str(d),
+        "--save",
+        "",
+        "--protected-mode",
+        "no",
+        "--maxmemory",
+        "0",
+    ]
+    args += (
+        ["--appendonly", "yes", "--appendfsync", "always"]
+        if fsync_always
+        else ["--appendonly", "no"]
+    )
+    p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_port(port)
+        yield port
+    finally:
+        p.terminate()
+        p.wait(10)
+
+
+@contextmanager
+def our_server(tmp: Path, backend: str) -> Iterator[tuple[int, int]]:
+    d = tmp / f"ours-{backend}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "epistemic_kvcache",
+        "serve",
+        "--backend",
+        backend,
+        "--addr",
+        "127.0.0.1:0",
+        "--resp-addr",
+        "127.0.0.1:0",
+        "--persist-dir",
+        str(d),
+        "--token",
+        TOKEN,
+        "--hot-capacity-bytes",
+        "6GiB",
+        "--warm-capacity-bytes",
+        "0",
+        "--max-block-bytes",
+        "64MiB",
+    ]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ports: dict[str, int] = {}
+    try:
+        assert p.stdout is not None
+        deadline = time.time() + 60
+        while len(ports) < 2 and time.time() < deadline:
+            line = p.stdout.readline()
+            if not line:
+                raise RuntimeError("server exited before listening")
+            for wire, port in re.findall(r"listening (http|resp)=\S+:(\d+)", line):
+                ports[wire] = int(port)
+        yield ports["http"], ports["resp"]
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def workload(size: int, budget: int, clients: int) -> tuple[list[bytes], list[bytes]]:
+    n = max(clients * 4, min(16_000, budget // size))
+    n -= n % clients
+    base = os.urandom(size)
+    tag = os.urandom(4).hex().encode()
+    keys = [b"bench:" + tag + b":%d" % i for i in range(n)]
+    payloads = [i.to_bytes(8, "little") + base[8:] for i in range(n)]
+    return keys, payloads
+
+
+def measure_resp(
+    port: int, token: str | None, size: int, budget: int, clients: int
+) -> tuple[loadgen.Result, loadgen.Result]:
+    keys, payloads = workload(size, budget, clients)
+    s = loadgen.run(loadgen.run_resp("127.0.0.1", port, token, "set", keys, payloads, clients))
+    g = loadgen.run(loadgen.run_resp("127.0.0.1", port, token, "get", keys, payloads, clients))
+    return s, g
+
+
+def measure_http(
+    port: int, size: int, budget: int, clients: int
+) -> tuple[loadgen.Result, loadgen.Result]:
+    keys, payloads = workload(size, budget, clients)
+    s = loadgen.run(loadgen.run_http("127.0.0.1", port, TOKEN, "set", keys, payloads, clients))
+    g = loadgen.run(loadgen.run_http("127.0.0.1", port, TOKEN, "get", keys, payloads, clients))
+    return s, g
+
+
+def loopback_bw() -> str:
+    if shutil.which("iperf3") is None:
+        return "iperf3 not installed"
+    port = free_port()
+    srv = subprocess.Popen(
+        ["iperf3", "-s", "-1", "-p", str(port), "-B", "127.0.0.1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_port(port)
+        out = subprocess.run(
+            ["iperf3", "-c", "127.0.0.1", "-p", str(port), "-t", "3", "-f", "g"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+        m = re.findall(r"([\d.]+) Gbits/sec.*receiver", out)
+        return f"{float(m[-1]) / 8:.2f} GB/s" if m else out
+    finally:
+        srv.kill()
+        srv.wait()
+
+
+def fmt(r: loadgen.Result) -> str:
+    return f"{r.gbps:.2f} | {r.ops_s:,.0f} | {r.pct(50):.2f} / {r.pct(99):.2f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--clients", type=int, default=8)
+    args = ap.parse_args()
+    budget = (96 if args.quick else 256) * MiB
+    tmp = Path(tempfile.mkdtemp(prefix="kvbench-srv-"))
+    c = args.clients
+    results: dict[tuple[str, int], tuple[loadgen.Result, loadgen.Result]] = {}
+    try:
+        print(f"# wire benchmark: {c} clients, one request in flight each, unique payloads\n")
+        bw = loopback_bw()
+        print(f"Loopback single-stream TCP (iperf3, same run): **{bw}**\n")
+        for size in SIZES:
+            with redis_server(tmp, fsync_always=False) as port:
+                results[("redis", size)] = measure_resp(port, None, size, budget, c)
+            with our_server(tmp, "memory") as (hport, rport):
+                results[("ours-mem", size)] = measure_resp(rport, TOKEN, size, budget, c)
+                results[("ours-mem-http", size)] = measure_http(hport, size, budget, c)
+            with redis_server(tmp, fsync_always=True) as port:
+                results[("redis-aof", size)] = measure_resp(port, None, size, budget, c)
+            with our_server(tmp, "durable") as (hport, rport):
+                results[("ours-dur", size)] = measure_resp(rport, TOKEN, size, budget, c)
+            shutil.rmtree(tmp / "ours-durable", ignore_errors=True)
+            print(f"measured {human(size)}", file=sys.stderr)
+        print("## RESP wire, memory backend vs redis-server (no persistence)\n")
+        print(
+            "| block | op | redis GB/s | ops/s | p50/p99 ms | ours GB/s | ops/s | p50/p99 ms | ratio |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
+        for size in SIZES:
+            for i, op in enumerate(("SET", "GET")):
+                r, o = results[("redis", size)][i], results[("ours-mem", size)][i]
+                print(
+                    f"| {human(size)} | {op} | {fmt(r)} | {fmt(o)} | **{o.gbps / r.gbps:.2f}x** |"
+                )
+        print(
+            "\n## RESP SET, durable backend vs redis-server --appendonly yes --appendfsync always\n"
+        )
+        print(
+            "| block | redis-aof GB/s | ops/s | p50/p99 ms | ours GB/s | ops/s | p50/p99 ms | ratio |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        for size in SIZES:
+            r, o = results[("redis-aof", size)][0], results[("ours-dur", size)][0]
+            print(f"| {human(size)} | {fmt(r)} | {fmt(o)} | **{o.gbps / r.gbps:.2f}x** |")
+        print("\n## HTTP vs RESP on our server (memory backend)\n")
+        print(
+            "| block | op | RESP GB/s | HTTP GB/s | HTTP p50/p99 ms | HTTP/RESP | HTTP GET / loopback |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        lb = float(bw.split()[0]) if bw.endswith("GB/s") else 0.0
+        for size in SIZES:
+            for i, op in enumerate(("PUT", "GET")):
+                rr, hh = results[("ours-mem", size)][i], results[("ours-mem-http", size)][i]
+                vs_lb = f"{hh.gbps / lb:.2f}" if lb and op == "GET" else ""
+                print(
+                    f"| {human(size)} | {op} | {rr.gbps:.2f} | {hh.gbps:.2f} | "
+                    f"{hh.pct(50):.2f} / {hh.pct(99):.2f} | **{hh.gbps / rr.gbps:.2f}x** | {vs_lb} |"
+                )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
