@@ -219,6 +219,9 @@ class SharedKvStoreBackend(TieredEngine):
         self._segments: dict[int, _Segment] = {}
         self._seg_len: dict[int, int] = {}  # committed length per segment
         self._seg_live: dict[int, int] = {}  # live block bytes per segment
+        # live blocks per segment: a segment is dead when this is 0 (bytes can be 0 while
+        # empty blocks still live in it)
+        self._seg_blocks: dict[int, int] = {}
         self._active: _Segment | None = None
         self._active_pos = 0
         self._next_seg = 1
@@ -299,9 +302,11 @@ class SharedKvStoreBackend(TieredEngine):
 
     def _on_blob_created(self, b: _Blob) -> None:
         self._seg_live[b.seg] = self._seg_live.get(b.seg, 0) + b.size
+        self._seg_blocks[b.seg] = self._seg_blocks.get(b.seg, 0) + 1
 
     def _on_blob_destroyed(self, b: _Blob) -> None:
         self._seg_live[b.seg] = self._seg_live.get(b.seg, 0) - b.size
+        self._seg_blocks[b.seg] = self._seg_blocks.get(b.seg, 0) - 1
 
     def _tier_caps(self) -> dict[str, int]:
         caps = super()._tier_caps()
@@ -640,6 +645,7 @@ class SharedKvStoreBackend(TieredEngine):
         seg = _Segment(seg_id, path, create=True)
         self._segments[seg_id] = seg
         self._seg_live.setdefault(seg_id, 0)
+        self._seg_blocks.setdefault(seg_id, 0)
         self._active = seg
         self._active_pos = 0
         # make the new file's directory entry durable before any index row names it
@@ -674,6 +680,7 @@ class SharedKvStoreBackend(TieredEngine):
         if committed is None:  # nothing committed in it: remove the file
             self._segments.pop(seg.id, None)
             self._seg_live.pop(seg.id, None)
+            self._seg_blocks.pop(seg.id, None)
             with contextlib.suppress(OSError):
                 seg.path.unlink()
 
@@ -682,7 +689,7 @@ class SharedKvStoreBackend(TieredEngine):
         with self._lock:
             dead = [
                 s
-                for s, live in self._seg_live.items()
+                for s, live in self._seg_blocks.items()
                 if live <= 0
                 and (self._active is None or s != self._active.id)
                 and s in self._segments
@@ -696,6 +703,7 @@ class SharedKvStoreBackend(TieredEngine):
             seg = self._segments.pop(s)
             self._seg_len.pop(s, None)
             self._seg_live.pop(s, None)
+            self._seg_blocks.pop(s, None)
             with contextlib.suppress(OSError):
                 seg.path.unlink()
 
