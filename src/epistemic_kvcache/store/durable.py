@@ -9,9 +9,10 @@ How a PUT becomes durable
    transaction, and decides each operation inside it (the transaction sees its own
    writes, so two PUTs of one key in one batch are ordered correctly). New blocks are
    appended to the active segment file with `pwrite`.
-3. One `fdatasync` of the segment makes all the batch's bytes stable (data first), then
-   the LMDB commit (which fsyncs) makes the index entries, refcounts and the segment's
-   new committed length stable (index second). Only then are the effects applied to RAM
+3. One `fdatasync` of the segment (of each segment, when the batch rolled over into a
+   new one) makes all the batch's bytes stable (data first), then the LMDB commit (which
+   fsyncs) makes the index entries, refcounts and the segments' new committed lengths
+   stable (index second). Only then are the effects applied to RAM
    and the futures resolved: an acknowledged PUT is on disk, an unacknowledged one is
    invisible. fsyncs per PUT = 2 / batch size.
 4. Any failed write or sync fails the whole batch (nothing acked, nothing visible), and
@@ -453,7 +454,8 @@ class SharedKvStoreBackend(TieredEngine):
     def _commit(self, batch: list[_Op]) -> None:
         results: list[Any] = [None] * len(batch)
         effects: list[Effect] = []
-        writes: list[tuple[Buffer, int]] = []
+        # (segment, bytes, offset): a batch may roll over into a new segment midway
+        writes: list[tuple[_Segment, Buffer, int]] = []
         touched: set[bytes] = set()
         txn = self._env.begin(write=True)
         try:
@@ -469,7 +471,7 @@ class SharedKvStoreBackend(TieredEngine):
         except (OSError, lmdb.Error) as exc:
             txn.abort()
             self._write_failures += 1
-            self._abandon_segment()
+            self._abandon_segments({seg for seg, _, _ in writes})
             err: StoreError
             if (isinstance(exc, OSError) and exc.errno == errno.ENOSPC) or "No space" in str(exc):
                 err = DiskFullError(f"disk full under {self.path}: nothing was stored")
@@ -478,9 +480,8 @@ class SharedKvStoreBackend(TieredEngine):
             log.error("group commit of %d operations failed: %s", len(batch), exc)
             self._finish(batch, [err] * len(batch), [])
             return
-        if writes:
-            assert self._active is not None
-            self._seg_len[self._active.id] = self._active_pos
+        for seg, data, off in writes:
+            self._seg_len[seg.id] = max(self._seg_len.get(seg.id, 0), off + len(data))
         self._batches += 1
         self._committed_ops += len(batch)
         self._finish(batch, results, effects)
@@ -510,7 +511,7 @@ class SharedKvStoreBackend(TieredEngine):
         txn: Any,
         op: _Op,
         effects: list[Effect],
-        writes: list[tuple[Buffer, int]],
+        writes: list[tuple[_Segment, Buffer, int]],
         touched: set[bytes],
         state: _BatchState,
     ) -> Any:
@@ -540,7 +541,7 @@ class SharedKvStoreBackend(TieredEngine):
                 return PutResult(PutOutcome.NEW, op.digest, bsize)
             self._make_room(txn, size, effects, touched, state)
             seg_id, off = self._allocate(txn, size)
-            writes.append((op.data, off))
+            writes.append((self._segments[seg_id], op.data, off))
             state.new_bytes += size
             txn.put(op.sdig, _BLOB_ROW.pack(size, off, seg_id, 1), db=self._db_blobs)
             txn.put(krow, _PINS.pack(0) + op.sdig, db=self._db_keys)
@@ -656,33 +657,37 @@ class SharedKvStoreBackend(TieredEngine):
         finally:
             os.close(dfd)
 
-    def _write_and_sync(self, writes: list[tuple[Buffer, int]], txn: Any) -> None:
-        assert self._active is not None
-        fd = self._active.fd
-        for data, off in writes:
+    def _write_and_sync(self, writes: list[tuple[_Segment, Buffer, int]], txn: Any) -> None:
+        synced: dict[int, _Segment] = {}
+        for seg, data, off in writes:
             view = memoryview(data).cast("B")
             done = 0
             while done < len(view):
-                n = self._io.pwrite(fd, view[done:], off + done)
+                n = self._io.pwrite(seg.fd, view[done:], off + done)
                 if n <= 0:
                     raise OSError(errno.EIO, "short write")
                 done += n
-        self._io.fdatasync(fd)
-        self._fsyncs += 2  # the segment's, and LMDB's commit
+            synced[seg.id] = seg
+        for seg in synced.values():
+            self._io.fdatasync(seg.fd)
+        self._fsyncs += len(synced) + 1  # the segments', and LMDB's commit
 
-    def _abandon_segment(self) -> None:
-        """After a failed write/sync the active segment's tail is untrusted: seal it."""
-        seg = self._active
-        if seg is None:
-            return
-        committed = self._seg_len.get(seg.id)
+    def _abandon_segments(self, written: set[_Segment]) -> None:
+        """After a failed write/sync the segments' tails are untrusted: seal them.
+
+        The active segment is always sealed; a segment with nothing committed in it
+        (opened by the failed batch) is removed.
+        """
+        if self._active is not None:
+            written.add(self._active)
         self._active = None
-        if committed is None:  # nothing committed in it: remove the file
-            self._segments.pop(seg.id, None)
-            self._seg_live.pop(seg.id, None)
-            self._seg_blocks.pop(seg.id, None)
-            with contextlib.suppress(OSError):
-                seg.path.unlink()
+        for seg in written:
+            if self._seg_len.get(seg.id) is None:
+                self._segments.pop(seg.id, None)
+                self._seg_live.pop(seg.id, None)
+                self._seg_blocks.pop(seg.id, None)
+                with contextlib.suppress(OSError):
+                    seg.path.unlink()
 
     def _drop_dead_segments(self) -> None:
         """Delete sealed segments whose blocks are all gone."""
