@@ -76,7 +76,7 @@ def _as_byte_view(buffer: Any) -> memoryview:
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
-def _as_bytes_view(data: Buffer) -> memoryview:
+def _as_bytes_view(data: Any) -> memoryview:
     """A flat, unsigned-byte (read-only use) view of `data`."""
     mv = memoryview(data)
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
@@ -195,7 +195,7 @@ class EpistemicGraphKVBackend:
         method: str,
         path: str,
         *,
-        body: Buffer | Sequence[Buffer] | None = None,
+        body: Buffer | list[Buffer] | None = None,
         headers: dict[str, str] | None = None,
         preload: bool = True,
         what: str,
@@ -206,12 +206,14 @@ class EpistemicGraphKVBackend:
         all_headers = self._headers if not headers else {**self._headers, **headers}
         sent = 0
         payload: Any = body
-        if body is not None:
-            if isinstance(body, bytes | bytearray | memoryview):
-                sent = memoryview(body).nbytes
-            else:
-                sent = sum(memoryview(b).nbytes for b in body)
-                payload = list(body)
+        if isinstance(body, bytes):
+            sent = len(body)
+        elif isinstance(body, list):
+            payload = [_as_bytes_view(b) for b in body]
+            sent = sum(v.nbytes for v in payload)
+        elif body is not None:  # any object with the buffer protocol
+            payload = _as_bytes_view(body)
+            sent = payload.nbytes
         for attempt in (0, 1):
             try:
                 resp = self._pool.urlopen(
@@ -387,8 +389,8 @@ class EpistemicGraphKVBackend:
         self._count(hits=1, bytes_received=size)
         return size
 
-    def put(self, key: str, data: Buffer) -> bool:
-        """Store `data` under `key`. True when the server holds the key afterwards.
+    def put(self, key: str, data: Any) -> bool:
+        """Store `data` (any bytes-like object) under `key`. True when the server holds it.
 
         A key that already existed is True as well (same bytes: a dedup hit; different
         bytes: first write wins, the stored block stays).
