@@ -172,7 +172,7 @@ def _enabled() -> bool:
 
 def _build_remote() -> BundleCacheBackend:
     try:
-        from epistemic_kvcache.client import EpistemicGraphKVBackend  # type: ignore[attr-defined,unused-ignore]
+        from epistemic_kvcache.client import EpistemicGraphKVBackend
     except ImportError as exc:
         raise ConfigurationError(
             f"{ENV_ENABLED}=true and {ENV_URL}/{ENV_ADDR} are set, but "

@@ -115,6 +115,7 @@ class BlockPrefixCache:
 class _Handler(BaseHTTPRequestHandler):
     server: _StandinHTTPServer
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body are separate writes
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("standin: " + format, *args)
@@ -183,7 +184,7 @@ class PrefixCacheStandin:
         model: str = "standin",
         block_tokens: int = 16,
         max_blocks: int = 65_536,
-        prefill_us_per_token: float = 20.0,
+        prefill_us_per_token: float = 50.0,
         history: int = 1024,
     ) -> None:
         self.model = model
@@ -216,7 +217,10 @@ class PrefixCacheStandin:
     def start(self) -> PrefixCacheStandin:
         """Serve on a background thread."""
         self._thread = threading.Thread(
-            target=self._httpd.serve_forever, name="prefix-cache-standin", daemon=True
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name="prefix-cache-standin",
+            daemon=True,
         )
         self._thread.start()
         return self
@@ -297,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--model", default="standin")
     ap.add_argument("--block-tokens", type=int, default=16)
-    ap.add_argument("--prefill-us-per-token", type=float, default=20.0)
+    ap.add_argument("--prefill-us-per-token", type=float, default=50.0)
     args = ap.parse_args(argv)
     server = PrefixCacheStandin(
         host=args.host,
