@@ -132,8 +132,15 @@ def decode_key_segment(segment: bytes) -> str:
 
 
 def quote_key(key: str) -> str:
-    """Percent-encode a key as one path segment (everything outside RFC 3986 unreserved)."""
-    return quote(key, safe="")
+    """Percent-encode a key as one path segment (everything outside RFC 3986 unreserved).
+
+    The keys `stats` and `batch` are sent with their first letter encoded, so they do not
+    collide with the route names and every key is reachable.
+    """
+    quoted = quote(key, safe="")
+    if quoted.encode("ascii") in _RESERVED_SEGMENTS:
+        return f"%{ord(quoted[0]):02X}{quoted[1:]}"
+    return quoted
 
 
 # -- batch framing ------------------------------------------------------------------------

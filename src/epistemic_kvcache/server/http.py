@@ -717,16 +717,21 @@ class _HttpConnection(asyncio.BufferedProtocol):
                 results[i] = "error:block_too_large"
                 continue
             valid.append(i)
+        existed = store.exists_many(ns, [items[i][0] for i in valid])
         try:
             done = store.put_many(ns, [items[i] for i in valid])
         except StoreError:
-            # put_many stops at its first failure: redo one by one for per-key answers
-            # (items stored before the failure now report "duplicate").
-            for i in valid:
+            # put_many stops at its first failure: redo one by one for per-key answers.
+            # Items it stored already read as duplicates now; `existed` tells them apart.
+            for i, was in zip(valid, existed, strict=True):
                 try:
-                    results[i] = _OUTCOME_WORD[store.put(ns, *items[i]).outcome]
+                    outcome = store.put(ns, *items[i]).outcome
                 except StoreError as exc:
                     results[i] = "error:" + _store_error(exc).code
+                    continue
+                if outcome is PutOutcome.DUPLICATE and not was:
+                    outcome = PutOutcome.NEW
+                results[i] = _OUTCOME_WORD[outcome]
         else:
             for i, res in zip(valid, done, strict=True):
                 results[i] = _OUTCOME_WORD[res.outcome]

@@ -1,0 +1,944 @@
+"""The `/kv` HTTP listener against real clients: urllib3, httpx, http.client, raw sockets.
+
+A real server runs on a uvloop loop in a background thread (port 0 on 127.0.0.1); the
+tests talk to it over TCP exactly like a deployment would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import http.client
+import json
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httptools
+import httpx
+import pytest
+import urllib3
+import uvloop
+from prometheus_client.parser import text_string_to_metric_families
+
+from epistemic_kvcache.errors import (
+    AuthError,
+    CapacityError,
+    DiskFullError,
+    ForbiddenError,
+    StorageIOError,
+    StoreClosedError,
+)
+from epistemic_kvcache.proto.http import (
+    decode_batch_get_response,
+    encode_batch_put_request,
+    quote_key,
+)
+from epistemic_kvcache.server.context import Identity, ServerContext, ServerLimits
+from epistemic_kvcache.server.http import make_http_factory
+from epistemic_kvcache.server.metrics import Metrics
+from epistemic_kvcache.store import SharedKvIndex
+from epistemic_kvcache.store.api import Buffer, PutResult
+
+TOKENS = {"tok-a": "tenant-a", "tok-b": "tenant-b"}
+A = {"Authorization": "Bearer tok-a"}
+B = {"Authorization": "Bearer tok-b"}
+MiB = 1024 * 1024
+
+
+class TokenAuth:
+    """Bearer tokens -> tenants; `tok-forbidden` is valid but not allowed."""
+
+    def authenticate(self, credential: str) -> Identity:
+        if credential == "tok-forbidden":
+            raise ForbiddenError("this token may not use the cache")
+        tenant = TOKENS.get(credential)
+        if tenant is None:
+            raise AuthError("invalid token")
+        return Identity(tenant, f"user-{tenant}", "token")
+
+
+class FaultyIndex(SharedKvIndex):
+    """The real in-RAM store; keys starting with a fault name raise that store error."""
+
+    FAULTS: dict[str, type[Exception]] = {
+        "fault-diskfull": DiskFullError,
+        "fault-capacity": CapacityError,
+        "fault-io": StorageIOError,
+        "fault-closed": StoreClosedError,
+    }
+
+    def put(self, ns: str, key: str, data: Buffer) -> PutResult:
+        for prefix, exc in self.FAULTS.items():
+            if key.startswith(prefix):
+                raise exc(f"injected {prefix}")
+        return super().put(ns, key, data)
+
+
+@dataclass
+class Server:
+    ctx: ServerContext
+    loop: asyncio.AbstractEventLoop
+    server: asyncio.AbstractServer
+    thread: threading.Thread
+    port: int
+    pools: list[Any] = field(default_factory=list)
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def pool(self, **kw: Any) -> urllib3.HTTPConnectionPool:
+        kw.setdefault("maxsize", 4)
+        p = urllib3.HTTPConnectionPool("127.0.0.1", self.port, retries=False, **kw)
+        self.pools.append(p)
+        return p
+
+    def conn(self, timeout: float = 10.0) -> http.client.HTTPConnection:
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        self.pools.append(c)
+        return c
+
+    def raw(self, timeout: float = 10.0) -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", self.port), timeout=timeout)
+        self.pools.append(s)
+        return s
+
+    def stop(self) -> None:
+        for p in self.pools:
+            p.close()
+
+        async def shutdown() -> None:
+            self.server.close()
+            await self.server.wait_closed()
+            await asyncio.sleep(0.05)
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+        self.ctx.executor.shutdown(wait=True)
+        self.ctx.store.close()
+
+
+def start_server(limits: ServerLimits | None = None, store: SharedKvIndex | None = None) -> Server:
+    store = store if store is not None else FaultyIndex()
+    ctx = ServerContext(
+        store=store,
+        auth=TokenAuth(),
+        limits=limits or ServerLimits(),
+        metrics=Metrics(store),
+        executor=concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="test-store"),
+    )
+    loop = uvloop.new_event_loop()
+
+    async def listen() -> asyncio.AbstractServer:
+        return await loop.create_server(make_http_factory(ctx), "127.0.0.1", 0)
+
+    server = loop.run_until_complete(listen())
+    port = server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, name="http-test-loop", daemon=True)
+    thread.start()
+    return Server(ctx, loop, server, thread, port)
+
+
+@pytest.fixture(scope="module")
+def srv() -> Iterator[Server]:
+    s = start_server()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def small() -> Iterator[Server]:
+    """A server with tight limits (1 MiB blocks, short deadlines, few connections)."""
+    limits = ServerLimits(
+        max_block_bytes=1 * MiB,
+        max_header_bytes=4096,
+        max_headers=20,
+        request_timeout_s=1.5,
+        idle_timeout_s=1.0,
+        max_connections=3,
+        max_batch_keys=4,
+        max_batch_bytes=2 * MiB,
+    )
+    s = start_server(limits)
+    yield s
+    s.stop()
+
+
+@dataclass
+class RawResponse:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+def read_responses(
+    sock: socket.socket, n: int, *, head_methods: tuple[bool, ...] = ()
+) -> tuple[list[RawResponse], bool]:
+    """Parse up to `n` responses with llhttp; returns them and whether EOF followed."""
+    out: list[RawResponse] = []
+
+    class P:
+        def __init__(self) -> None:
+            self.headers: dict[str, str] = {}
+            self.body = bytearray()
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self.headers[name.decode().lower()] = value.decode()
+
+        def on_body(self, chunk: bytes) -> None:
+            self.body += chunk
+
+        def on_message_complete(self) -> None:
+            out.append(RawResponse(parser.get_status_code(), self.headers, bytes(self.body)))
+            self.headers, self.body = {}, bytearray()
+
+    proto = P()
+    parser = httptools.HttpResponseParser(proto)
+    eof = False
+    while len(out) < n:
+        try:
+            data = sock.recv(1 << 20)
+        except ConnectionResetError:
+            data = b""
+        if not data:
+            eof = True
+            break
+        parser.feed_data(data)
+    return out, eof
+
+
+def wait_eof(sock: socket.socket, timeout: float = 5.0) -> bool:
+    sock.settimeout(timeout)
+    try:
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def stats(s: Server, headers: dict[str, str] = A) -> dict[str, Any]:
+    r = s.pool().request("GET", "/kv/stats", headers=headers)
+    assert r.status == 200
+    doc: dict[str, Any] = json.loads(r.data)
+    return doc
+
+
+# -- single-key routes ----------------------------------------------------------------------
+
+
+def test_put_get_head_delete_roundtrip(srv: Server) -> None:
+    pool = srv.pool()
+    url = "/kv/" + quote_key("roundtrip-1")
+    r = pool.request("PUT", url, body=b"block-one", headers=A)
+    assert r.status == 201
+    assert r.headers["X-Kv-Outcome"] == "created"
+    digest = r.headers["X-Kv-Digest"]
+    assert len(digest) == 64
+    assert json.loads(r.data) == {"outcome": "created", "digest": digest, "size": 9}
+
+    r = pool.request("PUT", url, body=b"block-one", headers=A)
+    assert (r.status, r.headers["X-Kv-Outcome"]) == (200, "duplicate")
+    r = pool.request("PUT", url, body=b"other bytes", headers=A)
+    assert (r.status, r.headers["X-Kv-Outcome"], r.headers["X-Kv-Digest"]) == (
+        200,
+        "conflict",
+        digest,
+    )
+
+    r = pool.request("GET", url, headers=A)
+    assert (r.status, r.data) == (200, b"block-one")
+    assert r.headers["Content-Type"] == "application/octet-stream"
+    r = pool.request("HEAD", url, headers=A)
+    assert (r.status, r.headers["Content-Length"], r.data) == (200, "9", b"")
+    r = pool.request("GET", url + "/exists", headers=A)
+    assert json.loads(r.data) == {"hash": "roundtrip-1", "exists": True}
+
+    r = pool.request("DELETE", url, headers=A)
+    assert (r.status, r.data) == (204, b"")
+    assert "Content-Length" not in r.headers
+    for method, status in (("GET", 404), ("HEAD", 404), ("DELETE", 404)):
+        r = pool.request(method, url, headers=A)
+        assert r.status == status, method
+    r = pool.request("GET", url, headers=A)
+    assert json.loads(r.data)["error"] == "not_found"
+    r = pool.request("GET", url + "/exists", headers=A)
+    assert json.loads(r.data) == {"hash": "roundtrip-1", "exists": False}
+    # Explicit DELETE then PUT replaces.
+    assert pool.request("PUT", url, body=b"other bytes", headers=A).status == 201
+    assert pool.request("GET", url, headers=A).data == b"other bytes"
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "meta-llama/Llama-3-8B@00000000@0@1a2b3c4d@salt",
+        "a/b/c",
+        "@@@",
+        "ключ-キー-🔑",
+        "spaces and ?query#frag%percent",
+        "stats",
+        "batch",
+        "exists",
+        "x" * 1024,
+    ],
+)
+def test_keys_roundtrip_with_stdlib_client(srv: Server, key: str) -> None:
+    conn = srv.conn()
+    path = "/kv/" + quote_key(key)
+    body = key.encode() * 3
+    conn.request("PUT", path, body=body, headers=A)
+    r = conn.getresponse()
+    assert r.status == 201, r.read()
+    r.read()
+    conn.request("GET", path, headers=A)
+    r = conn.getresponse()
+    assert (r.status, r.read()) == (200, body)
+    conn.request("GET", path + "/exists", headers=A)
+    r = conn.getresponse()
+    assert json.loads(r.read()) == {"hash": key, "exists": True}
+    conn.request("DELETE", path, headers=A)
+    r = conn.getresponse()
+    assert r.status == 204
+    r.read()
+
+
+def test_reserved_segments_and_encoded_escape(srv: Server) -> None:
+    pool = srv.pool()
+    # `/kv/stats` is the stats route; `/kv/%73tats` is the key "stats".
+    assert "unique_blocks" in json.loads(pool.request("GET", "/kv/stats", headers=A).data)
+    assert pool.request("PUT", "/kv/stats", body=b"x", headers=A).status == 405
+    assert pool.request("PUT", "/kv/%73tats", body=b"x", headers=A).status == 201
+    assert pool.request("GET", "/kv/%73tats", headers=A).data == b"x"
+    assert pool.request("GET", "/kv/batch", headers=A).status == 404
+    assert pool.request("DELETE", "/kv/%73tats", headers=A).status == 204
+
+
+@pytest.mark.parametrize(
+    ("path", "why"),
+    [
+        ("/kv/", "empty"),
+        ("/kv/%FF%FE", "UTF-8"),
+        ("/kv/" + "y" * 1025, "1025 bytes"),
+        ("/kv/" + quote_key("é" * 513), "1026 bytes"),
+    ],
+)
+def test_bad_keys_are_400(srv: Server, path: str, why: str) -> None:
+    for method in ("GET", "PUT", "HEAD", "DELETE"):
+        r = srv.pool().request(method, path, body=b"x" if method == "PUT" else None, headers=A)
+        assert r.status == 400, method
+        if method != "HEAD":
+            doc = json.loads(r.data)
+            assert doc["error"] == "bad_key"
+            assert why in doc["message"]
+
+
+def test_unknown_routes_and_methods(srv: Server) -> None:
+    pool = srv.pool()
+    r = pool.request("GET", "/nope", headers=A)
+    assert (r.status, json.loads(r.data)["error"]) == (404, "not_found")
+    assert pool.request("GET", "/kv/a/b/c", headers=A).status == 404
+    r = pool.request("POST", "/kv/somekey", body=b"x", headers=A)
+    assert r.status == 405
+    assert r.headers["Allow"] == "GET, HEAD, PUT, DELETE"
+    assert json.loads(r.data)["error"] == "method_not_allowed"
+    assert pool.request("GET", "/kv/batch/get", headers=A).status == 405
+    # Unknown routes need credentials too: nothing is revealed to anonymous callers.
+    assert pool.request("GET", "/nope").status == 401
+
+
+def test_big_blocks_bit_exact(srv: Server) -> None:
+    block = os.urandom(16 * MiB)
+    conn = srv.conn()
+    conn.request("PUT", "/kv/big%2Fblock", body=block, headers=A)
+    r = conn.getresponse()
+    assert r.status == 201
+    r.read()
+    conn.request("GET", "/kv/big%2Fblock", headers=A)
+    r = conn.getresponse()
+    assert r.status == 200
+    assert r.read() == block
+    # Same bytes again through urllib3 and httpx: stored once (duplicate), read back exact.
+    r2 = srv.pool().request("PUT", "/kv/big%2Fblock", body=block, headers=A)
+    assert r2.headers["X-Kv-Outcome"] == "duplicate"
+    with httpx.Client(base_url=srv.base, headers=A) as client:
+        assert client.get("/kv/big%2Fblock").content == block
+        assert client.put("/kv/big%2Fblock-copy", content=block).status_code == 201
+        assert client.get("/kv/big%2Fblock-copy").content == block
+
+
+def test_concurrent_clients_big_and_small(srv: Server) -> None:
+    blocks = {f"conc-{i}": os.urandom((i + 1) * 512 * 1024) for i in range(6)}
+
+    def worker(key: str) -> None:
+        with httpx.Client(base_url=srv.base, headers=A) as client:
+            assert client.put(f"/kv/{key}", content=blocks[key]).status_code == 201
+            for _ in range(3):
+                assert client.get(f"/kv/{key}").content == blocks[key]
+
+    with concurrent.futures.ThreadPoolExecutor(6) as ex:
+        list(ex.map(worker, blocks))
+
+
+def test_healthz_needs_no_auth_and_metrics_do(srv: Server) -> None:
+    pool = srv.pool()
+    r = pool.request("GET", "/healthz")
+    assert (r.status, json.loads(r.data)) == (200, {"status": "ok"})
+    assert pool.request("HEAD", "/healthz").status == 200
+    assert pool.request("GET", "/metrics").status == 401
+    assert pool.request("GET", "/metrics", headers=A).status == 200
+
+
+# -- auth and tenants -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("headers", "status", "challenge"),
+    [
+        ({}, 401, "Bearer"),
+        ({"Authorization": "Bearer nope"}, 401, 'Bearer error="invalid_token"'),
+        ({"Authorization": "Basic dG9rLWE6"}, 401, 'Bearer error="invalid_request"'),
+        ({"Authorization": "Bearer"}, 401, 'Bearer error="invalid_request"'),
+        ({"Authorization": "Bearer tok-forbidden"}, 403, None),
+    ],
+)
+def test_auth_refusals(srv: Server, headers: dict[str, str], status: int, challenge: str) -> None:
+    for method, path in (("GET", "/kv/k"), ("PUT", "/kv/k"), ("GET", "/kv/stats")):
+        body = b"data" if method == "PUT" else None
+        r = srv.pool().request(method, path, body=body, headers=headers)
+        assert r.status == status
+        assert r.headers.get("WWW-Authenticate") == challenge
+        assert json.loads(r.data)["error"] == ("unauthorized" if status == 401 else "forbidden")
+
+
+def test_auth_checked_before_the_body_is_read(srv: Server) -> None:
+    sock = srv.raw()
+    sock.sendall(b"PUT /kv/k HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n")
+    (resp,), _ = read_responses(sock, 1)
+    assert resp.status == 401
+    assert resp.headers["connection"] == "close"
+    assert wait_eof(sock)
+
+
+def test_unauthenticated_bodyless_request_keeps_the_connection(srv: Server) -> None:
+    sock = srv.raw()
+    sock.sendall(
+        b"GET /kv/k HTTP/1.1\r\nHost: x\r\n\r\n"
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+        b"GET /kv/stats HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok-a\r\n\r\n"
+    )
+    resps, eof = read_responses(sock, 3)
+    assert [r.status for r in resps] == [401, 200, 200]
+    assert not eof
+
+
+def test_tenant_isolation(srv: Server) -> None:
+    pool = srv.pool()
+    before_b = stats(srv, B)
+    assert pool.request("PUT", "/kv/iso-key", body=b"A's secret", headers=A).status == 201
+    for method in ("GET", "HEAD", "DELETE"):
+        assert pool.request(method, "/kv/iso-key", headers=B).status == 404, method
+    r = pool.request("GET", "/kv/iso-key/exists", headers=B)
+    assert json.loads(r.data)["exists"] is False
+    r = pool.request("POST", "/kv/batch/exists", body=json.dumps({"keys": ["iso-key"]}), headers=B)
+    assert json.loads(r.data) == {"exists": [False]}
+    # B's "overwrite" creates B's own key; A's block is untouched.
+    r = pool.request("PUT", "/kv/iso-key", body=b"B's bytes", headers=B)
+    assert (r.status, r.headers["X-Kv-Outcome"]) == (201, "created")
+    assert pool.request("GET", "/kv/iso-key", headers=A).data == b"A's secret"
+    assert pool.request("GET", "/kv/iso-key", headers=B).data == b"B's bytes"
+    assert pool.request("DELETE", "/kv/iso-key", headers=B).status == 204
+    assert pool.request("GET", "/kv/iso-key", headers=A).data == b"A's secret"
+    after_b = stats(srv, B)
+    assert after_b["namespace"] == "tenant-b"
+    assert after_b["unique_blocks"] == before_b["unique_blocks"]
+    assert after_b["total_refs"] == before_b["total_refs"]
+    assert stats(srv, A)["namespace"] == "tenant-a"
+
+
+def test_stats_counts_the_callers_blocks(srv: Server) -> None:
+    pool = srv.pool()
+    before = stats(srv)
+    pool.request("PUT", "/kv/stats-1", body=b"s" * 1000, headers=A)
+    pool.request("PUT", "/kv/stats-2", body=b"s" * 1000, headers=A)  # deduplicated
+    pool.request("GET", "/kv/stats-1", headers=A)
+    pool.request("GET", "/kv/stats-missing", headers=A)
+    after = stats(srv)
+    assert after["total_refs"] - before["total_refs"] == 2
+    assert after["unique_blocks"] - before["unique_blocks"] == 1
+    assert after["logical_bytes"] - before["logical_bytes"] == 2000
+    assert after["dedup_hits"] - before["dedup_hits"] == 1
+    assert after["get_hits"] - before["get_hits"] == 1
+    assert after["get_misses"] - before["get_misses"] == 1
+    assert {"hot", "warm"} <= set(after["tiers"])
+    assert after["tiers"]["hot"]["capacity_bytes"] > 0
+
+
+# -- batch routes ---------------------------------------------------------------------------
+
+
+def test_batch_routes(srv: Server) -> None:
+    pool = srv.pool()
+    keys = ["model/x@00000000@0@aa", "model/x@00000000@0@bb", "ключ", "model/x@00000000@0@aa"]
+    blocks = [os.urandom(1000), b"", os.urandom(300 * 1024), os.urandom(10)]
+    body = b"".join(bytes(p) for p in encode_batch_put_request(keys, blocks))
+    r = pool.request(
+        "POST",
+        "/kv/batch/put",
+        body=body,
+        headers={**A, "Content-Type": "application/x-kvcache-batch"},
+    )
+    assert r.status == 200, r.data
+    assert json.loads(r.data) == {"results": ["created", "created", "created", "conflict"]}
+
+    probe = [*keys[:3], "absent"]
+    r = pool.request("POST", "/kv/batch/exists", body=json.dumps({"keys": probe}), headers=A)
+    assert json.loads(r.data) == {"exists": [True, True, True, False]}
+
+    r = pool.request("POST", "/kv/batch/get", body=json.dumps({"keys": probe}), headers=A)
+    assert r.status == 200
+    assert r.headers["Content-Type"] == "application/x-kvcache-batch"
+    got = decode_batch_get_response(r.data)
+    assert [None if g is None else bytes(g) for g in got] == [*blocks[:3], None]
+
+    # Per-key failures do not fail the others.
+    body = b"".join(
+        bytes(p) for p in encode_batch_put_request(["", "ok-key", "fault-diskfull-1"], [b"a"] * 3)
+    )
+    r = pool.request("POST", "/kv/batch/put", body=body, headers=A)
+    assert json.loads(r.data) == {
+        "results": ["error:bad_key", "created", "error:insufficient_storage"]
+    }
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status"),
+    [
+        ("/kv/batch/exists", b"not json", 400),
+        ("/kv/batch/exists", b'{"keys": "k"}', 400),
+        ("/kv/batch/get", b'{"keys": [1, 2]}', 400),
+        ("/kv/batch/get", b'{"keys": [""]}', 400),
+        ("/kv/batch/put", b"\x00\x00", 400),
+        ("/kv/batch/put", b"\x00\x00\x00\x02{}", 400),
+        ("/kv/batch/put", struct.pack(">I", 27) + b'{"keys":["a"],"sizes":[5]}xx', 400),
+    ],
+)
+def test_batch_malformed(srv: Server, path: str, body: bytes, status: int) -> None:
+    r = srv.pool().request("POST", path, body=body, headers=A)
+    assert r.status == status, r.data
+    assert json.loads(r.data)["error"] in ("bad_request", "bad_key")
+
+
+def test_batch_limits(small: Server) -> None:
+    pool = small.pool()
+    five = json.dumps({"keys": ["a", "b", "c", "d", "e"]})
+    r = pool.request("POST", "/kv/batch/exists", body=five, headers=A)
+    assert (r.status, json.loads(r.data)["error"]) == (413, "batch_too_large")
+    big = os.urandom(MiB)
+    for k in ("g1", "g2", "g3"):
+        assert (
+            pool.request("PUT", f"/kv/{k}", body=big[:-1] + k[-1].encode(), headers=A).status == 201
+        )
+    r = pool.request("POST", "/kv/batch/get", body=json.dumps({"keys": ["g1", "g2"]}), headers=A)
+    assert r.status == 200
+    r = pool.request(
+        "POST", "/kv/batch/get", body=json.dumps({"keys": ["g1", "g2", "g3"]}), headers=A
+    )
+    assert (r.status, json.loads(r.data)["error"]) == (413, "batch_too_large")
+    # A block over max_block_bytes inside a batch put is a per-key error.
+    body = b"".join(
+        bytes(p) for p in encode_batch_put_request(["huge", "fine"], [b"h" * (MiB + 1), b"f"])
+    )
+    r = pool.request("POST", "/kv/batch/put", body=body, headers=A)
+    assert json.loads(r.data) == {"results": ["error:block_too_large", "created"]}
+
+
+# -- bodies: 411, 413, 100-continue -------------------------------------------------------
+
+
+def test_413_refused_before_the_body_is_sent(srv: Server) -> None:
+    sock = srv.raw()
+    t0 = time.monotonic()
+    sock.sendall(
+        b"PUT /kv/huge HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok-a\r\n"
+        b"Content-Length: 10000000000\r\n\r\n"
+    )
+    (resp,), _ = read_responses(sock, 1)
+    assert time.monotonic() - t0 < 2.0
+    assert resp.status == 413
+    assert json.loads(resp.body)["error"] == "block_too_large"
+    assert resp.headers["connection"] == "close"
+    assert wait_eof(sock)
+
+
+def test_413_with_a_real_client_sending_the_body(small: Server) -> None:
+    conn = small.conn()
+    conn.request("PUT", "/kv/too-big", body=b"z" * (MiB + 1), headers=A)
+    r = conn.getresponse()
+    assert r.status == 413
+    assert json.loads(r.read())["error"] == "block_too_large"
+    # The limit is inclusive.
+    r2 = small.pool().request("PUT", "/kv/just-fits", body=b"z" * MiB, headers=A)
+    assert r2.status == 201
+
+
+def test_411_length_required(srv: Server) -> None:
+    sock = srv.raw()
+    sock.sendall(b"PUT /kv/nolen HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok-a\r\n\r\n")
+    (resp,), eof = read_responses(sock, 1)
+    assert (resp.status, json.loads(resp.body)["error"]) == (411, "length_required")
+    assert not eof  # no body followed, so the connection stays usable
+    sock.sendall(b"GET /healthz HTTP/1.1\r\n\r\n")
+    assert read_responses(sock, 1)[0][0].status == 200
+    # Chunked bodies are refused with 411 as well (documented), via the stdlib client.
+    conn = srv.conn()
+    conn.request("PUT", "/kv/chunked", body=iter([b"ab", b"cd"]), headers=A, encode_chunked=True)
+    r = conn.getresponse()
+    assert r.status == 411
+    assert "chunked" in json.loads(r.read())["message"]
+    assert srv.pool().request("GET", "/kv/chunked", headers=A).status == 404
+
+
+def test_expect_100_continue(srv: Server) -> None:
+    sock = srv.raw()
+    sock.sendall(
+        b"PUT /kv/expect HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok-a\r\n"
+        b"Content-Length: 5\r\nExpect: 100-continue\r\n\r\n"
+    )
+    assert sock.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"
+    sock.sendall(b"hello")
+    (resp,), _ = read_responses(sock, 1)
+    assert resp.status == 201
+    # A refused Expect request gets its final answer, not 100.
+    sock2 = srv.raw()
+    sock2.sendall(
+        b"PUT /kv/expect HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer bad\r\n"
+        b"Content-Length: 5\r\nExpect: 100-continue\r\n\r\n"
+    )
+    (resp,), _ = read_responses(sock2, 1)
+    assert resp.status == 401
+
+
+# -- store errors ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "status", "code"),
+    [
+        ("fault-diskfull", 507, "insufficient_storage"),
+        ("fault-capacity", 507, "insufficient_storage"),
+        ("fault-io", 503, "storage_io_error"),
+        ("fault-closed", 503, "unavailable"),
+    ],
+)
+def test_store_errors_map_to_statuses(srv: Server, key: str, status: int, code: str) -> None:
+    r = srv.pool().request("PUT", f"/kv/{key}", body=b"data", headers=A)
+    assert r.status == status
+    assert json.loads(r.data)["error"] == code
+    # The connection and the server stay usable.
+    assert srv.pool().request("GET", "/healthz").status == 200
+
+
+# -- HTTP mechanics -------------------------------------------------------------------------
+
+
+def test_pipelining_in_one_write(srv: Server) -> None:
+    sock = srv.raw()
+    sock.sendall(
+        b"PUT /kv/pipe HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok-a\r\n"
+        b"Content-Length: 6\r\n\r\npiped!"
+        b"GET /kv/pipe HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok-a\r\n\r\n"
+    )
+    resps, eof = read_responses(sock, 2)
+    assert [r.status for r in resps] == [201, 200]
+    assert resps[1].body == b"piped!"
+    assert not eof
+    # Byte at a time works too, and the connection is still good for more.
+    for byte in b"GET /kv/pipe/exists HTTP/1.1\r\nAuthorization: Bearer tok-a\r\n\r\n":
+        sock.sendall(bytes([byte]))
+    (resp,), _ = read_responses(sock, 1)
+    assert json.loads(resp.body) == {"hash": "pipe", "exists": True}
+
+
+def test_pipelined_head_is_answered_without_body(srv: Server) -> None:
+    sock = srv.raw()
+    sock.sendall(
+        b"PUT /kv/pipe-head HTTP/1.1\r\nAuthorization: Bearer tok-a\r\n"
+        b"Content-Length: 4\r\n\r\n1234"
+        b"HEAD /kv/pipe-head HTTP/1.1\r\nAuthorization: Bearer tok-a\r\n\r\n"
+        b"GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n"
+    )
+    data = b""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    answers = data.split(b"HTTP/1.1 ")[1:]
+    assert [a[:3] for a in answers] == [b"201", b"200", b"200"]
+    head_answer = answers[1]
+    assert b"Content-Length: 4\r\n" in head_answer
+    assert head_answer.endswith(b"\r\n\r\n")  # no body after the HEAD answer's head
+
+
+def test_pipelining_head_and_close(srv: Server) -> None:
+    sock = srv.raw()
+    req = b"%s /kv/pipe2 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok-a\r\n%s\r\n"
+    sock.sendall(
+        req % (b"PUT", b"Content-Length: 3\r\n")
+        + b"abc"
+        + req % (b"GET", b"")
+        + req % (b"DELETE", b"")
+        + req % (b"GET", b"Connection: close\r\n")
+        + req % (b"GET", b"")  # after Connection: close: never answered
+    )
+    resps, eof = read_responses(sock, 5)
+    assert [r.status for r in resps] == [201, 200, 204, 404]
+    assert resps[1].body == b"abc"
+    assert eof
+
+
+def test_keep_alive_reuse(srv: Server) -> None:
+    conn = srv.conn()
+    conn.request("GET", "/healthz")
+    conn.getresponse().read()
+    first = conn.sock
+    for i in range(5):
+        conn.request("PUT", f"/kv/ka-{i}", body=b"v" * i, headers=A)
+        conn.getresponse().read()
+        conn.request("GET", f"/kv/ka-{i}", headers=A)
+        assert conn.getresponse().read() == b"v" * i
+    assert conn.sock is first
+    pool = srv.pool(maxsize=1)
+    for _ in range(5):
+        pool.request("GET", "/healthz")
+    assert pool.num_connections == 1
+
+
+def test_http10_closes_unless_keep_alive(srv: Server) -> None:
+    sock = srv.raw()
+    sock.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+    (resp,), _ = read_responses(sock, 1)
+    assert resp.status == 200
+    assert wait_eof(sock)
+    sock = srv.raw()
+    sock.sendall(b"GET /healthz HTTP/1.0\r\nConnection: keep-alive\r\n\r\n" * 2)
+    resps, eof = read_responses(sock, 2)
+    assert [r.status for r in resps] == [200, 200]
+    assert resps[0].headers["connection"] == "keep-alive"
+    assert not eof
+
+
+@pytest.mark.parametrize(
+    ("payload", "status"),
+    [
+        (b"\x00\x01\x02garbage\r\n\r\n", 400),
+        (b"GET\r\n\r\n", 400),
+        (b"GET /healthz HTTP/9.9\r\n\r\n", 400),
+        (b"FROB /healthz HTTP/1.1\r\n\r\n", 400),
+        (b"GET /healthz HTTP/1.1\r\nBad Header\r\n\r\n", 400),
+        (b"PUT /kv/x HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", 400),
+        (b"GET /healthz HTTP/1.1\r\n" + b"X-H: v\r\n" * 21 + b"\r\n", 431),
+        (b"GET /healthz HTTP/1.1\r\nX-Big: " + b"v" * 5000 + b"\r\n\r\n", 431),
+        (b"GET /" + b"u" * 5000 + b" HTTP/1.1\r\n\r\n", 431),
+        (b"GET /healthz HTTP/1.1\r\nX-Endless: " + b"v" * 100_000, 431),
+    ],
+)
+def test_malformed_requests_while_a_good_client_works(
+    small: Server, payload: bytes, status: int
+) -> None:
+    good = small.pool(maxsize=1)
+    assert good.request("GET", "/healthz").status == 200
+    bad = small.raw()
+    bad.sendall(payload)
+    (resp,), _ = read_responses(bad, 1)
+    assert resp.status == status
+    assert resp.headers["connection"] == "close"
+    assert wait_eof(bad)
+    assert good.request("PUT", "/kv/still", body=b"ok", headers=A).status in (200, 201)
+    assert good.request("GET", "/kv/still", headers=A).data == b"ok"
+    assert good.num_connections == 1
+
+
+def test_malformed_after_good_requests_in_one_write(srv: Server) -> None:
+    sock = srv.raw()
+    sock.sendall(b"GET /healthz HTTP/1.1\r\n\r\nGET /healthz HTTP/1.1\r\n\r\n\x00garbage\r\n\r\n")
+    resps, _ = read_responses(sock, 3)
+    assert [r.status for r in resps] == [200, 200, 400]
+    assert wait_eof(sock)
+
+
+def test_slowloris_is_cut_off(small: Server) -> None:
+    sock = small.raw()
+    good = small.pool(maxsize=1)
+    t0 = time.monotonic()
+    answer = b""
+    for byte in b"GET /healthz HTTP/1.1\r\nHost: slow\r\n\r\n":
+        try:
+            sock.sendall(bytes([byte]))
+        except (BrokenPipeError, ConnectionResetError):
+            break
+        sock.settimeout(1.0)  # one byte per second
+        with contextlib.suppress(TimeoutError):
+            answer = sock.recv(4096)
+        if answer:
+            break
+        assert good.request("GET", "/healthz").status == 200
+    elapsed = time.monotonic() - t0
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
+    assert b"Connection: close" in answer
+    assert 1.4 < elapsed < 4.0
+    assert wait_eof(sock)
+
+
+def test_slow_body_is_cut_off(small: Server) -> None:
+    sock = small.raw()
+    sock.sendall(
+        b"PUT /kv/slow HTTP/1.1\r\nAuthorization: Bearer tok-a\r\nContent-Length: 100\r\n\r\nab"
+    )
+    (resp,), _ = read_responses(sock, 1)
+    assert resp.status == 408
+    assert small.pool().request("GET", "/kv/slow", headers=A).status == 404
+
+
+def test_idle_keep_alive_timeout(small: Server) -> None:
+    sock = small.raw()
+    sock.sendall(b"GET /healthz HTTP/1.1\r\n\r\n")
+    (resp,), _ = read_responses(sock, 1)
+    assert resp.status == 200
+    t0 = time.monotonic()
+    assert wait_eof(sock, timeout=5.0)
+    assert 0.5 < time.monotonic() - t0 < 3.0
+
+
+def test_connection_cap(small: Server) -> None:
+    held = [small.raw() for _ in range(3)]
+    for s in held:  # make sure the server has accepted all three
+        s.sendall(b"GET /healthz HTTP/1.1\r\n\r\n")
+        (resp,), _ = read_responses(s, 1)
+        assert resp.status == 200
+    extra = small.raw()
+    (resp,), _ = read_responses(extra, 1)
+    assert (resp.status, json.loads(resp.body)["error"]) == (503, "overloaded")
+    assert wait_eof(extra)
+    held[0].close()
+    deadline = time.monotonic() + 5
+    while small.ctx.open_connections["http"] > 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert small.pool().request("GET", "/healthz").status == 200
+
+
+def test_slow_reader_of_a_big_response(srv: Server) -> None:
+    block = os.urandom(32 * MiB)
+    assert srv.pool().request("PUT", "/kv/slow-reader", body=block, headers=A).status == 201
+    sock = srv.raw()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    sock.sendall(
+        b"GET /kv/slow-reader HTTP/1.1\r\nAuthorization: Bearer tok-a\r\n\r\n"
+        b"GET /healthz HTTP/1.1\r\n\r\n"
+    )
+    time.sleep(0.5)  # the server hits its write high-water mark and must wait for us
+    resps, _ = read_responses(sock, 2)
+    assert [r.status for r in resps] == [200, 200]
+    assert resps[0].body == block
+
+
+# -- metrics --------------------------------------------------------------------------------
+
+
+def test_metrics_parse_and_count(srv: Server) -> None:
+    pool = srv.pool()
+    pool.request("PUT", "/kv/metric-key", body=b"m" * 100, headers=A)
+    pool.request("GET", "/kv/metric-key", headers=A)
+    pool.request("GET", "/kv/metric-missing", headers=A)
+    r = pool.request("GET", "/metrics", headers=A)
+    assert r.status == 200
+    assert r.headers["Content-Type"].startswith("text/plain")
+    fams = {f.name: f for f in text_string_to_metric_families(r.data.decode())}
+    requests = {
+        (s.labels["wire"], s.labels["route"], s.labels["status"]): s.value
+        for s in fams["kvcache_requests"].samples
+        if s.name == "kvcache_requests_total"
+    }
+    assert requests[("http", "/kv/{key}", "200")] >= 1
+    assert requests[("http", "/kv/{key}", "404")] >= 1
+    assert requests[("http", "/kv/{key}", "201")] >= 1
+    hist = fams["kvcache_request_duration_seconds"]
+    assert any(s.name.endswith("_count") for s in hist.samples)
+    store_stats = srv.ctx.store.stats(None)
+
+    def value(name: str, **labels: str) -> float:
+        for s in fams[name].samples:
+            if all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+        raise KeyError(name)
+
+    assert value("kvcache_get_hits") >= 1
+    assert value("kvcache_get_misses") >= 1
+    assert value("kvcache_store_up") == 1
+    assert value("kvcache_unique_blocks") >= 1
+    assert (
+        value("kvcache_tier_capacity_bytes", tier="hot") == store_stats.tiers["hot"].capacity_bytes
+    )
+    assert value("kvcache_open_connections", wire="http") >= 1
+    for name in (
+        "kvcache_dedup_hits",
+        "kvcache_put_new",
+        "kvcache_put_conflicts",
+        "kvcache_integrity_failures",
+        "kvcache_evictions",
+        "kvcache_promotions",
+        "kvcache_demotions",
+        "kvcache_resident_bytes",
+        "kvcache_logical_bytes",
+        "kvcache_tier_blocks",
+        "kvcache_tier_bytes",
+    ):
+        assert name in fams, name
+
+
+class BrokenStatsIndex(SharedKvIndex):
+    def stats(self, ns: str | None = None) -> Any:
+        raise StoreClosedError("closed")
+
+
+def test_metrics_survive_a_failing_store() -> None:
+    store = BrokenStatsIndex()
+    m = Metrics(store)
+    m.observe_request("resp", "GET", "ok", 0.001)
+    body, ctype = m.render()
+    fams = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    assert fams["kvcache_store_up"].samples[0].value == 0
+    assert "kvcache_get_hits" not in fams
+    assert ("resp", "GET", "ok") in {
+        (s.labels["wire"], s.labels["route"], s.labels["status"])
+        for s in fams["kvcache_requests"].samples
+    }
+    assert ctype.startswith("text/plain")
+    store.close()
+
+
+def test_two_metrics_instances_do_not_clash() -> None:
+    a, b = SharedKvIndex(), SharedKvIndex()
+    ma, mb = Metrics(a), Metrics(b)
+    ma.observe_request("http", "/healthz", "200", 0.0)
+    assert b"kvcache_requests_total{" in ma.render()[0]
+    assert b"kvcache_requests_total{" not in mb.render()[0]
+    a.close()
+    b.close()
