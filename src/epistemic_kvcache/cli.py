@@ -54,11 +54,28 @@ def _serve(args: argparse.Namespace) -> int:
     return run(config)
 
 
+def _validate_arguments(parser: argparse.ArgumentParser) -> None:
+    from epistemic_kvcache.validate import add_arguments
+
+    add_arguments(parser)
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from epistemic_kvcache.validate import run
+
+    return run(args)
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "serve": Subcommand(
         help="run the cache server (HTTP /kv and Redis RESP listeners)",
         add_arguments=_serve_arguments,
         run=_serve,
+    ),
+    "validate-adapter": Subcommand(
+        help="check a running server through the LMCache L2 connector (put, read back, dedup)",
+        add_arguments=_validate_arguments,
+        run=_validate,
     ),
 }
 
