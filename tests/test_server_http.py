@@ -942,3 +942,56 @@ def test_two_metrics_instances_do_not_clash() -> None:
     assert b"kvcache_requests_total{" not in mb.render()[0]
     a.close()
     b.close()
+
+
+# -- TLS ------------------------------------------------------------------------------------
+
+
+def test_tls_listener_with_verified_clients() -> None:
+    import ssl
+
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    cert.configure_cert(server_ctx)
+    store = SharedKvIndex()
+    ctx = ServerContext(
+        store=store,
+        auth=TokenAuth(),
+        limits=ServerLimits(),
+        metrics=Metrics(store),
+        executor=concurrent.futures.ThreadPoolExecutor(2),
+    )
+    loop = uvloop.new_event_loop()
+
+    async def listen() -> asyncio.AbstractServer:
+        return await loop.create_server(make_http_factory(ctx), "127.0.0.1", 0, ssl=server_ctx)
+
+    server = loop.run_until_complete(listen())
+    port = server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    s = Server(ctx, loop, server, thread, port)
+    try:
+        client_ctx = ssl.create_default_context()
+        ca.configure_trust(client_ctx)
+        block = os.urandom(4 * MiB + 3)
+        with httpx.Client(base_url=f"https://127.0.0.1:{port}", verify=client_ctx, headers=A) as c:
+            assert c.put("/kv/tls%2Fkey", content=block).status_code == 201
+            assert c.get("/kv/tls%2Fkey").content == block
+            assert c.get("/kv/tls%2Fkey/exists").json() == {"hash": "tls/key", "exists": True}
+        conn = http.client.HTTPSConnection("127.0.0.1", port, context=client_ctx, timeout=10)
+        s.pools.append(conn)
+        conn.request("GET", "/kv/tls%2Fkey", headers=A)
+        first = conn.sock
+        assert conn.getresponse().read() == block
+        conn.request("GET", "/kv/tls%2Fkey")
+        r = conn.getresponse()
+        assert (r.status, json.loads(r.read())["error"]) == (401, "unauthorized")
+        conn.request("GET", "/healthz")
+        assert conn.getresponse().read() == b'{"status":"ok"}'
+        assert conn.sock is first
+    finally:
+        s.stop()
