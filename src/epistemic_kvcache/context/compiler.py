@@ -118,11 +118,17 @@ def compute_bundle_cache_key(
     if len(set(ids)) != len(ids):
         raise ValueError("invalid evidence_ids: duplicates")
     digests = evidence_digests or {}
+    # The pool can hold thousands of ids: hash it as length-prefixed strings (unambiguous,
+    # and several times faster than JSON-encoding a list of pairs), then hash that digest.
+    pool = hashlib.sha256()
+    for i in ids:
+        d = digests.get(i, "")
+        pool.update(f"{len(i)}:{i}{len(d)}:{d}".encode())
     doc = {
         "v": COMPILER_VERSION,
         "query": query,
         "tenant": tenant,
-        "evidence": [[i, digests.get(i, "")] for i in ids],
+        "evidence": [len(ids), pool.hexdigest()],
         "policy_version": policy_version,
         "token_budget": token_budget,
         "top_k": top_k,
@@ -344,14 +350,15 @@ class ContextCompiler:
         tenant_drops = 0
         pool: dict[str, Candidate] = {}
         max_age_us = None if policy.max_age_days is None else policy.max_age_days * US_PER_DAY
+        tenant = session.tenant
+        denied = policy.denied_labels
+        prefixes = None if policy.allowed_sources is None else tuple(policy.allowed_sources)
         for c in candidates:
-            if c.tenant is not None and c.tenant != session.tenant:
+            if c.tenant is not None and c.tenant != tenant:
                 tenant_drops += 1
-            elif c.labels & policy.denied_labels:
+            elif denied and c.labels and not denied.isdisjoint(c.labels):
                 drops["session_policy:label"] += 1
-            elif policy.allowed_sources is not None and not any(
-                c.source.startswith(p) for p in policy.allowed_sources
-            ):
+            elif prefixes is not None and not c.source.startswith(prefixes):
                 drops["session_policy:source"] += 1
             elif max_age_us is not None and as_of_us - c.timestamp_us > max_age_us:
                 drops["session_policy:age"] += 1

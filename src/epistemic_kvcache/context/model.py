@@ -387,6 +387,13 @@ def _b(v: Any) -> bool:
     return v
 
 
+def _str_tuple(v: Any) -> tuple[str, ...]:
+    items = _seq(v)
+    if not all(type(x) is str for x in items):
+        raise TypeError("expected a list of strings")
+    return tuple(items)
+
+
 def _seq(v: Any, n: int | None = None) -> Sequence[Any]:
     if not isinstance(v, list) or (n is not None and len(v) != n):
         raise TypeError(f"expected list of {n if n is not None else 'any'} items")
@@ -433,7 +440,7 @@ def _decode(raw: Any) -> ContextBundle:
                 freshness=_f(it[6]),
                 score=_f(it[7]),
                 tokens=_i(it[8]),
-                supported_by=tuple(_s(x) for x in _seq(it[9])),
+                supported_by=_str_tuple(it[9]),
                 withheld_support=_i(it[10]),
             )
         )
@@ -453,7 +460,7 @@ def _decode(raw: Any) -> ContextBundle:
         items=tuple(items),
         proof_graph=ProofGraph(nodes, edges),
         token_count=_i(doc["token_count"]),
-        evidence_ids=tuple(_s(x) for x in _seq(doc["evidence_ids"])),
+        evidence_ids=_str_tuple(doc["evidence_ids"]),
         policy_drops=tuple(
             (_s(d[0]), _i(d[1])) for d in (_seq(x, 2) for x in _seq(doc["policy_drops"]))
         ),
