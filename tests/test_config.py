@@ -376,3 +376,10 @@ def test_check_bind() -> None:
     check_bind(public, flag="--addr", tls=True, allow_insecure_bind=False)
     check_bind(public, flag="--addr", tls=False, allow_insecure_bind=True)
     check_bind(Address("127.0.0.1", 0), flag="--addr", tls=False, allow_insecure_bind=False)
+
+
+def test_docs_list_every_setting() -> None:
+    docs = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
+    for s in SETTINGS:
+        assert f"| `{s.flag}` | `{s.env}`" in docs, s.flag
+        assert f"`{s.name}`" in docs, s.name

@@ -512,4 +512,4 @@ def test_format_stats() -> None:
     line = format_stats(stats)
     assert "hit_rate=0.750" in line
     assert "dedup_rate=0.250" in line
-    assert "hot=1MiB/1GiB(0%,2blk)" in line
+    assert "hot=1.0MiB/1GiB(0%,2blk)" in line

@@ -221,6 +221,16 @@ def build_store(config: ServerConfig) -> SharedKvBackend:
     return SharedKvStoreBackend(config.persist_dir, **options)
 
 
+def human_size(n: int) -> str:
+    """Bytes with one decimal in the largest binary unit that keeps the number >= 1."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{n}B" if unit == "B" else f"{value:.1f}{unit}"
+        value /= 1024
+    return f"{value:.1f}TiB"
+
+
 def format_stats(stats: StoreStats) -> str:
     """One log line: hit rate, dedup rate and tier occupancy (whole store)."""
     gets = stats.get_hits + stats.get_misses
@@ -238,7 +248,7 @@ def format_stats(stats: StoreStats) -> str:
     for name, tier in stats.tiers.items():
         used = tier.bytes / tier.capacity_bytes if tier.capacity_bytes else 0.0
         parts.append(
-            f"{name}={format_size(tier.bytes)}/{format_size(tier.capacity_bytes)}"
+            f"{name}={human_size(tier.bytes)}/{format_size(tier.capacity_bytes)}"
             f"({used:.0%},{tier.blocks}blk)"
         )
     if stats.integrity_failures:
