@@ -367,18 +367,25 @@ class SharedKvStoreBackend(TieredEngine):
         return result
 
     def put_many(self, ns: str, items: Sequence[tuple[str, Buffer]]) -> list[PutResult]:
-        """Queue every item before waiting, so the batch shares one group commit."""
+        """Queue every item before waiting, so the batch shares one group commit.
+
+        Every item is settled (stored or failed) before this returns or raises the first
+        failure; items after a failed one may have been stored.
+        """
         ns_raw = validate_namespace(ns)
         ops = []
         for key, data in items:
             self._validate(ns, key)
             self._check_size(data)
         self._check_open()
-        for key, data in items:
+        for key, data in items:  # hash everything first: then the committer sees them all
             digest = digest_of(data)
-            op = _Op("put", ns, key, sdig=self._scoped(ns_raw, digest), digest=digest, data=data)
+            ops.append(
+                _Op("put", ns, key, sdig=self._scoped(ns_raw, digest), digest=digest, data=data)
+            )
+        for op in ops:
             self._submit(op)
-            ops.append(op)
+        concurrent.futures.wait([op.future for op in ops])
         results = [op.future.result() for op in ops]
         self._rebalance()
         return results
