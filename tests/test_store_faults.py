@@ -1,0 +1,422 @@
+"""Fault injection: failing writes and syncs, flipped bytes on disk and in the warm tier.
+
+Write and sync failures go through the durable backend's `DiskIO` seam (a subclass that
+raises EIO or ENOSPC on the next N calls, or until cleared); a real ENOSPC comes from a
+small tmpfs when the test runs as root. Corruption is made with plain file I/O on the
+segment files, and by reaching into the engine's warm tier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import blake3
+import numpy as np
+import pytest
+
+from epistemic_kvcache.errors import DiskFullError, StorageIOError
+from epistemic_kvcache.store import (
+    DiskIO,
+    PutOutcome,
+    SharedKvBackend,
+    SharedKvIndex,
+    SharedKvStoreBackend,
+)
+from epistemic_kvcache.store.api import Buffer
+
+NS = "tenant"
+
+
+class FaultyIO(DiskIO):
+    """`DiskIO` whose `pwrite` / `fdatasync` fail on demand.
+
+    `fail(call, err, times=N)` fails the next N calls, `times=None` until `clear()`. A
+    failing `pwrite` first writes half of its buffer, like a write cut short by a full or
+    failing disk, so garbage really lands past the committed length.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._faults: dict[str, tuple[int, int | None]] = {}
+        self.calls: dict[str, int] = {"pwrite": 0, "fdatasync": 0}
+        self.failed: dict[str, int] = {"pwrite": 0, "fdatasync": 0}
+
+    def fail(self, call: str, err: int, times: int | None = None) -> None:
+        assert call in self.calls
+        with self._lock:
+            self._faults[call] = (err, times)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._faults.clear()
+
+    def _check(self, call: str) -> int | None:
+        with self._lock:
+            self.calls[call] += 1
+            fault = self._faults.get(call)
+            if fault is None:
+                return None
+            err, times = fault
+            if times is not None:
+                if times <= 1:
+                    del self._faults[call]
+                else:
+                    self._faults[call] = (err, times - 1)
+            self.failed[call] += 1
+            return err
+
+    def pwrite(self, fd: int, data: Buffer, offset: int) -> int:
+        err = self._check("pwrite")
+        if err is not None:
+            half = memoryview(data)[: len(data) // 2]
+            if len(half):
+                os.pwrite(fd, half, offset)
+            raise OSError(err, os.strerror(err))
+        return super().pwrite(fd, data, offset)
+
+    def fdatasync(self, fd: int) -> None:
+        err = self._check("fdatasync")
+        if err is not None:
+            raise OSError(err, os.strerror(err))
+        super().fdatasync(fd)
+
+
+def block(tag: str, size: int = 64 << 10) -> bytes:
+    """Deterministic incompressible bytes for `tag`."""
+    return np.random.default_rng(int.from_bytes(blake3.blake3(tag.encode()).digest(8))).bytes(size)
+
+
+def bf16_block(seed: int, size: int = 48 << 10) -> bytes:
+    """bf16-shaped KV data: normal values truncated to bfloat16 (compresses ~0.75)."""
+    vals = np.random.default_rng(seed).standard_normal(size // 2).astype(np.float32)
+    return (vals.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+
+
+def open_durable(path: Path, io: DiskIO | None = None, **kw: int) -> SharedKvStoreBackend:
+    opts: dict[str, int] = {"map_size_bytes": 64 << 20, **kw}
+    return SharedKvStoreBackend(path, io=io, **opts)  # type: ignore[arg-type]
+
+
+def assert_reads(store: SharedKvBackend, expected: dict[str, bytes]) -> None:
+    for key, want in expected.items():
+        got = store.get(NS, key)
+        assert got is not None, key
+        assert bytes(got) == want, key
+
+
+ERRORS = {errno.EIO: StorageIOError, errno.ENOSPC: DiskFullError}
+
+
+@pytest.mark.parametrize("call", ["pwrite", "fdatasync"])
+@pytest.mark.parametrize("err", [errno.EIO, errno.ENOSPC], ids=["EIO", "ENOSPC"])
+@pytest.mark.parametrize("times", [2, None], ids=["transient", "persistent"])
+def test_failed_write_or_sync_is_not_acked_and_never_served(
+    tmp_path: Path, call: str, err: int, times: int | None
+) -> None:
+    io = FaultyIO()
+    store = open_durable(tmp_path, io)
+    good = {f"old-{i}": block(f"old-{i}") for i in range(4)}
+    for key, data in good.items():
+        assert store.put(NS, key, data).outcome is PutOutcome.NEW
+    bad = {f"bad-{i}": block(f"bad-{i}") for i in range(3)}
+
+    io.fail(call, err, times)
+    with pytest.raises(ERRORS[err]):
+        store.put(NS, "bad-0", bad["bad-0"])
+    if times is None:
+        with pytest.raises(ERRORS[err]):
+            store.put_many(NS, [("bad-1", bad["bad-1"]), ("bad-2", bad["bad-2"])])
+        with pytest.raises(ERRORS[err]):  # still failing until the fault clears
+            store.put(NS, "bad-0", bad["bad-0"])
+    else:
+        with pytest.raises(ERRORS[err]):
+            store.put(NS, "bad-1", bad["bad-1"])
+        del bad["bad-2"]
+        # the fault has passed: the very next PUT works without anything being reset
+        assert store.put(NS, "transient-over", block("t")).outcome is PutOutcome.NEW
+        good["transient-over"] = block("t")
+    assert io.failed[call] == (times or io.failed[call]) >= 2
+    # a PUT of bytes already stored needs no data write: only the index commit
+    assert store.put(NS, "dup-of-old-0", good["old-0"]).outcome is PutOutcome.NEW
+    good["dup-of-old-0"] = good["old-0"]
+    for key in bad:
+        assert store.get(NS, key) is None
+        assert not store.exists(NS, key)
+    assert_reads(store, good)
+    assert store.stats(None).extra["write_failures"] >= 2
+    assert store.stats(NS).put_new == len(good)
+
+    io.clear()
+    assert store.put(NS, "after", block("after")).outcome is PutOutcome.NEW
+    good["after"] = block("after")
+    report = store.check(deep=True)
+    assert report.ok, report
+    assert report.keys == len(good)
+    store.close()
+
+    store = open_durable(tmp_path, io)
+    try:
+        for key in bad:
+            assert store.get(NS, key) is None
+        assert sorted(store.keys(NS)) == sorted(good)
+        assert_reads(store, good)
+        assert store.put(NS, "after-reopen", block("x")).outcome is PutOutcome.NEW
+        assert_reads(store, {"after-reopen": block("x")})
+        report = store.check(deep=True)
+        assert report.ok, report
+    finally:
+        store.close()
+
+
+def test_fault_during_reopened_store_then_recovery(tmp_path: Path) -> None:
+    """A persistent fault right after reopening: nothing is lost, service resumes."""
+    store = open_durable(tmp_path)
+    store.put(NS, "a", block("a"))
+    store.close()
+    io = FaultyIO()
+    io.fail("fdatasync", errno.EIO)
+    store = open_durable(tmp_path, io)
+    for i in range(3):
+        with pytest.raises(StorageIOError):
+            store.put(NS, f"b{i}", block(f"b{i}"))
+    store.close()  # close while the disk is still failing
+    store = open_durable(tmp_path, io)
+    with pytest.raises(StorageIOError):
+        store.put(NS, "b0", block("b0"))
+    io.clear()
+    store.put(NS, "c", block("c"))
+    assert sorted(store.keys(NS)) == ["a", "c"]
+    assert_reads(store, {"a": block("a"), "c": block("c")})
+    assert store.check(deep=True).ok
+    store.close()
+
+
+def test_concurrent_writers_in_a_failing_batch_all_fail(tmp_path: Path) -> None:
+    """Every PUT of a batch whose sync failed raises; none is visible, later ones work."""
+    io = FaultyIO()
+    store = open_durable(tmp_path, io)
+    io.fail("fdatasync", errno.EIO)
+    errors: list[BaseException] = []
+
+    def put(i: int) -> None:
+        try:
+            store.put(NS, f"k{i}", block(f"k{i}"))
+        except StorageIOError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=put, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(errors) == 8
+    assert store.keys(NS) == []
+    assert store.stats(None).total_refs == 0
+    io.clear()
+    threads = [threading.Thread(target=put, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(errors) == 8
+    assert_reads(store, {f"k{i}": block(f"k{i}") for i in range(8)})
+    assert store.check(deep=True).ok
+    store.close()
+
+
+def _flip_on_disk(store_dir: Path, data: bytes, at: int) -> None:
+    """Flip one byte of the stored copy of `data` in its segment file (plain file I/O)."""
+    for seg in sorted((store_dir / "segments").glob("*.seg")):
+        raw = seg.read_bytes()
+        off = raw.find(data)
+        if off >= 0:
+            with seg.open("r+b") as f:
+                f.seek(off + at)
+                f.write(bytes([raw[off + at] ^ 0x01]))
+            return
+    raise AssertionError("block not found in any segment")
+
+
+def test_flipped_byte_on_disk_is_detected_and_quarantined(tmp_path: Path) -> None:
+    store = open_durable(tmp_path)
+    data = {k: block(k) for k in ("a", "b", "c")}
+    for key, value in data.items():
+        store.put(NS, key, value)
+    store.put(NS, "b-twin", data["b"])  # same bytes: the same (soon corrupt) blob
+    store.put("other", "b", data["b"])  # another tenant's copy is its own blob
+    assert store.evict(NS, "b")  # out of RAM: the next GET reads the segment
+    _flip_on_disk(tmp_path, data["b"], at=1000)
+
+    assert store.get(NS, "b") is None
+    stats = store.stats(NS)
+    assert stats.integrity_failures == 1
+    assert store.stats(None).integrity_failures == 1
+    assert store.stats("other").integrity_failures == 0
+    assert stats.get_misses == 1
+    assert not store.exists(NS, "b")
+    assert not store.exists(NS, "b-twin")  # its bytes were the corrupt ones
+    assert store.get(NS, "b") is None
+    assert store.stats(NS).integrity_failures == 1  # a quarantined key is a plain miss
+    assert_reads(store, {"a": data["a"], "c": data["c"]})
+    got = store.get("other", "b")
+    assert got is not None
+    assert bytes(got) == data["b"]
+    report = store.check(deep=True)
+    assert report.ok, report
+    store.close()
+
+    store = open_durable(tmp_path)  # the quarantine is durable
+    try:
+        assert store.get(NS, "b") is None
+        assert sorted(store.keys(NS)) == ["a", "c"]
+        assert_reads(store, {"a": data["a"], "c": data["c"]})
+        assert store.check(deep=True).ok
+        # the key can be written again, and then reads back
+        assert store.put(NS, "b", data["b"]).outcome is PutOutcome.NEW
+        assert_reads(store, {"b": data["b"]})
+    finally:
+        store.close()
+
+
+def test_deep_check_reports_a_flipped_byte_on_disk(tmp_path: Path) -> None:
+    store = open_durable(tmp_path)
+    store.put(NS, "a", block("a"))
+    store.put(NS, "b", block("b"))
+    _flip_on_disk(tmp_path, block("a"), at=7)
+    report = store.check(deep=True)
+    assert not report.ok
+    assert len(report.corrupt_blobs) == 1
+    assert store.check(deep=False).ok  # a shallow check does not read blobs
+    store.close()
+
+
+@pytest.mark.parametrize("backend", ["memory", "durable"])
+@pytest.mark.parametrize("kind", ["compressed", "raw"])
+def test_flipped_byte_in_warm_tier_is_detected(tmp_path: Path, backend: str, kind: str) -> None:
+    store: SharedKvBackend
+    caps = {"hot_capacity_bytes": 64 << 10, "warm_capacity_bytes": 1 << 20}
+    if backend == "memory":
+        store = SharedKvIndex(**caps)
+    else:
+        if kind == "raw":
+            pytest.skip("the durable backend does not keep incompressible blocks in warm")
+        store = open_durable(tmp_path, **caps)
+    make = (
+        (lambda i: bf16_block(i)) if kind == "compressed" else (lambda i: block(str(i), 48 << 10))
+    )
+    data = {f"k{i}": make(i) for i in range(3)}
+    for key, value in data.items():
+        store.put(NS, key, value)
+    warm = store._warm  # type: ignore[attr-defined]
+    assert len(warm) == 2, "two of the three blocks should have been demoted to warm"
+    victim = next(iter(warm.values()))
+    (victim_ns, victim_key) = victim.key_refs()[0]
+    copy = bytearray(victim.warm)
+    if kind == "compressed":
+        assert len(copy) < len(data[victim_key])
+    copy[len(copy) // 2] ^= 0x10
+    victim.warm = bytes(copy)
+
+    assert store.get(victim_ns, victim_key) is None
+    assert store.stats(NS).integrity_failures == 1
+    assert not store.exists(NS, victim_key)
+    del data[victim_key]
+    assert_reads(store, data)
+    report = store.check(deep=True)
+    assert report.ok, report
+    assert store.stats(NS).total_refs == 2
+    store.close()
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    path.mkdir()
+    try:
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+            check=True,
+            capture_output=True,
+        )
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"cannot mount a tmpfs here: {exc}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("mount") is None, reason="needs root")
+def test_real_disk_full_then_space_returns(tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "mnt", "8m") as mnt:
+        store = open_durable(mnt / "store", segment_bytes=1 << 20, map_size_bytes=1 << 20)
+        stored: dict[str, bytes] = {}
+        failed = ""
+        for i in range(32):
+            key = f"k{i}"
+            try:
+                store.put(NS, key, block(key, 1 << 20))
+            except DiskFullError:
+                failed = key
+                break
+            stored[key] = block(key, 1 << 20)
+        assert failed, "8 MiB should not hold 32 MiB"
+        assert 3 <= len(stored) < 8
+        assert store.get(NS, failed) is None
+        with pytest.raises(DiskFullError):  # still full
+            store.put(NS, "again", block("again", 1 << 20))
+        assert_reads(store, stored)
+        # make room: delete two keys (their segments go), and PUTs work again
+        for key in sorted(stored)[:2]:
+            assert store.delete(NS, key)
+            del stored[key]
+        assert store.put(NS, "after", block("after", 1 << 20)).outcome is PutOutcome.NEW
+        stored["after"] = block("after", 1 << 20)
+        assert store.get(NS, failed) is None
+        assert_reads(store, stored)
+        assert store.check(deep=True).ok
+        store.close()
+        store = open_durable(mnt / "store", segment_bytes=1 << 20, map_size_bytes=1 << 20)
+        try:
+            assert sorted(store.keys(NS)) == sorted(stored)
+            assert_reads(store, stored)
+            assert store.check(deep=True).ok
+        finally:
+            store.close()
+
+
+@pytest.mark.parametrize("call", ["pwrite", "fdatasync"])
+def test_fault_in_a_batch_spanning_segments(tmp_path: Path, call: str) -> None:
+    """Small segments: a failing batch that rolled over leaves no stray segment behind."""
+    io = FaultyIO()
+    opts = {"segment_bytes": 100 << 10}
+    store = open_durable(tmp_path, io, **opts)
+    good = {f"g{i}": block(f"g{i}") for i in range(3)}
+    store.put_many(NS, list(good.items()))
+    io.fail(call, errno.EIO)
+    with pytest.raises(StorageIOError):
+        store.put_many(NS, [(f"bad{i}", block(f"bad{i}")) for i in range(4)])
+    io.clear()
+    more = {f"m{i}": block(f"m{i}") for i in range(3)}
+    store.put_many(NS, list(more.items()))
+    good.update(more)
+    assert sorted(store.keys(NS)) == sorted(good)
+    assert store.check(deep=True).ok
+    store.close()
+    store = open_durable(tmp_path, **opts)
+    try:
+        assert sorted(store.keys(NS)) == sorted(good)
+        for key in good:
+            assert store.evict(NS, key)  # read from the segments, not from RAM
+        assert_reads(store, good)
+        assert store.check(deep=True).ok
+        files = list((tmp_path / "segments").glob("*.seg"))
+        assert len(files) == store.stats(None).extra["segments"]
+    finally:
+        store.close()
