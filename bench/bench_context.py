@@ -42,11 +42,12 @@ from epistemic_kvcache.context.model import to_epoch_us
 
 TOKEN = "bench-context-token"
 AS_OF = datetime(2024, 6, 1, tzinfo=UTC)
-VOCAB = [
-    *(["kv", "cache", "prefix", "block", "tenant", "gpu", "vllm", "lmcache", "disk", "redis", "fsync", "latency", "eviction"]),
-    *(["compression", "checkpoint", "graph", "paging", "policy", "ingestion", "bundle", "evidence", "restart"]),
-    *(["durability", "namespace", "digest", "snapshot", "branch", "tier", "hot", "warm", "cold", "throughput"]),
-]
+VOCAB_TEXT = (
+    "kv cache prefix block tenant gpu vllm lmcache disk redis fsync latency throughput "
+    "eviction compression checkpoint graph paging policy ingestion interactive bundle "
+    "evidence restart durability namespace digest snapshot branch tier hot warm cold"
+)
+VOCAB = VOCAB_TEXT.split()
 
 
 def candidates(n: int, seed: int = 5) -> list[Candidate]:

@@ -54,41 +54,12 @@ TOPICS = [
     "eviction under memory pressure",
     "checkpoint restore after restart",
 ]
-VOCAB = [
-    "kv",
-    "cache",
-    "prefix",
-    "block",
-    "tenant",
-    "gpu",
-    "vllm",
-    "lmcache",
-    "disk",
-    "redis",
-    "fsync",
-    "latency",
-    "throughput",
-    "eviction",
-    "compression",
-    "checkpoint",
-    "graph",
-    "paging",
-    "policy",
-    "ingestion",
-    "interactive",
-    "bundle",
-    "evidence",
-    "restart",
-    "durability",
-    "namespace",
-    "digest",
-    "snapshot",
-    "branch",
-    "tier",
-    "hot",
-    "warm",
-    "cold",
-]
+VOCAB_TEXT = (
+    "kv cache prefix block tenant gpu vllm lmcache disk redis fsync latency throughput "
+    "eviction compression checkpoint graph paging policy ingestion interactive bundle "
+    "evidence restart durability namespace digest snapshot branch tier hot warm cold"
+)
+VOCAB = VOCAB_TEXT.split()
 
 
 @dataclass
