@@ -231,6 +231,7 @@ def test_busy_port_names_the_flag(tmp_path: Path) -> None:
         )
         assert rc == 1, out
         assert f"--resp-addr 127.0.0.1:{port}: address already in use" in out
+        assert "listening" not in out
         rc, out = fail_to_start(
             tmp_path,
             "--token",

@@ -273,7 +273,6 @@ def _sock_address(sockname: Any) -> Address:
 
 async def _listen(
     loop: asyncio.AbstractEventLoop,
-    name: str,
     flag: str,
     addr: Address,
     factory: Callable[[], asyncio.BaseProtocol],
@@ -299,13 +298,7 @@ async def _listen(
         else:
             reason = exc.strerror or str(exc)
         raise ListenerError(f"{flag} {addr}: {reason}") from None
-    bound = tuple(_sock_address(s.getsockname()) for s in server.sockets)
-    mode = "off"
-    if tls is not None:
-        mode = "mtls" if tls.verify_mode == ssl.CERT_REQUIRED else "on"
-    for a in bound:
-        log.info("listening %s=%s tls=%s", name, a, mode)
-    return server, bound
+    return server, tuple(_sock_address(s.getsockname()) for s in server.sockets)
 
 
 async def serve(
@@ -363,7 +356,6 @@ async def serve(
         backlog = max(128, min(config.limits.max_connections, 4096))
         http_server, http_addrs = await _listen(
             loop,
-            "http",
             "--addr",
             config.addr,
             _tracking(make_http_factory(ctx), connections),
@@ -375,7 +367,6 @@ async def serve(
         if config.resp_addr is not None:
             resp_server, resp_addrs = await _listen(
                 loop,
-                "resp",
                 "--resp-addr",
                 config.resp_addr,
                 _tracking(make_resp_factory(ctx), connections),
@@ -386,6 +377,13 @@ async def serve(
         else:
             log.info("RESP listener off")
 
+        # Logged once every listener is open, so a failed start logs no "listening" line.
+        mode = "off"
+        if tls is not None:
+            mode = "mtls" if tls.verify_mode == ssl.CERT_REQUIRED else "on"
+        for name, addrs in (("http", http_addrs), ("resp", resp_addrs)):
+            for a in addrs:
+                log.info("listening %s=%s tls=%s", name, a, mode)
         installed_signals = _install_signals(loop, stop)
         if config.stats_log_interval_s > 0:
             stats_task = asyncio.create_task(
