@@ -24,7 +24,7 @@ from epistemic_kvcache.errors import AuthError
 from epistemic_kvcache.server.context import Identity, ServerContext, ServerLimits
 from epistemic_kvcache.server.metrics import Metrics
 from epistemic_kvcache.server.resp import RespConnection, glob_to_regex, make_resp_factory
-from epistemic_kvcache.store import SharedKvIndex
+from epistemic_kvcache.store import PutResult, SharedKvIndex
 
 TOKEN_A = "token-alpha"
 TOKEN_B = "token-bravo"
@@ -49,8 +49,8 @@ class TokenAuth:
 class ServerThread:
     """A RESP listener on 127.0.0.1:<free port> served by uvloop in a daemon thread."""
 
-    def __init__(self, limits: ServerLimits | None = None) -> None:
-        self.store = SharedKvIndex()
+    def __init__(self, limits: ServerLimits | None = None, store: SharedKvIndex | None = None):
+        self.store = store or SharedKvIndex()
         self.ctx = ServerContext(
             store=self.store,
             auth=TokenAuth(TENANTS),
@@ -142,6 +142,17 @@ class Raw:
                 break
             data += chunk
         return data
+
+    def recv_exactly(self, n: int, timeout: float = 30) -> bytes:
+        self.sock.settimeout(timeout)
+        chunks: list[bytes] = []
+        while n:
+            chunk = self.sock.recv(min(n, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            n -= len(chunk)
+        return b"".join(chunks)
 
     def read_to_eof(self, timeout: float = 10) -> bytes:
         deadline = time.monotonic() + timeout
@@ -743,3 +754,68 @@ def test_glob_to_regex() -> None:
     ]
     for pattern, key, expected in cases:
         assert bool(glob_to_regex(pattern).fullmatch(key)) is expected, (pattern, key)
+
+
+class GatedStore(SharedKvIndex):
+    """A store whose PUTs wait for `gate`: a slow command for flow-control tests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def put(self, ns: str, key: str, data: bytes | bytearray | memoryview) -> PutResult:
+        self.entered.set()
+        self.gate.wait(30)
+        return super().put(ns, key, data)
+
+
+def test_reading_pauses_while_a_slow_command_runs() -> None:
+    """Pipelined input is not read without bound while the first command is stuck."""
+    store = GatedStore()
+    srv = ServerThread(store=store)
+    conn = Raw(srv.port)
+    try:
+        conn.send(b"AUTH " + TOKEN_A.encode() + b"\r\n")
+        assert conn.recv_until(b"\r\n") == b"+OK\r\n"
+        n, size = 40, MiB
+        wire = b"".join(
+            b"*3\r\n$3\r\nSET\r\n$4\r\nk%03d\r\n$%d\r\n" % (i, size) + b"v" * size + b"\r\n"
+            for i in range(n)
+        )
+        sender = threading.Thread(target=conn.send, args=(wire,))
+        sender.start()
+        assert store.entered.wait(10)
+        time.sleep(0.5)
+        (proto,) = [p for p in srv.protocols if p._transport is not None]
+        assert proto._reading_paused
+        # At most the high-water mark, one command and one read chunk are held.
+        assert proto._parser.buffered_bytes <= 4 * MiB + size + 512 * 1024
+        assert sender.is_alive()  # the client is blocked: the server stopped reading
+        store.gate.set()
+        assert conn.recv_exactly(5 * n) == b"+OK\r\n" * n
+        sender.join(10)
+        assert store.count("alpha") == n
+    finally:
+        store.gate.set()
+        conn.close()
+        srv.close()
+
+
+def test_client_not_reading_stops_being_served(server: ServerThread, raw: Raw) -> None:
+    """Write back-pressure: replies to a client that does not read are not produced."""
+    size, n = MiB, 64
+    server.store.put("alpha", "wp", b"w" * size)
+    try:
+        hits0 = server.store.stats("alpha").get_hits
+        raw.send(b"AUTH " + TOKEN_A.encode() + b"\r\n")
+        assert raw.recv_until(b"\r\n") == b"+OK\r\n"
+        raw.send(b"*2\r\n$3\r\nGET\r\n$2\r\nwp\r\n" * n)
+        time.sleep(0.5)
+        served = server.store.stats("alpha").get_hits - hits0
+        assert served < n / 2, served  # paused after the socket buffers filled up
+        reply = b"$%d\r\n" % size + b"w" * size + b"\r\n"
+        assert raw.recv_exactly(len(reply) * n) == reply * n
+        assert server.store.stats("alpha").get_hits - hits0 == n
+    finally:
+        server.store.delete("alpha", "wp")
