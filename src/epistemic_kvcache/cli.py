@@ -114,6 +114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KvCacheError as exc:
         _report(f"error: {exc}")
         return EXIT_FAILURE
+    except OSError as exc:
+        _report(f"error: {exc}")
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         return EXIT_FAILURE
 

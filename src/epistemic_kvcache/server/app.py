@@ -10,7 +10,7 @@ How it works:
   and counts reads; the store thread pool counts calls in flight. On SIGTERM/SIGINT (or
   `ServerHandle.stop()`) the listeners stop accepting, then the runner waits — at most
   `shutdown_timeout_s` — until no store call is in flight, no connection received bytes
-  during the last poll and every write buffer is empty (requests in progress finish,
+  during the last quarter second and every write buffer is empty (requests in progress finish,
   idle keep-alive connections do not hold the exit up). Then it closes the remaining
   connections, drains the thread pool and closes the store.
 - `ServerThread` runs the same `serve` in a background thread with its own loop, for
@@ -44,6 +44,8 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 _POLL_S = 0.05
+_QUIET_S = 0.25
+"""A connection that received nothing for this long is not in the middle of a request."""
 
 
 class ListenerError(KvCacheError):
@@ -457,17 +459,27 @@ def _write_buffer_size(transport: asyncio.BaseTransport | None) -> int:
 
 
 async def _drain(connections: _Connections, executor: CountingExecutor, timeout_s: float) -> None:
-    """Wait (bounded) until requests in flight finished, then close every connection."""
+    """Wait (bounded) until requests in flight finished, then close every connection.
+
+    Busy means: a store call is running, a connection received bytes during the last
+    `_QUIET_S` seconds (a body still arriving), or a response is still being sent.
+    """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    last_reads = {id(c): c.reads for c in connections.live}
+    # id(connection) -> (read count, when it last changed); a new entry counts as active now.
+    seen: dict[int, tuple[int, float]] = {}
     while loop.time() < deadline:
         await asyncio.sleep(_POLL_S)
-        reads = {id(c): c.reads for c in connections.live}
-        busy = executor.pending > 0 or any(reads[key] != last_reads.get(key, -1) for key in reads)
-        busy = busy or any(_write_buffer_size(c.transport) for c in connections.live)
-        last_reads = reads
-        if not busy:
+        now = loop.time()
+        recently_active = False
+        for conn in connections.live:
+            reads, changed = seen.get(id(conn), (-1, now))
+            if conn.reads != reads:
+                changed = now
+            seen[id(conn)] = (conn.reads, changed)
+            if now - changed < _QUIET_S or _write_buffer_size(conn.transport):
+                recently_active = True
+        if executor.pending == 0 and not recently_active:
             break
     else:
         log.warning(

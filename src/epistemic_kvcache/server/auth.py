@@ -183,7 +183,7 @@ def ensure_generated_token(persist_dir: Path) -> Path:
     """
     path = persist_dir / GENERATED_TOKEN_FILENAME
     try:
-        persist_dir.mkdir(parents=True, exist_ok=True)
+        persist_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         return path
