@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jwt
 import pytest
 import redis
 import trustme
@@ -209,6 +210,35 @@ def test_serve_healthz_auth_resp_stats_and_sigterm(tmp_path: Path, servers: list
     assert server.stop() == 0
     assert "stopped" in server.log()
     assert TOKEN not in server.log()
+
+
+def test_tenants_from_token_file_and_jwt_are_isolated(
+    tmp_path: Path, servers: list[Server]
+) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("token-team-a-0123456789 team-a\ntoken-team-b-0123456789 team-b\n")
+    tokens.chmod(0o600)
+    secret = tmp_path / "jwt.secret"
+    secret.write_text("k" * 40 + "\n")
+    server = start(servers, tmp_path, "--token-file", str(tokens), "--jwt-secret-file", str(secret))
+    assert server.http is not None
+    assert server.resp is not None
+    a, b = "token-team-a-0123456789", "token-team-b-0123456789"
+    assert _get(server.http, "/kv/shared-name", a, method="PUT", body=b"A")[0] == 201
+    assert _get(server.http, "/kv/shared-name", b)[0] == 404
+    assert _get(server.http, "/kv/shared-name", a) == (200, b"A")
+    claims = {"tenant": "team-a", "sub": "svc", "exp": int(time.time()) + 60}
+    token = jwt.encode(claims, "k" * 40, algorithm="HS256")
+    assert _get(server.http, "/kv/shared-name", token) == (200, b"A")
+    expired = jwt.encode(dict(claims, exp=int(time.time()) - 60), "k" * 40, algorithm="HS256")
+    assert _get(server.http, "/kv/shared-name", expired)[0] == 401
+    r = redis.Redis(host=server.resp.host, port=server.resp.port, password=b, retry=NO_RETRY)
+    try:
+        assert r.get("shared-name") is None
+    finally:
+        r.close()
+    assert server.stop() == 0
+    assert "token-team" not in server.log()
 
 
 def test_busy_port_names_the_flag(tmp_path: Path) -> None:
