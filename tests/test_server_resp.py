@@ -260,6 +260,30 @@ def test_pipeline_of_100_commands(r: redis.Redis) -> None:
         assert results[2 * i + 1] == f"value-{i}".encode()
 
 
+def test_pipeline_order_with_big_replies_and_mixed_commands(r: redis.Redis) -> None:
+    """Store commands are batched per thread-pool job; big replies split the batch."""
+    big = b"B" * (3 * MiB)
+    r.set("big3", big)
+    with r.pipeline(transaction=False) as pipe:
+        for i in range(6):
+            pipe.get("big3")
+            pipe.echo(f"e{i}")
+            pipe.get("big3")
+            pipe.exists("big3", "nope")
+            pipe.execute_command("HSET", "x", "y", "z")  # an error mid-pipeline
+            pipe.dbsize()
+        results = pipe.execute(raise_on_error=False)
+    assert len(results) == 36
+    for i in range(6):
+        got = results[6 * i : 6 * i + 6]
+        assert got[0] == big
+        assert got[1] == f"e{i}".encode()
+        assert got[2] == big
+        assert got[3] == 1
+        assert isinstance(got[4], redis.ResponseError)
+        assert got[5] == 1
+
+
 @pytest.mark.parametrize("size", [8 * MiB, 64 * MiB], ids=["8MiB", "64MiB"])
 def test_large_values_bit_exact(r: redis.Redis, size: int) -> None:
     payload = bytes(range(251)) * (size // 251) + b"\x00" * (size % 251)

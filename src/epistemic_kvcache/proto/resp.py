@@ -317,6 +317,10 @@ class RespParser:
         """Whether `next_event()` would return a command right now."""
         return bool(self._ready)
 
+    def peek(self) -> Command | None:
+        """The command `next_event()` would return next, if one is framed (not consumed)."""
+        return self._ready[0][0] if self._ready else None
+
     @property
     def ready_count(self) -> int:
         """How many framed commands wait for `next_event()`."""

@@ -30,8 +30,9 @@ import logging
 import re
 import secrets
 import socket
+import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
@@ -51,6 +52,7 @@ from epistemic_kvcache.proto.resp import (
     Buffer,
     Command,
     ErrorReply,
+    Event,
     RespParser,
     SimpleString,
     Verbatim,
@@ -69,6 +71,12 @@ _READ_HIGH_WATER: Final = 4 * 1024 * 1024
 """Bytes of not-yet-executed commands above which reading pauses."""
 _MAX_QUEUED_COMMANDS: Final = 4096
 """Framed-but-not-executed commands above which reading pauses (pipelines)."""
+_MAX_BATCH_COMMANDS: Final = 64
+"""Pipelined store commands run in one thread-pool job, at most this many..."""
+_MAX_BATCH_ARG_BYTES: Final = 1024 * 1024
+"""...while their arguments total less than this..."""
+_MAX_BATCH_REPLY_BYTES: Final = 4 * 1024 * 1024
+"""...and the job stops early once its replies reach this (the rest runs next)."""
 _SCAN_CURSORS: Final = 16384
 """SCAN cursors remembered server-wide (oldest forgotten first)."""
 _SCAN_MAX_COUNT: Final = 10000
@@ -120,6 +128,19 @@ def _key(arg: Buffer) -> str:
         return bytes(arg).decode("utf-8")
     except UnicodeDecodeError:
         raise _Reply(ErrorReply("ERR invalid key: not valid UTF-8")) from None
+
+
+def _command_bytes(cmd: Command) -> int:
+    return sum(len(a) for a in cmd)
+
+
+def _reply_bytes(reply: object) -> int:
+    """Approximate payload size of a reply (bulk strings, and arrays of them)."""
+    if isinstance(reply, bytes | bytearray | memoryview):
+        return len(reply)
+    if isinstance(reply, list):
+        return sum(len(r) for r in reply if isinstance(r, bytes | bytearray | memoryview))
+    return 0
 
 
 def _wrong_args(name: str) -> ErrorReply:
@@ -175,6 +196,9 @@ def glob_to_regex(pattern: bytes) -> re.Pattern[bytes]:
 # -- command table ----------------------------------------------------------------------
 
 Handler = Callable[["RespConnection", Command], Awaitable[object]]
+"""Runs on the event loop (connection state, no store access)."""
+BlockingHandler = Callable[["RespConnection", Command], object]
+"""Runs on the thread pool (store access); consecutive ones are batched in one job."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +213,8 @@ class CommandSpec:
     step: int
     group: str
     summary: str
-    handler: Handler
+    handler: Handler | None
+    blocking_handler: BlockingHandler | None = None
     no_auth: bool = False
 
 
@@ -215,6 +240,23 @@ def _command(
     return register
 
 
+def _blocking_command(
+    name: str,
+    arity: int,
+    flags: tuple[str, ...],
+    keys: tuple[int, int, int],
+    group: str,
+    summary: str,
+) -> Callable[[BlockingHandler], BlockingHandler]:
+    def register(fn: BlockingHandler) -> BlockingHandler:
+        COMMANDS[name.encode()] = CommandSpec(
+            name, arity, flags, *keys, group, summary, None, blocking_handler=fn
+        )
+        return fn
+
+    return register
+
+
 # -- shared per-listener state ----------------------------------------------------------
 
 
@@ -226,6 +268,7 @@ class _Listener:
         self.started = time.monotonic()
         self._next_id = 0
         self._cursors: OrderedDict[int, tuple[str, str]] = OrderedDict()
+        self._cursors_lock = threading.Lock()  # SCAN runs on the thread pool
         try:
             self.version = metadata.version("epistemic-kvcache")
         except metadata.PackageNotFoundError:
@@ -237,20 +280,22 @@ class _Listener:
         return self._next_id
 
     def new_cursor(self, tenant: str, after: str) -> int:
-        cursor = 0
-        while cursor == 0 or cursor in self._cursors:
-            cursor = secrets.randbits(63)
-        self._cursors[cursor] = (tenant, after)
-        while len(self._cursors) > _SCAN_CURSORS:
-            self._cursors.popitem(last=False)
-        return cursor
+        with self._cursors_lock:
+            cursor = 0
+            while cursor == 0 or cursor in self._cursors:
+                cursor = secrets.randbits(63)
+            self._cursors[cursor] = (tenant, after)
+            while len(self._cursors) > _SCAN_CURSORS:
+                self._cursors.popitem(last=False)
+            return cursor
 
     def cursor_position(self, tenant: str, cursor: int) -> str | None:
-        entry = self._cursors.get(cursor)
-        if entry is None or entry[0] != tenant:
-            return None
-        self._cursors.move_to_end(cursor)
-        return entry[1]
+        with self._cursors_lock:
+            entry = self._cursors.get(cursor)
+            if entry is None or entry[0] != tenant:
+                return None
+            self._cursors.move_to_end(cursor)
+            return entry[1]
 
 
 def _is_durable(store: SharedKvBackend) -> bool:
@@ -309,6 +354,8 @@ class RespConnection(asyncio.BufferedProtocol):
         self._partial_since: float | None = None
         self._seen_parsed = 0
         self._timer: asyncio.TimerHandle | None = None
+        self._pending: deque[Command] = deque()
+        """Framed commands a batch job left undone; they run before the parser's next."""
 
     # -- asyncio callbacks ----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -381,12 +428,16 @@ class RespConnection(asyncio.BufferedProtocol):
         self._can_write.set()
 
     # -- the command loop -------------------------------------------------------------------
+    def _next_command(self) -> Event:
+        if self._pending:
+            return self._pending.popleft()
+        return self._parser.next_event()
+
     async def _serve(self) -> None:
-        parser = self._parser
         try:
             while not self._closing:
                 try:
-                    event = parser.next_event()
+                    event = self._next_command()
                 except RemoteProtocolError as exc:
                     self._observe("protocol_error", "error", 0.0)
                     self._write(serialize(ErrorReply(f"ERR {exc}"), self.protocol_version))
@@ -405,10 +456,13 @@ class RespConnection(asyncio.BufferedProtocol):
                     await self._can_write.wait()
                     if self._closing:
                         return
-                reply = await self._execute(event)
+                replies = await self._execute(event)
                 if self._closing:
                     return
-                self._write(serialize(reply, self.protocol_version))
+                buffers: list[Buffer] = []
+                for reply in replies:
+                    buffers += serialize(reply, self.protocol_version)
+                self._write(buffers)
                 if self._quit:
                     self._close()
                     return
@@ -418,26 +472,56 @@ class RespConnection(asyncio.BufferedProtocol):
             log.exception("RESP connection %d failed", self.client_id)
             self._close(abort=True)
 
-    async def _execute(self, cmd: Command) -> object:
+    def _check(self, cmd: Command) -> tuple[str, CommandSpec | None, ErrorReply | None]:
+        """The command's metrics route, its spec, and an error reply if it may not run."""
+        spec = COMMANDS.get(bytes(cmd[0]).lower())
+        if spec is None:
+            return "unknown", None, NOAUTH if self.identity is None else self._unknown_command(cmd)
+        if self.identity is None and not spec.no_auth:
+            return spec.name, spec, NOAUTH
+        if (spec.arity > 0 and len(cmd) != spec.arity) or len(cmd) < -spec.arity:
+            return spec.name, spec, _wrong_args(spec.name)
+        return spec.name, spec, None
+
+    async def _execute(self, cmd: Command) -> list[object]:
+        """Run `cmd`, and the store commands framed right behind it in the same job."""
         started = time.perf_counter()
-        name = bytes(cmd[0]).lower()
-        spec = COMMANDS.get(name)
-        route = spec.name if spec is not None else "unknown"
+        route, spec, error = self._check(cmd)
+        if error is not None or spec is None:
+            self._observe(route, "error", time.perf_counter() - started)
+            return [error]
+        if spec.blocking_handler is not None:
+            batch = [(route, spec.blocking_handler, cmd)]
+            size = _command_bytes(cmd)
+            while len(batch) < _MAX_BATCH_COMMANDS and size < _MAX_BATCH_ARG_BYTES:
+                following = self._pending[0] if self._pending else self._parser.peek()
+                if following is None:
+                    break
+                route2, spec2, error2 = self._check(following)
+                if error2 is not None or spec2 is None or spec2.blocking_handler is None:
+                    break
+                self._next_command()  # consume what was peeked
+                batch.append((route2, spec2.blocking_handler, following))
+                size += _command_bytes(following)
+            self._busy = True
+            try:
+                results = await self._ctx.run(self._run_batch, batch)
+            finally:
+                self._busy = False
+                self._last_activity = self._loop.time()
+            for (route_i, _, _), (reply_i, seconds) in zip(batch, results, strict=False):
+                status = "error" if isinstance(reply_i, ErrorReply) else "ok"
+                self._observe(route_i, status, seconds)
+            # Commands the job left undone (replies grew too big) run next, in order.
+            self._pending.extendleft(item[2] for item in reversed(batch[len(results) :]))
+            return [reply_i for reply_i, _ in results]
+        handler = spec.handler
+        if handler is None:  # every spec has exactly one of the two handlers
+            raise RuntimeError(f"command {spec.name!r} has no handler")
         reply: object
+        self._busy = True
         try:
-            if self.identity is None and (spec is None or not spec.no_auth):
-                reply = NOAUTH
-            elif spec is None:
-                reply = self._unknown_command(cmd)
-            elif (spec.arity > 0 and len(cmd) != spec.arity) or len(cmd) < -spec.arity:
-                reply = _wrong_args(spec.name)
-            else:
-                self._busy = True
-                try:
-                    reply = await spec.handler(self, cmd)
-                finally:
-                    self._busy = False
-                    self._last_activity = self._loop.time()
+            reply = await handler(self, cmd)
         except _Reply as exc:
             reply = exc.reply
         except asyncio.CancelledError:
@@ -445,9 +529,34 @@ class RespConnection(asyncio.BufferedProtocol):
         except Exception:
             log.exception("RESP %s failed", route)
             reply = INTERNAL_ERROR
+        finally:
+            self._busy = False
+            self._last_activity = self._loop.time()
         status = "error" if isinstance(reply, ErrorReply) else "ok"
         self._observe(route, status, time.perf_counter() - started)
-        return reply
+        return [reply]
+
+    def _run_batch(
+        self, batch: list[tuple[str, BlockingHandler, Command]]
+    ) -> list[tuple[object, float]]:
+        """Thread-pool job: run store commands in order until their replies grow big."""
+        out: list[tuple[object, float]] = []
+        reply_bytes = 0
+        for route, handler, cmd in batch:
+            started = time.perf_counter()
+            reply: object
+            try:
+                reply = handler(self, cmd)
+            except _Reply as exc:
+                reply = exc.reply
+            except Exception:
+                log.exception("RESP %s failed", route)
+                reply = INTERNAL_ERROR
+            out.append((reply, time.perf_counter() - started))
+            reply_bytes += _reply_bytes(reply)
+            if reply_bytes >= _MAX_BATCH_REPLY_BYTES:
+                break
+        return out
 
     @staticmethod
     def _unknown_command(cmd: Command) -> ErrorReply:
@@ -532,9 +641,11 @@ class RespConnection(asyncio.BufferedProtocol):
             raise _Reply(NOAUTH)
         return identity.tenant
 
-    async def _store(self, fn: Callable[..., T], *args: object) -> T:
+    @staticmethod
+    def _call(fn: Callable[..., T], *args: object) -> T:
+        """Call the store (on the thread pool), mapping its errors to RESP errors."""
         try:
-            return await self._ctx.run(fn, *args)
+            return fn(*args)
         except InvalidKeyError as exc:
             raise _Reply(ErrorReply(f"ERR {_text(str(exc).encode(), 400)}")) from None
         except BlockTooLargeError as exc:
@@ -723,12 +834,12 @@ async def _client(c: RespConnection, cmd: Command) -> object:
 # -- key commands ---------------------------------------------------------------------------
 
 
-@_command("get", 2, ("readonly", "fast"), (1, 1, 1), "string", "Get the value of a key.")
-async def _get(c: RespConnection, cmd: Command) -> object:
-    return await c._store(c._ctx.store.get, c.namespace, _key(cmd[1]))
+@_blocking_command("get", 2, ("readonly", "fast"), (1, 1, 1), "string", "Get the value of a key.")
+def _get(c: RespConnection, cmd: Command) -> object:
+    return c._call(c._ctx.store.get, c.namespace, _key(cmd[1]))
 
 
-@_command(
+@_blocking_command(
     "set",
     -3,
     ("write", "denyoom"),
@@ -736,7 +847,7 @@ async def _get(c: RespConnection, cmd: Command) -> object:
     "string",
     "Set a key (first write wins: an existing key keeps its bytes).",
 )
-async def _set(c: RespConnection, cmd: Command) -> object:
+def _set(c: RespConnection, cmd: Command) -> object:
     nx = xx = get = keepttl = False
     ttl = False
     i = 3
@@ -767,26 +878,28 @@ async def _set(c: RespConnection, cmd: Command) -> object:
     key = _key(cmd[1])
     old: Buffer | None = None
     if get:
-        old = await c._store(store.get, ns, key)
+        old = c._call(store.get, ns, key)
     ok_reply: object = old if get else OK
     if nx:
         if get and old is not None:
             return old
-        result = await c._store(store.put, ns, key, cmd[2])
+        result = c._call(store.put, ns, key, cmd[2])
         return ok_reply if result.created else None
-    if xx and not (old is not None or await c._store(store.exists, ns, key)):
+    if xx and not (old is not None or c._call(store.exists, ns, key)):
         return None
-    await c._store(store.put, ns, key, cmd[2])
+    c._call(store.put, ns, key, cmd[2])
     return ok_reply
 
 
-@_command("mget", -2, ("readonly", "fast"), (1, -1, 1), "string", "Get the values of keys.")
-async def _mget(c: RespConnection, cmd: Command) -> object:
+@_blocking_command(
+    "mget", -2, ("readonly", "fast"), (1, -1, 1), "string", "Get the values of keys."
+)
+def _mget(c: RespConnection, cmd: Command) -> object:
     keys = [_key(k) for k in cmd[1:]]
-    return await c._store(c._ctx.store.get_many, c.namespace, keys)
+    return c._call(c._ctx.store.get_many, c.namespace, keys)
 
 
-@_command(
+@_blocking_command(
     "mset",
     -3,
     ("write", "denyoom"),
@@ -794,38 +907,38 @@ async def _mget(c: RespConnection, cmd: Command) -> object:
     "string",
     "Set several keys (first write wins per key).",
 )
-async def _mset(c: RespConnection, cmd: Command) -> object:
+def _mset(c: RespConnection, cmd: Command) -> object:
     if len(cmd) % 2 == 0:
         return _wrong_args("mset")
     items = [(_key(cmd[i]), cmd[i + 1]) for i in range(1, len(cmd), 2)]
-    await c._store(c._ctx.store.put_many, c.namespace, items)
+    c._call(c._ctx.store.put_many, c.namespace, items)
     return OK
 
 
-@_command(
+@_blocking_command(
     "exists", -2, ("readonly", "fast"), (1, -1, 1), "keyspace", "Count how many of the keys exist."
 )
-async def _exists(c: RespConnection, cmd: Command) -> object:
+def _exists(c: RespConnection, cmd: Command) -> object:
     keys = [_key(k) for k in cmd[1:]]
-    return sum(await c._store(c._ctx.store.exists_many, c.namespace, keys))
+    return sum(c._call(c._ctx.store.exists_many, c.namespace, keys))
 
 
-async def _delete(c: RespConnection, cmd: Command) -> object:
+def _delete(c: RespConnection, cmd: Command) -> object:
     keys = [_key(k) for k in cmd[1:]]
-    return sum(await c._store(c._ctx.store.delete_many, c.namespace, keys))
+    return sum(c._call(c._ctx.store.delete_many, c.namespace, keys))
 
 
-_command("del", -2, ("write",), (1, -1, 1), "keyspace", "Delete keys.")(_delete)
-_command("unlink", -2, ("write", "fast"), (1, -1, 1), "keyspace", "Delete keys.")(_delete)
+_blocking_command("del", -2, ("write",), (1, -1, 1), "keyspace", "Delete keys.")(_delete)
+_blocking_command("unlink", -2, ("write", "fast"), (1, -1, 1), "keyspace", "Delete keys.")(_delete)
 
 
-@_command("strlen", 2, ("readonly", "fast"), (1, 1, 1), "string", "Length of a value.")
-async def _strlen(c: RespConnection, cmd: Command) -> object:
-    size = await c._store(c._ctx.store.size, c.namespace, _key(cmd[1]))
+@_blocking_command("strlen", 2, ("readonly", "fast"), (1, 1, 1), "string", "Length of a value.")
+def _strlen(c: RespConnection, cmd: Command) -> object:
+    size = c._call(c._ctx.store.size, c.namespace, _key(cmd[1]))
     return size or 0
 
 
-@_command(
+@_blocking_command(
     "dbsize",
     1,
     ("readonly", "fast"),
@@ -833,11 +946,11 @@ async def _strlen(c: RespConnection, cmd: Command) -> object:
     "server",
     "Number of keys in the caller's namespace.",
 )
-async def _dbsize(c: RespConnection, cmd: Command) -> object:
-    return await c._store(c._ctx.store.count, c.namespace)
+def _dbsize(c: RespConnection, cmd: Command) -> object:
+    return c._call(c._ctx.store.count, c.namespace)
 
 
-@_command(
+@_blocking_command(
     "scan",
     -2,
     ("readonly",),
@@ -845,7 +958,7 @@ async def _dbsize(c: RespConnection, cmd: Command) -> object:
     "keyspace",
     "Iterate the caller's keys (cursor, MATCH, COUNT, TYPE).",
 )
-async def _scan(c: RespConnection, cmd: Command) -> object:
+def _scan(c: RespConnection, cmd: Command) -> object:
     invalid_cursor = ErrorReply("ERR invalid cursor")
     cursor = _int(cmd[1], invalid_cursor)
     count = _SCAN_DEFAULT_COUNT
@@ -874,7 +987,7 @@ async def _scan(c: RespConnection, cmd: Command) -> object:
         if after is None:
             return invalid_cursor
     limit = min(count, _SCAN_MAX_COUNT)
-    keys: list[str] = await c._store(_scan_page, c._ctx.store, ns, after, limit)
+    keys: list[str] = c._call(_scan_page, c._ctx.store, ns, after, limit)
     next_cursor = c._listener.new_cursor(ns, keys[-1]) if len(keys) == limit else 0
     encoded = [k.encode("utf-8") for k in keys] if only_strings else []
     if match is not None:
@@ -891,7 +1004,7 @@ def _scan_page(store: SharedKvBackend, ns: str, after: str | None, limit: int) -
 _INFO_DEFAULT: Final = ("server", "clients", "persistence", "stats", "kvcache", "keyspace")
 
 
-@_command(
+@_blocking_command(
     "info",
     -1,
     ("loading", "stale"),
@@ -899,12 +1012,12 @@ _INFO_DEFAULT: Final = ("server", "clients", "persistence", "stats", "kvcache", 
     "server",
     "Server information and the caller's namespace stats.",
 )
-async def _info(c: RespConnection, cmd: Command) -> object:
+def _info(c: RespConnection, cmd: Command) -> object:
     wanted = {bytes(a).decode("ascii", "replace").lower() for a in cmd[1:]}
     if not wanted or wanted & {"all", "default", "everything"}:
         wanted = set(_INFO_DEFAULT)
-    stats = await c._store(c._ctx.store.stats, c.namespace)
-    nkeys = await c._store(c._ctx.store.count, c.namespace)
+    stats = c._call(c._ctx.store.stats, c.namespace)
+    nkeys = c._call(c._ctx.store.count, c.namespace)
     ctx, lst = c._ctx, c._listener
     sections: list[tuple[str, list[tuple[str, object]]]] = [
         (
