@@ -137,6 +137,7 @@ class _Op:
     digest: bytes = b""
     data: Buffer | None = None
     deduped: bool = False  # a new key whose bytes were already stored
+    loc: tuple[int, int] = (-1, 0)  # quarantine: (segment, offset) of the copy that failed
     future: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
 
 
@@ -342,7 +343,7 @@ class SharedKvStoreBackend(TieredEngine):
             self._total.integrity_failures += 1
             for ns in b.owners():
                 self._counters(ns).integrity_failures += 1
-        op = _Op("quarantine", "", "", sdig=b.sdig)
+        op = _Op("quarantine", "", "", sdig=b.sdig, loc=(b.seg, b.off))
         self._submit(op)
         with contextlib.suppress(StoreError):
             op.future.result()
@@ -523,7 +524,13 @@ class SharedKvStoreBackend(TieredEngine):
         state: _BatchState,
     ) -> Any:
         if op.kind == "quarantine":
-            self._decide_drop_blob(txn, op.sdig, effects, evicted=False)
+            brow = txn.get(op.sdig, db=self._db_blobs)
+            if brow is None:
+                return None  # already dropped
+            _size, off, seg, _refs = _BLOB_ROW.unpack(brow)
+            if (seg, off) != op.loc:
+                return None  # stored again since: a fresh copy, not the one that failed
+            self._decide_drop_blob(txn, op.sdig, effects, state, evicted=False)
             txn.put(op.sdig, str(time.time()).encode(), db=self._db_quarantine)
             return None
         krow = _key_row(op.ns, op.key)
@@ -544,6 +551,7 @@ class SharedKvStoreBackend(TieredEngine):
                 txn.put(krow, _PINS.pack(0) + op.sdig, db=self._db_keys)
                 effects.append(AddKey(op.ns, op.key, op.sdig, bsize, None, seg, off))
                 touched.add(op.sdig)
+                state.added.setdefault(op.sdig, []).append((op.ns, op.key))
                 op.deduped = True
                 return PutResult(PutOutcome.NEW, op.digest, bsize)
             self._make_room(txn, size, effects, touched, state)
@@ -554,6 +562,7 @@ class SharedKvStoreBackend(TieredEngine):
             txn.put(krow, _PINS.pack(0) + op.sdig, db=self._db_keys)
             effects.append(AddKey(op.ns, op.key, op.sdig, size, op.data, seg_id, off))
             touched.add(op.sdig)
+            state.added.setdefault(op.sdig, []).append((op.ns, op.key))
             return PutResult(PutOutcome.NEW, op.digest, size)
         if row is None:
             return False
@@ -587,21 +596,29 @@ class SharedKvStoreBackend(TieredEngine):
             txn.put(sdig, _BLOB_ROW.pack(size, off, seg, refs - 1), db=self._db_blobs)
 
     def _decide_drop_blob(
-        self, txn: Any, sdig: bytes, effects: list[Effect], *, evicted: bool
-    ) -> int:
-        """Delete a blob and every key referencing it (cold eviction, quarantine)."""
+        self,
+        txn: Any,
+        sdig: bytes,
+        effects: list[Effect],
+        state: _BatchState,
+        *,
+        evicted: bool,
+    ) -> None:
+        """Delete a blob and every key referencing it (cold eviction, quarantine).
+
+        The keys are those RAM knows (committed before this batch) plus those this batch
+        added; a key is only dropped if its row (as this batch left it) names the blob.
+        """
         with self._lock:
             b = self._blobs.get(sdig)
             refs = b.key_refs() if b is not None else []
-            size = b.size if b is not None else 0
-        for ns, key in refs:
+        for ns, key in dict.fromkeys([*refs, *state.added.get(sdig, ())]):
             krow = _key_row(ns, key)
             row = txn.get(krow, db=self._db_keys)
             if row is not None and bytes(row[4:]) == sdig:
                 txn.delete(krow, db=self._db_keys)
-            effects.append(DelKey(ns, key, evicted=evicted))
+                effects.append(DelKey(ns, key, evicted=evicted))
         txn.delete(sdig, db=self._db_blobs)
-        return size
 
     def _make_room(
         self,
@@ -633,7 +650,8 @@ class SharedKvStoreBackend(TieredEngine):
             )
         for b in victims:
             state.dropped.add(b.sdig)
-            state.freed += self._decide_drop_blob(txn, b.sdig, effects, evicted=True)
+            self._decide_drop_blob(txn, b.sdig, effects, state, evicted=True)
+            state.freed += b.size
 
     def _allocate(self, txn: Any, size: int) -> tuple[int, int]:
         if self._active is None or (
@@ -772,3 +790,4 @@ class _BatchState:
     new_bytes: int = 0
     freed: int = 0
     dropped: set[bytes] = field(default_factory=set)
+    added: dict[bytes, list[tuple[str, str]]] = field(default_factory=dict)  # keys per blob
