@@ -14,8 +14,10 @@ import os
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import blake3
 import numpy as np
@@ -420,3 +422,115 @@ def test_fault_in_a_batch_spanning_segments(tmp_path: Path, call: str) -> None:
         assert len(files) == store.stats(None).extra["segments"]
     finally:
         store.close()
+
+
+class GatedIO(DiskIO):
+    """`DiskIO` whose next `fdatasync` waits for `release()`: the committer stalls, so
+    the operations queued meanwhile are decided together in the next batch."""
+
+    def __init__(self) -> None:
+        self._gate = threading.Event()
+        self._gate.set()
+        self.waiting = threading.Event()
+
+    def hold(self) -> None:
+        self._gate.clear()
+        self.waiting.clear()
+
+    def release(self) -> None:
+        self._gate.set()
+
+    def fdatasync(self, fd: int) -> None:
+        if not self._gate.is_set():
+            self.waiting.set()
+            assert self._gate.wait(timeout=30)
+        super().fdatasync(fd)
+
+
+def _queue_behind_a_stalled_commit(
+    store: SharedKvStoreBackend, io: GatedIO, actions: list[Any]
+) -> None:
+    """Run `actions` in threads while the committer is stalled, each queued in order."""
+    io.hold()
+    threads = [threading.Thread(target=store.put, args=(NS, "stall", block("stall")))]
+    threads[0].start()
+    assert io.waiting.wait(timeout=30)
+    for n, action in enumerate(actions, start=1):
+        t = threading.Thread(target=action)
+        t.start()
+        threads.append(t)
+        for _ in range(3000):  # wait until it is queued
+            if len(store._queue) >= n:
+                break
+            time.sleep(0.001)
+        assert len(store._queue) == n
+    io.release()
+    for t in threads:
+        t.join(timeout=30)
+
+
+def test_quarantine_batched_with_a_dedup_put_of_the_corrupt_blob(tmp_path: Path) -> None:
+    """A key added to a blob in the same batch that quarantines it goes with the blob."""
+    io = GatedIO()
+    store = open_durable(tmp_path, io)
+    x = block("x")
+    store.put(NS, "x", x)
+    store.put(NS, "y", block("y"))
+    assert store.evict(NS, "x")
+    _flip_on_disk(tmp_path, x, at=10)
+    results: dict[str, Any] = {}
+    _queue_behind_a_stalled_commit(
+        store,
+        io,
+        [
+            lambda: results.setdefault("put", store.put(NS, "x-twin", x)),
+            lambda: results.setdefault("get", store.get(NS, "x")),
+        ],
+    )
+    assert results["put"].outcome is PutOutcome.NEW  # deduplicated against corrupt bytes
+    assert results["get"] is None
+    assert store.stats(NS).integrity_failures == 1
+    report = store.check(deep=True)
+    assert report.ok, report
+    assert sorted(store.keys(NS)) == ["stall", "y"]
+    store.close()
+    store = open_durable(tmp_path)
+    try:
+        report = store.check(deep=True)
+        assert report.ok, report
+        assert sorted(store.keys(NS)) == ["stall", "y"]
+        store.put(NS, "x", x)  # fresh, good bytes
+        assert store.evict(NS, "x")
+        assert_reads(store, {"x": x, "y": block("y")})
+    finally:
+        store.close()
+
+
+def test_a_late_quarantine_does_not_drop_a_rewritten_blob(tmp_path: Path) -> None:
+    """Two readers hit the same corrupt blob; between their quarantines the bytes are
+    written again (fresh copy, new location): the second quarantine must leave it."""
+    io = GatedIO()
+    store = open_durable(tmp_path, io)
+    x = block("x")
+    store.put(NS, "x", x)
+    assert store.evict(NS, "x")
+    _flip_on_disk(tmp_path, x, at=10)
+    results: dict[str, Any] = {}
+    _queue_behind_a_stalled_commit(
+        store,
+        io,
+        [
+            lambda: results.setdefault("get1", store.get(NS, "x")),
+            lambda: results.setdefault("put", store.put(NS, "x-again", x)),
+            lambda: results.setdefault("get2", store.get(NS, "x")),
+        ],
+    )
+    assert results["get1"] is None
+    assert results["get2"] is None
+    assert results["put"].outcome is PutOutcome.NEW
+    assert store.exists(NS, "x-again"), "an acknowledged PUT of good bytes was dropped"
+    assert store.evict(NS, "x-again")
+    assert_reads(store, {"x-again": x})
+    report = store.check(deep=True)
+    assert report.ok, report
+    store.close()
