@@ -299,17 +299,15 @@ def test_deep_check_reports_a_flipped_byte_on_disk(tmp_path: Path) -> None:
     store.close()
 
 
-@pytest.mark.parametrize("backend", ["memory", "durable"])
-@pytest.mark.parametrize("kind", ["compressed", "raw"])
+# the durable backend does not keep incompressible blocks in warm (they are on disk)
+@pytest.mark.parametrize(
+    ("backend", "kind"), [("memory", "compressed"), ("memory", "raw"), ("durable", "compressed")]
+)
 def test_flipped_byte_in_warm_tier_is_detected(tmp_path: Path, backend: str, kind: str) -> None:
-    store: SharedKvBackend
     caps = {"hot_capacity_bytes": 64 << 10, "warm_capacity_bytes": 1 << 20}
-    if backend == "memory":
-        store = SharedKvIndex(**caps)
-    else:
-        if kind == "raw":
-            pytest.skip("the durable backend does not keep incompressible blocks in warm")
-        store = open_durable(tmp_path, **caps)
+    store: SharedKvBackend = (
+        SharedKvIndex(**caps) if backend == "memory" else open_durable(tmp_path, **caps)
+    )
     make = (
         (lambda i: bf16_block(i)) if kind == "compressed" else (lambda i: block(str(i), 48 << 10))
     )
