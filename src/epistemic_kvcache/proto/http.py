@@ -49,6 +49,18 @@ ROUTE_BATCH_GET = "/kv/batch/get"
 ROUTE_BATCH_PUT = "/kv/batch/put"
 ROUTE_KEY = "/kv/{key}"
 ROUTE_KEY_EXISTS = "/kv/{key}/exists"
+# Engine routes (snapshots, branches, epochs, paging, listing; `server/routes_engine.py`).
+ROUTE_SNAPSHOTS = "/kv/snapshot"
+ROUTE_SNAPSHOT = "/kv/snapshot/{id}"
+ROUTE_SNAPSHOT_KEY = "/kv/snapshot/{id}/{key}"
+ROUTE_SNAPSHOT_FORK = "/kv/snapshot/{id}/fork"
+ROUTE_BRANCHES = "/kv/branch"
+ROUTE_BRANCH = "/kv/branch/{id}"
+ROUTE_BRANCH_KEY = "/kv/branch/{id}/{key}"
+ROUTE_EPOCH = "/kv/epoch/{scope}"
+ROUTE_EPOCH_BUMP = "/kv/epoch/{scope}/bump"
+ROUTE_PAGE_IN = "/kv/page-in"
+ROUTE_KEYS = "/kv/keys"
 ROUTE_OTHER = "other"
 """Metrics label for unknown paths and requests too malformed to route."""
 
@@ -61,6 +73,17 @@ ROUTE_METHODS: dict[str, tuple[str, ...]] = {
     ROUTE_BATCH_PUT: ("POST",),
     ROUTE_KEY: ("GET", "HEAD", "PUT", "DELETE"),
     ROUTE_KEY_EXISTS: ("GET", "HEAD"),
+    ROUTE_SNAPSHOTS: ("GET", "HEAD", "POST"),
+    ROUTE_SNAPSHOT: ("GET", "HEAD", "DELETE"),
+    ROUTE_SNAPSHOT_KEY: ("GET", "HEAD"),
+    ROUTE_SNAPSHOT_FORK: ("POST",),
+    ROUTE_BRANCHES: ("GET", "HEAD"),
+    ROUTE_BRANCH: ("GET", "HEAD", "DELETE"),
+    ROUTE_BRANCH_KEY: ("GET", "HEAD", "PUT"),
+    ROUTE_EPOCH: ("GET", "HEAD"),
+    ROUTE_EPOCH_BUMP: ("POST",),
+    ROUTE_PAGE_IN: ("POST",),
+    ROUTE_KEYS: ("GET", "HEAD"),
 }
 """Allowed methods per route (the `Allow` header of a 405)."""
 
@@ -72,7 +95,32 @@ _FIXED_ROUTES = {
     b"/kv/batch/get": ROUTE_BATCH_GET,
     b"/kv/batch/put": ROUTE_BATCH_PUT,
 }
-_RESERVED_SEGMENTS = (b"stats", b"batch")
+_RESERVED_SEGMENTS = (b"stats", b"batch", b"snapshot", b"branch", b"epoch", b"page-in", b"keys")
+"""First segments under `/kv/` that name routes, not keys."""
+_ESCAPED_KEYS = (*_RESERVED_SEGMENTS, b"fork")
+"""Keys `quote_key` sends with a letter encoded (`fork`: `/kv/snapshot/<id>/fork`)."""
+ENGINE_ROUTES = frozenset(
+    {
+        ROUTE_SNAPSHOTS,
+        ROUTE_SNAPSHOT,
+        ROUTE_SNAPSHOT_KEY,
+        ROUTE_SNAPSHOT_FORK,
+        ROUTE_BRANCHES,
+        ROUTE_BRANCH,
+        ROUTE_BRANCH_KEY,
+        ROUTE_EPOCH,
+        ROUTE_EPOCH_BUMP,
+        ROUTE_PAGE_IN,
+        ROUTE_KEYS,
+    }
+)
+"""Routes answered by `server/routes_engine.py`."""
+_ENGINE_FIXED = {
+    b"snapshot": ROUTE_SNAPSHOTS,
+    b"branch": ROUTE_BRANCHES,
+    b"page-in": ROUTE_PAGE_IN,
+    b"keys": ROUTE_KEYS,
+}
 
 
 def request_path(target: bytes) -> bytes:
@@ -104,14 +152,50 @@ def match_route(path: bytes) -> tuple[str | None, bytes | None]:
     if not path.startswith(b"/kv/"):
         return None, None
     parts = path[4:].split(b"/")
+    if parts[0] in _RESERVED_SEGMENTS:
+        return _match_engine_route(parts)
     if len(parts) == 1:
-        seg = parts[0]
-        if seg in _RESERVED_SEGMENTS:
-            return None, None
-        return ROUTE_KEY, seg
+        return ROUTE_KEY, parts[0]
     if len(parts) == 2 and parts[1] == b"exists" and parts[0] not in _RESERVED_SEGMENTS:
         return ROUTE_KEY_EXISTS, parts[0]
     return None, None
+
+
+def _match_engine_route(parts: list[bytes]) -> tuple[str | None, bytes | None]:
+    """Routes under a reserved first segment; the second value is the raw key segment."""
+    head, n = parts[0], len(parts)
+    if n == 1:
+        return _ENGINE_FIXED.get(head), None
+    if not parts[1]:  # an empty id or scope
+        return None, None
+    if head == b"snapshot":
+        if n == 2:
+            return ROUTE_SNAPSHOT, None
+        if n == 3:
+            return (
+                (ROUTE_SNAPSHOT_FORK, None)
+                if parts[2] == b"fork"
+                else (ROUTE_SNAPSHOT_KEY, parts[2])
+            )
+    elif head == b"branch":
+        if n == 2:
+            return ROUTE_BRANCH, None
+        if n == 3:
+            return ROUTE_BRANCH_KEY, parts[2]
+    elif head == b"epoch":
+        if n == 2:
+            return ROUTE_EPOCH, None
+        if n == 3 and parts[2] == b"bump":
+            return ROUTE_EPOCH_BUMP, None
+    return None, None
+
+
+def route_id_segment(path: bytes) -> bytes:
+    """The raw `{id}` / `{scope}` segment of an engine route's path (`/kv/<name>/<id>/...`)."""
+    parts = path[4:].split(b"/")
+    if len(parts) < 2 or not parts[1]:
+        raise RemoteProtocolError("this route needs an id segment", status_hint=400)
+    return parts[1]
 
 
 def decode_key_segment(segment: bytes) -> str:
@@ -134,11 +218,12 @@ def decode_key_segment(segment: bytes) -> str:
 def quote_key(key: str) -> str:
     """Percent-encode a key as one path segment (everything outside RFC 3986 unreserved).
 
-    The keys `stats` and `batch` are sent with their first letter encoded, so they do not
-    collide with the route names and every key is reachable.
+    Keys equal to a route name (`stats`, `batch`, `snapshot`, `branch`, `epoch`,
+    `page-in`, `keys`, `fork`) are sent with their first letter encoded, so they do not
+    collide with the routes and every key is reachable.
     """
     quoted = quote(key, safe="")
-    if quoted.encode("ascii") in _RESERVED_SEGMENTS:
+    if quoted.encode("ascii") in _ESCAPED_KEYS:
         return f"%{ord(quoted[0]):02X}{quoted[1:]}"
     return quoted
 

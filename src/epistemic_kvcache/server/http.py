@@ -70,6 +70,7 @@ from epistemic_kvcache.proto.http import (
     request_path,
     response_head,
 )
+from epistemic_kvcache.server import routes_engine
 from epistemic_kvcache.server.context import Identity, ServerContext
 from epistemic_kvcache.store.api import MAX_KEY_BYTES, Buffer, PutOutcome, validate_key
 
@@ -466,6 +467,11 @@ class _HttpConnection(asyncio.BufferedProtocol):
     def _body_limit(self, route: str, method: str) -> tuple[int, str | None]:
         """(max body bytes, 413 code) for a route; code None means the body is discarded."""
         lim = self._limits
+        engine = routes_engine.body_limit(
+            route, method, min(lim.max_block_bytes, self._ctx.store.max_block_bytes)
+        )
+        if engine is not None:
+            return engine
         if route == ROUTE_KEY and method == "PUT":
             return min(lim.max_block_bytes, self._ctx.store.max_block_bytes), "block_too_large"
         if route == ROUTE_BATCH_PUT:
@@ -623,6 +629,12 @@ class _HttpConnection(asyncio.BufferedProtocol):
             return _json(200, {"status": "ok"})
         assert req.identity is not None
         ns = req.identity.tenant
+        if route is not None and routes_engine.wants_engine(route, method, req.headers):
+            er = routes_engine.EngineRequest(
+                method, route, bytes(req.url), ns, req.key, req.headers, req.body
+            )
+            r = await routes_engine.handle(ctx, er)
+            return _Response(r.status, r.headers, r.parts, r.length)
         if route == ROUTE_METRICS:
             body, ctype = await ctx.run(ctx.metrics.render)
             return _Response(200, [("Content-Type", ctype)], [body], len(body))
