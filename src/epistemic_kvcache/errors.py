@@ -48,6 +48,10 @@ class BlockTooLargeError(StoreError, ValueError):
     """The block exceeds `max_block_bytes`."""
 
 
+class NotFoundError(StoreError, LookupError):
+    """A named snapshot or branch does not exist (HTTP 404)."""
+
+
 class CapacityError(StoreError):
     """The block cannot fit: every block that could make room is pinned (HTTP 507)."""
 

@@ -160,6 +160,43 @@ class ConsistencyReport:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class SnapshotInfo:
+    """An immutable set of `key -> digest` references of one namespace.
+
+    It holds a reference (and a pin) on every block it names, so they stay while it lives.
+    """
+
+    id: str
+    ns: str
+    keys: int
+    logical_bytes: int
+    created_at: float
+    expires_at: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class BranchInfo:
+    """A copy-on-write overlay over a snapshot: reads fall through, writes stay here."""
+
+    id: str
+    ns: str
+    snapshot_id: str
+    created_at: float
+    private_keys: int
+    """Keys written in the branch overlay."""
+    private_bytes: int
+    """Bytes of overlay blocks the snapshot does not also reference."""
+    shared_bytes: int
+    """Bytes of the snapshot's blocks, shared with it (never copied)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 class SharedKvBackend(abc.ABC):
     """The block store interface. Thread-safe; every method may block on I/O."""
 
@@ -167,8 +204,12 @@ class SharedKvBackend(abc.ABC):
 
     # -- single-key operations ---------------------------------------------------------
     @abc.abstractmethod
-    def put(self, ns: str, key: str, data: Buffer) -> PutResult:
+    def put(self, ns: str, key: str, data: Buffer, *, epoch_scope: str | None = None) -> PutResult:
         """Store `data` under `key`. Durable before it returns (durable backend).
+
+        With `epoch_scope`, the entry is tagged with the scope's current epoch and goes
+        stale (reads miss, `stale_missed` counts) once `epoch_bump(ns, scope)` runs; a
+        PUT over a stale entry replaces it. Untagged entries never go stale.
 
         Raises `InvalidKeyError`, `BlockTooLargeError`, `CapacityError`, `DiskFullError`,
         `StorageIOError`, `StoreClosedError`.
@@ -233,6 +274,83 @@ class SharedKvBackend(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Flush and release everything. Idempotent."""
+
+    # -- snapshots and branches (DESIGN.md §2) --------------------------------------------
+    @abc.abstractmethod
+    def snapshot_create(
+        self,
+        ns: str,
+        *,
+        keys: Sequence[str] | None = None,
+        prefix: str | None = None,
+        ttl_s: float | None = None,
+    ) -> SnapshotInfo:
+        """Snapshot the given keys (absent ones are skipped) or every key with `prefix`
+        (both None: the whole namespace). No block bytes are copied."""
+
+    @abc.abstractmethod
+    def snapshot_info(self, ns: str, snapshot_id: str) -> SnapshotInfo | None:
+        """The snapshot, or None if absent or expired."""
+
+    @abc.abstractmethod
+    def snapshot_list(self, ns: str) -> list[SnapshotInfo]:
+        """Live snapshots of `ns`, oldest first."""
+
+    @abc.abstractmethod
+    def snapshot_delete(self, ns: str, snapshot_id: str) -> bool:
+        """Release the snapshot's references (and delete its branches)."""
+
+    @abc.abstractmethod
+    def snapshot_get(self, ns: str, snapshot_id: str, key: str) -> Buffer | None:
+        """Read `key` as of the snapshot."""
+
+    @abc.abstractmethod
+    def branch_create(self, ns: str, snapshot_id: str) -> BranchInfo:
+        """Fork a snapshot (O(1), zero bytes copied). Raises `NotFoundError` if absent."""
+
+    @abc.abstractmethod
+    def branch_info(self, ns: str, branch_id: str) -> BranchInfo | None:
+        """The branch, or None."""
+
+    @abc.abstractmethod
+    def branch_list(self, ns: str) -> list[BranchInfo]:
+        """Branches of `ns`, oldest first."""
+
+    @abc.abstractmethod
+    def branch_delete(self, ns: str, branch_id: str) -> bool:
+        """Release the branch overlay's references."""
+
+    @abc.abstractmethod
+    def branch_get(self, ns: str, branch_id: str, key: str) -> Buffer | None:
+        """The overlay's block, else the snapshot's. None if neither has it (or no branch)."""
+
+    @abc.abstractmethod
+    def branch_size(self, ns: str, branch_id: str, key: str) -> int | None:
+        """Like `branch_get` without reading the block."""
+
+    @abc.abstractmethod
+    def branch_put(self, ns: str, branch_id: str, key: str, data: Buffer) -> PutResult:
+        """Write into the overlay only (first write wins within the overlay).
+
+        Raises `NotFoundError` when the branch does not exist."""
+
+    # -- epochs (derived-context invalidation) -----------------------------------------
+    @abc.abstractmethod
+    def epoch_get(self, ns: str, scope: str) -> int:
+        """Current epoch of `scope` in `ns` (0 if never bumped)."""
+
+    @abc.abstractmethod
+    def epoch_bump(self, ns: str, scope: str) -> int:
+        """Make every entry tagged with `scope` stale at once; returns the new epoch.
+
+        Persisted (durable backend), and visible to every server sharing the epoch
+        registry."""
+
+    @abc.abstractmethod
+    def retire_stale(self, *, max_items: int = 1000, budget_s: float = 0.05) -> int:
+        """Reclaim up to `max_items` stale entries (and expired snapshots) within
+        `budget_s`; returns how many were removed. Reads are correct whether or not it
+        has run."""
 
     # -- batch forms (one lock acquisition / one group commit where it matters) ---------
     def put_many(self, ns: str, items: Sequence[tuple[str, Buffer]]) -> list[PutResult]:

@@ -27,9 +27,17 @@ search degrades as the store churns, and every value is rewritten on update. KV 
 are 4-80 MiB, so blocks go to append-only segment files (one sequential write + one sync
 per batch, whatever its size or count), and LMDB only holds small rows:
 
-- ``keys``:  ns NUL key            -> u32 pins + scoped digest
+- ``keys``:  u16 len(ns), ns, key -> u32 pins, u16 len(sdig), scoped digest
+                                       [, u64 epoch, epoch scope]  (epoch-tagged entries)
 - ``blobs``: scoped digest         -> u64 size, u64 offset, u32 segment, u32 refs
-- ``meta``:  ``seg:%08d``          -> u64 committed length; ``format`` -> version
+- ``meta``:  ``seg:%08d``          -> u64 committed length; ``format`` -> version;
+             ``snap:``/``branch:`` + u16 len(tenant), tenant, id -> JSON record
+
+Snapshot entries and branch overlays are ordinary key rows in internal namespaces
+(``tenant NUL s NUL id``), so they hold refcounts, survive restarts and are checked like
+any other entry. Epochs live in a separate small LMDB environment (``epochs/``, or
+``epoch_dir``) that several server processes may share: a bump is one synced write there,
+and a read of an epoch-tagged entry compares the entry's epoch with the registry's.
 
 Crash recovery never reads blob bytes: open = read the rows (O(index), not O(data)) and
 truncate each segment to its committed length (bytes past it were never acknowledged).
@@ -43,6 +51,7 @@ import concurrent.futures
 import contextlib
 import errno
 import fcntl
+import json
 import logging
 import os
 import struct
@@ -77,18 +86,46 @@ from epistemic_kvcache.store.engine import (
     DedupScope,
     DelKey,
     Effect,
+    MetaDel,
+    MetaPut,
     PinDelta,
     TieredEngine,
     _Blob,
+    branch_ns,
     digest_of,
+    snapshot_ns,
+    tenant_of,
 )
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = b"1"
+FORMAT_VERSION = b"2"
 _BLOB_ROW = struct.Struct(">QQII")  # size, offset, segment, refs
 _PINS = struct.Struct(">I")
 _SEG_LEN = struct.Struct(">Q")
+_U16 = struct.Struct(">H")
+_U64 = struct.Struct(">Q")
+
+
+def _pack_entry(pins: int, sdig: bytes, tag: tuple[str, int] | None) -> bytes:
+    row = _PINS.pack(pins) + _U16.pack(len(sdig)) + sdig
+    if tag is not None:
+        row += _U64.pack(tag[1]) + tag[0].encode()
+    return row
+
+
+def _unpack_entry(row: bytes) -> tuple[int, bytes, tuple[str, int] | None]:
+    pins = _PINS.unpack_from(row, 0)[0]
+    n = _U16.unpack_from(row, 4)[0]
+    sdig = bytes(row[6 : 6 + n])
+    rest = row[6 + n :]
+    tag = (bytes(rest[8:]).decode(), _U64.unpack_from(rest, 0)[0]) if rest else None
+    return pins, sdig, tag
+
+
+def _ns_prefix(ns: str) -> bytes:
+    raw = ns.encode()
+    return _U16.pack(len(raw)) + raw
 
 
 class DiskIO:
@@ -138,16 +175,22 @@ class _Op:
     data: Buffer | None = None
     deduped: bool = False  # a new key whose bytes were already stored
     loc: tuple[int, int] = (-1, 0)  # quarantine: (segment, offset) of the copy that failed
+    tag: tuple[str, int] | None = None  # put: the epoch tag to write with the entry
+    payload: Any = None  # snapshot / drop / meta_put arguments
     future: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
 
 
 def _key_row(ns: str, key: str) -> bytes:
-    return ns.encode() + b"\x00" + key.encode()
+    return _ns_prefix(ns) + key.encode()
 
 
 def _split_key_row(row: bytes) -> tuple[str, str]:
-    ns, _, key = row.partition(b"\x00")
-    return ns.decode(), key.decode()
+    n = _U16.unpack_from(row, 0)[0]
+    return row[2 : 2 + n].decode(), row[2 + n :].decode()
+
+
+def _meta_row(kind: str, tenant: str, rid: str) -> bytes:
+    return kind.encode() + b":" + _ns_prefix(tenant) + rid.encode()
 
 
 class SharedKvStoreBackend(TieredEngine):
@@ -171,6 +214,7 @@ class SharedKvStoreBackend(TieredEngine):
         map_size_bytes: int = 64 << 30,
         max_batch_bytes: int = 512 << 20,
         io: DiskIO | None = None,
+        epoch_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__(
             hot_capacity_bytes=hot_capacity_bytes,
@@ -218,6 +262,18 @@ class SharedKvStoreBackend(TieredEngine):
         self._db_blobs = self._env.open_db(b"blobs")
         self._db_meta = self._env.open_db(b"meta")
         self._db_quarantine = self._env.open_db(b"quarantine")
+        # the epoch registry: its own small LMDB environment, shareable between processes
+        self.epoch_dir = Path(epoch_dir) if epoch_dir is not None else self.path / "epochs"
+        try:
+            self._epoch_env = lmdb.open(
+                str(self.epoch_dir), map_size=64 << 20, subdir=True, sync=True, max_dbs=1
+            )
+        except lmdb.Error as exc:
+            self._env.close()
+            os.close(self._lock_fd)
+            raise ConfigurationError(
+                f"invalid epoch_dir: cannot open {str(self.epoch_dir)!r} ({exc})"
+            ) from exc
         self._segments: dict[int, _Segment] = {}
         self._seg_len: dict[int, int] = {}  # committed length per segment
         self._seg_live: dict[int, int] = {}  # live block bytes per segment
@@ -282,18 +338,28 @@ class SharedKvStoreBackend(TieredEngine):
                 size, off, seg, _refs = _BLOB_ROW.unpack(row)
                 blobs[bytes(sdig)] = (size, seg, off)
             effects: list[Effect] = []
-            pins: list[PinDelta] = []
+            pins: list[Effect] = []
             for krow, v in txn.cursor(db=self._db_keys):
                 ns, key = _split_key_row(bytes(krow))
-                n = _PINS.unpack(v[:4])[0]
-                sdig = bytes(v[4:])
+                n, sdig, tag = _unpack_entry(v)
                 loc = blobs.get(sdig)
                 if loc is None:
-                    log.error("index entry %s/%s has no blob; ignoring it", ns, key)
+                    log.error("index entry %r/%r has no blob; ignoring it", ns, key)
                     continue
-                effects.append(AddKey(ns, key, sdig, loc[0], None, loc[1], loc[2]))
+                effects.append(AddKey(ns, key, sdig, loc[0], None, loc[1], loc[2], tag))
                 if n:
                     pins.append(PinDelta(ns, key, n))
+            for kind in ("snap", "branch"):
+                prefix = kind.encode() + b":"
+                cur = txn.cursor(db=self._db_meta)
+                if cur.set_range(prefix):
+                    for k, v in cur:
+                        if not k.startswith(prefix):
+                            break
+                        n = _U16.unpack_from(k, len(prefix))[0]
+                        tenant = bytes(k[len(prefix) + 2 : len(prefix) + 2 + n]).decode()
+                        rid = bytes(k[len(prefix) + 2 + n :]).decode()
+                        pins.append(MetaPut(kind, tenant, rid, json.loads(bytes(v))))
         with self._lock:
             self._apply(effects)
             self._apply(pins)
@@ -349,20 +415,32 @@ class SharedKvStoreBackend(TieredEngine):
             op.future.result()
 
     # -- the public operations -----------------------------------------------------------
-    def put(self, ns: str, key: str, data: Buffer) -> PutResult:
+    def put(self, ns: str, key: str, data: Buffer, *, epoch_scope: str | None = None) -> PutResult:
         ns_raw = self._validate(ns, key)
         self._check_size(data)
         self._check_open()
+        return self._put_into(ns, ns_raw, key, data, self._tag_for(ns, epoch_scope))
+
+    def _put_into(
+        self, ns: str, scope_raw: bytes, key: str, data: Buffer, tag: tuple[str, int] | None
+    ) -> PutResult:
+        if isinstance(data, memoryview):
+            data = bytes(data)  # the hot tier keeps it; the caller may reuse its buffer
         digest = digest_of(data)
-        sdig = self._scoped(ns_raw, digest)
+        sdig = self._scoped(scope_raw, digest)
         ref = (ns, key)
         with self._lock:
             existing = self._lookup(ns, key)
-            if existing is not None and not self._inflight.get(ref):
+            if (
+                existing is not None
+                and not self._inflight.get(ref)
+                and not (self._tags and self._stale(ns, key))
+            ):
                 outcome = PutOutcome.DUPLICATE if existing.sdig == sdig else PutOutcome.CONFLICT
                 self._count_put(ns, outcome, False)
                 return PutResult(outcome, existing.digest, existing.size)
-        result: PutResult = self._call(_Op("put", ns, key, sdig=sdig, digest=digest, data=data))
+        op = _Op("put", ns, key, sdig=sdig, digest=digest, data=data, tag=tag)
+        result: PutResult = self._call(op)
         if result.outcome is PutOutcome.NEW:
             self._rebalance()
         return result
@@ -380,6 +458,8 @@ class SharedKvStoreBackend(TieredEngine):
             self._check_size(data)
         self._check_open()
         for key, data in items:  # hash everything first: then the committer sees them all
+            if isinstance(data, memoryview):
+                data = bytes(data)  # noqa: PLW2901 (the hot tier keeps it)
             digest = digest_of(data)
             ops.append(
                 _Op("put", ns, key, sdig=self._scoped(ns_raw, digest), digest=digest, data=data)
@@ -533,12 +613,43 @@ class SharedKvStoreBackend(TieredEngine):
             self._decide_drop_blob(txn, op.sdig, effects, state, evicted=False)
             txn.put(op.sdig, str(time.time()).encode(), db=self._db_quarantine)
             return None
+        if op.kind == "snapshot":
+            return self._decide_snapshot(txn, op, effects, state)
+        if op.kind == "drop":
+            return self._decide_drop(txn, op, effects)
+        if op.kind == "meta_put":
+            e: MetaPut = op.payload
+            txn.put(
+                _meta_row(e.kind, e.tenant, e.id), json.dumps(e.record).encode(), db=self._db_meta
+            )
+            effects.append(e)
+            return None
         krow = _key_row(op.ns, op.key)
         row = txn.get(krow, db=self._db_keys)
+        if op.kind == "retire":
+            if row is None:
+                return False
+            _p, sdig, tag = _unpack_entry(row)
+            if tag is None or tag[1] >= self._epoch_current(tenant_of(op.ns), tag[0]):
+                return False
+            txn.delete(krow, db=self._db_keys)
+            self._decref(txn, sdig)
+            effects.append(DelKey(op.ns, op.key))
+            return True
         if op.kind == "put":
             assert op.data is not None
             if row is not None:
-                old = bytes(row[4:])
+                _p, old_sdig, old_tag = _unpack_entry(row)
+                if old_tag is not None and old_tag[1] < self._epoch_current(
+                    tenant_of(op.ns), old_tag[0]
+                ):
+                    # a stale entry is replaced, not kept (first write wins per epoch)
+                    txn.delete(krow, db=self._db_keys)
+                    self._decref(txn, old_sdig)
+                    effects.append(DelKey(op.ns, op.key))
+                    row = None
+            if row is not None:
+                old = old_sdig
                 outcome = PutOutcome.DUPLICATE if old == op.sdig else PutOutcome.CONFLICT
                 brow = txn.get(old, db=self._db_blobs)
                 size = _BLOB_ROW.unpack(brow)[0] if brow else len(op.data)
@@ -548,8 +659,8 @@ class SharedKvStoreBackend(TieredEngine):
             if brow is not None:
                 bsize, off, seg, refs = _BLOB_ROW.unpack(brow)
                 txn.put(op.sdig, _BLOB_ROW.pack(bsize, off, seg, refs + 1), db=self._db_blobs)
-                txn.put(krow, _PINS.pack(0) + op.sdig, db=self._db_keys)
-                effects.append(AddKey(op.ns, op.key, op.sdig, bsize, None, seg, off))
+                txn.put(krow, _pack_entry(0, op.sdig, op.tag), db=self._db_keys)
+                effects.append(AddKey(op.ns, op.key, op.sdig, bsize, None, seg, off, op.tag))
                 touched.add(op.sdig)
                 state.added.setdefault(op.sdig, []).append((op.ns, op.key))
                 op.deduped = True
@@ -559,31 +670,135 @@ class SharedKvStoreBackend(TieredEngine):
             writes.append((self._segments[seg_id], op.data, off))
             state.new_bytes += size
             txn.put(op.sdig, _BLOB_ROW.pack(size, off, seg_id, 1), db=self._db_blobs)
-            txn.put(krow, _PINS.pack(0) + op.sdig, db=self._db_keys)
-            effects.append(AddKey(op.ns, op.key, op.sdig, size, op.data, seg_id, off))
+            txn.put(krow, _pack_entry(0, op.sdig, op.tag), db=self._db_keys)
+            effects.append(AddKey(op.ns, op.key, op.sdig, size, op.data, seg_id, off, op.tag))
             touched.add(op.sdig)
             state.added.setdefault(op.sdig, []).append((op.ns, op.key))
             return PutResult(PutOutcome.NEW, op.digest, size)
         if row is None:
             return False
-        sdig = bytes(row[4:])
-        pins = _PINS.unpack(row[:4])[0]
+        pins, sdig, tag = _unpack_entry(row)
         if op.kind == "delete":
             txn.delete(krow, db=self._db_keys)
             self._decref(txn, sdig)
             effects.append(DelKey(op.ns, op.key))
             return True
         if op.kind == "pin":
-            txn.put(krow, _PINS.pack(pins + 1) + sdig, db=self._db_keys)
+            txn.put(krow, _pack_entry(pins + 1, sdig, tag), db=self._db_keys)
             effects.append(PinDelta(op.ns, op.key, +1))
             return True
         if op.kind == "unpin":
             if pins == 0:
                 return False
-            txn.put(krow, _PINS.pack(pins - 1) + sdig, db=self._db_keys)
+            txn.put(krow, _pack_entry(pins - 1, sdig, tag), db=self._db_keys)
             effects.append(PinDelta(op.ns, op.key, -1))
             return True
         raise StoreError(f"unknown operation {op.kind!r}")
+
+    def _decide_snapshot(self, txn: Any, op: _Op, effects: list[Effect], state: _BatchState) -> int:
+        """Reference and pin the tenant's live entries under the snapshot namespace."""
+        keys, prefix, rec = op.payload
+        tenant, sid = op.ns, op.key
+        sns = snapshot_ns(tenant, sid)
+        base = _ns_prefix(tenant)
+        rows: list[tuple[str, bytes]] = []
+        if keys is not None:
+            for key in dict.fromkeys(keys):
+                if prefix is not None and not key.startswith(prefix):
+                    continue
+                v = txn.get(base + key.encode(), db=self._db_keys)
+                if v is not None:
+                    rows.append((key, bytes(v)))
+        else:
+            start = base + (prefix or "").encode()
+            cur = txn.cursor(db=self._db_keys)
+            if cur.set_range(start):
+                for k, v in cur:
+                    if not k.startswith(start):
+                        break
+                    rows.append((bytes(k[len(base) :]).decode(), bytes(v)))
+        n = 0
+        for key, v in rows:
+            _pins, sdig, tag = _unpack_entry(v)
+            if tag is not None and tag[1] < self._epoch_current(tenant, tag[0]):
+                continue  # stale entries are not captured
+            brow = txn.get(sdig, db=self._db_blobs)
+            if brow is None:
+                continue
+            size, off, seg, refs = _BLOB_ROW.unpack(brow)
+            txn.put(sdig, _BLOB_ROW.pack(size, off, seg, refs + 1), db=self._db_blobs)
+            txn.put(_key_row(sns, key), _pack_entry(1, sdig, None), db=self._db_keys)
+            effects.append(AddKey(sns, key, sdig, size, None, seg, off))
+            effects.append(PinDelta(sns, key, +1))
+            state.added.setdefault(sdig, []).append((sns, key))
+            n += 1
+        txn.put(_meta_row("snap", tenant, sid), json.dumps(rec).encode(), db=self._db_meta)
+        effects.append(MetaPut("snap", tenant, sid, rec))
+        return n
+
+    def _decide_drop(self, txn: Any, op: _Op, effects: list[Effect]) -> int:
+        """Delete every entry of the named snapshots / branches, and their records."""
+        tenant = op.ns
+        n = 0
+        for kind, rid in op.payload:
+            ins = snapshot_ns(tenant, rid) if kind == "snap" else branch_ns(tenant, rid)
+            start = _ns_prefix(ins)
+            cur = txn.cursor(db=self._db_keys)
+            doomed: list[tuple[bytes, bytes]] = []
+            if cur.set_range(start):
+                for k, v in cur:
+                    if not k.startswith(start):
+                        break
+                    doomed.append((bytes(k), bytes(v)))
+            for k, v in doomed:
+                txn.delete(k, db=self._db_keys)
+                self._decref(txn, _unpack_entry(v)[1])
+                effects.append(DelKey(ins, bytes(k[len(start) :]).decode()))
+                n += 1
+            txn.delete(_meta_row(kind, tenant, rid), db=self._db_meta)
+            effects.append(MetaDel(kind, tenant, rid))
+        return n
+
+    def _snapshot_commit(
+        self,
+        tenant: str,
+        sid: str,
+        keys: list[str] | None,
+        prefix: str | None,
+        rec: dict[str, Any],
+    ) -> None:
+        self._call(_Op("snapshot", tenant, sid, payload=(keys, prefix, rec)))
+
+    def _drop(self, tenant: str, items: list[tuple[str, str]]) -> None:
+        self._call(_Op("drop", tenant, "", payload=items))
+        with self._lock:
+            self._forget_internal(tenant, items)
+
+    def _commit_meta(self, effect: MetaPut) -> None:
+        self._call(_Op("meta_put", effect.tenant, "", payload=effect))
+
+    def _retire(self, pairs: list[tuple[str, str]]) -> int:
+        ops = [_Op("retire", ns, key) for ns, key in pairs]
+        for op in ops:
+            self._submit(op)
+        return sum(1 for op in ops if op.future.result())
+
+    # -- the epoch registry ----------------------------------------------------------------
+    def _epoch_current(self, tenant: str, scope: str) -> int:
+        with self._epoch_env.begin() as txn:
+            v = txn.get(_ns_prefix(tenant) + scope.encode())
+        return _U64.unpack(v)[0] if v is not None else 0
+
+    def _epoch_advance(self, tenant: str, scope: str) -> int:
+        k = _ns_prefix(tenant) + scope.encode()
+        try:
+            with self._epoch_env.begin(write=True) as txn:
+                v = txn.get(k)
+                n = (_U64.unpack(v)[0] if v is not None else 0) + 1
+                txn.put(k, _U64.pack(n))
+        except lmdb.Error as exc:
+            raise StorageIOError(f"epoch bump failed in {self.epoch_dir}: {exc}") from exc
+        return n
 
     def _decref(self, txn: Any, sdig: bytes) -> None:
         brow = txn.get(sdig, db=self._db_blobs)
@@ -615,7 +830,7 @@ class SharedKvStoreBackend(TieredEngine):
         for ns, key in dict.fromkeys([*refs, *state.added.get(sdig, ())]):
             krow = _key_row(ns, key)
             row = txn.get(krow, db=self._db_keys)
-            if row is not None and bytes(row[4:]) == sdig:
+            if row is not None and _unpack_entry(row)[1] == sdig:
                 txn.delete(krow, db=self._db_keys)
                 effects.append(DelKey(ns, key, evicted=evicted))
         txn.delete(sdig, db=self._db_blobs)
@@ -747,7 +962,7 @@ class SharedKvStoreBackend(TieredEngine):
         rows: dict[bytes, tuple[int, int, int, int]] = {}
         with self._env.begin() as txn:
             for krow, v in txn.cursor(db=self._db_keys):
-                sdig = bytes(v[4:])
+                sdig = _unpack_entry(v)[1]
                 refs[sdig] = refs.get(sdig, 0) + 1
                 if txn.get(sdig, db=self._db_blobs) is None:
                     ns, key = _split_key_row(bytes(krow))
@@ -779,6 +994,7 @@ class SharedKvStoreBackend(TieredEngine):
         with self._lock:
             self._closed = True
         self._env.close()
+        self._epoch_env.close()
         self._segments.clear()
         self._active = None
         with contextlib.suppress(OSError):

@@ -27,11 +27,14 @@ How it works
 
 from __future__ import annotations
 
+import abc
+import secrets
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import blake3
 
@@ -39,14 +42,18 @@ from epistemic_kvcache.errors import (
     BlockTooLargeError,
     CapacityError,
     ConfigurationError,
+    InvalidKeyError,
+    NotFoundError,
     StoreClosedError,
 )
 from epistemic_kvcache.store.api import (
+    BranchInfo,
     Buffer,
     ConsistencyReport,
     PutOutcome,
     PutResult,
     SharedKvBackend,
+    SnapshotInfo,
     StoreStats,
     TierStats,
     validate_key,
@@ -61,6 +68,13 @@ DIGEST_BYTES = 32
 _PARALLEL_HASH_BYTES = 1 << 20
 # How many least-recently-used entries compete when a tier picks a victim.
 _VICTIM_WINDOW = 8
+
+
+def validate_scope(scope: str) -> None:
+    """An epoch scope is 1..256 bytes of UTF-8 without NUL."""
+    raw = scope.encode("utf-8", "surrogatepass")
+    if not raw or len(raw) > 256 or b"\x00" in raw:
+        raise InvalidKeyError(f"invalid epoch scope {scope!r}: expected 1..256 bytes without NUL")
 
 
 def digest_of(data: Buffer) -> bytes:
@@ -179,6 +193,7 @@ class AddKey:
     data: Buffer | None = None  # the block's bytes when the blob is new
     seg: int = -1
     off: int = 0
+    tag: tuple[str, int] | None = None  # (epoch scope, epoch) the entry was written in
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +214,45 @@ class PinDelta:
     delta: int
 
 
-Effect = AddKey | DelKey | PinDelta
+@dataclass(frozen=True, slots=True)
+class MetaPut:
+    """Effect: a snapshot or branch record is created (`kind` is "snap" or "branch")."""
+
+    kind: str
+    tenant: str
+    id: str
+    record: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class MetaDel:
+    """Effect: a snapshot or branch record is gone."""
+
+    kind: str
+    tenant: str
+    id: str
+
+
+Effect = AddKey | DelKey | PinDelta | MetaPut | MetaDel
+
+# Internal namespaces (snapshot entries, branch overlays) contain NUL, which a tenant
+# namespace never does, so no client can name them.
+_SEP = "\x00"
+
+
+def tenant_of(ns: str) -> str:
+    """The tenant namespace an (internal) namespace belongs to."""
+    return ns.partition(_SEP)[0]
+
+
+def snapshot_ns(tenant: str, snapshot_id: str) -> str:
+    """The internal namespace holding a snapshot's entries."""
+    return f"{tenant}{_SEP}s{_SEP}{snapshot_id}"
+
+
+def branch_ns(tenant: str, branch_id: str) -> str:
+    """The internal namespace holding a branch's overlay entries."""
+    return f"{tenant}{_SEP}b{_SEP}{branch_id}"
 
 
 class TieredEngine(SharedKvBackend):
@@ -245,6 +298,12 @@ class TieredEngine(SharedKvBackend):
         self._ns: dict[str, _Counters] = {}
         self._total = _Counters()
         self._hot_leaving = 0  # bytes of hot blobs being demoted right now
+        # (ns, key) -> (epoch scope, epoch) for entries written with an epoch scope
+        self._tags: dict[tuple[str, str], tuple[str, int]] = {}
+        # tenant -> id -> record
+        self._snapshots: dict[str, dict[str, dict[str, Any]]] = {}
+        self._branches: dict[str, dict[str, dict[str, Any]]] = {}
+        self._epochs: dict[tuple[str, str], int] = {}  # (tenant, scope) -> epoch (memory)
 
     # -- helpers -------------------------------------------------------------------------
     def _scoped(self, ns_raw: bytes, digest: bytes) -> bytes:
@@ -324,31 +383,44 @@ class TieredEngine(SharedKvBackend):
                 self._apply_add(e)
             elif isinstance(e, DelKey):
                 self._apply_del(e)
-            else:
+            elif isinstance(e, PinDelta):
                 self._apply_pin(e)
+            elif isinstance(e, MetaPut):
+                self._meta(e.kind).setdefault(e.tenant, {})[e.id] = e.record
+            else:
+                recs = self._meta(e.kind).get(e.tenant)
+                if recs is not None:
+                    recs.pop(e.id, None)
+
+    def _meta(self, kind: str) -> dict[str, dict[str, dict[str, Any]]]:
+        return self._snapshots if kind == "snap" else self._branches
 
     def _apply_add(self, e: AddKey) -> None:
         b = self._blobs.get(e.sdig)
         c = self._counters(e.ns)
+        tenant = tenant_of(e.ns)
+        oc = c if tenant == e.ns else self._counters(tenant)
         if b is None:
             b = _Blob(e.sdig, e.size)
             b.seg, b.off = e.seg, e.off
-            b.owner = {} if self.dedup_scope == "global" else e.ns
+            b.owner = {} if self.dedup_scope == "global" else tenant
             self._blobs[e.sdig] = b
             self._footprint(b, self._total, +1)
             if isinstance(b.owner, str):
-                self._footprint(b, c, +1)
+                self._footprint(b, oc, +1)
             if e.data is not None and e.size <= self.hot_capacity_bytes:
                 self._set_hot(b, e.data)
             self._on_blob_created(b)
         b.refs += 1
         b.add_keyref((e.ns, e.key))
         if isinstance(b.owner, dict):
-            n = b.owner.get(e.ns, 0)
-            b.owner[e.ns] = n + 1
+            n = b.owner.get(tenant, 0)
+            b.owner[tenant] = n + 1
             if n == 0:
-                self._footprint(b, c, +1)
+                self._footprint(b, oc, +1)
         self._index.setdefault(e.ns, {})[e.key] = b
+        if e.tag is not None:
+            self._tags[(e.ns, e.key)] = e.tag
         c.total_refs += 1
         c.logical_bytes += b.size
         self._total.total_refs += 1
@@ -360,6 +432,9 @@ class TieredEngine(SharedKvBackend):
         if b is None:
             return
         c = self._counters(e.ns)
+        tenant = tenant_of(e.ns)
+        oc = c if tenant == e.ns else self._counters(tenant)
+        self._tags.pop((e.ns, e.key), None)
         pins = self._pins.pop((e.ns, e.key), 0)
         if pins:
             self._change_pins(b, -pins)
@@ -373,15 +448,15 @@ class TieredEngine(SharedKvBackend):
             c.evictions += 1
             self._total.evictions += 1
         if isinstance(b.owner, dict):
-            n = b.owner[e.ns] - 1
+            n = b.owner[tenant] - 1
             if n == 0:
-                self._footprint(b, c, -1)
-                del b.owner[e.ns]
+                self._footprint(b, oc, -1)
+                del b.owner[tenant]
             else:
-                b.owner[e.ns] = n
+                b.owner[tenant] = n
         if b.refs == 0:
             if isinstance(b.owner, str):
-                self._footprint(b, c, -1)
+                self._footprint(b, oc, -1)
             self._footprint(b, self._total, -1)
             del self._blobs[b.sdig]
             if b.hot is not None:
@@ -515,12 +590,32 @@ class TieredEngine(SharedKvBackend):
             if self._blobs.get(b.sdig) is b:
                 self._apply([DelKey(ns, key) for ns, key in b.key_refs()])
 
+    def _stale(self, ns: str, key: str) -> bool:
+        """Whether the entry was written in an epoch its scope has moved past (lock held)."""
+        tag = self._tags.get((ns, key))
+        return tag is not None and tag[1] < self._epoch_current(tenant_of(ns), tag[0])
+
+    def _live(self, ns: str, key: str) -> _Blob | None:
+        """The entry's blob, unless absent or stale (lock held)."""
+        b = self._lookup(ns, key)
+        if b is not None and self._tags and self._stale(ns, key):
+            return None
+        return b
+
     def get(self, ns: str, key: str) -> Buffer | None:
         self._validate(ns, key)
         self._check_open()
+        return self._read(ns, key)
+
+    def _read(self, ns: str, key: str) -> Buffer | None:
+        """GET on a (possibly internal) namespace; counts on that namespace."""
         with self._lock:
             c = self._counters(ns)
             b = self._lookup(ns, key)
+            if b is not None and self._tags and self._stale(ns, key):
+                c.stale_missed += 1
+                self._total.stale_missed += 1
+                b = None
             if b is None:
                 c.get_misses += 1
                 self._total.get_misses += 1
@@ -570,14 +665,14 @@ class TieredEngine(SharedKvBackend):
         self._validate(ns, key)
         self._check_open()
         with self._lock:
-            b = self._lookup(ns, key)
+            b = self._live(ns, key)
             return b.size if b is not None else None
 
     def exists(self, ns: str, key: str) -> bool:
         self._validate(ns, key)
         self._check_open()
         with self._lock:
-            return self._lookup(ns, key) is not None
+            return self._live(ns, key) is not None
 
     def exists_many(self, ns: str, keys: Sequence[str]) -> list[bool]:
         for key in keys:
@@ -585,7 +680,9 @@ class TieredEngine(SharedKvBackend):
         self._check_open()
         with self._lock:
             idx = self._index.get(ns) or {}
-            return [k in idx for k in keys]
+            if not self._tags:
+                return [k in idx for k in keys]
+            return [k in idx and not self._stale(ns, k) for k in keys]
 
     def promote(self, ns: str, key: str) -> bool:
         self._validate(ns, key)
@@ -629,6 +726,301 @@ class TieredEngine(SharedKvBackend):
             items = [(ns, k, b.digest) for ns, idx in self._index.items() for k, b in idx.items()]
         return iter(items)
 
+    # -- epochs --------------------------------------------------------------------------
+    def _epoch_current(self, tenant: str, scope: str) -> int:
+        """Current epoch of `scope` (backend: RAM dict or the shared epoch registry)."""
+        return self._epochs.get((tenant, scope), 0)
+
+    def _epoch_advance(self, tenant: str, scope: str) -> int:
+        with self._lock:
+            n = self._epochs.get((tenant, scope), 0) + 1
+            self._epochs[(tenant, scope)] = n
+            return n
+
+    def _tag_for(self, ns: str, epoch_scope: str | None) -> tuple[str, int] | None:
+        if epoch_scope is None:
+            return None
+        validate_scope(epoch_scope)
+        with self._lock:
+            return (epoch_scope, self._epoch_current(tenant_of(ns), epoch_scope))
+
+    def epoch_get(self, ns: str, scope: str) -> int:
+        validate_namespace(ns)
+        validate_scope(scope)
+        with self._lock:
+            return self._epoch_current(ns, scope)
+
+    def epoch_bump(self, ns: str, scope: str) -> int:
+        validate_namespace(ns)
+        validate_scope(scope)
+        self._check_open()
+        return self._epoch_advance(ns, scope)
+
+    def retire_stale(self, *, max_items: int = 1000, budget_s: float = 0.05) -> int:
+        deadline = time.monotonic() + budget_s
+        stale: list[tuple[str, str]] = []
+        expired: list[tuple[str, str, str]] = []
+        now = time.time()
+        with self._lock:
+            for i, (ns, key) in enumerate(self._tags):
+                if len(stale) >= max_items or (i & 255 == 255 and time.monotonic() > deadline):
+                    break
+                if self._stale(ns, key):
+                    stale.append((ns, key))
+            for kind, table in (("snap", self._snapshots), ("branch", self._branches)):
+                for tenant, recs in table.items():
+                    for rid, rec in recs.items():
+                        if rec.get("expires_at") is not None and rec["expires_at"] <= now:
+                            expired.append((kind, tenant, rid))
+        removed = self._retire(stale) if stale else 0
+        for kind, tenant, rid in expired:
+            if kind == "snap" and self._drop_snapshot(tenant, rid):
+                removed += 1
+        return removed
+
+    # -- snapshots and branches ----------------------------------------------------------
+    def _snapshot_rec(self, ns: str, snapshot_id: str) -> dict[str, Any] | None:
+        rec = self._snapshots.get(ns, {}).get(snapshot_id)
+        if rec is None:
+            return None
+        exp = rec.get("expires_at")
+        return None if exp is not None and exp <= time.time() else rec
+
+    def _snapshot_info(self, ns: str, sid: str, rec: dict[str, Any]) -> SnapshotInfo:
+        sns = snapshot_ns(ns, sid)
+        c = self._ns.get(sns) or _Counters()
+        return SnapshotInfo(
+            id=sid,
+            ns=ns,
+            keys=len(self._index.get(sns) or ()),
+            logical_bytes=c.logical_bytes,
+            created_at=rec["created_at"],
+            expires_at=rec.get("expires_at"),
+        )
+
+    def snapshot_create(
+        self,
+        ns: str,
+        *,
+        keys: Sequence[str] | None = None,
+        prefix: str | None = None,
+        ttl_s: float | None = None,
+    ) -> SnapshotInfo:
+        validate_namespace(ns)
+        for key in keys or ():
+            validate_key(key)
+        if ttl_s is not None and not ttl_s > 0:
+            raise ValueError(f"invalid ttl_s: expected a positive number (got {ttl_s!r})")
+        self._check_open()
+        sid = secrets.token_hex(8)
+        now = time.time()
+        rec: dict[str, Any] = {
+            "created_at": now,
+            "expires_at": now + ttl_s if ttl_s is not None else None,
+        }
+        self._snapshot_commit(ns, sid, list(keys) if keys is not None else None, prefix, rec)
+        with self._lock:
+            return self._snapshot_info(ns, sid, rec)
+
+    def snapshot_info(self, ns: str, snapshot_id: str) -> SnapshotInfo | None:
+        validate_namespace(ns)
+        with self._lock:
+            rec = self._snapshot_rec(ns, snapshot_id)
+            return self._snapshot_info(ns, snapshot_id, rec) if rec is not None else None
+
+    def snapshot_list(self, ns: str) -> list[SnapshotInfo]:
+        validate_namespace(ns)
+        with self._lock:
+            out = [
+                self._snapshot_info(ns, sid, rec)
+                for sid in list(self._snapshots.get(ns, {}))
+                if (rec := self._snapshot_rec(ns, sid)) is not None
+            ]
+        return sorted(out, key=lambda i: i.created_at)
+
+    def snapshot_delete(self, ns: str, snapshot_id: str) -> bool:
+        validate_namespace(ns)
+        self._check_open()
+        return self._drop_snapshot(ns, snapshot_id)
+
+    def _drop_snapshot(self, ns: str, snapshot_id: str) -> bool:
+        with self._lock:
+            if snapshot_id not in self._snapshots.get(ns, {}):
+                return False
+            items = [("snap", snapshot_id)] + [
+                ("branch", bid)
+                for bid, rec in self._branches.get(ns, {}).items()
+                if rec["snapshot_id"] == snapshot_id
+            ]
+        self._drop(ns, items)
+        return True
+
+    def snapshot_get(self, ns: str, snapshot_id: str, key: str) -> Buffer | None:
+        self._validate(ns, key)
+        with self._lock:
+            if self._snapshot_rec(ns, snapshot_id) is None:
+                return None
+        return self._read(snapshot_ns(ns, snapshot_id), key)
+
+    def _branch_info(self, ns: str, bid: str, rec: dict[str, Any]) -> BranchInfo:
+        bns = branch_ns(ns, bid)
+        sns = snapshot_ns(ns, rec["snapshot_id"])
+        overlay = self._index.get(bns) or {}
+        private = 0
+        for b in overlay.values():
+            if not any(rns == sns for rns, _ in b.key_refs()):
+                private += b.size
+        sc = self._ns.get(sns) or _Counters()
+        return BranchInfo(
+            id=bid,
+            ns=ns,
+            snapshot_id=rec["snapshot_id"],
+            created_at=rec["created_at"],
+            private_keys=len(overlay),
+            private_bytes=private,
+            shared_bytes=sc.logical_bytes,
+        )
+
+    def branch_create(self, ns: str, snapshot_id: str) -> BranchInfo:
+        validate_namespace(ns)
+        self._check_open()
+        with self._lock:
+            if self._snapshot_rec(ns, snapshot_id) is None:
+                raise NotFoundError(f"no snapshot {snapshot_id!r}")
+        bid = secrets.token_hex(8)
+        rec: dict[str, Any] = {"snapshot_id": snapshot_id, "created_at": time.time()}
+        self._commit_meta(MetaPut("branch", ns, bid, rec))
+        with self._lock:
+            return self._branch_info(ns, bid, rec)
+
+    def _branch_rec(self, ns: str, branch_id: str) -> dict[str, Any] | None:
+        rec = self._branches.get(ns, {}).get(branch_id)
+        if rec is None or self._snapshot_rec(ns, rec["snapshot_id"]) is None:
+            return None
+        return rec
+
+    def branch_info(self, ns: str, branch_id: str) -> BranchInfo | None:
+        validate_namespace(ns)
+        with self._lock:
+            rec = self._branch_rec(ns, branch_id)
+            return self._branch_info(ns, branch_id, rec) if rec is not None else None
+
+    def branch_list(self, ns: str) -> list[BranchInfo]:
+        validate_namespace(ns)
+        with self._lock:
+            out = [
+                self._branch_info(ns, bid, rec)
+                for bid in list(self._branches.get(ns, {}))
+                if (rec := self._branch_rec(ns, bid)) is not None
+            ]
+        return sorted(out, key=lambda i: i.created_at)
+
+    def branch_delete(self, ns: str, branch_id: str) -> bool:
+        validate_namespace(ns)
+        self._check_open()
+        with self._lock:
+            if branch_id not in self._branches.get(ns, {}):
+                return False
+        self._drop(ns, [("branch", branch_id)])
+        return True
+
+    def _branch_source(self, ns: str, branch_id: str, key: str) -> str | None:
+        """The internal namespace a branch read of `key` resolves to (lock held)."""
+        rec = self._branch_rec(ns, branch_id)
+        if rec is None:
+            return None
+        bns = branch_ns(ns, branch_id)
+        if self._live(bns, key) is not None:
+            return bns
+        return snapshot_ns(ns, rec["snapshot_id"])
+
+    def branch_get(self, ns: str, branch_id: str, key: str) -> Buffer | None:
+        self._validate(ns, key)
+        self._check_open()
+        with self._lock:
+            src = self._branch_source(ns, branch_id, key)
+        return self._read(src, key) if src is not None else None
+
+    def branch_size(self, ns: str, branch_id: str, key: str) -> int | None:
+        self._validate(ns, key)
+        with self._lock:
+            src = self._branch_source(ns, branch_id, key)
+            b = self._live(src, key) if src is not None else None
+            return b.size if b is not None else None
+
+    def branch_put(self, ns: str, branch_id: str, key: str, data: Buffer) -> PutResult:
+        ns_raw = self._validate(ns, key)
+        self._check_size(data)
+        self._check_open()
+        with self._lock:
+            if self._branch_rec(ns, branch_id) is None:
+                raise NotFoundError(f"no branch {branch_id!r}")
+        return self._put_into(branch_ns(ns, branch_id), ns_raw, key, data, None)
+
+    # -- backend primitives --------------------------------------------------------------
+    @abc.abstractmethod
+    def _put_into(
+        self, ns: str, scope_raw: bytes, key: str, data: Buffer, tag: tuple[str, int] | None
+    ) -> PutResult:
+        """PUT into a (possibly internal) namespace; blobs are scoped by `scope_raw`."""
+
+    @abc.abstractmethod
+    def _snapshot_commit(
+        self,
+        tenant: str,
+        sid: str,
+        keys: list[str] | None,
+        prefix: str | None,
+        rec: dict[str, Any],
+    ) -> None:
+        """Reference (and pin) the live entries named, under snapshot_ns(tenant, sid)."""
+
+    @abc.abstractmethod
+    def _drop(self, tenant: str, items: list[tuple[str, str]]) -> None:
+        """Delete the records and every entry of the named snapshots / branches."""
+
+    @abc.abstractmethod
+    def _commit_meta(self, effect: MetaPut) -> None:
+        """Make a snapshot/branch record durable (durable backend) and apply it."""
+
+    @abc.abstractmethod
+    def _retire(self, pairs: list[tuple[str, str]]) -> int:
+        """Delete the given entries if they are still stale; returns how many went."""
+
+    def _snapshot_effects(
+        self, tenant: str, sid: str, keys: list[str] | None, prefix: str | None
+    ) -> list[Effect]:
+        """Memory backend: effects that reference the live entries (lock held)."""
+        idx = self._index.get(tenant) or {}
+        names = keys if keys is not None else list(idx)
+        sns = snapshot_ns(tenant, sid)
+        out: list[Effect] = []
+        for key in dict.fromkeys(names):
+            if prefix is not None and not key.startswith(prefix):
+                continue
+            b = self._live(tenant, key)
+            if b is None:
+                continue
+            out.append(AddKey(sns, key, b.sdig, b.size, None, b.seg, b.off))
+            out.append(PinDelta(sns, key, +1))
+        return out
+
+    def _drop_effects(self, tenant: str, items: list[tuple[str, str]]) -> list[Effect]:
+        out: list[Effect] = []
+        for kind, rid in items:
+            ins = snapshot_ns(tenant, rid) if kind == "snap" else branch_ns(tenant, rid)
+            out.extend(DelKey(ins, key) for key in list(self._index.get(ins) or ()))
+            out.append(MetaDel(kind, tenant, rid))
+        return out
+
+    def _forget_internal(self, tenant: str, items: list[tuple[str, str]]) -> None:
+        """Drop the emptied internal namespaces' dicts and counters (lock held)."""
+        for kind, rid in items:
+            ins = snapshot_ns(tenant, rid) if kind == "snap" else branch_ns(tenant, rid)
+            if not self._index.get(ins):
+                self._index.pop(ins, None)
+                self._ns.pop(ins, None)
+
     # -- stats ---------------------------------------------------------------------------
     def _tier_caps(self) -> dict[str, int]:
         return {"hot": self.hot_capacity_bytes, "warm": self.warm_capacity_bytes}
@@ -664,7 +1056,7 @@ class TieredEngine(SharedKvBackend):
         return s
 
     def _extra_stats(self) -> dict[str, int | float]:
-        return {"namespaces": len(self._index)}
+        return {"namespaces": len({tenant_of(ns) for ns in self._index})}
 
     # -- decisions shared by both backends -----------------------------------------------
     def _count_put(self, ns: str, outcome: PutOutcome, deduped: bool) -> None:
@@ -733,23 +1125,39 @@ class SharedKvIndex(TieredEngine):
             codec=codec,
         )
 
-    def put(self, ns: str, key: str, data: Buffer) -> PutResult:
+    def put(self, ns: str, key: str, data: Buffer, *, epoch_scope: str | None = None) -> PutResult:
         ns_raw = self._validate(ns, key)
         self._check_size(data)
         self._check_open()
+        return self._put_into(ns, ns_raw, key, data, self._tag_for(ns, epoch_scope))
+
+    def _put_into(
+        self, ns: str, scope_raw: bytes, key: str, data: Buffer, tag: tuple[str, int] | None
+    ) -> PutResult:
         if isinstance(data, memoryview):
             data = bytes(data)  # the caller may reuse its buffer; bytes/bytearray are kept
         digest = digest_of(data)
-        sdig = self._scoped(ns_raw, digest)
+        sdig = self._scoped(scope_raw, digest)
         with self._lock:
-            result = self._put_locked(ns, key, sdig, digest, data)
+            result = self._put_locked(ns, key, sdig, digest, data, tag)
         if result.outcome is PutOutcome.NEW:
             self._rebalance()
         return result
 
-    def _put_locked(self, ns: str, key: str, sdig: bytes, digest: bytes, data: Buffer) -> PutResult:
+    def _put_locked(
+        self,
+        ns: str,
+        key: str,
+        sdig: bytes,
+        digest: bytes,
+        data: Buffer,
+        tag: tuple[str, int] | None = None,
+    ) -> PutResult:
         size = len(data)
         existing = self._lookup(ns, key)
+        if existing is not None and self._tags and self._stale(ns, key):
+            self._apply([DelKey(ns, key)])  # a stale entry is replaced, not kept
+            existing = None
         if existing is not None:
             outcome = PutOutcome.DUPLICATE if existing.sdig == sdig else PutOutcome.CONFLICT
             self._count_put(ns, outcome, False)
@@ -757,7 +1165,7 @@ class SharedKvIndex(TieredEngine):
         shared = sdig in self._blobs
         if not shared:
             self._check_ram_room(size)
-        self._apply([AddKey(ns, key, sdig, size, None if shared else data)])
+        self._apply([AddKey(ns, key, sdig, size, None if shared else data, tag=tag)])
         b = self._blobs[sdig]
         if b.hot is None and b.warm is None:
             # larger than the hot tier: straight to warm (compressed when worth it)
@@ -777,6 +1185,37 @@ class SharedKvIndex(TieredEngine):
                 return False
             self._apply([DelKey(ns, key)])
             return True
+
+    def _snapshot_commit(
+        self,
+        tenant: str,
+        sid: str,
+        keys: list[str] | None,
+        prefix: str | None,
+        rec: dict[str, Any],
+    ) -> None:
+        with self._lock:
+            effects = self._snapshot_effects(tenant, sid, keys, prefix)
+            effects.append(MetaPut("snap", tenant, sid, rec))
+            self._apply(effects)
+
+    def _drop(self, tenant: str, items: list[tuple[str, str]]) -> None:
+        with self._lock:
+            self._apply(self._drop_effects(tenant, items))
+            self._forget_internal(tenant, items)
+
+    def _commit_meta(self, effect: MetaPut) -> None:
+        with self._lock:
+            self._apply([effect])
+
+    def _retire(self, pairs: list[tuple[str, str]]) -> int:
+        n = 0
+        with self._lock:
+            for ns, key in pairs:
+                if self._lookup(ns, key) is not None and self._stale(ns, key):
+                    self._apply([DelKey(ns, key)])
+                    n += 1
+        return n
 
     def pin(self, ns: str, key: str) -> bool:
         self._validate(ns, key)
