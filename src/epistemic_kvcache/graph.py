@@ -19,12 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import scipy.sparse as sp
-
-from epistemic_kvcache.store.api import SharedKvBackend
+if TYPE_CHECKING:
+    from epistemic_kvcache.store.api import SharedKvBackend
 
 Edge = tuple[Hashable, Hashable] | tuple[Hashable, Hashable, float]
 
@@ -74,6 +72,10 @@ def pagerank(
     result. Raises `ValueError` for a bad damping or weight, `PageRankConvergenceError`
     if the iteration does not converge.
     """
+    # Imported here: the client imports this module for its result types only.
+    import numpy as np
+    import scipy.sparse as sp
+
     if not 0.0 <= damping < 1.0:
         raise ValueError(f"damping must be in [0, 1) (got {damping!r})")
     if tol <= 0.0:
@@ -163,6 +165,28 @@ class PageInResult:
                 for b in self.skipped
             ],
         }
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> PageInResult:
+        """Inverse of `to_dict` (the client's view). Raises KeyError/TypeError/ValueError."""
+        return cls(
+            budget_bytes=int(doc["budget_bytes"]),
+            used_bytes=int(doc["used_bytes"]),
+            ranking=[(node, float(score)) for node, score in doc["ranking"]],
+            paged=[
+                PagedBlock(b["node"], str(b["key"]), int(b["bytes"]), float(b["score"]))
+                for b in doc["paged"]
+            ],
+            skipped=[
+                SkippedBlock(
+                    b["node"],
+                    str(b["key"]),
+                    str(b["reason"]),
+                    None if b["bytes"] is None else int(b["bytes"]),
+                )
+                for b in doc["skipped"]
+            ],
+        )
 
 
 def page_in_ranked(

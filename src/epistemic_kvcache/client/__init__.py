@@ -1,6 +1,6 @@
 """The Python client of epistemic-kvcache: `KvCacheConfig` and `EpistemicGraphKVBackend`."""
 
-from epistemic_kvcache.client.backend import EpistemicGraphKVBackend
+from epistemic_kvcache.client.backend import EpistemicGraphKVBackend, KvCacheUnavailableError
 from epistemic_kvcache.client.config import KvCacheConfig, is_loopback_host
 from epistemic_kvcache.client.stats import ClientCounters, KvCacheStats, TierOccupancy
 
@@ -9,6 +9,7 @@ __all__ = [
     "EpistemicGraphKVBackend",
     "KvCacheConfig",
     "KvCacheStats",
+    "KvCacheUnavailableError",
     "TierOccupancy",
     "is_loopback_host",
 ]

@@ -26,7 +26,7 @@ import struct
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import fields
 from typing import Any, Self
 
@@ -40,10 +40,13 @@ from epistemic_kvcache.errors import (
     ConfigurationError,
     ForbiddenError,
     InvalidKeyError,
+    KvCacheError,
     LocalProtocolError,
     RemoteProtocolError,
 )
-from epistemic_kvcache.store.api import validate_key
+from epistemic_kvcache.graph import Edge, PageInResult
+from epistemic_kvcache.proto.http import quote_key
+from epistemic_kvcache.store.api import BranchInfo, SnapshotInfo, validate_key
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +57,7 @@ MAX_BATCH_KEYS = 1024
 """Server default `max_batch_keys`; larger batches are split."""
 MAX_BATCH_PUT_BYTES = 256 * 1024 * 1024
 """Split batch PUT bodies at this size (server default `max_batch_bytes` is 1 GiB)."""
-RESERVED_SEGMENTS = frozenset({"stats", "batch", "snapshot", "branch"})
+RESERVED_SEGMENTS = frozenset({"stats", "batch", "snapshot", "branch", "epoch", "page-in", "keys"})
 """`/kv/<segment>` route names; such keys are sent through the batch routes."""
 _SKIP_CHUNK = 1024 * 1024
 _LOG_INTERVAL_S = 10.0
@@ -63,6 +66,28 @@ _U32 = struct.Struct(">I")
 
 class _TransportFailure(Exception):
     """Internal: a request failed in a way that degrades to a miss."""
+
+
+class KvCacheUnavailableError(KvCacheError):
+    """The server could not be reached (or answered 5xx/429/408).
+
+    Raised only by calls whose silent failure would mislead the caller (`epoch_bump`,
+    `epoch_get`, `list_keys`, `list_snapshots`, `list_branches`); the data-path calls
+    degrade to a miss / False instead. Retrying later may help.
+    """
+
+
+def _fields_of(doc: object, names: Sequence[str], what: str) -> dict[str, Any]:
+    if not isinstance(doc, dict):
+        raise RemoteProtocolError(f"{what}: expected a JSON object")
+    try:
+        return {name: doc[name] for name in names}
+    except KeyError as exc:
+        raise RemoteProtocolError(f"{what}: answer lacks {exc}") from exc
+
+
+_SNAPSHOT_FIELDS = tuple(f.name for f in fields(SnapshotInfo))
+_BRANCH_FIELDS = tuple(f.name for f in fields(BranchInfo))
 
 
 def _as_byte_view(buffer: Any) -> memoryview:
@@ -389,23 +414,24 @@ class EpistemicGraphKVBackend:
         self._count(hits=1, bytes_received=size)
         return size
 
-    def put(self, key: str, data: Any) -> bool:
+    def put(self, key: str, data: Any, *, epoch_scope: str | None = None) -> bool:
         """Store `data` (any bytes-like object) under `key`. True when the server holds it.
 
         A key that already existed is True as well (same bytes: a dedup hit; different
-        bytes: first write wins, the stored block stays).
+        bytes: first write wins, the stored block stays). With `epoch_scope` the entry is
+        tagged with the scope's current epoch and reads miss once `epoch_bump(scope)` ran
+        (header `X-Kv-Epoch-Scope`; needs a server with the engine routes).
         """
         validate_key(key)
-        if key in RESERVED_SEGMENTS:
+        headers = {"Content-Type": "application/octet-stream"}
+        path = self._key_path(key)
+        if epoch_scope is not None:
+            headers["X-Kv-Epoch-Scope"] = self._scope_header(epoch_scope)
+            path = f"{self._prefix}/kv/{quote_key(key)}"
+        elif key in RESERVED_SEGMENTS:
             return self.put_many([(key, data)])[0]
         try:
-            resp = self._request(
-                "PUT",
-                self._key_path(key),
-                body=data,
-                headers={"Content-Type": "application/octet-stream"},
-                what="PUT",
-            )
+            resp = self._request("PUT", path, body=data, headers=headers, what="PUT")
         except _TransportFailure:
             self._count(puts_failed=1)
             return False
@@ -485,23 +511,23 @@ class EpistemicGraphKVBackend:
     def supports_fork(self) -> bool:
         """Whether the server offers snapshots and branches (never raises).
 
-        Asks `GET /healthz` for its `features` list and looks for `"snapshots"`; a server
-        that does not advertise it (or cannot be reached) does not support forking.
+        Probes `GET /kv/snapshot`: a server with the engine routes answers a JSON
+        `{"snapshots": [...]}`; an older one answers 404 (or the bytes of a key named
+        `snapshot`), and an unreachable one nothing: all of those are False.
         """
         try:
-            resp = self._request("GET", f"{self._prefix}/healthz", what="healthz")
-        except (_TransportFailure, AuthError, LocalProtocolError, InvalidKeyError):
+            resp = self._request("GET", f"{self._prefix}/kv/snapshot", what="snapshot probe")
+        except (_TransportFailure, KvCacheError):
             return False
         data = resp.data
         resp.release_conn()
-        if resp.status != 200:
+        if resp.status != 200 or "json" not in resp.headers.get("Content-Type", ""):
             return False
         try:
             doc = json.loads(data)
         except ValueError:
             return False
-        features = doc.get("features") if isinstance(doc, dict) else None
-        return isinstance(features, list) and "snapshots" in features
+        return isinstance(doc, dict) and isinstance(doc.get("snapshots"), list)
 
     # -- batch operations -------------------------------------------------------------
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
@@ -693,3 +719,289 @@ class EpistemicGraphKVBackend:
     def delete_many(self, keys: Sequence[str]) -> list[bool]:
         """`delete` for each key (one request each: there is no batch delete route)."""
         return [self.delete(k) for k in keys]
+
+    # -- engine features: snapshots, branches, epochs, paging (docs/engine-features.md) --
+    @staticmethod
+    def _scope_header(scope: str) -> str:
+        raw = scope.encode("utf-8")
+        if not 0 < len(raw) <= 1024 or any(c in raw for c in b"\r\n\x00"):
+            raise ValueError(f"invalid epoch scope {scope!r}: 1..1024 bytes, no CR/LF/NUL")
+        return raw.decode("latin-1")  # http.client re-encodes latin-1: the UTF-8 bytes go out
+
+    def _call(self, method: str, path: str, *, doc: object = None, what: str) -> tuple[int, Any]:
+        """A JSON request: `(status, parsed body)`; the body is None for 204 and 404.
+
+        Raises `_TransportFailure` (counted) and the errors of `_check_status`.
+        """
+        body: bytes | None = None
+        headers: dict[str, str] | None = None
+        if doc is not None:
+            body = json.dumps(doc, separators=(",", ":")).encode("utf-8")
+            headers = {"Content-Type": "application/json"}
+        resp = self._request(method, path, body=body, headers=headers, what=what)
+        data = resp.data
+        resp.release_conn()
+        if resp.status in (204, 404):
+            return resp.status, None
+        try:
+            return resp.status, json.loads(data)
+        except ValueError as exc:
+            raise RemoteProtocolError(f"{what}: answer is not JSON ({exc})") from exc
+
+    def _call_or_raise(
+        self, method: str, path: str, *, doc: object = None, what: str
+    ) -> tuple[int, Any]:
+        try:
+            return self._call(method, path, doc=doc, what=what)
+        except _TransportFailure as exc:
+            raise KvCacheUnavailableError(
+                f"kv-cache {what} at {self.config.base_url} failed: {exc}"
+            ) from exc
+
+    def _id_path(self, kind: str, ident: str, suffix: str = "") -> str:
+        if not ident:
+            raise ValueError(f"empty {kind} id")
+        return f"{self._prefix}/kv/{kind}/{urllib.parse.quote(ident, safe='')}{suffix}"
+
+    def snapshot(
+        self,
+        keys: Sequence[str] | None = None,
+        prefix: str | None = None,
+        ttl_s: float | None = None,
+    ) -> SnapshotInfo | None:
+        """Snapshot `keys` (absent ones skipped) or every key with `prefix` (neither: the
+        whole namespace); no bytes are copied. None when the server is unreachable or has
+        no snapshot routes: fall back to plain copies."""
+        if keys is not None and prefix is not None:
+            raise ValueError("give keys or prefix, not both")
+        doc: dict[str, Any] = {}
+        if keys is not None:
+            for k in keys:
+                validate_key(k)
+            doc["keys"] = list(keys)
+        if prefix is not None:
+            doc["prefix"] = prefix
+        if ttl_s is not None:
+            doc["ttl_s"] = ttl_s
+        try:
+            status, answer = self._call(
+                "POST", f"{self._prefix}/kv/snapshot", doc=doc, what="snapshot"
+            )
+        except _TransportFailure:
+            return None
+        except LocalProtocolError as exc:
+            if exc.status_hint in (404, 405):  # a server without the route
+                return None
+            raise
+        if status == 404:
+            return None
+        return SnapshotInfo(**_fields_of(answer, _SNAPSHOT_FIELDS, "snapshot"))
+
+    def snapshot_info(self, snapshot_id: str) -> SnapshotInfo | None:
+        """The snapshot, or None (absent, expired, or the server unreachable)."""
+        try:
+            status, answer = self._call(
+                "GET", self._id_path("snapshot", snapshot_id), what="snapshot info"
+            )
+        except _TransportFailure:
+            return None
+        if status == 404:
+            return None
+        return SnapshotInfo(**_fields_of(answer, _SNAPSHOT_FIELDS, "snapshot info"))
+
+    def list_snapshots(self) -> list[SnapshotInfo]:
+        """Live snapshots of the caller's namespace, oldest first."""
+        _, answer = self._call_or_raise("GET", f"{self._prefix}/kv/snapshot", what="snapshots")
+        items = _fields_of(answer, ("snapshots",), "snapshots")["snapshots"]
+        if not isinstance(items, list):
+            raise RemoteProtocolError("snapshots: 'snapshots' is not a list")
+        return [SnapshotInfo(**_fields_of(d, _SNAPSHOT_FIELDS, "snapshots")) for d in items]
+
+    def delete_snapshot(self, snapshot_id: str) -> bool:
+        """Release the snapshot (and its branches). False if absent or unreachable."""
+        try:
+            status, _ = self._call(
+                "DELETE", self._id_path("snapshot", snapshot_id), what="snapshot delete"
+            )
+        except _TransportFailure:
+            return False
+        return status == 204
+
+    def snapshot_get(self, snapshot_id: str, key: str) -> bytes | None:
+        """`key` as of the snapshot, or None."""
+        validate_key(key)
+        return self._read(self._id_path("snapshot", snapshot_id, "/" + quote_key(key)))
+
+    def fork(self, snapshot_id: str) -> BranchInfo | None:
+        """Make a copy-on-write branch of a snapshot (zero bytes copied).
+
+        None when the snapshot does not exist, or the server is unreachable or has no
+        snapshot routes."""
+        try:
+            status, answer = self._call(
+                "POST", self._id_path("snapshot", snapshot_id, "/fork"), what="fork"
+            )
+        except _TransportFailure:
+            return None
+        except LocalProtocolError as exc:
+            if exc.status_hint in (404, 405):
+                return None
+            raise
+        if status == 404:
+            return None
+        return BranchInfo(**_fields_of(answer, _BRANCH_FIELDS, "fork"))
+
+    def branch_info(self, branch_id: str) -> BranchInfo | None:
+        """The branch (with its private and shared bytes), or None."""
+        try:
+            status, answer = self._call(
+                "GET", self._id_path("branch", branch_id), what="branch info"
+            )
+        except _TransportFailure:
+            return None
+        if status == 404:
+            return None
+        return BranchInfo(**_fields_of(answer, _BRANCH_FIELDS, "branch info"))
+
+    def list_branches(self) -> list[BranchInfo]:
+        """Branches of the caller's namespace, oldest first."""
+        _, answer = self._call_or_raise("GET", f"{self._prefix}/kv/branch", what="branches")
+        items = _fields_of(answer, ("branches",), "branches")["branches"]
+        if not isinstance(items, list):
+            raise RemoteProtocolError("branches: 'branches' is not a list")
+        return [BranchInfo(**_fields_of(d, _BRANCH_FIELDS, "branches")) for d in items]
+
+    def delete_branch(self, branch_id: str) -> bool:
+        """Release the branch's overlay. False if absent or unreachable."""
+        try:
+            status, _ = self._call(
+                "DELETE", self._id_path("branch", branch_id), what="branch delete"
+            )
+        except _TransportFailure:
+            return False
+        return status == 204
+
+    def branch_get(self, branch_id: str, key: str) -> bytes | None:
+        """`key` in the branch: its overlay's block, else the snapshot's; or None."""
+        validate_key(key)
+        return self._read(self._id_path("branch", branch_id, "/" + quote_key(key)))
+
+    def branch_put(self, branch_id: str, key: str, data: Any) -> bool:
+        """Write `key` into the branch overlay only. False when the branch does not exist
+        or the server is unreachable."""
+        validate_key(key)
+        try:
+            resp = self._request(
+                "PUT",
+                self._id_path("branch", branch_id, "/" + quote_key(key)),
+                body=data,
+                headers={"Content-Type": "application/octet-stream"},
+                what="branch PUT",
+            )
+        except _TransportFailure:
+            self._count(puts_failed=1)
+            return False
+        resp.release_conn()
+        ok = resp.status in (200, 201)
+        self._count(**({"puts_ok": 1} if ok else {"puts_failed": 1}))
+        return ok
+
+    def _read(self, path: str) -> bytes | None:
+        try:
+            resp = self._request("GET", path, what="GET")
+        except _TransportFailure:
+            self._count(misses=1)
+            return None
+        data = resp.data
+        resp.release_conn()
+        if resp.status != 200:
+            self._count(misses=1)
+            return None
+        self._count(hits=1, bytes_received=len(data))
+        return bytes(data)
+
+    def epoch_bump(self, scope: str) -> int:
+        """Make every entry written with `epoch_scope=scope` stale; returns the new epoch.
+
+        Raises `KvCacheUnavailableError` when the bump could not be made."""
+        self._scope_header(scope)
+        path = f"{self._prefix}/kv/epoch/{urllib.parse.quote(scope, safe='')}/bump"
+        status, answer = self._call_or_raise("POST", path, what="epoch bump")
+        if status == 404:
+            raise LocalProtocolError("epoch bump: the server has no epoch routes", status_hint=404)
+        epoch = _fields_of(answer, ("epoch",), "epoch bump")["epoch"]
+        if not isinstance(epoch, int):
+            raise RemoteProtocolError("epoch bump: 'epoch' is not an integer")
+        return epoch
+
+    def epoch_get(self, scope: str) -> int:
+        """The current epoch of `scope` (0 if never bumped)."""
+        self._scope_header(scope)
+        path = f"{self._prefix}/kv/epoch/{urllib.parse.quote(scope, safe='')}"
+        status, answer = self._call_or_raise("GET", path, what="epoch")
+        if status == 404:
+            raise LocalProtocolError("epoch: the server has no epoch routes", status_hint=404)
+        epoch = _fields_of(answer, ("epoch",), "epoch")["epoch"]
+        if not isinstance(epoch, int):
+            raise RemoteProtocolError("epoch: 'epoch' is not an integer")
+        return epoch
+
+    def page_in_ranked(
+        self,
+        edges: Iterable[Edge],
+        node_keys: Mapping[str, Sequence[str]],
+        budget_bytes: int,
+        *,
+        damping: float = 0.85,
+    ) -> PageInResult | None:
+        """Rank the graph's nodes by PageRank and promote their blocks into the server's
+        hot tier, most central first, within `budget_bytes`. Nodes are strings. None when
+        the server is unreachable (paging is advisory)."""
+        doc = {
+            "edges": [list(e) for e in edges],
+            "node_keys": {node: list(keys) for node, keys in node_keys.items()},
+            "budget_bytes": budget_bytes,
+            "damping": damping,
+        }
+        try:
+            status, answer = self._call(
+                "POST", f"{self._prefix}/kv/page-in", doc=doc, what="page-in"
+            )
+        except _TransportFailure:
+            return None
+        if status == 404 or not isinstance(answer, dict):
+            return None
+        try:
+            return PageInResult.from_dict(answer)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RemoteProtocolError(f"page-in: bad answer ({exc})") from exc
+
+    def list_keys(
+        self, prefix: str = "", *, after: str | None = None, limit: int | None = None
+    ) -> list[str]:
+        """Keys of the caller's namespace starting with `prefix`, sorted, strictly after
+        `after`; all of them, or the first `limit`. Raises `KvCacheUnavailableError`."""
+        out: list[str] = []
+        cursor = after
+        while limit is None or len(out) < limit:
+            page = 1000 if limit is None else min(1000, limit - len(out))
+            query: dict[str, str] = {"prefix": prefix, "limit": str(page)}
+            if cursor is not None:
+                query["after"] = cursor
+            qs = urllib.parse.urlencode(query, quote_via=urllib.parse.quote)
+            path = f"{self._prefix}/kv/keys?{qs}"
+            status, answer = self._call_or_raise("GET", path, what="list keys")
+            if status == 404:
+                raise LocalProtocolError(
+                    "list keys: the server has no /kv/keys route", status_hint=404
+                )
+            got = _fields_of(answer, ("keys", "next_after"), "list keys")
+            keys, cursor = got["keys"], got["next_after"]
+            if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+                raise RemoteProtocolError("list keys: 'keys' is not a list of strings")
+            out.extend(keys)
+            if cursor is None:
+                break
+            if not isinstance(cursor, str):
+                raise RemoteProtocolError("list keys: 'next_after' is not a string")
+        return out
