@@ -115,7 +115,7 @@ def bench_durable(d: Path, budget: int) -> list[str]:
         "|---|---|---|---|---|---|---|",
     ]
     for size in SIZES:
-        n = count_for(size, budget)
+        n = max(64, count_for(size, budget))  # >= 4 PUTs per writer at 16 writers
         base = os.urandom(size)
         for writers in (1, 16):
             path = d / f"dur-{size}-{writers}"

@@ -51,6 +51,7 @@ import concurrent.futures
 import contextlib
 import errno
 import fcntl
+import gc
 import json
 import logging
 import os
@@ -292,7 +293,15 @@ class SharedKvStoreBackend(TieredEngine):
         self._committed_ops = 0
         self._write_failures = 0
         t0 = time.perf_counter()
-        self._recover()
+        # Loading N rows makes ~3N long-lived objects; the cyclic GC would rescan the
+        # growing heap over and over (measured 6x slower opens in a busy process).
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._recover()
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         self.open_seconds = time.perf_counter() - t0
         self._committer = threading.Thread(
             target=self._commit_loop, name="kvcache-committer", daemon=True

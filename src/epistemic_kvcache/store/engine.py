@@ -298,6 +298,7 @@ class TieredEngine(SharedKvBackend):
         self._ns: dict[str, _Counters] = {}
         self._total = _Counters()
         self._hot_leaving = 0  # bytes of hot blobs being demoted right now
+        self._pinned_bytes = 0  # bytes of blobs with at least one pin
         # (ns, key) -> (epoch scope, epoch) for entries written with an epoch scope
         self._tags: dict[tuple[str, str], tuple[str, int]] = {}
         # tenant -> id -> record
@@ -479,9 +480,12 @@ class TieredEngine(SharedKvBackend):
         self._change_pins(b, e.delta)
 
     def _change_pins(self, b: _Blob, delta: int) -> None:
+        was = b.pins > 0
         self._account(b, -1)
         b.pins += delta
         self._account(b, +1)
+        if was != (b.pins > 0):
+            self._pinned_bytes += b.size if b.pins > 0 else -b.size
 
     def _on_blob_created(self, b: _Blob) -> None:
         """Hook for the durable backend (segment accounting)."""
@@ -1078,7 +1082,7 @@ class TieredEngine(SharedKvBackend):
             raise CapacityError(
                 f"block of {size} bytes is larger than the RAM tiers ({budget} bytes)"
             )
-        pinned = sum(b.size for b in self._blobs.values() if b.pins)
+        pinned = self._pinned_bytes
         if pinned + size > budget:
             raise CapacityError(
                 f"no room for a {size}-byte block: {pinned} of {budget} bytes are pinned"
