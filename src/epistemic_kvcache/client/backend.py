@@ -12,8 +12,9 @@ How it works:
 - `get_into` / `get_many_into` read bodies straight from the socket into the caller's
   buffer (`http.client.HTTPResponse.readinto`, no intermediate `bytes`). A block whose
   size differs from the buffer is a miss: a half-filled buffer is never reported loaded.
-- Keys travel as one percent-encoded path segment (`quote(key, safe="")`). Keys that
-  collide with route names (`stats`, `batch`, ...) go through the batch routes instead.
+- Keys travel as one percent-encoded path segment (`proto.http.quote_key`, which encodes a
+  letter of keys that collide with route names such as `stats` or `snapshot`, so the
+  server reads them as keys; old servers decode them the same way).
 """
 
 from __future__ import annotations
@@ -213,7 +214,7 @@ class EpistemicGraphKVBackend:
 
     # -- request plumbing -------------------------------------------------------------
     def _key_path(self, key: str, suffix: str = "") -> str:
-        return f"{self._prefix}/kv/{urllib.parse.quote(key, safe='')}{suffix}"
+        return f"{self._prefix}/kv/{quote_key(key)}{suffix}"
 
     def _request(
         self,
@@ -455,8 +456,6 @@ class EpistemicGraphKVBackend:
     def size(self, key: str) -> int | None:
         """The block's length without reading it, or None."""
         validate_key(key)
-        if key in RESERVED_SEGMENTS:
-            raise InvalidKeyError(f"invalid key {key!r}: a route name, reachable over RESP only")
         try:
             resp = self._request("HEAD", self._key_path(key), what="HEAD")
         except _TransportFailure:
@@ -472,8 +471,6 @@ class EpistemicGraphKVBackend:
     def delete(self, key: str) -> bool:
         """Remove `key`. False when it was absent or the server is unreachable."""
         validate_key(key)
-        if key in RESERVED_SEGMENTS:
-            raise InvalidKeyError(f"invalid key {key!r}: a route name, reachable over RESP only")
         try:
             resp = self._request("DELETE", self._key_path(key), what="DELETE")
         except _TransportFailure:
