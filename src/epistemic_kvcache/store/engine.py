@@ -28,6 +28,7 @@ How it works
 from __future__ import annotations
 
 import abc
+import itertools
 import secrets
 import threading
 import time
@@ -305,6 +306,7 @@ class TieredEngine(SharedKvBackend):
         self._snapshots: dict[str, dict[str, dict[str, Any]]] = {}
         self._branches: dict[str, dict[str, dict[str, Any]]] = {}
         self._epochs: dict[tuple[str, str], int] = {}  # (tenant, scope) -> epoch (memory)
+        self._retire_pos = 0  # where retire_stale's scan of _tags resumes
 
     # -- helpers -------------------------------------------------------------------------
     def _scoped(self, ns_raw: bytes, digest: bytes) -> bytes:
@@ -766,11 +768,23 @@ class TieredEngine(SharedKvBackend):
         expired: list[tuple[str, str, str]] = []
         now = time.time()
         with self._lock:
-            for i, (ns, key) in enumerate(self._tags):
-                if len(stale) >= max_items or (i & 255 == 255 and time.monotonic() > deadline):
+            # resume where the last call stopped: a scan restarting at the top would never
+            # get past a long run of fresh tagged entries within its budget
+            tags = self._tags
+            start = self._retire_pos % len(tags) if tags else 0
+            ring = itertools.chain(
+                itertools.islice(tags, start, None), itertools.islice(tags, 0, start)
+            )
+            scanned = 0
+            for ns, key in ring:
+                if len(stale) >= max_items or (
+                    scanned & 255 == 255 and time.monotonic() > deadline
+                ):
                     break
+                scanned += 1
                 if self._stale(ns, key):
                     stale.append((ns, key))
+            self._retire_pos = start + scanned - len(stale)  # retired entries leave the ring
             for kind, table in (("snap", self._snapshots), ("branch", self._branches)):
                 for tenant, recs in table.items():
                     for rid, rec in recs.items():
