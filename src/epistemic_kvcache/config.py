@@ -111,6 +111,8 @@ class ServerConfig:
     """`None` when the RESP listener is `off`."""
     backend: str = "durable"
     persist_dir: Path = Path("kvcache-data")
+    epoch_dir: Path | None = None
+    """The epoch registry (shareable between servers); `None`: `<persist_dir>/epochs`."""
     tokens: tuple[str, ...] = field(default=(), repr=False)
     token_file: Path | None = None
     generate_token: bool = True
@@ -137,6 +139,7 @@ class ServerConfig:
     shutdown_timeout_s: float = 10.0
     log_level: str = "INFO"
     stats_log_interval_s: float = 60.0
+    retire_interval_s: float = 5.0
     config_file: Path | None = None
     warnings: tuple[str, ...] = field(default=(), compare=False)
     """Non-fatal findings of `load_config` (unknown env vars, ...), logged at start-up."""
@@ -499,6 +502,14 @@ SETTINGS: tuple[Setting, ...] = (
         path_like=True,
     ),
     Setting(
+        "epoch_dir",
+        _parse_path,
+        None,
+        "epoch registry, shareable by servers on one host (default: <persist-dir>/epochs)",
+        "DIR",
+        path_like=True,
+    ),
+    Setting(
         "token",
         _parse_tokens,
         _D.tokens,
@@ -642,6 +653,13 @@ SETTINGS: tuple[Setting, ...] = (
         _nonneg_seconds,
         _D.stats_log_interval_s,
         "log hit rate, dedup and tier occupancy this often (0: never)",
+        "SECONDS",
+    ),
+    Setting(
+        "retire_interval_s",
+        _nonneg_seconds,
+        _D.retire_interval_s,
+        "sweep stale epoch entries and expired snapshots this often, bounded per sweep (0: never)",
         "SECONDS",
     ),
 )
