@@ -13,6 +13,10 @@ How it works:
   during the last quarter second and every write buffer is empty (requests in progress finish,
   idle keep-alive connections do not hold the exit up). Then it closes the remaining
   connections, drains the thread pool and closes the store.
+- Background tasks: the stats log line, `retire_forever` (a bounded `retire_stale` on the
+  thread pool every `retire_interval_s`) and `watch_epochs_forever` (about once a second,
+  reads the epochs of the scopes this server has seen from the shared registry and
+  publishes those another process bumped on the RESP channel `kvcache:epochs`).
 - `ServerThread` runs the same `serve` in a background thread with its own loop, for
   tests and embedding.
 """
@@ -23,6 +27,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import errno
+import functools
 import logging
 import signal
 import ssl
@@ -220,7 +225,8 @@ def build_store(config: ServerConfig) -> SharedKvBackend:
     if config.backend == "memory":
         options.pop("cold_capacity_bytes")
         return SharedKvIndex(**options)
-    return SharedKvStoreBackend(config.persist_dir, **options)
+    epoch_dir = config.epoch_dir if config.epoch_dir is not None else config.persist_dir / "epochs"
+    return SharedKvStoreBackend(config.persist_dir, epoch_dir=epoch_dir, **options)
 
 
 def human_size(n: int) -> str:
@@ -267,6 +273,66 @@ async def _log_stats_forever(ctx: ServerContext, interval_s: float) -> None:
             log.exception("stats collection failed")
             continue
         log.info("%s", format_stats(stats))
+
+
+RETIRE_MAX_ITEMS = 1000
+"""Stale entries one `retire_stale` tick may remove (bounded work per tick)."""
+RETIRE_BUDGET_S = 0.05
+"""Time one `retire_stale` tick may spend scanning."""
+EPOCH_POLL_S = 1.0
+"""How often the registry is polled for epoch bumps made by other processes."""
+
+
+async def retire_forever(ctx: ServerContext, interval_s: float) -> None:
+    """Every `interval_s`, reclaim stale entries and expired snapshots, bounded per tick."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            removed = await ctx.run(
+                functools.partial(
+                    ctx.store.retire_stale, max_items=RETIRE_MAX_ITEMS, budget_s=RETIRE_BUDGET_S
+                )
+            )
+        except Exception:
+            log.exception("retire_stale failed")
+            continue
+        if removed:
+            log.debug("retire_stale removed %d entries", removed)
+
+
+async def watch_epochs_forever(ctx: ServerContext, interval_s: float = EPOCH_POLL_S) -> None:
+    """Publish epoch bumps made by other processes sharing the registry.
+
+    Polls the scopes this server has seen (`ServerContext.epochs.known`), one thread-pool
+    job per tick, and publishes every epoch that moved since the last tick.
+    """
+    while True:
+        await asyncio.sleep(interval_s)
+        watched = list(ctx.epochs.known)
+        if not watched:
+            continue
+        try:
+            current = await ctx.run(_read_epochs, ctx.store, watched)
+        except Exception:
+            log.exception("epoch poll failed")
+            continue
+        for (tenant, scope), epoch in zip(watched, current, strict=True):
+            if epoch is None:
+                continue
+            if ctx.epochs.known.get((tenant, scope), 0) is None:
+                ctx.epochs.watch(tenant, scope, epoch)  # first read: a baseline, not news
+            else:
+                ctx.epochs.publish(tenant, scope, epoch)
+
+
+def _read_epochs(store: SharedKvBackend, pairs: list[tuple[str, str]]) -> list[int | None]:
+    out: list[int | None] = []
+    for tenant, scope in pairs:
+        try:
+            out.append(store.epoch_get(tenant, scope))
+        except KvCacheError:
+            out.append(None)
+    return out
 
 
 def _sock_address(sockname: Any) -> Address:
@@ -344,7 +410,7 @@ async def serve(
     executor = CountingExecutor(config.store_threads)
     servers: list[asyncio.Server] = []
     connections = _Connections()
-    stats_task: asyncio.Task[None] | None = None
+    background: list[asyncio.Task[None]] = []
     stop = asyncio.Event()
     installed_signals: list[int] = []
     try:
@@ -388,9 +454,20 @@ async def serve(
                 log.info("listening %s=%s tls=%s", name, a, mode)
         installed_signals = _install_signals(loop, stop)
         if config.stats_log_interval_s > 0:
-            stats_task = asyncio.create_task(
-                _log_stats_forever(ctx, config.stats_log_interval_s), name="kvcache-stats-log"
+            background.append(
+                asyncio.create_task(
+                    _log_stats_forever(ctx, config.stats_log_interval_s), name="kvcache-stats-log"
+                )
             )
+        if config.retire_interval_s > 0:
+            background.append(
+                asyncio.create_task(
+                    retire_forever(ctx, config.retire_interval_s), name="kvcache-retire-stale"
+                )
+            )
+        background.append(
+            asyncio.create_task(watch_epochs_forever(ctx), name="kvcache-epoch-watch")
+        )
         handle = ServerHandle(http_addrs, resp_addrs, tls is not None, loop, stop)
         log.info(
             "serving backend=%s persist_dir=%s dedup_scope=%s",
@@ -410,10 +487,11 @@ async def serve(
             loop.remove_signal_handler(sig)
         for server in servers:
             server.close()
-        if stats_task is not None:
-            stats_task.cancel()
+        for task in background:
+            task.cancel()
+        for task in background:
             with contextlib.suppress(asyncio.CancelledError):
-                await stats_task
+                await task
         for conn in list(connections.live):
             if isinstance(conn.transport, asyncio.WriteTransport):
                 conn.transport.abort()

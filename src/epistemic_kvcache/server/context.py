@@ -68,6 +68,58 @@ class ServerLimits:
     """Redis' own multibulk limit is 1024*1024 arguments."""
 
 
+EpochCallback = Callable[[str, int], None]
+"""A subscriber's delivery function: (scope, epoch)."""
+
+
+class EpochNotifier:
+    """Fan-out of epoch bumps to one server's RESP subscribers, per tenant (event loop only).
+
+    Also remembers the `(tenant, scope)` pairs this server has seen (bumped or watched) and
+    their last known epoch, so a watcher can poll the shared registry for bumps made by
+    other processes; each epoch is published at most once per server.
+    """
+
+    def __init__(self, max_watched: int = 10_000) -> None:
+        self.max_watched = max_watched
+        self.subscribers: dict[str, set[EpochCallback]] = {}
+        self.known: dict[tuple[str, str], int | None] = {}
+        """(tenant, scope) -> last epoch published or seen; None: not read yet."""
+
+    def subscribe(self, tenant: str, deliver: EpochCallback) -> None:
+        self.subscribers.setdefault(tenant, set()).add(deliver)
+
+    def unsubscribe(self, tenant: str, deliver: EpochCallback) -> None:
+        subs = self.subscribers.get(tenant)
+        if subs is not None:
+            subs.discard(deliver)
+            if not subs:
+                del self.subscribers[tenant]
+
+    def watch(self, tenant: str, scope: str, epoch: int | None = None) -> None:
+        """Poll `scope` from now on (its current epoch, if known, is not published)."""
+        key = (tenant, scope)
+        if key not in self.known:
+            self.known[key] = epoch
+            while len(self.known) > self.max_watched:  # forget the oldest
+                del self.known[next(iter(self.known))]
+        elif epoch is not None:
+            last = self.known[key]
+            self.known[key] = epoch if last is None else max(last, epoch)
+
+    def publish(self, tenant: str, scope: str, epoch: int) -> bool:
+        """Deliver `<scope> <epoch>` to the tenant's subscribers unless already known."""
+        key = (tenant, scope)
+        last = self.known.get(key)
+        if last is not None and last >= epoch:
+            return False
+        self.watch(tenant, scope)
+        self.known[key] = epoch
+        for deliver in list(self.subscribers.get(tenant, ())):
+            deliver(scope, epoch)
+        return True
+
+
 @dataclass(slots=True)
 class ServerContext:
     """Shared state of one server instance (both listeners)."""
@@ -83,6 +135,21 @@ class ServerContext:
     )
     open_connections: dict[str, int] = field(default_factory=dict)
     """Live connections per listener name ("http", "resp"), for the connection cap."""
+    epochs: EpochNotifier = field(default_factory=EpochNotifier)
+    """Epoch bump notifications (RESP pub/sub channel `kvcache:epochs`)."""
+
+    def notify_epoch(self, tenant: str, scope: str, epoch: int) -> None:
+        """Publish that `scope` of `tenant` is now at `epoch` (call on the event loop).
+
+        Whoever bumps an epoch through this server calls it with `epoch_bump`'s result;
+        RESP subscribers of that tenant get `<scope> <epoch>` on `kvcache:epochs`, and the
+        scope is polled from then on for bumps made by other processes."""
+        self.epochs.publish(tenant, scope, epoch)
+
+    def watch_epoch(self, tenant: str, scope: str, epoch: int | None = None) -> None:
+        """Poll `scope` of `tenant` for bumps by other processes (call on the event loop);
+        for routes that read an epoch or write an epoch-tagged entry."""
+        self.epochs.watch(tenant, scope, epoch)
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """Run a blocking store call on the thread pool."""
