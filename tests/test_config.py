@@ -177,12 +177,19 @@ INVALID = [
     (
         "hot_capacity_bytes",
         "-1",
-        "invalid hot_capacity_bytes: expected a positive size like 4GiB (got '-1')",
+        "invalid hot_capacity_bytes: expected a size like 4GiB, or 0 to turn the tier off "
+        "(got '-1')",
     ),
     (
         "warm_capacity_bytes",
+        "lots",
+        "invalid warm_capacity_bytes: expected a size like 4GiB, or 0 to turn the tier off "
+        "(got 'lots')",
+    ),
+    (
+        "cold_capacity_bytes",
         "0",
-        "invalid warm_capacity_bytes: expected a positive size like 4GiB (got '0')",
+        "invalid cold_capacity_bytes: expected a positive size like 4GiB (got '0')",
     ),
     (
         "cold_capacity_bytes",

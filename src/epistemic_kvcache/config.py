@@ -226,6 +226,16 @@ def parse_size(raw: object) -> int:
     return value
 
 
+def parse_size_or_zero(raw: object) -> int:
+    """Like `parse_size`, but 0 is allowed (it turns a RAM tier off)."""
+    if raw == 0 or (isinstance(raw, str) and raw.strip() in ("0", "0B", "0b")):
+        return 0
+    try:
+        return parse_size(raw)
+    except _Invalid:
+        raise _Invalid("a size like 4GiB, or 0 to turn the tier off") from None
+
+
 def _parse_positive_int(raw: object) -> int:
     expected = "a positive integer"
     if isinstance(raw, bool):
@@ -611,10 +621,12 @@ SETTINGS: tuple[Setting, ...] = (
         "allow a non-loopback listener without TLS",
         kind="bool",
     ),
-    Setting("hot_capacity_bytes", parse_size, _D.hot_capacity_bytes, "hot tier (RAM)", "SIZE"),
+    Setting(
+        "hot_capacity_bytes", parse_size_or_zero, _D.hot_capacity_bytes, "hot tier (RAM)", "SIZE"
+    ),
     Setting(
         "warm_capacity_bytes",
-        parse_size,
+        parse_size_or_zero,
         _D.warm_capacity_bytes,
         "warm tier (RAM, compressed)",
         "SIZE",
