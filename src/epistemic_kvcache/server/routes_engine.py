@@ -6,7 +6,9 @@ authentication and admission; once a request routed here is complete it hands ov
 `EngineRequest` and sends back the `EngineResponse`. Every store call runs on the
 store's thread pool (`ServerContext.run`); everything is scoped to the caller's verified
 namespace. `NotFoundError` (no such snapshot/branch) becomes `404 not_found`, a malformed
-request `400 bad_request`; other store errors propagate to http.py's mapping.
+request `400 bad_request`; other store errors propagate to http.py's mapping. Epoch
+bumps are published through `ServerContext.notify_epoch` (RESP pub/sub), and scopes read
+or written here are watched (`watch_epoch`) for bumps made by other processes.
 """
 
 from __future__ import annotations
@@ -281,8 +283,10 @@ async def _route(ctx: ServerContext, req: EngineRequest) -> EngineResponse:
         scope = _scope(ident)
         if route == ROUTE_EPOCH_BUMP:
             epoch = await ctx.run(store.epoch_bump, ns, scope)
+            ctx.notify_epoch(ns, scope, epoch)  # RESP pub/sub `kvcache:epochs`
         else:
             epoch = await ctx.run(store.epoch_get, ns, scope)
+            ctx.watch_epoch(ns, scope, epoch)
         return _json(200, {"scope": scope, "epoch": epoch})
     raise AssertionError(f"unhandled engine route {route}")  # pragma: no cover
 
@@ -296,7 +300,9 @@ async def _scoped_put(ctx: ServerContext, req: EngineRequest) -> EngineResponse:
     assert req.key is not None
     assert req.body is not None
     put = functools.partial(ctx.store.put, req.ns, req.key, req.body, epoch_scope=scope)
-    return _put_answer(await ctx.run(put), {"epoch_scope": scope})
+    result = await ctx.run(put)
+    ctx.watch_epoch(req.ns, scope)  # publish bumps other processes make to this scope
+    return _put_answer(result, {"epoch_scope": scope})
 
 
 async def _branch_key(ctx: ServerContext, req: EngineRequest, branch_id: str) -> EngineResponse:
