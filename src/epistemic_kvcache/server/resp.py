@@ -81,6 +81,16 @@ _SCAN_CURSORS: Final = 16384
 """SCAN cursors remembered server-wide (oldest forgotten first)."""
 _SCAN_MAX_COUNT: Final = 10000
 _SCAN_DEFAULT_COUNT: Final = 10
+EPOCH_CHANNEL: Final = b"kvcache:epochs"
+"""Pub/sub channel of epoch bumps: messages `<scope> <epoch>`, per tenant."""
+_MAX_CHANNELS: Final = 1024
+"""Channels one connection may subscribe to (only EPOCH_CHANNEL carries messages)."""
+_PUBSUB_OUTPUT_LIMIT: Final = 8 * 1024 * 1024
+"""A subscriber whose unread messages exceed this is disconnected (Redis' soft pubsub
+client-output-buffer-limit is 8 MiB)."""
+_SUBSCRIBED_MODE_COMMANDS: Final = frozenset(
+    {"subscribe", "unsubscribe", "psubscribe", "punsubscribe", "ping", "quit", "reset"}
+)
 
 OK: Final = SimpleString("OK")
 NOAUTH: Final = ErrorReply("NOAUTH Authentication required.")
@@ -128,6 +138,23 @@ def _key(arg: Buffer) -> str:
         return bytes(arg).decode("utf-8")
     except UnicodeDecodeError:
         raise _Reply(ErrorReply("ERR invalid key: not valid UTF-8")) from None
+
+
+class _Frames:
+    """A reply already serialized (several frames, or push frames)."""
+
+    __slots__ = ("buffers",)
+
+    def __init__(self, buffers: list[Buffer]) -> None:
+        self.buffers = buffers
+
+
+def _push(items: list[object], protocol: int) -> list[Buffer]:
+    """A pub/sub frame: a RESP3 push (`>`) or, in RESP2, a plain array."""
+    out = serialize(items, protocol)
+    if protocol == 3:
+        out[0] = b">" + bytes(out[0])[1:]
+    return out
 
 
 def _command_bytes(cmd: Command) -> int:
@@ -356,6 +383,9 @@ class RespConnection(asyncio.BufferedProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._pending: deque[Command] = deque()
         """Framed commands a batch job left undone; they run before the parser's next."""
+        self.channels: dict[bytes, None] = {}
+        """Subscribed pub/sub channels, in subscription order."""
+        self._sub_tenant: str | None = None
 
     # -- asyncio callbacks ----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -409,6 +439,8 @@ class RespConnection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
+        self.channels.clear()
+        self.sync_subscription()
         if self._counted:
             self._counted = False
             self._ctx.open_connections[WIRE] -= 1
@@ -461,7 +493,10 @@ class RespConnection(asyncio.BufferedProtocol):
                     return
                 buffers: list[Buffer] = []
                 for reply in replies:
-                    buffers += serialize(reply, self.protocol_version)
+                    if isinstance(reply, _Frames):
+                        buffers += reply.buffers
+                    else:
+                        buffers += serialize(reply, self.protocol_version)
                 self._write(buffers)
                 if self._quit:
                     self._close()
@@ -481,6 +516,19 @@ class RespConnection(asyncio.BufferedProtocol):
             return spec.name, spec, NOAUTH
         if (spec.arity > 0 and len(cmd) != spec.arity) or len(cmd) < -spec.arity:
             return spec.name, spec, _wrong_args(spec.name)
+        if (
+            self.channels
+            and self.protocol_version == 2
+            and spec.name not in _SUBSCRIBED_MODE_COMMANDS
+        ):
+            return (
+                spec.name,
+                spec,
+                ErrorReply(
+                    f"ERR Can't execute '{spec.name}': only (P|S)SUBSCRIBE / "
+                    "(P|S)UNSUBSCRIBE / PING / QUIT / RESET are allowed in this context"
+                ),
+            )
         return spec.name, spec, None
 
     async def _execute(self, cmd: Command) -> list[object]:
@@ -621,7 +669,7 @@ class RespConnection(asyncio.BufferedProtocol):
             return
         limits = self._ctx.limits
         now = self._loop.time()
-        if self._busy:
+        if self._busy or self.channels:  # a subscriber waits for messages, it is not idle
             self._last_activity = now
         idle_deadline = self._last_activity + limits.idle_timeout_s
         deadline = idle_deadline
@@ -667,7 +715,34 @@ class RespConnection(asyncio.BufferedProtocol):
             return WRONGPASS
         self.identity = identity
         self._parser.authenticated = True
+        self.sync_subscription()
         return None
+
+    # -- pub/sub ----------------------------------------------------------------------------
+    def sync_subscription(self) -> None:
+        """Listen to the current tenant's epoch bumps iff subscribed to EPOCH_CHANNEL."""
+        want = None
+        if self.identity is not None and EPOCH_CHANNEL in self.channels:
+            want = self.identity.tenant
+        if want == self._sub_tenant:
+            return
+        if self._sub_tenant is not None:
+            self._ctx.epochs.unsubscribe(self._sub_tenant, self.deliver_epoch)
+        if want is not None:
+            self._ctx.epochs.subscribe(want, self.deliver_epoch)
+        self._sub_tenant = want
+
+    def deliver_epoch(self, scope: str, epoch: int) -> None:
+        """Send one `message` frame on EPOCH_CHANNEL (on the event loop)."""
+        transport = self._transport
+        if transport is None or transport.is_closing() or self._closing:
+            return
+        if transport.get_write_buffer_size() > _PUBSUB_OUTPUT_LIMIT:
+            log.warning("RESP subscriber %d does not read its messages: closed", self.client_id)
+            self._close(abort=True)
+            return
+        payload = f"{scope} {epoch}".encode()
+        self._write(_push([b"message", EPOCH_CHANNEL, payload], self.protocol_version))
 
     def _hello_map(self) -> dict[str, object]:
         return {
@@ -700,6 +775,8 @@ def _valid_client_name(raw: Buffer) -> str:
 async def _ping(c: RespConnection, cmd: Command) -> object:
     if len(cmd) > 2:
         return _wrong_args("ping")
+    if c.channels and c.protocol_version == 2:  # Redis' subscribed-mode PING reply
+        return [b"pong", cmd[1] if len(cmd) == 2 else b""]
     return cmd[1] if len(cmd) == 2 else SimpleString("PONG")
 
 
@@ -786,6 +863,46 @@ async def _select(c: RespConnection, cmd: Command) -> object:
 
 
 @_command(
+    "subscribe",
+    -2,
+    ("pubsub", "noscript", "loading", "stale"),
+    (0, 0, 0),
+    "pubsub",
+    "Listen for messages on channels (kvcache:epochs: the tenant's epoch bumps).",
+)
+async def _subscribe(c: RespConnection, cmd: Command) -> object:
+    frames: list[Buffer] = []
+    for raw in cmd[1:]:
+        channel = bytes(raw)
+        if channel not in c.channels and len(c.channels) >= _MAX_CHANNELS:
+            return ErrorReply(f"ERR at most {_MAX_CHANNELS} channels per connection")
+        c.channels[channel] = None
+        frames += _push([b"subscribe", channel, len(c.channels)], c.protocol_version)
+    c.sync_subscription()
+    return _Frames(frames)
+
+
+@_command(
+    "unsubscribe",
+    -1,
+    ("pubsub", "noscript", "loading", "stale"),
+    (0, 0, 0),
+    "pubsub",
+    "Stop listening on the given channels, or on all of them.",
+)
+async def _unsubscribe(c: RespConnection, cmd: Command) -> object:
+    targets = [bytes(a) for a in cmd[1:]] if len(cmd) > 1 else list(c.channels)
+    if not targets:
+        return _Frames(_push([b"unsubscribe", None, 0], c.protocol_version))
+    frames: list[Buffer] = []
+    for channel in targets:
+        c.channels.pop(channel, None)
+        frames += _push([b"unsubscribe", channel, len(c.channels)], c.protocol_version)
+    c.sync_subscription()
+    return _Frames(frames)
+
+
+@_command(
     "reset",
     1,
     ("fast", "stale", "no-auth"),
@@ -795,6 +912,8 @@ async def _select(c: RespConnection, cmd: Command) -> object:
     no_auth=True,
 )
 async def _reset(c: RespConnection, cmd: Command) -> object:
+    c.channels.clear()
+    c.sync_subscription()
     c.protocol_version = 2
     c.name = None
     c.identity = None
