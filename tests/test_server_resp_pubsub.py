@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -363,3 +364,26 @@ def test_retire_task_reclaims_stale_entries(server: Server) -> None:
         time.sleep(0.02)
     assert store.stats("alpha").unique_blocks == 0
     assert store.count("alpha") == 0
+
+
+@pytest.mark.skipif(shutil.which("redis-cli") is None, reason="redis-cli not installed")
+def test_redis_cli_subscribe(server: Server) -> None:
+    proc = subprocess.Popen(
+        [
+            *("redis-cli", "-p", str(server.port), "--no-auth-warning", "-a", "token-alpha"),
+            *("SUBSCRIBE", CHANNEL),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        subscribed(server, "alpha")
+        server.call(server.ctx.notify_epoch, "alpha", "ctxbundle:docs", 5)
+        lines = [proc.stdout.readline().strip() for _ in range(6)]
+        assert lines == ["subscribe", CHANNEL, "1", "message", CHANNEL, "ctxbundle:docs 5"]
+    finally:
+        proc.kill()
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
