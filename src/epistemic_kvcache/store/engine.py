@@ -792,6 +792,8 @@ class TieredEngine(SharedKvBackend):
                             expired.append((kind, tenant, rid))
         removed = self._retire(stale) if stale else 0
         for kind, tenant, rid in expired:
+            if removed >= max_items or time.monotonic() > deadline:
+                break  # the rest next time: each drop is a commit of the snapshot's keys
             if kind == "snap" and self._drop_snapshot(tenant, rid):
                 removed += 1
         return removed
