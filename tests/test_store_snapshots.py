@@ -351,6 +351,19 @@ def test_snapshot_ttl_expires_and_retire_stale_reclaims(store: SharedKvBackend) 
         store.snapshot_create(NS, ttl_s=0)
 
 
+def test_retire_stale_drops_expired_snapshots_in_bounded_steps(store: SharedKvBackend) -> None:
+    fill(store, NS, {"a": blob("a")})
+    for _ in range(5):
+        store.snapshot_create(NS, ttl_s=0.05)
+    time.sleep(0.1)
+    assert store.retire_stale(max_items=2) == 2
+    assert store.retire_stale(max_items=2) == 2
+    assert store.retire_stale(max_items=2) == 1
+    assert store.retire_stale() == 0
+    assert store.stats(NS).total_refs == 1
+    assert store.check().ok
+
+
 def test_tenants_cannot_see_fork_or_delete_each_others_snapshots(store: SharedKvBackend) -> None:
     fill(store, NS, {"a": blob("a")})
     fill(store, OTHER, {"a": blob("b's a")})
