@@ -633,3 +633,32 @@ def test_a_bump_in_one_server_process_is_seen_by_another_sharing_the_epoch_dir(
         assert proc.stdout is not None
         proc.stdout.close()
         assert code == 0
+
+
+def test_an_http_bump_is_published_to_resp_subscribers_of_the_tenant(tmp_path: Path) -> None:
+    redis = pytest.importorskip("redis")
+    thread = _thread(tmp_path, resp_addr="127.0.0.1:0")
+    handle = thread.start()
+    try:
+        resp = handle.resp_addrs[0]
+        subs = {}
+        for name, token in (("a", TOKEN_A), ("b", TOKEN_B)):
+            conn = redis.Redis(host=resp.host, port=resp.port, password=token)
+            pubsub = conn.pubsub(ignore_subscribe_messages=True)
+            pubsub.subscribe("kvcache:epochs")
+            subs[name] = (conn, pubsub)
+        with EpistemicGraphKVBackend(base_url=_url(handle), token=TOKEN_A) as c:
+            assert c.epoch_bump("ctxbundle:x") == 1
+        deadline = time.monotonic() + 5
+        msg = None
+        while msg is None and time.monotonic() < deadline:
+            msg = subs["a"][1].get_message(timeout=0.2)
+        assert msg is not None
+        assert msg["channel"] == b"kvcache:epochs"
+        assert msg["data"] == b"ctxbundle:x 1"
+        assert subs["b"][1].get_message(timeout=0.3) is None  # another tenant hears nothing
+        for conn, pubsub in subs.values():
+            pubsub.close()
+            conn.close()
+    finally:
+        thread.stop()
