@@ -313,7 +313,10 @@ def test_non_loopback_without_tls_refused(tmp_path: Path) -> None:
 def test_bad_flag_value_exits_2(tmp_path: Path) -> None:
     rc, out = fail_to_start(tmp_path, "--hot-capacity-bytes", "-1")
     assert rc == 2
-    assert "invalid hot_capacity_bytes: expected a positive size like 4GiB (got '-1')" in out
+    assert (
+        "invalid hot_capacity_bytes: expected a size like 4GiB, or 0 to turn the tier off (got '-1')"
+        in out
+    )
 
 
 def test_help_lists_flags(tmp_path: Path) -> None:
