@@ -314,8 +314,8 @@ def test_bad_flag_value_exits_2(tmp_path: Path) -> None:
     rc, out = fail_to_start(tmp_path, "--hot-capacity-bytes", "-1")
     assert rc == 2
     assert (
-        "invalid hot_capacity_bytes: expected a size like 4GiB, or 0 to turn the tier off (got '-1')"
-        in out
+        "invalid hot_capacity_bytes: expected a size like 4GiB, "
+        "or 0 to turn the tier off (got '-1')" in out
     )
 
 
