@@ -1,18 +1,29 @@
-# One entry for everything. `make check` is what CI runs.
+# One entry for everything. `make check` is what CI runs (.ci/run).
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-stamp
+RUN_STAMP := $(VENV)/.stamp-run
+DEV_STAMP := $(VENV)/.stamp-dev
 
-.PHONY: setup sysdeps serve check test lint fmt types bench clean
+.PHONY: setup setup-dev sysdeps serve check test lint fmt types bench clean
 
-$(STAMP): pyproject.toml
+$(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,lmcache]'
-	touch $(STAMP)
 
-setup: $(STAMP)
+# Runtime only: what `make serve` needs.
+$(RUN_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	touch $(RUN_STAMP)
+
+# Everything the checks need: dev tools, and lmcache + torch (CPU build) for the
+# LMCache integration tests.
+$(DEV_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[dev,lmcache]'
+	touch $(RUN_STAMP) $(DEV_STAMP)
+
+setup: $(RUN_STAMP)
+setup-dev: $(DEV_STAMP)
 
 # Debian packages the test-suite talks to (real redis-server, redis-cli, redis-benchmark).
 sysdeps:
@@ -23,25 +34,30 @@ sysdeps:
 serve: setup
 	$(BIN)/epistemic-kvcache serve
 
-lint: setup
+lint: setup-dev
 	$(BIN)/ruff format --check src tests bench scripts
 	$(BIN)/ruff check src tests bench scripts
 
-fmt: setup
+fmt: setup-dev
 	$(BIN)/ruff format src tests bench scripts
 	$(BIN)/ruff check --fix src tests bench scripts
 
-types: setup
+types: setup-dev
 	$(BIN)/mypy
 
-test: setup sysdeps
+test: setup-dev sysdeps
 	$(BIN)/pytest
 
 # Quick start: set up from nothing and pass every check.
 check: lint types test
 
-bench: setup sysdeps
-	$(BIN)/python -m bench.run_all
+bench: setup-dev sysdeps
+	@command -v iperf3 >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iperf3
+	$(BIN)/python -m bench.bench_store
+	$(BIN)/python -m bench.bench_server
+	$(BIN)/python -m bench.bench_lmcache
+	$(BIN)/python -m bench.bench_engine
+	$(BIN)/python -m bench.bench_context
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
