@@ -327,6 +327,11 @@ class RespParser:
         return len(self._ready)
 
     @property
+    def has_error(self) -> bool:
+        """Whether the input is broken (`next_event()` raises once nothing is ready)."""
+        return self._error is not None
+
+    @property
     def has_partial(self) -> bool:
         """Whether bytes of a not-yet-complete command are buffered."""
         return self._state is not _State.START or (not self._ready and self._pos < len(self._buf))

@@ -1,8 +1,13 @@
 """What every listener shares: the store, the authenticator, limits, metrics, a thread pool.
 
-The listeners (`server/http.py`, `server/resp.py`) are thin asyncio protocols; every
-store call goes through `ServerContext.run`, which runs it on the thread pool so fsyncs,
-hashing and codec work never block the event loop.
+The listeners (`server/http.py`, `server/resp.py`) are thin asyncio protocols. A store
+call that may block (disk reads, fsync waits, hashing or compressing a large block) goes
+through `ServerContext.run`, which runs it on the thread pool so it never blocks the
+event loop. The hot path does not pay that hop: `get` and `put` first ask the store's
+non-blocking variants (`get_nowait` / `put_nowait`: RAM hits, misses, small PUTs that
+fit the hot tier), which answer inline in a few microseconds; a durable PUT is then
+awaited as an asyncio future that the store's group committer resolves, so no pool
+thread waits on an fsync and every PUT in flight can join the same group commit.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
-from epistemic_kvcache.store.api import SharedKvBackend
+from epistemic_kvcache.store.api import Buffer, PutResult, SharedKvBackend
+from epistemic_kvcache.store.engine import WOULD_BLOCK, TieredEngine, WouldBlock
 
 if TYPE_CHECKING:
     from epistemic_kvcache.server.metrics import Metrics
@@ -137,6 +143,48 @@ class ServerContext:
     """Live connections per listener name ("http", "resp"), for the connection cap."""
     epochs: EpochNotifier = field(default_factory=EpochNotifier)
     """Epoch bump notifications (RESP pub/sub channel `kvcache:epochs`)."""
+    inline_puts: bool = field(init=False)
+    """`put_nowait` answers PUTs without a future (the memory backend)."""
+    _engine: TieredEngine | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        from epistemic_kvcache.store import SharedKvIndex
+
+        self._engine = self.store if isinstance(self.store, TieredEngine) else None
+        self.inline_puts = isinstance(self.store, SharedKvIndex)
+
+    def get_nowait(self, ns: str, key: str) -> Buffer | WouldBlock | None:
+        """The block if RAM answers at once (hit or miss), else `WOULD_BLOCK`; inline."""
+        engine = self._engine
+        if engine is None:
+            return WOULD_BLOCK
+        return engine.get_nowait(ns, key)
+
+    def put_nowait(
+        self, ns: str, key: str, data: Buffer
+    ) -> PutResult | concurrent.futures.Future[PutResult] | WouldBlock:
+        """Start a PUT inline when that is cheap (see `TieredEngine.put_nowait`)."""
+        engine = self._engine
+        if engine is None:
+            return WOULD_BLOCK
+        return engine.put_nowait(ns, key, data)
+
+    async def get(self, ns: str, key: str) -> Buffer | None:
+        """`store.get`, inline when RAM answers, else on the thread pool."""
+        data = self.get_nowait(ns, key)
+        if data is WOULD_BLOCK:
+            return await self.run(self.store.get, ns, key)
+        return data
+
+    async def put(self, ns: str, key: str, data: Buffer) -> PutResult:
+        """`store.put`: small PUTs start inline and a durable one is awaited as a future;
+        the others run on the thread pool."""
+        started = self.put_nowait(ns, key, data)
+        if started is WOULD_BLOCK:
+            return await self.run(self.store.put, ns, key, data)
+        if isinstance(started, PutResult):
+            return started
+        return await asyncio.wrap_future(started)
 
     def notify_epoch(self, tenant: str, scope: str, epoch: int) -> None:
         """Publish that `scope` of `tenant` is now at `epoch` (call on the event loop).

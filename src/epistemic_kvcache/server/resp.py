@@ -8,6 +8,15 @@ lands in its final preallocated `bytearray`). A per-connection task pulls comman
 the parser in order, runs each one (store calls go to the thread pool via `ctx.run`),
 and writes the reply before taking the next, so pipelined replies keep request order.
 
+Fast path: while that task is parked waiting for input (nothing queued, nothing in
+flight), `buffer_updated` itself answers the plain `GET key` / `SET key value` commands
+that RAM answers at once (`ServerContext.get_nowait` / `put_nowait`: hot hits, misses,
+small PUTs on the memory backend), and writes their replies, without waking the task.
+The first command it cannot answer that way is left to the task, in order. A plain SET
+on the durable backend runs in the task: it is queued for the group committer inline
+and awaited as a future (consecutive pipelined SETs are queued together, so they share
+one commit).
+
 Back-pressure, both ways:
 - Reads: when a complete command is waiting and the parser holds more than
   `_READ_HIGH_WATER` bytes (or `_MAX_QUEUED_COMMANDS` commands), reading is paused until
@@ -25,6 +34,7 @@ after the replies to the commands before it.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import re
@@ -59,7 +69,8 @@ from epistemic_kvcache.proto.resp import (
     serialize,
 )
 from epistemic_kvcache.server.context import Identity, ServerContext
-from epistemic_kvcache.store.api import MAX_KEY_BYTES, SharedKvBackend
+from epistemic_kvcache.store.api import MAX_KEY_BYTES, PutResult, SharedKvBackend
+from epistemic_kvcache.store.engine import WOULD_BLOCK
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -91,6 +102,12 @@ client-output-buffer-limit is 8 MiB)."""
 _SUBSCRIBED_MODE_COMMANDS: Final = frozenset(
     {"subscribe", "unsubscribe", "psubscribe", "punsubscribe", "ping", "quit", "reset"}
 )
+
+_MAX_PIPELINED_SETS: Final = 64
+"""Plain SETs queued for one group commit before their replies are awaited."""
+_SMALL_REPLY: Final = 16 * 1024
+"""Bulk replies shorter than this are sent as one buffer (head + bytes + CRLF)."""
+_FAST_NAMES: Final = {b"get": "get", b"GET": "get", b"set": "set", b"SET": "set"}
 
 OK: Final = SimpleString("OK")
 NOAUTH: Final = ErrorReply("NOAUTH Authentication required.")
@@ -377,6 +394,8 @@ class RespConnection(asyncio.BufferedProtocol):
         self._quit = False
         self._reading_paused = False
         self._busy = False
+        self._parked = False
+        """The command task waits for input with nothing queued: the fast path may run."""
         self._last_activity = self._loop.time()
         self._partial_since: float | None = None
         self._seen_parsed = 0
@@ -419,6 +438,16 @@ class RespConnection(asyncio.BufferedProtocol):
                 self._seen_parsed = parser.commands_parsed
         else:
             self._partial_since = None
+        if (
+            self._parked
+            and parser.has_ready
+            and self.identity is not None
+            and not self.channels
+            and not self._closing
+        ):
+            self._run_inline()
+            if not parser.has_ready and not parser.has_error:
+                return  # all answered here: the task stays parked
         self._wakeup.set()
         if (
             not self._reading_paused
@@ -481,7 +510,11 @@ class RespConnection(asyncio.BufferedProtocol):
                         self._close()
                         return
                     self._wakeup.clear()
-                    await self._wakeup.wait()
+                    self._parked = True
+                    try:
+                        await self._wakeup.wait()
+                    finally:
+                        self._parked = False
                     continue
                 self._resume_reading(force=False)
                 if not self._can_write.is_set():
@@ -538,6 +571,19 @@ class RespConnection(asyncio.BufferedProtocol):
         if error is not None or spec is None:
             self._observe(route, "error", time.perf_counter() - started)
             return [error]
+        if route == "get" and len(cmd) == 2:
+            try:
+                fast = self._get_nowait(cmd[1])
+            except _Reply as exc:
+                fast = exc.reply
+            if fast is not WOULD_BLOCK:
+                status = "error" if isinstance(fast, ErrorReply) else "ok"
+                self._observe(route, status, time.perf_counter() - started)
+                return [fast]
+        elif route == "set" and len(cmd) == 3:
+            replies = await self._plain_sets(cmd, started)
+            if replies is not None:
+                return replies
         if spec.blocking_handler is not None:
             batch = [(route, spec.blocking_handler, cmd)]
             size = _command_bytes(cmd)
@@ -583,6 +629,127 @@ class RespConnection(asyncio.BufferedProtocol):
         status = "error" if isinstance(reply, ErrorReply) else "ok"
         self._observe(route, status, time.perf_counter() - started)
         return [reply]
+
+    # -- the fast path ------------------------------------------------------------------
+    def _run_inline(self) -> None:
+        """Answer framed plain GET/SET commands that RAM answers at once (task parked).
+
+        Stops at the first command it cannot answer without blocking; the task runs it.
+        """
+        parser = self._parser
+        inline_puts = self._ctx.inline_puts
+        while parser.has_ready and self._can_write.is_set() and not self._closing:
+            cmd = parser.peek()
+            if cmd is None or not 2 <= len(cmd) <= 3:
+                return
+            name = cmd[0]
+            kind = _FAST_NAMES.get(name) if isinstance(name, bytes) else None
+            if kind is None:
+                kind = _FAST_NAMES.get(bytes(name).lower())
+                if kind is None:
+                    return
+            started = time.perf_counter()
+            reply: object
+            try:
+                if kind == "get" and len(cmd) == 2:
+                    reply = self._get_nowait(cmd[1])
+                elif kind == "set" and len(cmd) == 3 and inline_puts:
+                    result = self._ctx.put_nowait(self.namespace, _key(cmd[1]), cmd[2])
+                    if result is WOULD_BLOCK:
+                        return
+                    if not isinstance(result, PutResult):  # inline_puts: never a future
+                        raise RuntimeError("put_nowait returned a future on an inline store")
+                    reply = OK
+                else:
+                    return
+            except _Reply as exc:
+                reply = exc.reply
+            except StoreError as exc:
+                reply = self._store_error_reply(exc, kind)
+            if reply is WOULD_BLOCK:
+                return
+            parser.next_event()  # consume what was peeked
+            self._write(self._encode(reply))
+            status = "error" if isinstance(reply, ErrorReply) else "ok"
+            self._observe(kind, status, time.perf_counter() - started)
+
+    def _get_nowait(self, arg: Buffer) -> object:
+        """A plain GET's reply if RAM answers it, else `WOULD_BLOCK`."""
+        try:
+            return self._ctx.get_nowait(self.namespace, _key(arg))
+        except StoreError as exc:
+            raise _Reply(self._store_error_reply(exc, "get")) from None
+
+    def _encode(self, reply: object) -> list[Buffer]:
+        """`serialize`, with the replies of GET and SET written without its machinery."""
+        if isinstance(reply, bytes | bytearray):
+            n = len(reply)
+            if n < _SMALL_REPLY:
+                return [b"".join((b"$%d\r\n" % n, reply, b"\r\n"))]
+            return [b"$%d\r\n" % n, reply, b"\r\n"]
+        if reply is OK:
+            return [b"+OK\r\n"]
+        if reply is None:
+            return [b"$-1\r\n" if self.protocol_version == 2 else b"_\r\n"]
+        return serialize(reply, self.protocol_version)
+
+    def _plain_set_ok(self, cmd: Command | None) -> bool:
+        """Whether `cmd` is a `SET key value` this connection may run now."""
+        if cmd is None or len(cmd) != 3 or self.identity is None or self.channels:
+            return False
+        return bytes(cmd[0]).lower() == b"set"
+
+    async def _plain_sets(self, cmd: Command, started: float) -> list[object] | None:
+        """Run `SET key value` and the plain SETs pipelined right behind it.
+
+        Each is started inline (`put_nowait`); durable ones are all queued before the
+        first is awaited, so they share a group commit. None when the first cannot start
+        inline (the caller runs it on the thread pool).
+        """
+        ns = self.namespace
+        ctx = self._ctx
+        begun: list[tuple[object, float]] = []
+        current: Command | None = cmd
+        while current is not None:
+            t0 = started if not begun else time.perf_counter()
+            outcome: object
+            try:
+                outcome = ctx.put_nowait(ns, _key(current[1]), current[2])
+            except _Reply as exc:
+                outcome = exc.reply
+            except StoreError as exc:
+                outcome = self._store_error_reply(exc, "set")
+            if outcome is WOULD_BLOCK:
+                break
+            if begun:
+                self._next_command()  # consume what was peeked
+            begun.append((outcome, t0))
+            if len(begun) >= _MAX_PIPELINED_SETS:
+                break
+            following = self._pending[0] if self._pending else self._parser.peek()
+            current = following if self._plain_set_ok(following) else None
+        if not begun:
+            return None
+        replies: list[object] = []
+        self._busy = True
+        try:
+            for outcome, t0 in begun:
+                reply = outcome
+                if isinstance(outcome, concurrent.futures.Future):
+                    try:
+                        await asyncio.wrap_future(outcome)
+                        reply = OK
+                    except StoreError as exc:
+                        reply = self._store_error_reply(exc, "set")
+                elif isinstance(outcome, PutResult):
+                    reply = OK
+                replies.append(reply)
+                status = "error" if isinstance(reply, ErrorReply) else "ok"
+                self._observe("set", status, time.perf_counter() - t0)
+        finally:
+            self._busy = False
+            self._last_activity = self._loop.time()
+        return replies
 
     def _run_batch(
         self, batch: list[tuple[str, BlockingHandler, Command]]
@@ -694,17 +861,23 @@ class RespConnection(asyncio.BufferedProtocol):
         """Call the store (on the thread pool), mapping its errors to RESP errors."""
         try:
             return fn(*args)
-        except InvalidKeyError as exc:
-            raise _Reply(ErrorReply(f"ERR {_text(str(exc).encode(), 400)}")) from None
-        except BlockTooLargeError as exc:
-            raise _Reply(ErrorReply(f"ERR block too large: {exc}")) from None
-        except DiskFullError as exc:
-            raise _Reply(ErrorReply(f"ERR disk full: {exc}")) from None
-        except CapacityError as exc:
-            raise _Reply(ErrorReply(f"ERR no room in the cache: {exc}")) from None
-        except StoreError:
-            log.exception("store call %s failed", getattr(fn, "__name__", fn))
-            raise _Reply(INTERNAL_ERROR) from None
+        except StoreError as exc:
+            name = getattr(fn, "__name__", repr(fn))
+            raise _Reply(RespConnection._store_error_reply(exc, name)) from None
+
+    @staticmethod
+    def _store_error_reply(exc: StoreError, what: str) -> ErrorReply:
+        """The RESP error for a store failure (unexpected ones are logged)."""
+        if isinstance(exc, InvalidKeyError):
+            return ErrorReply(f"ERR {_text(str(exc).encode(), 400)}")
+        if isinstance(exc, BlockTooLargeError):
+            return ErrorReply(f"ERR block too large: {exc}")
+        if isinstance(exc, DiskFullError):
+            return ErrorReply(f"ERR disk full: {exc}")
+        if isinstance(exc, CapacityError):
+            return ErrorReply(f"ERR no room in the cache: {exc}")
+        log.error("store call %s failed", what, exc_info=exc)
+        return INTERNAL_ERROR
 
     def _authenticate(self, password: Buffer) -> ErrorReply | None:
         """Verify a credential and switch identity; an error reply on failure."""

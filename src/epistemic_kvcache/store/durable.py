@@ -433,6 +433,26 @@ class SharedKvStoreBackend(TieredEngine):
     def _put_into(
         self, ns: str, scope_raw: bytes, key: str, data: Buffer, tag: tuple[str, int] | None
     ) -> PutResult:
+        started = self._put_submit(ns, scope_raw, key, data, tag)
+        if isinstance(started, PutResult):
+            return started
+        result: PutResult = started.result()
+        if result.outcome is PutOutcome.NEW:
+            self._rebalance()
+        return result
+
+    def _put_start(
+        self, ns: str, key: str, data: Buffer, epoch_scope: str | None
+    ) -> PutResult | concurrent.futures.Future[PutResult]:
+        ns_raw = self._validate(ns, key)
+        self._check_size(data)
+        self._check_open()
+        return self._put_submit(ns, ns_raw, key, data, self._tag_for(ns, epoch_scope))
+
+    def _put_submit(
+        self, ns: str, scope_raw: bytes, key: str, data: Buffer, tag: tuple[str, int] | None
+    ) -> PutResult | concurrent.futures.Future[PutResult]:
+        """Hash, answer a repeated PUT at once, else queue it for the committer."""
         if isinstance(data, memoryview):
             data = bytes(data)  # the hot tier keeps it; the caller may reuse its buffer
         digest = digest_of(data)
@@ -449,10 +469,8 @@ class SharedKvStoreBackend(TieredEngine):
                 self._count_put(ns, outcome, False)
                 return PutResult(outcome, existing.digest, existing.size)
         op = _Op("put", ns, key, sdig=sdig, digest=digest, data=data, tag=tag)
-        result: PutResult = self._call(op)
-        if result.outcome is PutOutcome.NEW:
-            self._rebalance()
-        return result
+        self._submit(op)
+        return op.future
 
     def put_many(self, ns: str, items: Sequence[tuple[str, Buffer]]) -> list[PutResult]:
         """Queue every item before waiting, so the batch shares one group commit.
