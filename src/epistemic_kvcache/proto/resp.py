@@ -291,9 +291,67 @@ class RespParser:
         if self._lent_big:
             self._lent_big = False
             self._big_filled += nbytes
+        elif (
+            self._state is _State.START
+            and self._pos >= len(self._buf)
+            and self.authenticated
+            and self._error is None
+        ):
+            # Between commands with nothing buffered: frame the complete commands
+            # straight from the scratch buffer; only a partial tail is kept.
+            done = self._frame_complete(nbytes)
+            if done == nbytes:
+                return
+            self._buf += memoryview(self._scratch)[done:nbytes]
         else:
             self._buf += memoryview(self._scratch)[:nbytes]
         self._advance()
+
+    def _frame_complete(self, n: int) -> int:
+        """Frame the well-formed, complete, small multibulk commands at the start of the
+        scratch buffer's first `n` bytes; return how many bytes they took.
+
+        Anything else (a partial command, a large bulk, an inline or empty request, a
+        malformed header) is left to the state machine, which applies every limit and
+        raises the errors; what this frames is exactly what it would have framed.
+        """
+        data = self._scratch
+        view = memoryview(data)
+        max_line = self.max_inline_bytes
+        max_args = self.max_multibulk_len
+        max_bulk = min(self.max_bulk_bytes, self.large_bulk_threshold - 1)
+        pos = 0
+        while pos < n and data[pos] == 0x2A:  # '*'
+            cr = data.find(b"\r\n", pos, n)
+            if cr < 0 or cr - pos > max_line:
+                break
+            count = _parse_int(data[pos + 1 : cr])
+            if count is None or count <= 0 or count > max_args:
+                break
+            p = cr + 2
+            args: Command = []
+            size = 0
+            for _ in range(count):
+                if p >= n or data[p] != 0x24:  # '$'
+                    break
+                cr = data.find(b"\r\n", p, n)
+                if cr < 0 or cr - p > max_line:
+                    break
+                length = _parse_int(data[p + 1 : cr])
+                if length is None or length < 0 or length > max_bulk:
+                    break
+                end = cr + 2 + length
+                if end + 2 > n or data[end] != 0x0D or data[end + 1] != 0x0A:
+                    break
+                args.append(bytes(view[cr + 2 : end]))
+                size += length
+                p = end + 2
+            else:
+                self._finish(args, size)
+                pos = p
+                continue
+            break
+        return pos
 
     # -- output -----------------------------------------------------------------------
     def next_event(self) -> Event:

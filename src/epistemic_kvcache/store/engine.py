@@ -422,11 +422,12 @@ class TieredEngine(SharedKvBackend):
             b.seg, b.off = e.seg, e.off
             b.owner = {} if self.dedup_scope == "global" else tenant
             self._blobs[e.sdig] = b
+            if e.data is not None and e.size <= self.hot_capacity_bytes:
+                b.hot = e.data  # counted hot by the footprints below
+                self._hot[e.sdig] = b
             self._footprint(b, self._total, +1)
             if isinstance(b.owner, str):
                 self._footprint(b, oc, +1)
-            if e.data is not None and e.size <= self.hot_capacity_bytes:
-                self._set_hot(b, e.data)
             self._on_blob_created(b)
         b.refs += 1
         b.add_keyref((e.ns, e.key))
@@ -533,6 +534,12 @@ class TieredEngine(SharedKvBackend):
 
     def _rebalance(self) -> None:
         """Demote hot -> warm (-> out of RAM) until both tiers fit their capacity."""
+        total = self._total
+        if (
+            total.hot_bytes - self._hot_leaving <= self.hot_capacity_bytes
+            and total.warm_bytes <= self.warm_capacity_bytes
+        ):
+            return  # nothing to do (unlocked look: whoever adds bytes calls this after)
         while True:
             with self._lock:
                 over = self._total.hot_bytes - self._hot_leaving - self.hot_capacity_bytes
