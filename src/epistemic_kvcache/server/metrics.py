@@ -156,14 +156,23 @@ class Metrics:
             buckets=LATENCY_BUCKETS_S,
             registry=self.registry,
         )
+        # (wire, route, status) -> labelled children: `labels()` costs microseconds
+        self._children: dict[tuple[str, str, str], tuple[Counter, Histogram]] = {}
         self._store_collector = _StoreCollector(store)
         self.registry.register(self._store_collector)
         self._lock = threading.Lock()
 
     def observe_request(self, wire: str, route: str, status: str, seconds: float) -> None:
         """Count one answered request. `route` is a template (`/kv/{key}`, `GET`, ...)."""
-        self._requests.labels(wire, route, status).inc()
-        self._latency.labels(wire, route, status).observe(max(seconds, 0.0))
+        children = self._children.get((wire, route, status))
+        if children is None:
+            children = (
+                self._requests.labels(wire, route, status),
+                self._latency.labels(wire, route, status),
+            )
+            self._children[(wire, route, status)] = children
+        children[0].inc()
+        children[1].observe(max(seconds, 0.0))
 
     def watch_connections(self, connections: Mapping[str, int]) -> None:
         """Export `connections` (live connections per wire) as `kvcache_open_connections`."""
