@@ -106,6 +106,11 @@ _PINS = struct.Struct(">I")
 _SEG_LEN = struct.Struct(">Q")
 _U16 = struct.Struct(">H")
 _U64 = struct.Struct(">Q")
+_PREZERO_BYTES = 4 << 20
+"""Zeroed space kept ahead of the active segment's end (see `_prezero`)."""
+_PREZERO_MAX_BATCH = 64 << 10
+"""Batches writing more than this append without pre-zeroing."""
+_ZEROS = bytes(_PREZERO_BYTES)
 
 
 def _pack_entry(pins: int, sdig: bytes, tag: tuple[str, int] | None) -> bytes:
@@ -283,6 +288,7 @@ class SharedKvStoreBackend(TieredEngine):
         self._seg_blocks: dict[int, int] = {}
         self._active: _Segment | None = None
         self._active_pos = 0
+        self._zeroed_to = 0  # the active segment's file is allocated and zeroed up to here
         self._next_seg = 1
         self._inflight: dict[tuple[str, str], int] = {}
         self._queue: deque[_Op] = deque()
@@ -916,6 +922,7 @@ class SharedKvStoreBackend(TieredEngine):
         self._seg_blocks.setdefault(seg_id, 0)
         self._active = seg
         self._active_pos = 0
+        self._zeroed_to = 0
         # make the new file's directory entry durable before any index row names it
         dfd = os.open(self._seg_dir, os.O_RDONLY)
         try:
@@ -935,9 +942,36 @@ class SharedKvStoreBackend(TieredEngine):
                     raise OSError(errno.EIO, "short write")
                 done += n
             synced[seg.id] = seg
+        active = self._active
+        if active is not None and active.id in synced:
+            self._prezero(active, sum(len(data) for _, data, _ in writes))
         for seg in synced.values():
             self._io.fdatasync(seg.fd)
         self._fsyncs += len(synced) + 1  # the segments', and LMDB's commit
+
+    def _prezero(self, seg: _Segment, batch_bytes: int) -> None:
+        """Keep zeroed, allocated space after the active segment's end (small batches).
+
+        An `fdatasync` after an append must also commit the file's new size and block
+        allocation through the file-system journal; after an overwrite of allocated
+        blocks it only flushes data (measured on ext4 here: ~250-330 us vs ~130 us). So
+        when a small batch grows the file, the same sync also makes `_PREZERO_BYTES` of
+        zeros past it durable, and the next small batches are overwrites. Bytes past the
+        committed length are never trusted: recovery truncates them like any torn tail.
+        Large batches skip this (the journal cost is noise next to their data).
+        """
+        end = self._active_pos
+        if batch_bytes > _PREZERO_MAX_BATCH or end <= self._zeroed_to:
+            return
+        stop = min(end + _PREZERO_BYTES, max(self._segment_bytes, end))
+        view = memoryview(_ZEROS)[: stop - end]
+        done = 0
+        while done < len(view):
+            n = self._io.pwrite(seg.fd, view[done:], end + done)
+            if n <= 0:
+                raise OSError(errno.EIO, "short write")
+            done += n
+        self._zeroed_to = stop
 
     def _abandon_segments(self, written: set[_Segment]) -> None:
         """After a failed write/sync the segments' tails are untrusted: seal them.
