@@ -664,7 +664,7 @@ class _HttpConnection(asyncio.BufferedProtocol):
             return _json(200, {"hash": key, "exists": await ctx.run(store.exists, ns, key)})
         not_found = _Err(404, "not_found", "no such key")
         if method == "GET":
-            data = await ctx.run(store.get, ns, key)
+            data = await ctx.get(ns, key)
             if data is None:
                 return _error(not_found)
             return _Response(200, [("Content-Type", OCTET_CONTENT_TYPE)], [data], len(data))
@@ -679,7 +679,7 @@ class _HttpConnection(asyncio.BufferedProtocol):
             return _error(not_found)
         assert method == "PUT"
         assert req.body is not None
-        result = await ctx.run(store.put, ns, key, req.body)
+        result = await ctx.put(ns, key, req.body)
         word = _OUTCOME_WORD[result.outcome]
         doc = {"outcome": word, "digest": result.digest.hex(), "size": result.size}
         headers = [("X-Kv-Digest", result.digest.hex()), ("X-Kv-Outcome", word)]
