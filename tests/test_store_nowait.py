@@ -1,0 +1,127 @@
+"""The store's non-blocking calls (`get_nowait`, `put_nowait`) and the durable
+backend's pre-zeroed segment tail, on both real backends."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+from pathlib import Path
+
+import pytest
+
+from epistemic_kvcache.errors import InvalidKeyError
+from epistemic_kvcache.store import PutResult, SharedKvIndex, SharedKvStoreBackend
+from epistemic_kvcache.store.api import PutOutcome
+from epistemic_kvcache.store.engine import INLINE_MAX_BYTES, WOULD_BLOCK
+
+NS = "tenant"
+
+
+def durable(path: Path, **kw: int) -> SharedKvStoreBackend:
+    return SharedKvStoreBackend(path, map_size_bytes=64 << 20, warm_capacity_bytes=0, **kw)  # type: ignore[arg-type]
+
+
+def test_memory_get_nowait_hit_and_miss_are_counted_once() -> None:
+    store = SharedKvIndex(warm_capacity_bytes=0)
+    store.put(NS, "k", b"v" * 100)
+    assert store.get_nowait(NS, "k") == b"v" * 100
+    assert store.get_nowait(NS, "absent") is None
+    st = store.stats(NS)
+    assert (st.get_hits, st.get_misses) == (1, 1)
+    with pytest.raises(InvalidKeyError):
+        store.get_nowait(NS, "")
+
+
+def test_memory_put_nowait_small_is_done_large_or_full_would_block() -> None:
+    store = SharedKvIndex(hot_capacity_bytes=1 << 20, warm_capacity_bytes=1 << 20)
+    r = store.put_nowait(NS, "small", b"x" * 1000)
+    assert isinstance(r, PutResult)
+    assert r.outcome is PutOutcome.NEW
+    again = store.put_nowait(NS, "small", b"y" * 1000)
+    assert isinstance(again, PutResult)
+    assert again.outcome is PutOutcome.CONFLICT
+    assert store.put_nowait(NS, "big", os.urandom(INLINE_MAX_BYTES + 1)) is WOULD_BLOCK
+    assert store.exists(NS, "big") is False
+    store.put(NS, "fill", os.urandom((1 << 20) - 1000))  # hot tier now full
+    assert store.put_nowait(NS, "more", b"z" * 1000) is WOULD_BLOCK
+    assert store.stats(None).tiers["hot"].bytes <= 1 << 20
+
+
+def test_durable_put_nowait_returns_a_future_resolved_once_on_disk(tmp_path: Path) -> None:
+    store = durable(tmp_path)
+    try:
+        fut = store.put_nowait(NS, "k", b"d" * 4096)
+        assert isinstance(fut, concurrent.futures.Future)
+        assert fut.result(10).outcome is PutOutcome.NEW
+        dup = store.put_nowait(NS, "k", b"d" * 4096)  # answered from RAM, no commit
+        assert isinstance(dup, PutResult)
+        assert dup.outcome is PutOutcome.DUPLICATE
+        assert store.get_nowait(NS, "k") == b"d" * 4096
+        assert store.evict(NS, "k")  # RAM copy dropped: reading needs the disk
+        assert store.get_nowait(NS, "k") is WOULD_BLOCK
+        assert store.stats(NS).get_hits == 1  # WOULD_BLOCK counted nothing
+        assert store.get(NS, "k") == b"d" * 4096
+    finally:
+        store.close()
+    store = durable(tmp_path)
+    try:
+        assert store.get(NS, "k") == b"d" * 4096
+    finally:
+        store.close()
+
+
+def test_durable_futures_awaited_from_asyncio_share_group_commits(tmp_path: Path) -> None:
+    store = durable(tmp_path)
+    before = store.stats(None).extra["commit_batches"]
+
+    async def main() -> list[PutResult]:
+        started = [store.put_nowait(NS, f"k{i}", os.urandom(4096)) for i in range(32)]
+        futs = [s for s in started if isinstance(s, concurrent.futures.Future)]
+        assert len(futs) == 32
+        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futs)))
+
+    try:
+        results = asyncio.run(main())
+        assert all(r.outcome is PutOutcome.NEW for r in results)
+        assert store.stats(None).extra["commit_batches"] - before < 32
+        assert store.check(deep=True).ok
+    finally:
+        store.close()
+
+
+def test_prezeroed_segment_tail_is_dropped_on_reopen(tmp_path: Path) -> None:
+    store = durable(tmp_path)
+    blocks = {f"k{i}": os.urandom(4096) for i in range(20)}
+    try:
+        for key, data in blocks.items():
+            store.put(NS, key, data)
+        committed = store.stats(None).extra["segment_bytes"]
+        assert committed == 20 * 4096
+        (seg,) = (tmp_path / "segments").glob("*.seg")
+        assert seg.stat().st_size > committed  # zeroed space kept past the end
+        assert store.check(deep=True).ok
+    finally:
+        store.close()
+    store = durable(tmp_path)
+    try:
+        assert seg.stat().st_size == committed
+        for key, data in blocks.items():
+            assert store.evict(NS, key)
+            assert store.get(NS, key) == data
+        more = os.urandom(4096)
+        store.put(NS, "after", more)  # a new segment; the old one stays sealed
+        assert store.get(NS, "after") == more
+        assert store.check(deep=True).ok
+    finally:
+        store.close()
+
+
+def test_large_batches_are_not_prezeroed(tmp_path: Path) -> None:
+    store = durable(tmp_path)
+    try:
+        store.put(NS, "big", os.urandom(1 << 20))
+        (seg,) = (tmp_path / "segments").glob("*.seg")
+        assert seg.stat().st_size == 1 << 20
+    finally:
+        store.close()
