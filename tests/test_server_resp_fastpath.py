@@ -8,6 +8,7 @@ import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -45,7 +46,7 @@ class _Server:
             return await self.loop.create_server(make_resp_factory(self.ctx), "127.0.0.1", 0)
 
         self.server = asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
-        sockets = getattr(self.server, "sockets", ())
+        sockets: Any = getattr(self.server, "sockets", None)  # uvloop's Server has them too
         self.port: int = sockets[0].getsockname()[1]
 
     def client(self) -> redis.Redis:
