@@ -189,6 +189,9 @@ def test_loopback_detection() -> None:
     assert is_loopback_host("[::1]")
     assert is_loopback_host("localhost")
     assert not is_loopback_host("localhost.example.com")
+    # *.localhost is resolved through DNS by glibc: not trusted for plain http
+    assert not is_loopback_host("kv.localhost")
+    assert not is_loopback_host("127.0.0.1.nip.io")
     assert not is_loopback_host("::")
     assert not is_loopback_host("192.168.1.1")
 

@@ -42,9 +42,13 @@ DEFAULT_MAX_CONNECTIONS = 16
 
 
 def is_loopback_host(host: str) -> bool:
-    """True for `localhost` and loopback IP literals (IPv4 127/8, IPv6 ::1)."""
+    """True for exactly `localhost` and loopback IP literals (IPv4 127/8, IPv6 ::1).
+
+    Not `*.localhost`: glibc resolves such names through DNS like any other, so a plain
+    http:// request (and its bearer token) could leave the machine.
+    """
     h = host.strip("[]").lower()
-    if h == "localhost" or h.endswith(".localhost"):
+    if h == "localhost":
         return True
     try:
         return ipaddress.ip_address(h).is_loopback
