@@ -64,12 +64,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import blake3
 import lmdb
 
 from epistemic_kvcache.errors import (
     CapacityError,
     ConfigurationError,
     DiskFullError,
+    NotFoundError,
     StorageIOError,
     StoreClosedError,
     StoreError,
@@ -89,18 +91,20 @@ from epistemic_kvcache.store.engine import (
     Effect,
     MetaDel,
     MetaPut,
+    Move,
     PinDelta,
     TieredEngine,
     _Blob,
     branch_ns,
     digest_of,
+    parse_internal_ns,
     snapshot_ns,
     tenant_of,
 )
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = b"2"
+FORMAT_VERSION = b"3"
 _BLOB_ROW = struct.Struct(">QQII")  # size, offset, segment, refs
 _PINS = struct.Struct(">I")
 _SEG_LEN = struct.Struct(">Q")
@@ -111,22 +115,29 @@ _PREZERO_BYTES = 4 << 20
 _PREZERO_MAX_BATCH = 64 << 10
 """Batches writing more than this append without pre-zeroing."""
 _ZEROS = bytes(_PREZERO_BYTES)
+_COMPACT_STEP_BYTES = 64 << 20
+"""Live bytes one compaction step copies (bounds how long it holds the committer)."""
 
 
-def _pack_entry(pins: int, sdig: bytes, tag: tuple[str, int] | None) -> bytes:
-    row = _PINS.pack(pins) + _U16.pack(len(sdig)) + sdig
+def _pack_entry(pins: int, sdig: bytes, tag: tuple[str, int] | None, longkey: bytes = b"") -> bytes:
+    """A key row's value: pins, scoped digest, the full key when the row key is hashed
+    (see `_key_row`), and the epoch tag if any."""
+    row = _PINS.pack(pins) + _U16.pack(len(sdig)) + sdig + _U16.pack(len(longkey)) + longkey
     if tag is not None:
         row += _U64.pack(tag[1]) + tag[0].encode()
     return row
 
 
-def _unpack_entry(row: bytes) -> tuple[int, bytes, tuple[str, int] | None]:
+def _unpack_entry(row: bytes) -> tuple[int, bytes, tuple[str, int] | None, bytes]:
+    """(pins, scoped digest, epoch tag, full key if the row key is hashed else b"")."""
     pins = _PINS.unpack_from(row, 0)[0]
     n = _U16.unpack_from(row, 4)[0]
     sdig = bytes(row[6 : 6 + n])
-    rest = row[6 + n :]
+    k = _U16.unpack_from(row, 6 + n)[0]
+    longkey = bytes(row[8 + n : 8 + n + k])
+    rest = row[8 + n + k :]
     tag = (bytes(rest[8:]).decode(), _U64.unpack_from(rest, 0)[0]) if rest else None
-    return pins, sdig, tag
+    return pins, sdig, tag, longkey
 
 
 def _ns_prefix(ns: str) -> bytes:
@@ -186,17 +197,42 @@ class _Op:
     future: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
 
 
+# LMDB keys are at most 511 bytes; keys may be 1024. A row whose key would not fit is
+# stored under `ns prefix + 0xFF + BLAKE3(key)` (0xFF never occurs in UTF-8, so it cannot
+# collide with a plain key) with the full key in the row's value.
+_MAX_ROW_KEY = 511
+_HASHED = b"\xff"
+
+
 def _key_row(ns: str, key: str) -> bytes:
-    return _ns_prefix(ns) + key.encode()
+    base = _ns_prefix(ns)
+    raw = key.encode()
+    if len(base) + len(raw) <= _MAX_ROW_KEY:
+        return base + raw
+    return base + _HASHED + blake3.blake3(raw).digest()
 
 
-def _split_key_row(row: bytes) -> tuple[str, str]:
+def _longkey(ns: str, key: str) -> bytes:
+    """The full key to keep in the row value when `_key_row` hashes it, else b""."""
+    raw = key.encode()
+    return raw if len(_ns_prefix(ns)) + len(raw) > _MAX_ROW_KEY else b""
+
+
+def _split_key_row(row: bytes, longkey: bytes) -> tuple[str, str]:
     n = _U16.unpack_from(row, 0)[0]
-    return row[2 : 2 + n].decode(), row[2 + n :].decode()
+    rest = row[2 + n :]
+    key = longkey if rest[:1] == _HASHED else rest
+    return row[2 : 2 + n].decode(), key.decode()
 
 
 def _meta_row(kind: str, tenant: str, rid: str) -> bytes:
     return kind.encode() + b":" + _ns_prefix(tenant) + rid.encode()
+
+
+def internal_meta(internal: tuple[str, str, str]) -> tuple[str, str, str]:
+    """(kind, tenant, id) of `parse_internal_ns`'s (tenant, kind, id): a meta row's parts."""
+    tenant, kind, rid = internal
+    return kind, tenant, rid
 
 
 class SharedKvStoreBackend(TieredEngine):
@@ -298,6 +334,13 @@ class SharedKvStoreBackend(TieredEngine):
         self._batches = 0
         self._committed_ops = 0
         self._write_failures = 0
+        self._compactions = 0
+        # held while segments are removed or blocks moved, and by check(), so a check's
+        # view of the index and of the segment files is one consistent picture
+        self._maint_lock = threading.Lock()
+        self._compacted_bytes = 0
+        self._compact_backoff_until = 0.0
+        self._compact_idle_s = 1.0
         t0 = time.perf_counter()
         # Loading N rows makes ~3N long-lived objects; the cyclic GC would rescan the
         # growing heap over and over (measured 6x slower opens in a busy process).
@@ -355,8 +398,8 @@ class SharedKvStoreBackend(TieredEngine):
             effects: list[Effect] = []
             pins: list[Effect] = []
             for krow, v in txn.cursor(db=self._db_keys):
-                ns, key = _split_key_row(bytes(krow))
-                n, sdig, tag = _unpack_entry(v)
+                n, sdig, tag, longkey = _unpack_entry(v)
+                ns, key = _split_key_row(bytes(krow), longkey)
                 loc = blobs.get(sdig)
                 if loc is None:
                     log.error("index entry %r/%r has no blob; ignoring it", ns, key)
@@ -405,26 +448,28 @@ class SharedKvStoreBackend(TieredEngine):
             write_failures=self._write_failures,
             segments=len(self._segments),
             segment_bytes=sum(self._seg_len.values()),
+            compactions=self._compactions,
+            compacted_bytes=self._compacted_bytes,
         )
         return out
 
-    def _read_lower(self, b: _Blob) -> Buffer | None:
-        seg = self._segments.get(b.seg)
+    def _read_lower(self, b: _Blob, loc: tuple[int, int]) -> Buffer | None:
+        seg = self._segments.get(loc[0])
         if seg is None:
             return None
         try:
-            return seg.read(b.off, b.size)
+            return seg.read(loc[1], b.size)
         except OSError as exc:
             log.error("read of %s failed: %s", b.digest.hex(), exc)
             return None
 
-    def _quarantine(self, b: _Blob, reason: str) -> None:
+    def _quarantine(self, b: _Blob, reason: str, loc: tuple[int, int]) -> None:
         log.error("integrity failure: blob %s (%s); quarantined", b.digest.hex(), reason)
         with self._lock:
             self._total.integrity_failures += 1
             for ns in b.owners():
                 self._counters(ns).integrity_failures += 1
-        op = _Op("quarantine", "", "", sdig=b.sdig, loc=(b.seg, b.off))
+        op = _Op("quarantine", "", "", sdig=b.sdig, loc=loc)
         self._submit(op)
         with contextlib.suppress(StoreError):
             op.future.result()
@@ -553,18 +598,28 @@ class SharedKvStoreBackend(TieredEngine):
 
     # -- the committer -------------------------------------------------------------------
     def _commit_loop(self) -> None:
+        """Commit queued operations in batches; between batches, compact segments."""
         while True:
+            batch: list[_Op] = []
             with self._cv:
-                while not self._queue and not self._stopping:
-                    self._cv.wait()
-                if not self._queue:
+                while not self._queue and not self._stopping and not self._compaction_due():
+                    self._cv.wait(timeout=self._compact_idle_s)
+                if self._queue:
+                    batch.append(self._queue.popleft())
+                    size = len(batch[0].data or b"")
+                    while self._queue and size < self._max_batch_bytes:
+                        op = self._queue.popleft()
+                        size += len(op.data or b"")
+                        batch.append(op)
+                elif self._stopping:
                     return
-                batch = [self._queue.popleft()]
-                size = len(batch[0].data or b"")
-                while self._queue and size < self._max_batch_bytes:
-                    op = self._queue.popleft()
-                    size += len(op.data or b"")
-                    batch.append(op)
+            if not batch:
+                try:
+                    self._compact_step()
+                except Exception:  # never let the committer die
+                    log.exception("compaction step failed")
+                    self._compact_backoff_until = time.monotonic() + 5.0
+                continue
             try:
                 self._commit(batch)
             except BaseException as exc:  # never let the committer die silently
@@ -662,7 +717,7 @@ class SharedKvStoreBackend(TieredEngine):
         if op.kind == "retire":
             if row is None:
                 return False
-            _p, sdig, tag = _unpack_entry(row)
+            _p, sdig, tag, _k = _unpack_entry(row)
             if tag is None or tag[1] >= self._epoch_current(tenant_of(op.ns), tag[0]):
                 return False
             txn.delete(krow, db=self._db_keys)
@@ -671,8 +726,15 @@ class SharedKvStoreBackend(TieredEngine):
             return True
         if op.kind == "put":
             assert op.data is not None
+            internal = parse_internal_ns(op.ns)
+            if (
+                internal is not None
+                and txn.get(_meta_row(*internal_meta(internal)), db=self._db_meta) is None
+            ):
+                # the branch was deleted while this PUT was being hashed or queued
+                raise NotFoundError(f"no {internal[1]} {internal[2]!r}")
             if row is not None:
-                _p, old_sdig, old_tag = _unpack_entry(row)
+                _p, old_sdig, old_tag, _k = _unpack_entry(row)
                 if old_tag is not None and old_tag[1] < self._epoch_current(
                     tenant_of(op.ns), old_tag[0]
                 ):
@@ -692,7 +754,11 @@ class SharedKvStoreBackend(TieredEngine):
             if brow is not None:
                 bsize, off, seg, refs = _BLOB_ROW.unpack(brow)
                 txn.put(op.sdig, _BLOB_ROW.pack(bsize, off, seg, refs + 1), db=self._db_blobs)
-                txn.put(krow, _pack_entry(0, op.sdig, op.tag), db=self._db_keys)
+                txn.put(
+                    krow,
+                    _pack_entry(0, op.sdig, op.tag, _longkey(op.ns, op.key)),
+                    db=self._db_keys,
+                )
                 effects.append(AddKey(op.ns, op.key, op.sdig, bsize, None, seg, off, op.tag))
                 touched.add(op.sdig)
                 state.added.setdefault(op.sdig, []).append((op.ns, op.key))
@@ -703,27 +769,29 @@ class SharedKvStoreBackend(TieredEngine):
             writes.append((self._segments[seg_id], op.data, off))
             state.new_bytes += size
             txn.put(op.sdig, _BLOB_ROW.pack(size, off, seg_id, 1), db=self._db_blobs)
-            txn.put(krow, _pack_entry(0, op.sdig, op.tag), db=self._db_keys)
+            txn.put(
+                krow, _pack_entry(0, op.sdig, op.tag, _longkey(op.ns, op.key)), db=self._db_keys
+            )
             effects.append(AddKey(op.ns, op.key, op.sdig, size, op.data, seg_id, off, op.tag))
             touched.add(op.sdig)
             state.added.setdefault(op.sdig, []).append((op.ns, op.key))
             return PutResult(PutOutcome.NEW, op.digest, size)
         if row is None:
             return False
-        pins, sdig, tag = _unpack_entry(row)
+        pins, sdig, tag, longkey = _unpack_entry(row)
         if op.kind == "delete":
             txn.delete(krow, db=self._db_keys)
             self._decref(txn, sdig)
             effects.append(DelKey(op.ns, op.key))
             return True
         if op.kind == "pin":
-            txn.put(krow, _pack_entry(pins + 1, sdig, tag), db=self._db_keys)
+            txn.put(krow, _pack_entry(pins + 1, sdig, tag, longkey), db=self._db_keys)
             effects.append(PinDelta(op.ns, op.key, +1))
             return True
         if op.kind == "unpin":
             if pins == 0:
                 return False
-            txn.put(krow, _pack_entry(pins - 1, sdig, tag), db=self._db_keys)
+            txn.put(krow, _pack_entry(pins - 1, sdig, tag, longkey), db=self._db_keys)
             effects.append(PinDelta(op.ns, op.key, -1))
             return True
         raise StoreError(f"unknown operation {op.kind!r}")
@@ -739,20 +807,28 @@ class SharedKvStoreBackend(TieredEngine):
             for key in dict.fromkeys(keys):
                 if prefix is not None and not key.startswith(prefix):
                     continue
-                v = txn.get(base + key.encode(), db=self._db_keys)
+                v = txn.get(_key_row(tenant, key), db=self._db_keys)
                 if v is not None:
                     rows.append((key, bytes(v)))
         else:
-            start = base + (prefix or "").encode()
-            cur = txn.cursor(db=self._db_keys)
-            if cur.set_range(start):
+            # plain rows sort by key (a prefix is a range); hashed long-key rows sit
+            # together under 0xFF and are filtered by their stored key
+            ranges = [base + (prefix or "").encode()]
+            if prefix:
+                ranges.append(base + _HASHED)
+            for start in ranges:
+                cur = txn.cursor(db=self._db_keys)
+                if not cur.set_range(start):
+                    continue
                 for k, v in cur:
                     if not k.startswith(start):
                         break
-                    rows.append((bytes(k[len(base) :]).decode(), bytes(v)))
+                    key = _split_key_row(bytes(k), _unpack_entry(v)[3])[1]
+                    if prefix is None or key.startswith(prefix):
+                        rows.append((key, bytes(v)))
         n = 0
-        for key, v in rows:
-            _pins, sdig, tag = _unpack_entry(v)
+        for key, v in dict(rows).items():
+            _pins, sdig, tag, _k = _unpack_entry(v)
             if tag is not None and tag[1] < self._epoch_current(tenant, tag[0]):
                 continue  # stale entries are not captured
             brow = txn.get(sdig, db=self._db_blobs)
@@ -760,7 +836,9 @@ class SharedKvStoreBackend(TieredEngine):
                 continue
             size, off, seg, refs = _BLOB_ROW.unpack(brow)
             txn.put(sdig, _BLOB_ROW.pack(size, off, seg, refs + 1), db=self._db_blobs)
-            txn.put(_key_row(sns, key), _pack_entry(1, sdig, None), db=self._db_keys)
+            txn.put(
+                _key_row(sns, key), _pack_entry(1, sdig, None, _longkey(sns, key)), db=self._db_keys
+            )
             effects.append(AddKey(sns, key, sdig, size, None, seg, off))
             effects.append(PinDelta(sns, key, +1))
             state.added.setdefault(sdig, []).append((sns, key))
@@ -785,8 +863,9 @@ class SharedKvStoreBackend(TieredEngine):
                     doomed.append((bytes(k), bytes(v)))
             for k, v in doomed:
                 txn.delete(k, db=self._db_keys)
-                self._decref(txn, _unpack_entry(v)[1])
-                effects.append(DelKey(ins, bytes(k[len(start) :]).decode()))
+                _p, sdig, _t, longkey = _unpack_entry(v)
+                self._decref(txn, sdig)
+                effects.append(DelKey(ins, _split_key_row(k, longkey)[1]))
                 n += 1
             txn.delete(_meta_row(kind, tenant, rid), db=self._db_meta)
             effects.append(MetaDel(kind, tenant, rid))
@@ -991,7 +1070,16 @@ class SharedKvStoreBackend(TieredEngine):
                     seg.path.unlink()
 
     def _drop_dead_segments(self) -> None:
-        """Delete sealed segments whose blocks are all gone."""
+        """Delete sealed segments whose blocks are all gone (skipped while a check runs;
+        the next commit retries)."""
+        if not self._maint_lock.acquire(blocking=False):
+            return
+        try:
+            self._drop_dead_segments_locked()
+        finally:
+            self._maint_lock.release()
+
+    def _drop_dead_segments_locked(self) -> None:
         with self._lock:
             dead = [
                 s
@@ -1013,9 +1101,100 @@ class SharedKvStoreBackend(TieredEngine):
             with contextlib.suppress(OSError):
                 seg.path.unlink()
 
+    # -- compaction ----------------------------------------------------------------------
+    def _compaction_candidate(self) -> int | None:
+        """The sealed segment with the most dead bytes, if it is worth rewriting.
+
+        Worth it: at least half of it is dead and the dead part is at least a quarter of
+        a full segment (so small stores are not churned). Lock held by the caller.
+        """
+        best, best_dead = None, 0
+        active = self._active.id if self._active is not None else None
+        min_dead = max(1, min(self._segment_bytes // 4, 64 << 20))
+        for sid, length in self._seg_len.items():
+            if sid == active or sid not in self._segments:
+                continue
+            dead = length - self._seg_live.get(sid, 0)
+            if dead >= min_dead and dead * 2 >= length and dead > best_dead:
+                best, best_dead = sid, dead
+        return best
+
+    def _compaction_due(self) -> bool:
+        if self._closed or time.monotonic() < self._compact_backoff_until:
+            return False
+        with self._lock:
+            return self._compaction_candidate() is not None
+
+    def _compact_step(self) -> None:
+        """Copy up to `_COMPACT_STEP_BYTES` of one segment's live blocks to the active
+        segment, through the same write-sync-commit path as PUTs (the old copies stay
+        valid until the index names the new ones); a segment left with no live block is
+        then deleted by `_drop_dead_segments`. Runs on the committer thread."""
+        with self._maint_lock:
+            self._compact_step_locked()
+
+    def _compact_step_locked(self) -> None:
+        with self._lock:
+            sid = self._compaction_candidate()
+            if sid is None:
+                return
+            movers: list[tuple[bytes, int, int]] = []
+            budget = _COMPACT_STEP_BYTES
+            for b in self._blobs.values():
+                if b.seg == sid:
+                    movers.append((b.sdig, b.off, b.size))
+                    budget -= b.size
+                    if budget <= 0:
+                        break
+        seg = self._segments[sid]
+        effects: list[Effect] = []
+        writes: list[tuple[_Segment, Buffer, int]] = []
+        txn = self._env.begin(write=True)
+        try:
+            state = _BatchState()
+            for sdig, off, size in movers:
+                brow = txn.get(sdig, db=self._db_blobs)
+                if brow is None:
+                    continue
+                bsize, boff, bseg, refs = _BLOB_ROW.unpack(brow)
+                if (bseg, boff) != (sid, off):
+                    continue  # moved or rewritten since
+                data = seg.read(off, size)
+                if digest_of(data) != sdig[-32:]:
+                    log.error("integrity failure during compaction: %s", sdig[-32:].hex())
+                    with self._lock:
+                        self._total.integrity_failures += 1
+                    self._decide_drop_blob(txn, sdig, effects, state, evicted=False)
+                    txn.put(sdig, str(time.time()).encode(), db=self._db_quarantine)
+                    continue
+                new_seg, new_off = self._allocate(txn, size)
+                writes.append((self._segments[new_seg], data, new_off))
+                txn.put(sdig, _BLOB_ROW.pack(bsize, new_off, new_seg, refs), db=self._db_blobs)
+                effects.append(Move(sdig, new_seg, new_off))
+            if writes:
+                self._write_and_sync(writes, txn)
+            txn.commit()
+        except (OSError, lmdb.Error) as exc:
+            txn.abort()
+            self._abandon_segments({s for s, _, _ in writes})
+            self._compact_backoff_until = time.monotonic() + 5.0
+            log.error("compaction of segment %08d failed (nothing lost): %s", sid, exc)
+            return
+        for wseg, wdata, woff in writes:
+            self._seg_len[wseg.id] = max(self._seg_len.get(wseg.id, 0), woff + len(wdata))
+        self._compactions += 1
+        self._compacted_bytes += sum(len(d) for _, d, _ in writes)
+        with self._lock:
+            self._apply(effects)
+        self._drop_dead_segments_locked()
+
     # -- checks and shutdown -------------------------------------------------------------
     def check(self, *, deep: bool = False) -> ConsistencyReport:
         """Cross-check LMDB rows, RAM state and segment files (`deep`: re-hash blobs)."""
+        with self._maint_lock:
+            return self._check_locked(deep)
+
+    def _check_locked(self, deep: bool) -> ConsistencyReport:
         report = ConsistencyReport()
         with self._lock:
             self._base_check(report)
@@ -1023,10 +1202,10 @@ class SharedKvStoreBackend(TieredEngine):
         rows: dict[bytes, tuple[int, int, int, int]] = {}
         with self._env.begin() as txn:
             for krow, v in txn.cursor(db=self._db_keys):
-                sdig = _unpack_entry(v)[1]
+                _p, sdig, _t, longkey = _unpack_entry(v)
                 refs[sdig] = refs.get(sdig, 0) + 1
                 if txn.get(sdig, db=self._db_blobs) is None:
-                    ns, key = _split_key_row(bytes(krow))
+                    ns, key = _split_key_row(bytes(krow), longkey)
                     report.orphan_index_entries.append(f"{ns}/{key}")
             for sdig, row in txn.cursor(db=self._db_blobs):
                 rows[bytes(sdig)] = _BLOB_ROW.unpack(row)

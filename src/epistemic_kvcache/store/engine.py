@@ -37,7 +37,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, overload
 
 import blake3
 
@@ -85,11 +85,21 @@ class WouldBlock(enum.Enum):
 WOULD_BLOCK: Final = WouldBlock.WOULD_BLOCK
 
 
+MAX_SCOPE_BYTES = 200
+"""Epoch scopes are short names; with a 256-byte tenant they fit one LMDB key (511)."""
+
+
 def validate_scope(scope: str) -> None:
-    """An epoch scope is 1..256 bytes of UTF-8 without NUL."""
-    raw = scope.encode("utf-8", "surrogatepass")
-    if not raw or len(raw) > 256 or b"\x00" in raw:
-        raise InvalidKeyError(f"invalid epoch scope {scope!r}: expected 1..256 bytes without NUL")
+    """An epoch scope is 1..`MAX_SCOPE_BYTES` bytes of UTF-8 without NUL."""
+    try:
+        raw = scope.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidKeyError("invalid epoch scope: not valid UTF-8") from exc
+    if not raw or len(raw) > MAX_SCOPE_BYTES or b"\x00" in raw:
+        raise InvalidKeyError(
+            f"invalid epoch scope: expected 1..{MAX_SCOPE_BYTES} bytes without NUL "
+            f"(got {len(raw)} bytes)"
+        )
 
 
 def digest_of(data: Buffer) -> bytes:
@@ -248,7 +258,16 @@ class MetaDel:
     id: str
 
 
-Effect = AddKey | DelKey | PinDelta | MetaPut | MetaDel
+@dataclass(frozen=True, slots=True)
+class Move:
+    """Effect: compaction copied the blob to a new place on disk."""
+
+    sdig: bytes
+    seg: int
+    off: int
+
+
+Effect = AddKey | DelKey | PinDelta | MetaPut | MetaDel | Move
 
 # Internal namespaces (snapshot entries, branch overlays) contain NUL, which a tenant
 # namespace never does, so no client can name them.
@@ -268,6 +287,14 @@ def snapshot_ns(tenant: str, snapshot_id: str) -> str:
 def branch_ns(tenant: str, branch_id: str) -> str:
     """The internal namespace holding a branch's overlay entries."""
     return f"{tenant}{_SEP}b{_SEP}{branch_id}"
+
+
+def parse_internal_ns(ns: str) -> tuple[str, str, str] | None:
+    """(tenant, "snap" | "branch", id) for an internal namespace, None for a tenant's."""
+    parts = ns.split(_SEP)
+    if len(parts) != 3:
+        return None
+    return parts[0], "snap" if parts[1] == "s" else "branch", parts[2]
 
 
 class TieredEngine(SharedKvBackend):
@@ -404,6 +431,12 @@ class TieredEngine(SharedKvBackend):
                 self._apply_pin(e)
             elif isinstance(e, MetaPut):
                 self._meta(e.kind).setdefault(e.tenant, {})[e.id] = e.record
+            elif isinstance(e, Move):
+                b = self._blobs.get(e.sdig)
+                if b is not None:
+                    self._on_blob_destroyed(b)
+                    b.seg, b.off = e.seg, e.off
+                    self._on_blob_created(b)
             else:
                 recs = self._meta(e.kind).get(e.tenant)
                 if recs is not None:
@@ -604,11 +637,11 @@ class TieredEngine(SharedKvBackend):
         return False
 
     # -- reads ---------------------------------------------------------------------------
-    def _read_lower(self, b: _Blob) -> Buffer | None:
+    def _read_lower(self, b: _Blob, loc: tuple[int, int]) -> Buffer | None:
         """Read a block that is in neither RAM tier (durable backend). None = unreadable."""
         return None
 
-    def _quarantine(self, b: _Blob, reason: str) -> None:
+    def _quarantine(self, b: _Blob, reason: str, loc: tuple[int, int]) -> None:
         """Drop a blob whose bytes fail verification (lock NOT held)."""
         with self._lock:
             self._total.integrity_failures += 1
@@ -642,11 +675,7 @@ class TieredEngine(SharedKvBackend):
         """
         self._validate(ns, key)
         self._check_open()
-        with self._lock:
-            b = self._lookup(ns, key)
-            if b is not None and b.hot is None and not (self._tags and self._stale(ns, key)):
-                return WOULD_BLOCK
-        return self._read(ns, key)
+        return self._read(ns, key, nowait=True)
 
     def put_nowait(
         self, ns: str, key: str, data: Buffer, *, epoch_scope: str | None = None
@@ -674,11 +703,27 @@ class TieredEngine(SharedKvBackend):
             return self.put(ns, key, data)
         return self.put(ns, key, data, epoch_scope=epoch_scope)
 
-    def _read(self, ns: str, key: str) -> Buffer | None:
-        """GET on a (possibly internal) namespace; counts on that namespace."""
+    @overload
+    def _read(self, ns: str, key: str) -> Buffer | None: ...
+    @overload
+    def _read(self, ns: str, key: str, *, nowait: bool) -> Buffer | WouldBlock | None: ...
+
+    def _read(self, ns: str, key: str, *, nowait: bool = False) -> Buffer | WouldBlock | None:
+        """GET on a (possibly internal) namespace; counts on that namespace.
+
+        With `nowait`, a block that is not in the hot tier is `WOULD_BLOCK` (decided in
+        the same critical section as the lookup, so the caller never does I/O).
+        """
         with self._lock:
             c = self._counters(ns)
             b = self._lookup(ns, key)
+            if (
+                nowait
+                and b is not None
+                and b.hot is None
+                and not (self._tags and self._stale(ns, key))
+            ):
+                return WOULD_BLOCK
             if b is not None and self._tags and self._stale(ns, key):
                 c.stale_missed += 1
                 self._total.stale_missed += 1
@@ -697,6 +742,7 @@ class TieredEngine(SharedKvBackend):
                 self._total.get_hits += 1
                 return b.hot
             warm = b.warm
+            loc = (b.seg, b.off)  # read together: compaction may move the block
         data: Buffer | None
         corrupt = False
         if warm is not None:
@@ -705,12 +751,18 @@ class TieredEngine(SharedKvBackend):
             except ValueError:
                 data, corrupt = None, True
         else:
-            data = self._read_lower(b)  # None: unreadable right now (I/O error), a miss
+            data = self._read_lower(b, loc)  # None: unreadable right now (I/O error), a miss
+            if data is None:
+                with self._lock:
+                    moved = (b.seg, b.off) != loc
+                    loc = (b.seg, b.off)
+                if moved:  # compaction moved it (and dropped the old segment): read again
+                    data = self._read_lower(b, loc)
         if data is not None and (len(data) != b.size or digest_of(data) != b.digest):
             data, corrupt = None, True
         if data is None:
             if corrupt:
-                self._quarantine(b, "digest mismatch")
+                self._quarantine(b, "digest mismatch", loc)
             with self._lock:
                 c.get_misses += 1
                 self._total.get_misses += 1
@@ -1235,6 +1287,10 @@ class SharedKvIndex(TieredEngine):
         tag: tuple[str, int] | None = None,
     ) -> PutResult:
         size = len(data)
+        internal = parse_internal_ns(ns)
+        if internal is not None and internal[2] not in self._meta(internal[1]).get(internal[0], {}):
+            # the branch was deleted while this PUT was being hashed
+            raise NotFoundError(f"no {internal[1]} {internal[2]!r}")
         existing = self._lookup(ns, key)
         if existing is not None and self._tags and self._stale(ns, key):
             self._apply([DelKey(ns, key)])  # a stale entry is replaced, not kept
