@@ -21,9 +21,10 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from epistemic_kvcache.errors import AuthError
+from epistemic_kvcache.proto.glob import Glob
 from epistemic_kvcache.server.context import Identity, ServerContext, ServerLimits
 from epistemic_kvcache.server.metrics import Metrics
-from epistemic_kvcache.server.resp import RespConnection, glob_to_regex, make_resp_factory
+from epistemic_kvcache.server.resp import RespConnection, make_resp_factory
 from epistemic_kvcache.store import PutResult, SharedKvIndex
 
 TOKEN_A = "token-alpha"
@@ -764,7 +765,7 @@ def test_metrics_observed(server: ServerThread, r: redis.Redis) -> None:
     assert 'route="unknown"' in text
 
 
-def test_glob_to_regex() -> None:
+def test_glob_semantics() -> None:
     cases = [
         (b"*", b"anything", True),
         (b"a?c", b"abc", True),
@@ -777,7 +778,7 @@ def test_glob_to_regex() -> None:
         (b"k.y", b"kxy", False),
     ]
     for pattern, key, expected in cases:
-        assert bool(glob_to_regex(pattern).fullmatch(key)) is expected, (pattern, key)
+        assert Glob(pattern).match(key) is expected, (pattern, key)
 
 
 class GatedStore(SharedKvIndex):

@@ -57,6 +57,7 @@ from epistemic_kvcache.errors import (
     RemoteProtocolError,
     StoreError,
 )
+from epistemic_kvcache.proto.glob import Glob
 from epistemic_kvcache.proto.resp import (
     NEED_DATA,
     Buffer,
@@ -92,6 +93,9 @@ _SCAN_CURSORS: Final = 16384
 """SCAN cursors remembered server-wide (oldest forgotten first)."""
 _SCAN_MAX_COUNT: Final = 10000
 _SCAN_DEFAULT_COUNT: Final = 10
+_SCAN_MATCH_BUDGET: Final = 50_000_000
+"""Glob work (`Glob.cost` units, ~3 ns each) one SCAN call may spend on MATCH; past it
+the call returns early with a cursor (SCAN may return fewer keys than COUNT)."""
 EPOCH_CHANNEL: Final = b"kvcache:epochs"
 """Pub/sub channel of epoch bumps: messages `<scope> <epoch>`, per tenant."""
 _MAX_CHANNELS: Final = 1024
@@ -193,48 +197,6 @@ def _wrong_args(name: str) -> ErrorReply:
 
 def _unknown_subcommand(sub: Buffer, cmd: str) -> ErrorReply:
     return ErrorReply(f"ERR unknown subcommand '{_text(sub)}'. Try {cmd} HELP.")
-
-
-def glob_to_regex(pattern: bytes) -> re.Pattern[bytes]:
-    """Compile a Redis glob (`*`, `?`, `[a-z]`, `[^x]`, `\\x`) into a full-match regex."""
-    out = bytearray()
-    i, n = 0, len(pattern)
-    while i < n:
-        c = pattern[i : i + 1]
-        if c == b"*":
-            out += b".*"
-        elif c == b"?":
-            out += b"."
-        elif c == b"\\" and i + 1 < n:
-            i += 1
-            out += re.escape(pattern[i : i + 1])
-        elif c == b"[":
-            j = i + 1
-            negate = j < n and pattern[j : j + 1] == b"^"
-            if negate:
-                j += 1
-            items = bytearray()
-            while j < n and pattern[j : j + 1] != b"]":
-                if pattern[j : j + 1] == b"\\" and j + 1 < n:
-                    j += 1
-                    items += re.escape(pattern[j : j + 1])
-                elif pattern[j + 1 : j + 2] == b"-" and j + 2 < n and pattern[j + 2] != 0x5D:
-                    lo, hi = sorted((pattern[j], pattern[j + 2]))
-                    items += re.escape(bytes((lo,))) + b"-" + re.escape(bytes((hi,)))
-                    j += 2
-                else:
-                    items += re.escape(pattern[j : j + 1])
-                j += 1
-            # Redis treats an unterminated class as running to the end of the pattern.
-            if items:
-                out += b"[" + (b"^" if negate else b"") + items + b"]"
-            else:
-                out += b"[^\\s\\S]" if not negate else b"[\\s\\S]"
-            i = j
-        else:
-            out += re.escape(c)
-        i += 1
-    return re.compile(bytes(out), re.DOTALL)
 
 
 # -- command table ----------------------------------------------------------------------
@@ -1254,7 +1216,7 @@ def _scan(c: RespConnection, cmd: Command) -> object:
     invalid_cursor = ErrorReply("ERR invalid cursor")
     cursor = _int(cmd[1], invalid_cursor)
     count = _SCAN_DEFAULT_COUNT
-    match: re.Pattern[bytes] | None = None
+    match: Glob | None = None
     only_strings = True
     i = 2
     while i < len(cmd):
@@ -1266,7 +1228,7 @@ def _scan(c: RespConnection, cmd: Command) -> object:
             if count < 1:
                 return SYNTAX_ERROR
         elif opt == b"MATCH":
-            match = glob_to_regex(bytes(cmd[i + 1]))
+            match = _glob(cmd[i + 1])
         elif opt == b"TYPE":
             only_strings = bytes(cmd[i + 1]).lower() == b"string"
         else:
@@ -1280,11 +1242,28 @@ def _scan(c: RespConnection, cmd: Command) -> object:
             return invalid_cursor
     limit = min(count, _SCAN_MAX_COUNT)
     keys: list[str] = c._call(_scan_page, c._ctx.store, ns, after, limit)
-    next_cursor = c._listener.new_cursor(ns, keys[-1]) if len(keys) == limit else 0
+    more = len(keys) == limit
     encoded = [k.encode("utf-8") for k in keys] if only_strings else []
     if match is not None:
-        encoded = [k for k in encoded if match.fullmatch(k)]
+        matched: list[bytes] = []
+        spent = 0
+        for i, k in enumerate(encoded):
+            if i and spent >= _SCAN_MATCH_BUDGET:  # bounded work per call: resume later
+                keys, more = keys[:i], True
+                break
+            spent += match.cost(len(k))
+            if match.match(k):
+                matched.append(k)
+        encoded = matched
+    next_cursor = c._listener.new_cursor(ns, keys[-1]) if more else 0
     return [str(next_cursor), encoded]
+
+
+def _glob(pattern: Buffer) -> Glob:
+    try:
+        return Glob(bytes(pattern))
+    except RemoteProtocolError as exc:
+        raise _Reply(ErrorReply(f"ERR {exc}")) from None
 
 
 def _scan_page(store: SharedKvBackend, ns: str, after: str | None, limit: int) -> list[str]:
@@ -1402,9 +1381,9 @@ async def _config(c: RespConnection, cmd: Command) -> object:
     table = _config_table(c)
     out: dict[str, str] = {}
     for pattern in cmd[2:]:
-        rx = glob_to_regex(bytes(pattern).lower())
+        glob = _glob(bytes(pattern).lower())
         for name, value in table.items():
-            if rx.fullmatch(name.encode()):
+            if glob.match(name.encode()):
                 out[name] = value
     return out
 
