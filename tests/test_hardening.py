@@ -6,9 +6,13 @@ port 0, driven by redis-py, urllib3 and raw sockets.
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -136,3 +140,138 @@ def test_server_keeps_answering_during_a_worst_case_scan(server: ServerHandle) -
     assert done.is_set()
     assert sum(scanned) == 0
     assert worst < 0.25, f"a PING waited {worst:.2f}s behind a SCAN"
+
+
+# -- 2. bodies and bulks being received share one memory budget --------------------------
+
+MiB = 1024 * 1024
+
+
+def _rss_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_header_only_batch_put_does_not_allocate_the_body(server: ServerHandle) -> None:
+    before = _rss_kib()
+    socks = []
+    for _ in range(2):
+        s = socket.create_connection((server.http.host, server.http.port))
+        s.sendall(
+            b"POST /kv/batch/put HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            + TOKEN_B.encode()
+            + b"\r\nContent-Type: application/x-kvcache-batch\r\nContent-Length: 500000000\r\n\r\n"
+        )
+        socks.append(s)
+    time.sleep(1.0)
+    grown_mib = (_rss_kib() - before) // 1024
+    for s in socks:
+        s.close()
+    assert grown_mib < 64, f"{grown_mib} MiB held for two header-only requests"
+
+
+def _head(server: ServerHandle, path: str, length: int, token: str = TOKEN_A) -> socket.socket:
+    """Open a connection and send a PUT head announcing `length` body bytes."""
+    s = socket.create_connection((server.http.host, server.http.port), timeout=10)
+    s.sendall(
+        f"PUT {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+        f"Expect: 100-continue\r\nContent-Length: {length}\r\n\r\n".encode()
+    )
+    return s
+
+
+def _read_head(s: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return int(lines[0].split()[1]), headers, rest
+
+
+@pytest.fixture(scope="module")
+def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
+    """A server whose in-flight body budget is 48 MiB (blocks up to 24 MiB)."""
+    thread, handle = start(
+        tmp_path_factory.mktemp("tight"),
+        max_inflight_body_bytes="48MiB",
+        max_block_bytes="24MiB",
+        max_batch_bytes="24MiB",
+        backend="memory",
+    )
+    yield handle
+    thread.stop()
+
+
+def test_bodies_over_the_inflight_budget_get_503_and_the_budget_comes_back(
+    tight: ServerHandle,
+) -> None:
+    first = _head(tight, "/kv/budget-1", 24 * MiB)
+    second = _head(tight, "/kv/budget-2", 24 * MiB)
+    try:
+        assert _read_head(first)[0] == 100  # accepted: 24 of 48 MiB reserved
+        assert _read_head(second)[0] == 100  # 48 of 48 MiB
+        third = _head(tight, "/kv/budget-3", 1 * MiB, TOKEN_B)
+        status, headers, rest = _read_head(third)
+        assert status == 503
+        assert headers["retry-after"] == "1"
+        assert headers["connection"] == "close"
+        assert json.loads(rest[: int(headers["content-length"])])["error"] == "overloaded"
+        third.close()
+        # RESP draws on the same budget: the bulk is dropped, the connection lives on.
+        r = resp_client(tight, TOKEN_B)
+        with pytest.raises(redis.ResponseError, match="server busy, retry"):
+            r.set("resp-big", b"r" * (1 * MiB))
+        assert r.set("resp-small", b"s" * 1000)  # under 32 KiB: not preallocated
+        assert r.ping()
+        # The first body completes: its reservation is released once it is answered.
+        first.sendall(b"x" * (24 * MiB))
+        assert _read_head(first)[0] == 201
+        assert r.set("resp-big", b"r" * (1 * MiB))
+        assert r.get("resp-big") == b"r" * (1 * MiB)
+        r.close()
+    finally:
+        first.close()
+        second.close()
+    # The second connection died with its body unread: its reservation is back too.
+    deadline = time.monotonic() + 5
+    while True:
+        a, b = _head(tight, "/kv/budget-4", 24 * MiB), _head(tight, "/kv/budget-5", 24 * MiB)
+        statuses = (_read_head(a)[0], _read_head(b)[0])
+        a.close()
+        b.close()
+        if statuses == (100, 100) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert statuses == (100, 100)
+
+
+def test_resp_releases_bulk_reservations_as_commands_complete(tight: ServerHandle) -> None:
+    r = resp_client(tight, TOKEN_A)
+    blob = os.urandom(12 * MiB)
+    try:
+        for i in range(6):  # 72 MiB one after the other through a 48 MiB budget
+            assert r.set(f"seq-{i}", blob)
+        pipe = r.pipeline(transaction=False)
+        for i in range(6):
+            pipe.set(f"pipe-{i}", blob)
+        assert pipe.execute() == [True] * 6
+        assert r.strlen("pipe-5") == 12 * MiB
+    finally:
+        r.close()
+    time.sleep(0.1)
+    a, b = _head(tight, "/kv/after-1", 24 * MiB), _head(tight, "/kv/after-2", 24 * MiB)
+    try:
+        assert (_read_head(a)[0], _read_head(b)[0]) == (100, 100)
+    finally:
+        a.close()
+        b.close()

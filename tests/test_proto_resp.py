@@ -21,6 +21,7 @@ from epistemic_kvcache.proto.resp import (
     NEED_DATA,
     NULL_ARRAY,
     ErrorReply,
+    RefusedCommand,
     RespParser,
     SimpleString,
     Verbatim,
@@ -268,6 +269,77 @@ def test_large_bulk_is_read_into_one_preallocated_buffer() -> None:
     assert cmd[2] == payload
     assert cmd[2] is first.obj  # no copy: the argument is the buffer we read into
     assert p.buffered_bytes == 0
+
+
+class Budget:
+    """A `reserve` hook over a fixed budget; `release` gives bytes back."""
+
+    def __init__(self, total: int) -> None:
+        self.left = total
+        self.asked: list[int] = []
+
+    def reserve(self, n: int) -> bool:
+        self.asked.append(n)
+        if n > self.left:
+            return False
+        self.left -= n
+        return True
+
+
+@pytest.mark.parametrize(("name", "feed", "threshold"), FEEDERS, ids=[f[0] for f in FEEDERS])
+def test_refused_bulk_is_skipped_and_its_command_refused(
+    name: str, feed: Feeder, threshold: int
+) -> None:
+    budget = Budget(45)
+    p = RespParser(authenticated=True, large_bulk_threshold=threshold, reserve=budget.reserve)
+    data = (
+        b"*3\r\n$3\r\nSET\r\n$1\r\na\r\n$30\r\n" + b"x" * 30 + b"\r\n"
+        b"*4\r\n$4\r\nMSET\r\n$1\r\nb\r\n$20\r\n" + b"y" * 20 + b"\r\n$1\r\nc\r\n"
+        b"*2\r\n$4\r\nECHO\r\n$5\r\nhello\r\n"
+    )
+    feed(p, data)
+    cmds: list[list[bytes]] = []
+    while (ev := p.next_event()) is not NEED_DATA:
+        cmds.append(ev)
+    if threshold > 30:  # no large bulks: nothing is reserved, nothing refused
+        assert budget.asked == []
+        assert cmds[1] == [b"MSET", b"b", b"y" * 20, b"c"]
+        return
+    # Bulks of >= 4 bytes are reserved: 30 + 4 (MSET) fit the budget of 45, 20 more do
+    # not, so that command is dropped whole; ECHO's 4 + 5 fit again.
+    assert cmds[0] == [b"SET", b"a", b"x" * 30]
+    assert isinstance(cmds[1], RefusedCommand)
+    assert cmds[1] == []
+    assert cmds[2] == [b"ECHO", b"hello"]
+    assert budget.asked == [30, 4, 20, 4, 5]
+    assert budget.left == 2
+    assert p.held_bytes == 0
+
+
+def test_held_bytes_follow_preallocated_bulks_until_returned() -> None:
+    budget = Budget(1000)
+    p = RespParser(authenticated=True, large_bulk_threshold=8, reserve=budget.reserve)
+    p.receive_data(b"*3\r\n$4\r\nMSET\r\n$10\r\n0123456789\r\n$100\r\n" + b"z" * 50)
+    assert p.held_bytes == 110  # one finished argument, one being filled
+    p.receive_data(b"z" * 50 + b"\r\n*2\r\n$4\r\nECHO\r\n$9\r\n123456789\r\n")
+    assert p.held_bytes == 119
+    assert p.next_event() == [b"MSET", b"0123456789", b"z" * 100]
+    assert p.held_bytes == 9
+    assert p.next_event() == [b"ECHO", b"123456789"]
+    assert p.held_bytes == 0
+    assert budget.left == 1000 - 119  # the owner releases; the parser only reserves
+    # A protocol error drops the partial command's buffers from held_bytes too.
+    p.receive_data(b"*2\r\n$4\r\nECHO\r\n$20\r\n" + b"q" * 20 + b"XX")
+    with pytest.raises(RemoteProtocolError, match="after bulk data"):
+        p.next_event()
+    assert p.held_bytes == 0
+
+
+def test_refused_bulk_still_checks_its_framing() -> None:
+    p = RespParser(authenticated=True, large_bulk_threshold=4, reserve=lambda n: False)
+    p.receive_data(b"*2\r\n$4\r\nECHO\r\n$6\r\nabcdefXX")
+    with pytest.raises(RemoteProtocolError, match="after bulk data"):
+        p.next_event()
 
 
 def test_get_buffer_grows_scratch_for_large_hints() -> None:

@@ -463,6 +463,8 @@ _LIMIT_HELP = {
     "max_connections": "open connections per listener",
     "max_batch_keys": "keys per batch request",
     "max_batch_bytes": "total block bytes per batch request",
+    "max_inflight_body_bytes": "request bodies and RESP bulks being received, server-wide "
+    "(over it: HTTP 503 overloaded / RESP -ERR server busy)",
     "resp_unauthenticated_max_args": "RESP arguments per command before AUTH",
     "resp_unauthenticated_max_bulk_bytes": "RESP bulk string size before AUTH",
     "resp_max_args": "RESP arguments per command",
@@ -891,6 +893,15 @@ def _validate(c: ServerConfig) -> None:
         fail("jwt_algorithms", "no asymmetric algorithm for --jwt-public-key / --jwt-jwks")
     if c.jwt_secret is not None:
         check_hmac_secret(c.jwt_secret.encode("utf-8"), c.jwt_algorithms or ("HS256",))
+
+    lim = c.limits
+    for name in ("max_block_bytes", "max_batch_bytes"):
+        if getattr(lim, name) > lim.max_inflight_body_bytes:
+            fail(
+                "max_inflight_body_bytes",
+                f"expected at least {name} ({format_size(getattr(lim, name))}), "
+                f"got {format_size(lim.max_inflight_body_bytes)}",
+            )
 
     if c.store_threads > 1024:
         fail("store_threads", f"expected at most 1024 (got {c.store_threads})")

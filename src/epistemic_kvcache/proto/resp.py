@@ -15,6 +15,14 @@ tail of that array, so the socket reads the payload straight into its final home
 chunk list, no join, no second copy). This is the one place where own RESP code beats
 hiredis, which buffers a whole bulk before returning it.
 
+Because that array is allocated before its bytes arrive, the owner may pass `reserve`:
+it is asked for each large bulk's size first, and may refuse (a server-wide memory
+budget). A refused bulk is read and dropped instead, the rest of its command too, and
+the command is framed as an empty `RefusedCommand`, so the connection stays usable.
+`held_bytes` says how many bytes of preallocated bulks the parser still holds (in the
+command being framed and in framed commands not yet returned): the owner releases what
+it reserved beyond that once the commands it took out are done.
+
 While the connection is unauthenticated the parser applies tiny limits (Redis
 CVE-2021-32675) and parses lazily: at most one complete command is framed ahead, so the
 limits in force for a command are the ones set after the previous command (e.g. AUTH)
@@ -34,6 +42,7 @@ import enum
 import math
 import re
 from collections import deque
+from collections.abc import Callable
 from typing import Final, Literal
 
 from epistemic_kvcache.errors import LocalProtocolError, RemoteProtocolError
@@ -41,6 +50,17 @@ from epistemic_kvcache.errors import LocalProtocolError, RemoteProtocolError
 Buffer = bytes | bytearray | memoryview
 Arg = bytes | bytearray
 Command = list[Arg]
+ReserveFn = Callable[[int], bool]
+"""Asked before a large bulk is allocated: may the parser hold this many more bytes?"""
+
+
+class RefusedCommand(list[Arg]):
+    """Framed in place of a command one of whose large bulks `reserve` refused.
+
+    It is empty: the command's arguments were read off the wire and dropped."""
+
+    __slots__ = ()
+
 
 KiB: Final = 1024
 MiB: Final = 1024 * 1024
@@ -197,6 +217,8 @@ class _State(enum.Enum):
     """A small bulk: wait until `len + 2` bytes are buffered."""
     BIG_BODY = 3
     """A large bulk: fill the preallocated array, then expect `\\r\\n`."""
+    SKIP_BODY = 4
+    """A refused large bulk: drop its bytes, then expect `\\r\\n`."""
 
 
 class RespParser:
@@ -217,6 +239,7 @@ class RespParser:
         large_bulk_threshold: int = DEFAULT_LARGE_BULK_THRESHOLD,
         read_buffer_bytes: int = DEFAULT_READ_BUFFER_BYTES,
         authenticated: bool = False,
+        reserve: ReserveFn | None = None,
     ) -> None:
         for name, value in (
             ("max_inline_bytes", max_inline_bytes),
@@ -236,6 +259,9 @@ class RespParser:
         self.unauthenticated_max_bulk_bytes = unauthenticated_max_bulk_bytes
         self.large_bulk_threshold = large_bulk_threshold
         self.authenticated = authenticated
+        self.reserve = reserve
+        self.held_bytes = 0
+        """Bytes of preallocated bulks held: being filled, in `_args`, in `_ready`."""
 
         self._buf = bytearray()
         self._pos = 0
@@ -247,10 +273,13 @@ class RespParser:
         self._args_bytes = 0
         self._args_left = 0
         self._bulk_len = 0
+        self._args_held = 0
         self._big = bytearray()
         self._big_filled = 0
+        self._refused = False
+        self._skip = 0
 
-        self._ready: deque[tuple[Command, int]] = deque()
+        self._ready: deque[tuple[Command, int, int]] = deque()
         self._ready_bytes = 0
         self._error: RemoteProtocolError | None = None
         self.commands_parsed = 0
@@ -363,8 +392,9 @@ class RespParser:
         if not self._ready and self._error is None:
             self._advance()
         if self._ready:
-            cmd, size = self._ready.popleft()
+            cmd, size, held = self._ready.popleft()
             self._ready_bytes -= size
+            self.held_bytes -= held
             return cmd
         if self._error is not None:
             raise self._error
@@ -404,9 +434,11 @@ class RespParser:
     # -- the state machine --------------------------------------------------------------
     def _fail(self, exc: RemoteProtocolError) -> None:
         self._error = exc
+        self.held_bytes -= len(self._big) + self._args_held
         self._big = bytearray()
         self._big_filled = 0
         self._args = []
+        self._args_held = 0
 
     def _advance(self) -> None:
         try:
@@ -457,6 +489,8 @@ class RespParser:
                     self._args_left = count
                     self._args = []
                     self._args_bytes = 0
+                    self._args_held = 0
+                    self._refused = False
                     self._state = _State.ARG_HEADER
                 elif not self._inline():
                     return
@@ -476,12 +510,17 @@ class RespParser:
                 if not self.authenticated and length > self.unauthenticated_max_bulk_bytes:
                     raise _perr("unauthenticated bulk length")
                 self._bulk_len = length
-                if length >= self.large_bulk_threshold:
+                if length < self.large_bulk_threshold:
+                    self._state = _State.ARG_BODY
+                elif self._refused or (self.reserve is not None and not self.reserve(length)):
+                    self._refuse()
+                    self._skip = length
+                    self._state = _State.SKIP_BODY
+                else:
                     self._big = bytearray(length)
                     self._big_filled = 0
+                    self.held_bytes += length
                     self._state = _State.BIG_BODY
-                else:
-                    self._state = _State.ARG_BODY
             elif state is _State.ARG_BODY:
                 end = self._pos + self._bulk_len
                 if len(buf) < end + 2:
@@ -490,6 +529,16 @@ class RespParser:
                     raise _perr("expected '\\r\\n' after bulk data")
                 self._push_arg(bytes(buf[self._pos : end]))
                 self._pos = end + 2
+            elif state is _State.SKIP_BODY:
+                drop = min(self._skip, len(buf) - self._pos)
+                self._skip -= drop
+                self._pos += drop
+                if self._skip or len(buf) - self._pos < 2:
+                    return
+                if buf[self._pos : self._pos + 2] != b"\r\n":
+                    raise _perr("expected '\\r\\n' after bulk data")
+                self._pos += 2
+                self._push_arg(b"")
             else:  # BIG_BODY
                 big = self._big
                 missing = len(big) - self._big_filled
@@ -510,22 +559,37 @@ class RespParser:
                 self._pos += 2
                 self._big = bytearray()
                 self._big_filled = 0
+                self._args_held += len(big)
                 self._push_arg(big)
 
+    def _refuse(self) -> None:
+        """Drop the command being framed (a large bulk of it was refused)."""
+        self._refused = True
+        self.held_bytes -= self._args_held
+        self._args = []
+        self._args_bytes = 0
+        self._args_held = 0
+
     def _push_arg(self, arg: Arg) -> None:
-        self._args.append(arg)
-        self._args_bytes += len(arg)
+        if not self._refused:
+            self._args.append(arg)
+            self._args_bytes += len(arg)
         self._args_left -= 1
         if self._args_left:
             self._state = _State.ARG_HEADER
             return
-        self._finish(self._args, self._args_bytes)
+        if self._refused:
+            self._finish(RefusedCommand(), 0)
+        else:
+            self._finish(self._args, self._args_bytes, self._args_held)
         self._args = []
         self._args_bytes = 0
+        self._args_held = 0
+        self._refused = False
         self._state = _State.START
 
-    def _finish(self, cmd: Command, size: int) -> None:
-        self._ready.append((cmd, size))
+    def _finish(self, cmd: Command, size: int, held: int = 0) -> None:
+        self._ready.append((cmd, size, held))
         self._ready_bytes += size
         self.commands_parsed += 1
 

@@ -65,7 +65,12 @@ class ServerLimits:
     max_connections: int = 1024
     """Open connections per listener; more are accepted and closed at once."""
     max_batch_keys: int = 1024
-    max_batch_bytes: int = 1024 * MiB
+    max_batch_bytes: int = 256 * MiB
+    """A batch is one request body held whole in RAM: 256 MiB is 1024 keys of 256 KiB."""
+    max_inflight_body_bytes: int = 2048 * MiB
+    """Bytes all request bodies (HTTP) and large bulks (RESP) being received may hold
+    together, server-wide. Each is allocated whole once its head is accepted, so without
+    this a few header-only requests could make the server allocate gigabytes."""
     resp_unauthenticated_max_args: int = 10
     """Before AUTH: at most this many arguments, command name included (Redis'
     CVE-2021-32675 limit; `HELLO 3 AUTH <user> <pass> SETNAME <name>` needs 7)."""
@@ -143,6 +148,8 @@ class ServerContext:
     """Live connections per listener name ("http", "resp"), for the connection cap."""
     epochs: EpochNotifier = field(default_factory=EpochNotifier)
     """Epoch bump notifications (RESP pub/sub channel `kvcache:epochs`)."""
+    inflight_body_bytes: int = field(default=0, init=False)
+    """Bytes reserved by request bodies and bulks being received or served (event loop)."""
     inline_puts: bool = field(init=False)
     """`put_nowait` answers PUTs without a future (the memory backend)."""
     _engine: TieredEngine | None = field(init=False)
@@ -152,6 +159,21 @@ class ServerContext:
 
         self._engine = self.store if isinstance(self.store, TieredEngine) else None
         self.inline_puts = isinstance(self.store, SharedKvIndex)
+
+    def reserve_body(self, nbytes: int) -> bool:
+        """Reserve `nbytes` of the in-flight body budget before allocating a body (call on
+        the event loop); False when that would exceed `max_inflight_body_bytes`. Whoever
+        gets True calls `release_body(nbytes)` once the body is no longer needed."""
+        if nbytes <= 0:
+            return True
+        if self.inflight_body_bytes + nbytes > self.limits.max_inflight_body_bytes:
+            return False
+        self.inflight_body_bytes += nbytes
+        return True
+
+    def release_body(self, nbytes: int) -> None:
+        """Give back a reservation made by `reserve_body` (call on the event loop)."""
+        self.inflight_body_bytes -= nbytes
 
     def get_nowait(self, ns: str, key: str) -> Buffer | WouldBlock | None:
         """The block if RAM answers at once (hit or miss), else `WOULD_BLOCK`; inline."""

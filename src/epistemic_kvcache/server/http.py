@@ -9,8 +9,11 @@ How it works
   Content-Length) before one body byte is read. A refused request whose body is still to
   come is answered and the connection closed (lingering: the write side is shut, unread
   input is discarded for a moment so the peer sees the answer, not a reset).
-- An accepted body gets one `bytearray(content_length)`. Body bytes that arrived with the
-  head are copied in; the rest is read by the transport straight into the buffer
+- An accepted body gets one `bytearray(content_length)`, after reserving its size from
+  the server-wide in-flight budget (`ServerContext.reserve_body`; over budget: 503
+  `overloaded` + `Retry-After`, connection closed). The reservation is released once the
+  request is answered or its connection dies. Body bytes that arrived with the head are
+  copied in; the rest is read by the transport straight into the buffer
   (`get_buffer` returns its unfilled tail), so big bodies are never copied in Python.
   The parser does not see those bytes; a fresh parser starts the next request.
 - Complete requests queue up and one task answers them in order (pipelining). Reading is
@@ -142,6 +145,8 @@ class _Request:
     identity: Identity | None = None
     content_length: int = 0
     body: bytearray | None = None
+    reserved: int = 0
+    """Bytes of the in-flight body budget this request holds (see `_release`)."""
     received: int = 0
     headers_done: bool = False
     direct: bool = False
@@ -274,6 +279,10 @@ class _HttpConnection(asyncio.BufferedProtocol):
             self._ctx.open_connections[WIRE] -= 1
             self._counted = False
         self._wake_drain()
+        for req in self._queue:
+            self._release(req)
+        if self._cur is not None:
+            self._release(self._cur)
         self._queue.clear()
         self._cur = None
         self._parser = None
@@ -461,6 +470,10 @@ class _HttpConnection(asyncio.BufferedProtocol):
             msg = f"body of {req.content_length} bytes exceeds the limit of {limit} bytes"
             return _Err(413, code or "block_too_large", msg), has_body
         if wants_body:
+            if not self._ctx.reserve_body(req.content_length):
+                msg = "server busy: too many request bodies in flight, retry later"
+                return _Err(503, "overloaded", msg, (("Retry-After", "1"),)), has_body
+            req.reserved = req.content_length
             req.body = bytearray(req.content_length)
         return None, has_body
 
@@ -518,6 +531,12 @@ class _HttpConnection(asyncio.BufferedProtocol):
             self._parser = None
         self._queue.append(req)
 
+    def _release(self, req: _Request) -> None:
+        """Give back the request's share of the in-flight body budget (idempotent)."""
+        if req.reserved:
+            self._ctx.release_body(req.reserved)
+            req.reserved = 0
+
     def _fail(self, err: _Err, req: _Request | None = None) -> None:
         """Queue a final error answer and stop reading requests on this connection."""
         if req is None:
@@ -525,6 +544,7 @@ class _HttpConnection(asyncio.BufferedProtocol):
         req.error = err
         req.keep_alive = False
         req.body = None
+        self._release(req)
         self._cur = None
         if self._deadline is not None:
             self._deadline.cancel()
@@ -595,7 +615,9 @@ class _HttpConnection(asyncio.BufferedProtocol):
         except Exception:
             log.exception("http: %s %s failed", req.method, req.route)
             resp = _error(_Err(500, "internal", "internal server error"))
-        req.body = None
+        finally:
+            req.body = None
+            self._release(req)
         close = not req.keep_alive
         self._send(resp, head_only=req.method == "HEAD", close=close, http10=req.http10)
         elapsed = self._loop.time() - req.t_start

@@ -25,6 +25,13 @@ Back-pressure, both ways:
 - Writes: `pause_writing` blocks the task before its next command, so a client that does
   not read its replies stops being served (and then stops being read).
 
+Memory: a large bulk's array is allocated as soon as its `$len` header is parsed, so
+the parser first reserves its size from the server-wide in-flight budget
+(`ServerContext.reserve_body`). A refused bulk is read and dropped and its command
+answered `-ERR server busy, retry`. The connection gives its reservations back whenever
+no command of it is running (what the parser still holds stays reserved), and all of
+them when it closes.
+
 Timeouts: a connection with no traffic for `idle_timeout_s` is closed; a command whose
 first byte arrived more than `request_timeout_s` ago and is still incomplete (slowloris)
 is cut off. Malformed input gets `-ERR Protocol error: ...` and the connection closes
@@ -64,6 +71,7 @@ from epistemic_kvcache.proto.resp import (
     Command,
     ErrorReply,
     Event,
+    RefusedCommand,
     RespParser,
     SimpleString,
     Verbatim,
@@ -119,6 +127,7 @@ WRONGPASS: Final = ErrorReply("WRONGPASS invalid username-password pair or user 
 NOT_AN_INTEGER: Final = ErrorReply("ERR value is not an integer or out of range")
 SYNTAX_ERROR: Final = ErrorReply("ERR syntax error")
 INTERNAL_ERROR: Final = ErrorReply("ERR internal error")
+BUSY: Final = ErrorReply("ERR server busy, retry")
 _HELLO_NOAUTH: Final = ErrorReply(
     "NOAUTH HELLO must be called with the client already authenticated, otherwise the "
     "HELLO <proto> AUTH <user> <pass> option can be used to authenticate the client and "
@@ -336,7 +345,10 @@ class RespConnection(asyncio.BufferedProtocol):
             max_bulk_bytes=max(limits.max_block_bytes, MAX_KEY_BYTES),
             unauthenticated_max_multibulk_len=limits.resp_unauthenticated_max_args,
             unauthenticated_max_bulk_bytes=limits.resp_unauthenticated_max_bulk_bytes,
+            reserve=self._reserve,
         )
+        self._reserved = 0
+        """Bytes of the in-flight budget this connection holds (see `_settle`)."""
         self.client_id = listener.next_client_id()
         self.identity: Identity | None = None
         self.protocol_version = 2
@@ -408,6 +420,7 @@ class RespConnection(asyncio.BufferedProtocol):
             and not self._closing
         ):
             self._run_inline()
+            self._settle()
             if not parser.has_ready and not parser.has_error:
                 return  # all answered here: the task stays parked
         self._wakeup.set()
@@ -430,6 +443,9 @@ class RespConnection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
+        if self._reserved:
+            self._ctx.release_body(self._reserved)
+            self._reserved = 0
         self.channels.clear()
         self.sync_subscription()
         if self._counted:
@@ -467,6 +483,7 @@ class RespConnection(asyncio.BufferedProtocol):
                     self._close()
                     return
                 if event is NEED_DATA:
+                    self._settle()
                     self._resume_reading(force=True)
                     if self._eof:
                         self._close()
@@ -486,6 +503,8 @@ class RespConnection(asyncio.BufferedProtocol):
                 replies = await self._execute(event)
                 if self._closing:
                     return
+                if not self._pending:
+                    self._settle()
                 buffers: list[Buffer] = []
                 for reply in replies:
                     if isinstance(reply, _Frames):
@@ -504,6 +523,8 @@ class RespConnection(asyncio.BufferedProtocol):
 
     def _check(self, cmd: Command) -> tuple[str, CommandSpec | None, ErrorReply | None]:
         """The command's metrics route, its spec, and an error reply if it may not run."""
+        if isinstance(cmd, RefusedCommand):
+            return "busy", None, BUSY
         spec = COMMANDS.get(bytes(cmd[0]).lower())
         if spec is None:
             return "unknown", None, NOAUTH if self.identity is None else self._unknown_command(cmd)
@@ -753,6 +774,27 @@ class RespConnection(asyncio.BufferedProtocol):
             )
         except Exception:  # metrics must never break serving
             log.exception("metrics.observe_request failed")
+
+    # -- the in-flight memory budget ------------------------------------------------------
+    def _reserve(self, nbytes: int) -> bool:
+        """The parser's `reserve` hook: take `nbytes` from the server-wide budget."""
+        if not self._ctx.reserve_body(nbytes):
+            log.info(
+                "RESP connection %d: %d-byte bulk refused (server busy)", self.client_id, nbytes
+            )
+            return False
+        self._reserved += nbytes
+        return True
+
+    def _settle(self) -> None:
+        """Release what this connection reserved beyond what its parser still holds.
+
+        Call only while none of its commands runs and none waits in `_pending`: every
+        bulk taken out of the parser is then done with."""
+        excess = self._reserved - self._parser.held_bytes
+        if excess > 0:
+            self._ctx.release_body(excess)
+            self._reserved -= excess
 
     # -- I/O helpers ------------------------------------------------------------------------
     def _write(self, buffers: list[Buffer]) -> None:
