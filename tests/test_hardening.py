@@ -17,8 +17,10 @@ from typing import Any
 
 import pytest
 import redis
+import urllib3
 
 from epistemic_kvcache.config import load_config
+from epistemic_kvcache.errors import ConfigurationError
 from epistemic_kvcache.server.app import ServerHandle, ServerThread
 
 TOKEN_A = "hardening-token-tenant-a-0123456789"
@@ -275,3 +277,29 @@ def test_resp_releases_bulk_reservations_as_commands_complete(tight: ServerHandl
     finally:
         a.close()
         b.close()
+
+
+# -- 3. /metrics (store-wide totals) is for operator tenants only ---------------------------
+
+
+def test_metrics_do_not_reveal_other_tenants_activity(server: ServerHandle) -> None:
+    url = f"http://{server.http.host}:{server.http.port}"
+    with urllib3.PoolManager() as pm:
+        for token in (TOKEN_A, TOKEN_B):
+            r = pm.request("GET", url + "/metrics", headers={"Authorization": f"Bearer {token}"})
+            assert r.status == 403
+            assert json.loads(r.data)["error"] == "forbidden"
+            assert b"kvcache_" not in r.data
+        ops = {"Authorization": f"Bearer {TOKEN_OPS}"}  # tenant "default": the operator
+        r = pm.request("GET", url + "/metrics", headers=ops)
+        assert r.status == 200
+        assert b"kvcache_logical_bytes" in r.data
+
+
+def test_metrics_tenants_setting() -> None:
+    assert load_config({}, {}).metrics_tenants == ("default",)
+    c = load_config({"metrics_tenants": "ops, prometheus"}, {})
+    assert c.metrics_tenants == ("ops", "prometheus")
+    assert load_config({"metrics_tenants": ""}, {}).metrics_tenants == ()
+    with pytest.raises(ConfigurationError, match="max_inflight_body_bytes"):
+        load_config({"max_inflight_body_bytes": "64MiB"}, {})  # < max_block_bytes

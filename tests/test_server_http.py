@@ -139,6 +139,7 @@ def start_server(limits: ServerLimits | None = None, store: SharedKvIndex | None
         limits=limits or ServerLimits(),
         metrics=Metrics(store),
         executor=concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="test-store"),
+        metrics_tenants=frozenset({"tenant-a"}),
     )
     loop = uvloop.new_event_loop()
 
@@ -403,6 +404,8 @@ def test_healthz_needs_no_auth_and_metrics_do(srv: Server) -> None:
     assert pool.request("HEAD", "/healthz").status == 200
     assert pool.request("GET", "/metrics").status == 401
     assert pool.request("GET", "/metrics", headers=A).status == 200
+    r = pool.request("GET", "/metrics", headers=B)  # not an operator tenant
+    assert (r.status, json.loads(r.data)["error"]) == (403, "forbidden")
 
 
 # -- auth and tenants -----------------------------------------------------------------------

@@ -134,6 +134,8 @@ class ServerConfig:
     warm_capacity_bytes: int = 1 * GiB
     cold_capacity_bytes: int = 100 * GiB
     dedup_scope: str = "namespace"
+    metrics_tenants: tuple[str, ...] = ("default",)
+    """Tenants allowed to read `/metrics` (empty: nobody)."""
     limits: ServerLimits = field(default_factory=ServerLimits)
     store_threads: int = 32
     shutdown_timeout_s: float = 10.0
@@ -645,6 +647,13 @@ SETTINGS: tuple[Setting, ...] = (
         _choice("namespace", "global"),
         _D.dedup_scope,
         "share identical bytes within a namespace (default) or globally",
+    ),
+    Setting(
+        "metrics_tenants",
+        _parse_list,
+        _D.metrics_tenants,
+        "tenants allowed to read /metrics (store-wide totals), comma-separated; empty: nobody",
+        "TENANTS",
     ),
     *_limit_settings(),
     Setting(

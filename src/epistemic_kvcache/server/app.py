@@ -420,6 +420,7 @@ async def serve(
             limits=config.limits,
             metrics=Metrics(store),
             executor=executor,
+            metrics_tenants=frozenset(config.metrics_tenants),
         )
         backlog = max(128, min(config.limits.max_connections, 4096))
         http_server, http_addrs = await _listen(

@@ -146,6 +146,8 @@ class ServerContext:
     )
     open_connections: dict[str, int] = field(default_factory=dict)
     """Live connections per listener name ("http", "resp"), for the connection cap."""
+    metrics_tenants: frozenset[str] = frozenset({"default"})
+    """Tenants that may read `/metrics` (store-wide totals: operators only)."""
     epochs: EpochNotifier = field(default_factory=EpochNotifier)
     """Epoch bump notifications (RESP pub/sub channel `kvcache:epochs`)."""
     inflight_body_bytes: int = field(default=0, init=False)

@@ -450,6 +450,11 @@ class _HttpConnection(asyncio.BufferedProtocol):
                 return err, has_body
         if route is None:
             return _Err(404, "not_found", "no such route"), has_body
+        if route == ROUTE_METRICS and (
+            req.identity is None or req.identity.tenant not in self._ctx.metrics_tenants
+        ):
+            msg = "/metrics shows server-wide totals: only operator tenants may read it"
+            return _Err(403, "forbidden", msg), has_body
         allowed = ROUTE_METHODS[route]
         if req.method not in allowed:
             msg = f"{req.method} is not allowed on {route}"
