@@ -303,3 +303,92 @@ def test_metrics_tenants_setting() -> None:
     assert load_config({"metrics_tenants": ""}, {}).metrics_tenants == ()
     with pytest.raises(ConfigurationError, match="max_inflight_body_bytes"):
         load_config({"max_inflight_body_bytes": "64MiB"}, {})  # < max_block_bytes
+
+
+# -- 4. unauthenticated connections cannot hold connection slots ---------------------------
+
+
+@pytest.fixture(scope="module")
+def hasty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
+    """A server whose authentication deadline is 0.5 s."""
+    thread, handle = start(tmp_path_factory.mktemp("hasty"), auth_timeout_s="0.5", backend="memory")
+    yield handle
+    thread.stop()
+
+
+def _closed_within(s: socket.socket, seconds: float) -> float | None:
+    """Seconds until the peer closed `s` (reading and dropping input), None if it did not."""
+    started = time.monotonic()
+    s.settimeout(0.05)
+    while time.monotonic() - started < seconds:
+        try:
+            if s.recv(65536) == b"":
+                return time.monotonic() - started
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            return time.monotonic() - started
+    return None
+
+
+def test_http_connection_without_credentials_is_closed_at_the_deadline(
+    hasty: ServerHandle,
+) -> None:
+    silent = socket.create_connection((hasty.http.host, hasty.http.port))
+    healthz = socket.create_connection((hasty.http.host, hasty.http.port))
+    authed = socket.create_connection((hasty.http.host, hasty.http.port))
+    try:
+        healthz.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _read_head(healthz)[0] == 200  # /healthz works, but is no authentication
+        auth = f"Authorization: Bearer {TOKEN_A}\r\n".encode()
+        authed.sendall(b"GET /kv/stats HTTP/1.1\r\nHost: x\r\n" + auth + b"\r\n")
+        status, headers, rest = _read_head(authed)
+        assert status == 200
+        assert len(rest) == int(headers["content-length"])
+        assert _closed_within(silent, 3.0) is not None
+        assert _closed_within(healthz, 3.0) is not None
+        assert _closed_within(authed, 1.0) is None  # authenticated: the idle timeout applies
+        authed.sendall(b"GET /kv/stats HTTP/1.1\r\nHost: x\r\n" + auth + b"\r\n")
+        assert _read_head(authed)[0] == 200
+    finally:
+        for s in (silent, healthz, authed):
+            s.close()
+
+
+def test_resp_connection_that_only_pings_is_closed_at_the_deadline(hasty: ServerHandle) -> None:
+    assert hasty.resp is not None
+    pinger = socket.create_connection((hasty.resp.host, hasty.resp.port), timeout=5)
+    started = time.monotonic()
+    closed = False
+    try:
+        while time.monotonic() - started < 3.0:
+            try:
+                pinger.sendall(b"PING\r\n")
+                if pinger.recv(100) == b"":
+                    closed = True
+                    break
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+            time.sleep(0.05)
+    finally:
+        pinger.close()
+    assert closed
+    assert time.monotonic() - started < 2.0
+    r = resp_client(hasty, TOKEN_A)
+    try:
+        assert r.ping()
+        time.sleep(1.0)
+        assert r.set("still-here", b"v")  # authenticated: no deadline
+    finally:
+        r.close()
+    raw = socket.create_connection((hasty.resp.host, hasty.resp.port), timeout=5)
+    try:
+        raw.sendall(f"AUTH {TOKEN_A}\r\n".encode())
+        assert raw.recv(100) == b"+OK\r\n"
+        time.sleep(0.8)
+        raw.sendall(b"RESET\r\n")  # de-authenticates: the deadline starts again
+        assert raw.recv(100) == b"+RESET\r\n"
+        assert _closed_within(raw, 3.0) is not None
+    finally:
+        raw.close()

@@ -462,6 +462,7 @@ _LIMIT_HELP = {
     "max_headers": "HTTP header count per request",
     "request_timeout_s": "deadline to receive one whole request once it started",
     "idle_timeout_s": "idle keep-alive connections are closed after this long",
+    "auth_timeout_s": "connections not authenticated this long after opening are closed",
     "max_connections": "open connections per listener",
     "max_batch_keys": "keys per batch request",
     "max_batch_bytes": "total block bytes per batch request",

@@ -62,6 +62,10 @@ class ServerLimits:
     """Deadline to receive one whole request once its first byte arrived (slowloris)."""
     idle_timeout_s: float = 300.0
     """Keep-alive connections idle this long are closed."""
+    auth_timeout_s: float = 10.0
+    """A connection not authenticated this long after it opened is closed, so that
+    anonymous peers cannot hold every connection slot (HTTP: no request with valid
+    credentials yet; RESP: no successful AUTH/HELLO)."""
     max_connections: int = 1024
     """Open connections per listener; more are accepted and closed at once."""
     max_batch_keys: int = 1024

@@ -21,7 +21,9 @@ How it works
   write buffer has drained (`pause_writing` / `resume_writing`). Responses go out as
   separate buffers (`writelines([head, payload])`), never concatenated.
 - Timers: a request deadline from a request's first byte (slowloris -> 408 and close),
-  an idle keep-alive timeout, a stall timeout while the peer does not read our output.
+  an idle keep-alive timeout, a stall timeout while the peer does not read our output,
+  and an authentication deadline: a connection that has sent no request with valid
+  credentials `auth_timeout_s` after it opened is closed (`/healthz` alone does not count).
 """
 
 from __future__ import annotations
@@ -217,6 +219,7 @@ class _HttpConnection(asyncio.BufferedProtocol):
         self._idle: asyncio.TimerHandle | None = None
         self._stall: asyncio.TimerHandle | None = None
         self._linger: asyncio.TimerHandle | None = None
+        self._auth_timer: asyncio.TimerHandle | None = None
         self._lingering = False
         self._linger_bytes = 0
 
@@ -238,6 +241,7 @@ class _HttpConnection(asyncio.BufferedProtocol):
             self._ctx.metrics.observe_request(WIRE, ROUTE_OTHER, "503", 0.0)
             self._close_gracefully()
             return
+        self._auth_timer = self._loop.call_later(self._limits.auth_timeout_s, self._on_auth_timeout)
         self._arm_idle()
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -272,7 +276,7 @@ class _HttpConnection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
-        for handle in (self._deadline, self._idle, self._stall, self._linger):
+        for handle in (self._deadline, self._idle, self._stall, self._linger, self._auth_timer):
             if handle is not None:
                 handle.cancel()
         if self._counted:
@@ -448,6 +452,9 @@ class _HttpConnection(asyncio.BufferedProtocol):
             err = self._authenticate(req)
             if err is not None:
                 return err, has_body
+            if self._auth_timer is not None:
+                self._auth_timer.cancel()
+                self._auth_timer = None
         if route is None:
             return _Err(404, "not_found", "no such route"), has_body
         if route == ROUTE_METRICS and (
@@ -815,6 +822,14 @@ class _HttpConnection(asyncio.BufferedProtocol):
         idle = self._cur is None and self._task is None and not self._queue
         if idle and self._transport is not None:
             self._transport.close()
+
+    def _on_auth_timeout(self) -> None:
+        self._auth_timer = None
+        if self._closed or self._transport is None:
+            return
+        log.info("http: no authenticated request within %ss, closing", self._limits.auth_timeout_s)
+        self._stopped = True
+        self._transport.close()
 
     def _on_stall(self) -> None:
         self._stall = None

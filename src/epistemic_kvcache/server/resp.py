@@ -32,7 +32,8 @@ answered `-ERR server busy, retry`. The connection gives its reservations back w
 no command of it is running (what the parser still holds stays reserved), and all of
 them when it closes.
 
-Timeouts: a connection with no traffic for `idle_timeout_s` is closed; a command whose
+Timeouts: a connection not authenticated `auth_timeout_s` after it opened (or after
+RESET) is closed; a connection with no traffic for `idle_timeout_s` is closed; a command whose
 first byte arrived more than `request_timeout_s` ago and is still incomplete (slowloris)
 is cut off. Malformed input gets `-ERR Protocol error: ...` and the connection closes
 after the replies to the commands before it.
@@ -374,6 +375,7 @@ class RespConnection(asyncio.BufferedProtocol):
         self._partial_since: float | None = None
         self._seen_parsed = 0
         self._timer: asyncio.TimerHandle | None = None
+        self._auth_timer: asyncio.TimerHandle | None = None
         self._pending: deque[Command] = deque()
         """Framed commands a batch job left undone; they run before the parser's next."""
         self.channels: dict[bytes, None] = {}
@@ -397,6 +399,7 @@ class RespConnection(asyncio.BufferedProtocol):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._task = self._loop.create_task(self._serve())
         self._arm_timer(self._timeout_check_delay())
+        self.arm_auth_deadline()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._parser.get_buffer(sizehint)
@@ -454,6 +457,9 @@ class RespConnection(asyncio.BufferedProtocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._auth_timer is not None:
+            self._auth_timer.cancel()
+            self._auth_timer = None
         if self._task is not None and not self._task.done():
             self._task.cancel()
         self._can_write.set()
@@ -827,6 +833,21 @@ class RespConnection(asyncio.BufferedProtocol):
             self._partial_since = None  # the wait was ours, not the client's
             self._transport.resume_reading()
 
+    def arm_auth_deadline(self) -> None:
+        """Close the connection unless it authenticates within `auth_timeout_s`."""
+        if self._auth_timer is not None:
+            self._auth_timer.cancel()
+        self._auth_timer = self._loop.call_later(
+            self._ctx.limits.auth_timeout_s, self._on_auth_timeout
+        )
+
+    def _on_auth_timeout(self) -> None:
+        self._auth_timer = None
+        if self._closing or self.identity is not None:
+            return
+        log.info("RESP connection %d not authenticated in time, closing", self.client_id)
+        self._close(abort=True)
+
     def _timeout_check_delay(self) -> float:
         limits = self._ctx.limits
         return max(0.05, min(limits.idle_timeout_s, limits.request_timeout_s))
@@ -892,6 +913,9 @@ class RespConnection(asyncio.BufferedProtocol):
             return WRONGPASS
         self.identity = identity
         self._parser.authenticated = True
+        if self._auth_timer is not None:
+            self._auth_timer.cancel()
+            self._auth_timer = None
         self.sync_subscription()
         return None
 
@@ -1095,6 +1119,7 @@ async def _reset(c: RespConnection, cmd: Command) -> object:
     c.name = None
     c.identity = None
     c._parser.authenticated = False
+    c.arm_auth_deadline()
     return SimpleString("RESET")
 
 
