@@ -392,3 +392,76 @@ def test_resp_connection_that_only_pings_is_closed_at_the_deadline(hasty: Server
         assert _closed_within(raw, 3.0) is not None
     finally:
         raw.close()
+
+
+# -- 5. page-in graphs are parsed off the event loop, within caps ------------------------
+
+
+def _post(server: ServerHandle, path: str, body: bytes, token: str = TOKEN_A) -> Any:
+    with urllib3.PoolManager() as pm:
+        return pm.request(
+            "POST",
+            f"http://{server.http.host}:{server.http.port}{path}",
+            body=body,
+            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+            retries=False,
+            timeout=60,
+        )
+
+
+def _healthz_latency_while(server: ServerHandle, busy: threading.Thread) -> float:
+    """The slowest /healthz round trip (on its own connection) while `busy` runs."""
+    worst = 0.0
+    with urllib3.HTTPConnectionPool(server.http.host, server.http.port, maxsize=1) as pool:
+        pool.request("GET", "/healthz")
+        busy.start()
+        while busy.is_alive():
+            t0 = time.monotonic()
+            assert pool.request("GET", "/healthz").status == 200
+            worst = max(worst, time.monotonic() - t0)
+            time.sleep(0.005)
+    busy.join()
+    return worst
+
+
+def test_page_in_json_is_not_parsed_on_the_event_loop(server: ServerHandle) -> None:
+    body = b'{"node_keys": {}, "budget_bytes": 1, "edges": [' + b",".join([b"[]"] * 5_000_000)
+    body += b"]}"  # 15 MB of tiny JSON values: ~1 s of json.loads holding the GIL
+    answers: list[Any] = []
+    busy = threading.Thread(target=lambda: answers.append(_post(server, "/kv/page-in", body)))
+    worst = _healthz_latency_while(server, busy)
+    assert worst < 0.3, f"/healthz waited {worst:.2f}s behind a page-in body"
+    (r,) = answers
+    assert r.status == 400
+    assert "graph too large" in json.loads(r.data)["message"]
+
+
+def test_page_in_caps_edges_nodes_and_body(server: ServerHandle) -> None:
+    edges = [[f"n{i % 1000}", f"n{(i + 1) % 1000}"] for i in range(200_001)]
+    doc: dict[str, Any] = {"edges": edges, "node_keys": {}, "budget_bytes": 1}
+    r = _post(server, "/kv/page-in", json.dumps(doc).encode())
+    assert r.status == 400
+    assert "too many edges" in json.loads(r.data)["message"]
+    ring = [[f"n{i}", f"n{i + 1}"] for i in range(150_000)]  # 150,001 nodes in 150k edges
+    extra = {f"m{i}": [] for i in range(60_000)}  # and 60,000 more in node_keys
+    doc = {"edges": ring, "node_keys": extra, "budget_bytes": 1}
+    r = _post(server, "/kv/page-in", json.dumps(doc).encode())
+    assert r.status == 400
+    assert "too many nodes" in json.loads(r.data)["message"]
+    # Over 16 MiB: refused from the head, before the body is read.
+    s = socket.create_connection((server.http.host, server.http.port), timeout=10)
+    try:
+        s.sendall(
+            f"POST /kv/page-in HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN_A}\r\n"
+            f"Content-Length: {16 * MiB + 1}\r\n\r\n".encode()
+        )
+        status, headers, rest = _read_head(s)
+    finally:
+        s.close()
+    assert status == 413
+    assert json.loads(rest[: int(headers["content-length"])])["error"] == "body_too_large"
+    # A graph within the caps still works.
+    small = {"edges": [["a", "b"], ["b", "c", 2.0]], "node_keys": {"c": ["k"]}, "budget_bytes": 9}
+    r = _post(server, "/kv/page-in", json.dumps(small).encode())
+    assert r.status == 200, r.data
+    assert [n for n, _ in json.loads(r.data)["ranking"]][0] == "c"

@@ -4,11 +4,14 @@ Snapshots, branches, epochs, graph-aware paging and key listing, plus `PUT /kv/<
 with an `X-Kv-Epoch-Scope` header. `server/http.py` owns the connection, parsing,
 authentication and admission; once a request routed here is complete it hands over an
 `EngineRequest` and sends back the `EngineResponse`. Every store call runs on the
-store's thread pool (`ServerContext.run`); everything is scoped to the caller's verified
-namespace. `NotFoundError` (no such snapshot/branch) becomes `404 not_found`, a malformed
-request `400 bad_request`; other store errors propagate to http.py's mapping. Epoch
-bumps are published through `ServerContext.notify_epoch` (RESP pub/sub), and scopes read
-or written here are watched (`watch_epoch`) for bumps made by other processes.
+store's thread pool (`ServerContext.run`), and so does parsing and validating a JSON
+body (the event loop never parses megabytes); a page-in graph is bounded in bytes, JSON
+values, edges, nodes and keys before any ranking work starts. Everything is scoped to
+the caller's verified namespace. `NotFoundError` (no such snapshot/branch) becomes
+`404 not_found`, a malformed request `400 bad_request`; other store errors propagate to
+http.py's mapping. Epoch bumps are published through `ServerContext.notify_epoch` (RESP
+pub/sub), and scopes read or written here are watched (`watch_epoch`) for bumps made by
+other processes.
 """
 
 from __future__ import annotations
@@ -50,7 +53,18 @@ from epistemic_kvcache.store.api import Buffer, PutOutcome, PutResult, SharedKvB
 EPOCH_SCOPE_HEADER = b"x-kv-epoch-scope"
 """`PUT /kv/<key>` with this header tags the entry with the scope's current epoch."""
 MAX_ENGINE_JSON_BYTES = 64 * 1024 * 1024
-"""JSON bodies (snapshot key lists, page-in graphs): ~1M edges of short node names."""
+"""Snapshot key lists: 64 MiB holds ~1M keys of LMCache's ~60 bytes."""
+MAX_PAGE_IN_JSON_BYTES = 16 * 1024 * 1024
+"""A page-in graph: 200,000 edges of 30-byte node names take ~14 MiB."""
+MAX_PAGE_IN_EDGES = 200_000
+MAX_PAGE_IN_NODES = 200_000
+"""Distinct nodes, in `node_keys` and in `edges` together."""
+MAX_PAGE_IN_KEYS = 400_000
+"""Keys in `node_keys`, all nodes together."""
+_MAX_PAGE_IN_VALUES = 4 * MAX_PAGE_IN_EDGES + 2 * MAX_PAGE_IN_NODES + MAX_PAGE_IN_KEYS + 64
+"""Upper bound of the JSON values (counted as `,` `[` `{`) a page-in body within the
+caps above can hold; checked before parsing, which bounds the parser's work (json holds
+the GIL while it runs: ~0.2 s for this many values at worst)."""
 MAX_LIST_KEYS = 10_000
 """Largest `limit` of `GET /kv/keys`."""
 DEFAULT_LIST_KEYS = 1000
@@ -107,7 +121,9 @@ def body_limit(route: str, method: str, max_block_bytes: int) -> tuple[int, str 
     A code of None means the route takes no body (what arrives is discarded)."""
     if route == ROUTE_BRANCH_KEY and method == "PUT":
         return max_block_bytes, "block_too_large"
-    if route in (ROUTE_SNAPSHOTS, ROUTE_PAGE_IN) and method == "POST":
+    if route == ROUTE_PAGE_IN and method == "POST":
+        return MAX_PAGE_IN_JSON_BYTES, "body_too_large"
+    if route == ROUTE_SNAPSHOTS and method == "POST":
         return MAX_ENGINE_JSON_BYTES, "body_too_large"
     if route in ENGINE_ROUTES:
         return max_block_bytes, None
@@ -323,7 +339,19 @@ async def _branch_key(ctx: ServerContext, req: EngineRequest, branch_id: str) ->
 
 
 async def _snapshot_create(ctx: ServerContext, req: EngineRequest) -> EngineResponse:
-    doc = _load_json(req.body, empty_ok=True)
+    keys, prefix, ttl = await ctx.run(_parse_snapshot_create, req.body)
+    create = functools.partial(
+        ctx.store.snapshot_create, req.ns, keys=keys, prefix=prefix, ttl_s=ttl
+    )
+    info = await ctx.run(create)
+    return _json(201, info.to_dict())
+
+
+def _parse_snapshot_create(
+    body: bytearray | None,
+) -> tuple[list[str] | None, str | None, float | None]:
+    """Parse and check a snapshot request (blocking: runs on the pool)."""
+    doc = _load_json(body, empty_ok=True)
     _check_fields(doc, {"keys", "prefix", "ttl_s"})
     keys_doc, prefix, ttl = doc.get("keys"), doc.get("prefix"), doc.get("ttl_s")
     if keys_doc is not None and prefix is not None:
@@ -339,19 +367,39 @@ async def _snapshot_create(ctx: ServerContext, req: EngineRequest) -> EngineResp
         isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl < math.inf
     ):
         raise _bad("'ttl_s' must be a positive number of seconds (or null)")
-    create = functools.partial(
-        ctx.store.snapshot_create,
-        req.ns,
-        keys=keys,
-        prefix=prefix,
-        ttl_s=float(ttl) if ttl is not None else None,
-    )
-    info = await ctx.run(create)
-    return _json(201, info.to_dict())
+    return keys, prefix, float(ttl) if ttl is not None else None
+
+
+_PageIn = tuple[
+    list[tuple[Hashable, Hashable] | tuple[Hashable, Hashable, float]],
+    dict[Hashable, list[str]],
+    int,
+    float,
+]
 
 
 async def _page_in(ctx: ServerContext, req: EngineRequest) -> EngineResponse:
-    doc = _load_json(req.body, empty_ok=False)
+    edges, node_keys, budget, damping = await ctx.run(_parse_page_in, req.body)
+    run = functools.partial(
+        page_in_ranked, ctx.store, req.ns, edges, node_keys, budget, damping=damping
+    )
+    try:
+        result = await ctx.run(run)
+    except PageRankConvergenceError as exc:
+        raise _bad(str(exc)) from exc
+    return _json(200, result.to_dict())
+
+
+def _parse_page_in(body: bytearray | None) -> _PageIn:
+    """Parse and check a page-in request within the caps (blocking: runs on the pool)."""
+    if body:
+        values = body.count(b",") + body.count(b"[") + body.count(b"{")
+        if values > _MAX_PAGE_IN_VALUES:
+            raise _bad(
+                f"graph too large: at most {MAX_PAGE_IN_EDGES} edges, {MAX_PAGE_IN_NODES} "
+                f"nodes and {MAX_PAGE_IN_KEYS} keys"
+            )
+    doc = _load_json(body, empty_ok=False)
     _check_fields(doc, {"edges", "node_keys", "budget_bytes", "damping"})
     edges_doc, node_keys_doc = doc.get("edges", []), doc.get("node_keys")
     budget, damping = doc.get("budget_bytes"), doc.get("damping", 0.85)
@@ -363,13 +411,22 @@ async def _page_in(ctx: ServerContext, req: EngineRequest) -> EngineResponse:
         raise _bad("'damping' must be in [0, 0.99]")
     if not isinstance(node_keys_doc, dict):
         raise _bad("'node_keys' must be an object {node: [key, ...]}")
+    if not isinstance(edges_doc, list):
+        raise _bad("'edges' must be a list of [src, dst] or [src, dst, weight]")
+    if len(edges_doc) > MAX_PAGE_IN_EDGES:
+        raise _bad(f"too many edges: {len(edges_doc)} (at most {MAX_PAGE_IN_EDGES})")
+    if len(node_keys_doc) > MAX_PAGE_IN_NODES:
+        raise _bad(f"too many nodes: {len(node_keys_doc)} (at most {MAX_PAGE_IN_NODES})")
     node_keys: dict[Hashable, list[str]] = {}
+    total_keys = 0
     for node, keys in node_keys_doc.items():
         if not isinstance(keys, list):
             raise _bad(f"node_keys[{node!r}] must be a list of keys")
+        total_keys += len(keys)
+        if total_keys > MAX_PAGE_IN_KEYS:
+            raise _bad(f"too many keys in node_keys (at most {MAX_PAGE_IN_KEYS})")
         node_keys[node] = [_key(k, f"node_keys[{node!r}][{i}]") for i, k in enumerate(keys)]
-    if not isinstance(edges_doc, list):
-        raise _bad("'edges' must be a list of [src, dst] or [src, dst, weight]")
+    nodes: set[str] = set(node_keys_doc)
     edges: list[tuple[Hashable, Hashable] | tuple[Hashable, Hashable, float]] = []
     for i, e in enumerate(edges_doc):
         if (
@@ -379,6 +436,10 @@ async def _page_in(ctx: ServerContext, req: EngineRequest) -> EngineResponse:
             or not isinstance(e[1], str)
         ):
             raise _bad(f"edges[{i}] must be [src, dst] or [src, dst, weight] with string nodes")
+        nodes.add(e[0])
+        nodes.add(e[1])
+        if len(nodes) > MAX_PAGE_IN_NODES:
+            raise _bad(f"too many nodes (at most {MAX_PAGE_IN_NODES}, edges included)")
         if len(e) == 3:
             w = e[2]
             if isinstance(w, bool) or not isinstance(w, int | float) or not 0 < w < math.inf:
@@ -386,14 +447,7 @@ async def _page_in(ctx: ServerContext, req: EngineRequest) -> EngineResponse:
             edges.append((e[0], e[1], float(w)))
         else:
             edges.append((e[0], e[1]))
-    run = functools.partial(
-        page_in_ranked, ctx.store, req.ns, edges, node_keys, budget, damping=float(damping)
-    )
-    try:
-        result = await ctx.run(run)
-    except PageRankConvergenceError as exc:
-        raise _bad(str(exc)) from exc
-    return _json(200, result.to_dict())
+    return edges, node_keys, budget, float(damping)
 
 
 async def _list_keys(ctx: ServerContext, req: EngineRequest) -> EngineResponse:
