@@ -77,7 +77,7 @@ class FaultyIndex(SharedKvIndex):
     def put(self, ns: str, key: str, data: Buffer) -> PutResult:
         for prefix, exc in self.FAULTS.items():
             if key.startswith(prefix):
-                raise exc(f"injected {prefix}")
+                raise exc(f"injected {prefix} under /srv/kv-secret-dir")
         return super().put(ns, key, data)
 
 
@@ -650,10 +650,18 @@ def test_expect_100_continue(srv: Server) -> None:
         ("fault-closed", 503, "unavailable"),
     ],
 )
-def test_store_errors_map_to_statuses(srv: Server, key: str, status: int, code: str) -> None:
+def test_store_errors_map_to_statuses(
+    srv: Server, key: str, status: int, code: str, caplog: pytest.LogCaptureFixture
+) -> None:
     r = srv.pool().request("PUT", f"/kv/{key}", body=b"data", headers=A)
     assert r.status == status
     assert json.loads(r.data)["error"] == code
+    if key in ("fault-diskfull", "fault-io"):
+        # Disk failures name server paths: the client gets generic text, the log the detail.
+        assert b"/srv/kv-secret-dir" not in r.data
+        generic = "disk full" if key == "fault-diskfull" else "storage I/O error"
+        assert generic in json.loads(r.data)["message"]
+        assert any("/srv/kv-secret-dir" in rec.getMessage() for rec in caplog.records)
     # The connection and the server stay usable.
     assert srv.pool().request("GET", "/healthz").status == 200
 

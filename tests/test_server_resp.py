@@ -20,12 +20,13 @@ import uvloop
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from epistemic_kvcache.errors import AuthError
+from epistemic_kvcache.errors import AuthError, DiskFullError, StorageIOError
 from epistemic_kvcache.proto.glob import Glob
 from epistemic_kvcache.server.context import Identity, ServerContext, ServerLimits
 from epistemic_kvcache.server.metrics import Metrics
 from epistemic_kvcache.server.resp import RespConnection, make_resp_factory
 from epistemic_kvcache.store import PutResult, SharedKvIndex
+from epistemic_kvcache.store.api import Buffer
 
 TOKEN_A = "token-alpha"
 TOKEN_B = "token-bravo"
@@ -779,6 +780,37 @@ def test_glob_semantics() -> None:
     ]
     for pattern, key, expected in cases:
         assert Glob(pattern).match(key) is expected, (pattern, key)
+
+
+class FailingDiskStore(SharedKvIndex):
+    """PUTs of keys starting `full` / `eio` fail like a broken disk (messages with paths)."""
+
+    def put(self, ns: str, key: str, data: Buffer) -> PutResult:
+        if key.startswith("full"):
+            raise DiskFullError("disk full under /srv/kv-secret-dir: nothing was stored")
+        if key.startswith("eio"):
+            raise StorageIOError("write to /srv/kv-secret-dir failed: [Errno 5] EIO")
+        return super().put(ns, key, data)
+
+
+def test_disk_errors_reach_clients_without_server_paths(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    srv = ServerThread(store=FailingDiskStore())
+    r = srv.client()
+    try:
+        with pytest.raises(redis.ResponseError) as full:
+            r.set("full-1", b"v")
+        assert str(full.value) == "disk full, nothing was stored"
+        with pytest.raises(redis.ResponseError) as eio:
+            r.set("eio-1", b"v" * 100_000)  # through the thread pool, not the fast path
+        assert str(eio.value) == "storage I/O error, nothing was stored"
+        assert r.set("fine", b"v")
+        logged = [rec.getMessage() for rec in caplog.records]
+        assert any("/srv/kv-secret-dir" in m and "EIO" in m for m in logged), logged
+    finally:
+        r.close()
+        srv.close()
 
 
 class GatedStore(SharedKvIndex):

@@ -176,18 +176,24 @@ def _error(err: _Err) -> _Response:
 
 
 def _store_error(exc: StoreError) -> _Err:
-    """Map a store failure to the status and code of docs/http-api.md."""
+    """Map a store failure to the status and code of docs/http-api.md.
+
+    Disk and internal failures get generic text (their messages name server paths and
+    OS errors); the detail is logged."""
     if isinstance(exc, InvalidKeyError):
         return _Err(400, "bad_key", str(exc))
     if isinstance(exc, BlockTooLargeError):
         return _Err(413, "block_too_large", str(exc))
-    if isinstance(exc, CapacityError | DiskFullError):
+    if isinstance(exc, CapacityError):
         return _Err(507, "insufficient_storage", f"no room to store the block: {exc}")
-    if isinstance(exc, StorageIOError):
-        return _Err(503, "storage_io_error", f"storage I/O error, nothing was stored: {exc}")
     if isinstance(exc, StoreClosedError):
         return _Err(503, "unavailable", "the store is closed")
-    return _Err(500, "internal", f"store error: {exc}")
+    log.error("http: store failure: %s", exc)
+    if isinstance(exc, DiskFullError):
+        return _Err(507, "insufficient_storage", "no room to store the block: disk full")
+    if isinstance(exc, StorageIOError):
+        return _Err(503, "storage_io_error", "storage I/O error, nothing was stored")
+    return _Err(500, "internal", "internal store error")
 
 
 _STATUS_CODES = {400: "bad_request", 413: "batch_too_large", 411: "length_required"}

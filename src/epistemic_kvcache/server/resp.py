@@ -63,6 +63,7 @@ from epistemic_kvcache.errors import (
     DiskFullError,
     InvalidKeyError,
     RemoteProtocolError,
+    StorageIOError,
     StoreError,
 )
 from epistemic_kvcache.proto.glob import Glob
@@ -129,6 +130,8 @@ NOT_AN_INTEGER: Final = ErrorReply("ERR value is not an integer or out of range"
 SYNTAX_ERROR: Final = ErrorReply("ERR syntax error")
 INTERNAL_ERROR: Final = ErrorReply("ERR internal error")
 BUSY: Final = ErrorReply("ERR server busy, retry")
+DISK_FULL: Final = ErrorReply("ERR disk full, nothing was stored")
+STORAGE_IO_ERROR: Final = ErrorReply("ERR storage I/O error, nothing was stored")
 _HELLO_NOAUTH: Final = ErrorReply(
     "NOAUTH HELLO must be called with the client already authenticated, otherwise the "
     "HELLO <proto> AUTH <user> <pass> option can be used to authenticate the client and "
@@ -892,15 +895,20 @@ class RespConnection(asyncio.BufferedProtocol):
 
     @staticmethod
     def _store_error_reply(exc: StoreError, what: str) -> ErrorReply:
-        """The RESP error for a store failure (unexpected ones are logged)."""
+        """The RESP error for a store failure. Disk and internal failures get generic
+        text (their messages name server paths and OS errors); the detail is logged."""
         if isinstance(exc, InvalidKeyError):
             return ErrorReply(f"ERR {_text(str(exc).encode(), 400)}")
         if isinstance(exc, BlockTooLargeError):
             return ErrorReply(f"ERR block too large: {exc}")
-        if isinstance(exc, DiskFullError):
-            return ErrorReply(f"ERR disk full: {exc}")
         if isinstance(exc, CapacityError):
             return ErrorReply(f"ERR no room in the cache: {exc}")
+        if isinstance(exc, DiskFullError):
+            log.error("store call %s failed: %s", what, exc)
+            return DISK_FULL
+        if isinstance(exc, StorageIOError):
+            log.error("store call %s failed: %s", what, exc)
+            return STORAGE_IO_ERROR
         log.error("store call %s failed", what, exc_info=exc)
         return INTERNAL_ERROR
 
