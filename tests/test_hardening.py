@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 import redis
@@ -464,4 +465,27 @@ def test_page_in_caps_edges_nodes_and_body(server: ServerHandle) -> None:
     small = {"edges": [["a", "b"], ["b", "c", 2.0]], "node_keys": {"c": ["k"]}, "budget_bytes": 9}
     r = _post(server, "/kv/page-in", json.dumps(small).encode())
     assert r.status == 200, r.data
-    assert [n for n, _ in json.loads(r.data)["ranking"]][0] == "c"
+    assert json.loads(r.data)["ranking"][0][0] == "c"
+
+
+# -- 7. the routes and the store agree on epoch scope lengths ------------------------------
+
+
+def test_epoch_scope_limit_is_the_stores(server: ServerHandle) -> None:
+    from epistemic_kvcache.store.engine import MAX_SCOPE_BYTES
+
+    url = f"http://{server.http.host}:{server.http.port}"
+    auth = {"Authorization": f"Bearer {TOKEN_A}"}
+    longest = "é" * (MAX_SCOPE_BYTES // 2)  # exactly MAX_SCOPE_BYTES bytes of UTF-8
+    with urllib3.PoolManager() as pm:
+        for scope, ok in ((longest, True), (longest + "s", False), ("s" * 600, False)):
+            r = pm.request("POST", f"{url}/kv/epoch/{quote(scope, safe='')}/bump", headers=auth)
+            assert (r.status == 200) is ok, (len(scope.encode()), r.data)
+            if not ok:
+                doc = json.loads(r.data)
+                assert doc["error"] == "bad_request"
+                assert f"1..{MAX_SCOPE_BYTES} bytes" in doc["message"]
+        for n, status in ((MAX_SCOPE_BYTES, 201), (MAX_SCOPE_BYTES + 1, 400)):
+            headers = {**auth, "X-Kv-Epoch-Scope": "x" * n}
+            r = pm.request("PUT", f"{url}/kv/scoped-{n}", body=b"v", headers=headers)
+            assert r.status == status, r.data

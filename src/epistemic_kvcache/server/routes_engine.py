@@ -49,6 +49,7 @@ from epistemic_kvcache.proto.http import (
 )
 from epistemic_kvcache.server.context import ServerContext
 from epistemic_kvcache.store.api import Buffer, PutOutcome, PutResult, SharedKvBackend, validate_key
+from epistemic_kvcache.store.engine import MAX_SCOPE_BYTES
 
 EPOCH_SCOPE_HEADER = b"x-kv-epoch-scope"
 """`PUT /kv/<key>` with this header tags the entry with the scope's current epoch."""
@@ -68,7 +69,6 @@ the GIL while it runs: ~0.2 s for this many values at worst)."""
 MAX_LIST_KEYS = 10_000
 """Largest `limit` of `GET /kv/keys`."""
 DEFAULT_LIST_KEYS = 1000
-MAX_SCOPE_BYTES = 1024
 
 _OUTCOME_WORD = {
     PutOutcome.NEW: "created",
