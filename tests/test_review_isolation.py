@@ -20,7 +20,12 @@ import urllib3
 from epistemic_kvcache.config import load_config
 from epistemic_kvcache.proto.http import quote_key
 from epistemic_kvcache.server.app import ServerHandle, ServerThread
-from epistemic_kvcache.store.durable import SharedKvStoreBackend, _key_row, _split_key_row
+from epistemic_kvcache.store.durable import (
+    SharedKvStoreBackend,
+    _key_row,
+    _longkey,
+    _split_key_row,
+)
 from epistemic_kvcache.store.engine import branch_ns, snapshot_ns
 
 TOKEN_A = "review-token-tenant-a-0123456789"
@@ -165,11 +170,13 @@ def test_key_rows_with_nul_round_trip_and_never_collide() -> None:
             ("t", "\x00b\x00abck"),
             ("t\x00b\x00abc", "k"),
             ("t\x00s\x00abc", "k\x00"),
+            ("t", "L" * 1024),  # a hashed row: the key travels in the row value
+            ("t\x00s\x00abc", "L" * 1024),
         ]
     }
-    assert len(rows) == 5
+    assert len(rows) == 7
     for row, pair in rows.items():
-        assert _split_key_row(row) == pair
+        assert _split_key_row(row, _longkey(*pair)) == pair
 
 
 def test_durable_nul_keys_stay_apart_across_reopen(tmp_path: Path) -> None:
