@@ -518,3 +518,21 @@ def test_mutual_tls(tls_files: dict[str, str], tmp_path: Path) -> None:
             assert c.counters().transport_errors >= 1
     finally:
         srv.stop()
+
+
+def test_batch_gets_into_buffers_split_by_bytes() -> None:
+    from epistemic_kvcache.client.backend import (
+        MAX_BATCH_KEYS,
+        MAX_BATCH_PUT_BYTES,
+        _byte_bounded_chunks,
+    )
+
+    mib32 = 32 << 20
+    sizes = [mib32] * 20  # 640 MiB of buffers: more than one 256 MiB batch
+    ranges = _byte_bounded_chunks(sizes)
+    assert ranges[0] == (0, MAX_BATCH_PUT_BYTES // mib32)
+    assert all(sum(sizes[a:b]) <= MAX_BATCH_PUT_BYTES for a, b in ranges)
+    assert [i for a, b in ranges for i in range(a, b)] == list(range(20))
+    assert _byte_bounded_chunks([MAX_BATCH_PUT_BYTES + 1, 1]) == [(0, 1), (1, 2)]
+    assert len(_byte_bounded_chunks([1] * (MAX_BATCH_KEYS + 1))) == 2
+    assert _byte_bounded_chunks([]) == []

@@ -57,7 +57,8 @@ BATCH_CONTENT_TYPE = "application/x-kvcache-batch"
 MAX_BATCH_KEYS = 1024
 """Server default `max_batch_keys`; larger batches are split."""
 MAX_BATCH_PUT_BYTES = 256 * 1024 * 1024
-"""Split batch PUT bodies at this size (server default `max_batch_bytes` is 1 GiB)."""
+"""Split batch PUT bodies, and batch GETs into caller buffers, at this many block bytes
+(the server's default `max_batch_bytes`; a larger batch is refused with 413)."""
 RESERVED_SEGMENTS = frozenset({"stats", "batch", "snapshot", "branch", "epoch", "page-in", "keys"})
 """`/kv/<segment>` route names; such keys are sent through the batch routes."""
 _SKIP_CHUNK = 1024 * 1024
@@ -89,6 +90,21 @@ def _fields_of(doc: object, names: Sequence[str], what: str) -> dict[str, Any]:
 
 _SNAPSHOT_FIELDS = tuple(f.name for f in fields(SnapshotInfo))
 _BRANCH_FIELDS = tuple(f.name for f in fields(BranchInfo))
+
+
+def _byte_bounded_chunks(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """[start, stop) ranges of at most `MAX_BATCH_KEYS` items and `MAX_BATCH_PUT_BYTES`
+    bytes each (a single larger item gets a range of its own)."""
+    ranges: list[tuple[int, int]] = []
+    start, total = 0, 0
+    for i, n in enumerate(sizes):
+        if i > start and (i - start >= MAX_BATCH_KEYS or total + n > MAX_BATCH_PUT_BYTES):
+            ranges.append((start, i))
+            start, total = i, 0
+        total += n
+    if start < len(sizes):
+        ranges.append((start, len(sizes)))
+    return ranges
 
 
 def _as_byte_view(buffer: Any) -> memoryview:
@@ -579,9 +595,8 @@ class EpistemicGraphKVBackend:
             validate_key(k)
         views = [_as_byte_view(b) for b in buffers]
         out: list[int | None] = []
-        for start in range(0, len(keys), MAX_BATCH_KEYS):
-            chunk = list(keys[start : start + MAX_BATCH_KEYS])
-            res = self._batch_get(chunk, views[start : start + MAX_BATCH_KEYS], exact=exact)
+        for start, stop in _byte_bounded_chunks([v.nbytes for v in views]):
+            res = self._batch_get(list(keys[start:stop]), views[start:stop], exact=exact)
             out.extend(r if isinstance(r, int) or r is None else None for r in res)
         return out
 
