@@ -46,9 +46,10 @@ from collections.abc import Callable
 from typing import Final, Literal
 
 from epistemic_kvcache.errors import LocalProtocolError, RemoteProtocolError
+from epistemic_kvcache.proto.buffers import alloc_block
 
 Buffer = bytes | bytearray | memoryview
-Arg = bytes | bytearray
+Arg = bytes | bytearray | memoryview
 Command = list[Arg]
 ReserveFn = Callable[[int], bool]
 """Asked before a large bulk is allocated: may the parser hold this many more bytes?"""
@@ -274,7 +275,7 @@ class RespParser:
         self._args_left = 0
         self._bulk_len = 0
         self._args_held = 0
-        self._big = bytearray()
+        self._big: bytearray | memoryview = bytearray()
         self._big_filled = 0
         self._refused = False
         self._skip = 0
@@ -517,7 +518,7 @@ class RespParser:
                     self._skip = length
                     self._state = _State.SKIP_BODY
                 else:
-                    self._big = bytearray(length)
+                    self._big = alloc_block(length)
                     self._big_filled = 0
                     self.held_bytes += length
                     self._state = _State.BIG_BODY

@@ -52,6 +52,7 @@ from epistemic_kvcache.errors import (
     StoreClosedError,
     StoreError,
 )
+from epistemic_kvcache.proto.buffers import alloc_block
 from epistemic_kvcache.proto.http import (
     BATCH_CONTENT_TYPE,
     JSON_CONTENT_TYPE,
@@ -146,7 +147,7 @@ class _Request:
     key: str | None = None
     identity: Identity | None = None
     content_length: int = 0
-    body: bytearray | None = None
+    body: bytearray | memoryview | None = None
     reserved: int = 0
     """Bytes of the in-flight body budget this request holds (see `_release`)."""
     received: int = 0
@@ -492,7 +493,13 @@ class _HttpConnection(asyncio.BufferedProtocol):
                 msg = "server busy: too many request bodies in flight, retry later"
                 return _Err(503, "overloaded", msg, (("Retry-After", "1"),)), has_body
             req.reserved = req.content_length
-            req.body = bytearray(req.content_length)
+            # a single-key PUT hands its buffer to the store (mmap-backed when large);
+            # other bodies are parsed, so they stay plain bytearrays
+            req.body = (
+                alloc_block(req.content_length)
+                if route == ROUTE_KEY and req.method == "PUT"
+                else bytearray(req.content_length)
+            )
         return None, has_body
 
     def _body_limit(self, route: str, method: str) -> tuple[int, str | None]:

@@ -89,7 +89,8 @@ class EngineRequest:
     key: str | None
     """The decoded `{key}` segment, for routes that have one."""
     headers: Mapping[bytes, bytes]
-    body: bytearray | None
+    body: bytearray | memoryview | None
+    """The request body: a memoryview over an mmap for a large single-key PUT."""
 
 
 @dataclass(slots=True)
@@ -160,7 +161,7 @@ def _bad(message: str) -> _Refusal:
     return _Refusal(400, "bad_request", message)
 
 
-def _load_json(body: bytearray | None, *, empty_ok: bool) -> dict[str, Any]:
+def _load_json(body: bytearray | memoryview | None, *, empty_ok: bool) -> dict[str, Any]:
     if not body:
         if empty_ok:
             return {}
@@ -348,7 +349,7 @@ async def _snapshot_create(ctx: ServerContext, req: EngineRequest) -> EngineResp
 
 
 def _parse_snapshot_create(
-    body: bytearray | None,
+    body: bytearray | memoryview | None,
 ) -> tuple[list[str] | None, str | None, float | None]:
     """Parse and check a snapshot request (blocking: runs on the pool)."""
     doc = _load_json(body, empty_ok=True)
@@ -390,10 +391,11 @@ async def _page_in(ctx: ServerContext, req: EngineRequest) -> EngineResponse:
     return _json(200, result.to_dict())
 
 
-def _parse_page_in(body: bytearray | None) -> _PageIn:
+def _parse_page_in(body: bytearray | memoryview | None) -> _PageIn:
     """Parse and check a page-in request within the caps (blocking: runs on the pool)."""
     if body:
-        values = body.count(b",") + body.count(b"[") + body.count(b"{")
+        raw = body if isinstance(body, bytearray) else bytes(body)
+        values = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
         if values > _MAX_PAGE_IN_VALUES:
             raise _bad(
                 f"graph too large: at most {MAX_PAGE_IN_EDGES} edges, {MAX_PAGE_IN_NODES} "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import mmap
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -24,6 +25,19 @@ from typing import Any
 from epistemic_kvcache.errors import InvalidKeyError
 
 Buffer = bytes | bytearray | memoryview
+
+
+def owned_buffer(data: Buffer) -> Buffer:
+    """What the store may keep of a caller's block without the caller changing it later.
+
+    `bytes` are immutable; a `bytearray`, or a memoryview over an `mmap` (the wires'
+    receive buffers, `proto.buffers.alloc_block`), is handed over by the caller and never
+    touched again. Any other memoryview may be reused by its owner, so it is copied.
+    """
+    if isinstance(data, memoryview) and not isinstance(data.obj, mmap.mmap):
+        return bytes(data)
+    return data
+
 
 MAX_KEY_BYTES = 1024
 MAX_NAMESPACE_BYTES = 256

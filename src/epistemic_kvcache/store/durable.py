@@ -81,6 +81,7 @@ from epistemic_kvcache.store.api import (
     ConsistencyReport,
     PutOutcome,
     PutResult,
+    owned_buffer,
     validate_namespace,
 )
 from epistemic_kvcache.store.codec import WarmCodec
@@ -504,8 +505,7 @@ class SharedKvStoreBackend(TieredEngine):
         self, ns: str, scope_raw: bytes, key: str, data: Buffer, tag: tuple[str, int] | None
     ) -> PutResult | concurrent.futures.Future[PutResult]:
         """Hash, answer a repeated PUT at once, else queue it for the committer."""
-        if isinstance(data, memoryview):
-            data = bytes(data)  # the hot tier keeps it; the caller may reuse its buffer
+        data = owned_buffer(data)  # the hot tier keeps it
         digest = digest_of(data)
         sdig = self._scoped(scope_raw, digest)
         ref = (ns, key)
@@ -536,8 +536,7 @@ class SharedKvStoreBackend(TieredEngine):
             self._check_size(data)
         self._check_open()
         for key, data in items:  # hash everything first: then the committer sees them all
-            if isinstance(data, memoryview):
-                data = bytes(data)  # noqa: PLW2901 (the hot tier keeps it)
+            data = owned_buffer(data)  # noqa: PLW2901 (the hot tier keeps it)
             digest = digest_of(data)
             ops.append(
                 _Op("put", ns, key, sdig=self._scoped(ns_raw, digest), digest=digest, data=data)

@@ -59,6 +59,7 @@ from epistemic_kvcache.store.api import (
     SnapshotInfo,
     StoreStats,
     TierStats,
+    owned_buffer,
     validate_key,
     validate_namespace,
 )
@@ -1267,8 +1268,7 @@ class SharedKvIndex(TieredEngine):
     def _put_into(
         self, ns: str, scope_raw: bytes, key: str, data: Buffer, tag: tuple[str, int] | None
     ) -> PutResult:
-        if isinstance(data, memoryview):
-            data = bytes(data)  # the caller may reuse its buffer; bytes/bytearray are kept
+        data = owned_buffer(data)  # the hot tier keeps it
         digest = digest_of(data)
         sdig = self._scoped(scope_raw, digest)
         with self._lock:
