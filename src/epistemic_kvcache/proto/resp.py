@@ -45,8 +45,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Final, Literal
 
+from epistemic_kvcache.buffers import alloc_block
 from epistemic_kvcache.errors import LocalProtocolError, RemoteProtocolError
-from epistemic_kvcache.proto.buffers import alloc_block
 
 Buffer = bytes | bytearray | memoryview
 Arg = bytes | bytearray | memoryview

@@ -40,6 +40,7 @@ from typing import Any, cast
 
 import httptools
 
+from epistemic_kvcache.buffers import alloc_block
 from epistemic_kvcache.errors import (
     AuthError,
     BlockTooLargeError,
@@ -52,7 +53,6 @@ from epistemic_kvcache.errors import (
     StoreClosedError,
     StoreError,
 )
-from epistemic_kvcache.proto.buffers import alloc_block
 from epistemic_kvcache.proto.http import (
     BATCH_CONTENT_TYPE,
     JSON_CONTENT_TYPE,

@@ -31,7 +31,7 @@ def owned_buffer(data: Buffer) -> Buffer:
     """What the store may keep of a caller's block without the caller changing it later.
 
     `bytes` are immutable; a `bytearray`, or a memoryview over an `mmap` (the wires'
-    receive buffers, `proto.buffers.alloc_block`), is handed over by the caller and never
+    receive buffers, `buffers.alloc_block`), is handed over by the caller and never
     touched again. Any other memoryview may be reused by its owner, so it is copied.
     """
     if isinstance(data, memoryview) and not isinstance(data.obj, mmap.mmap):

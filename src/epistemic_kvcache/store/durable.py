@@ -67,6 +67,7 @@ from typing import Any
 import blake3
 import lmdb
 
+from epistemic_kvcache.buffers import alloc_block
 from epistemic_kvcache.errors import (
     CapacityError,
     ConfigurationError,
@@ -167,8 +168,8 @@ class _Segment:
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         self.fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o600)
 
-    def read(self, offset: int, size: int) -> bytearray:
-        buf = bytearray(size)
+    def read(self, offset: int, size: int) -> Buffer:
+        buf = alloc_block(size)
         view = memoryview(buf)
         done = 0
         while done < size:

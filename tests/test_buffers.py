@@ -7,7 +7,7 @@ import mmap
 
 import pytest
 
-from epistemic_kvcache.proto import buffers
+from epistemic_kvcache import buffers
 from epistemic_kvcache.store import SharedKvIndex
 from epistemic_kvcache.store.api import owned_buffer
 
