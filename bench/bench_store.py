@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from epistemic_kvcache.server.app import tune_allocator
 from epistemic_kvcache.store import SharedKvIndex, SharedKvStoreBackend, WarmCodec
 
 KiB, MiB = 1024, 1024 * 1024
@@ -227,6 +228,8 @@ def main() -> None:
     ap.add_argument("--index-blocks", type=int, default=100_000)
     args = ap.parse_args()
     budget = 128 * MiB if args.quick else 512 * MiB
+    # the server process runs with this (server/app.py); measure the store the same way
+    tune_allocator()
     d = Path(tempfile.mkdtemp(prefix="kvbench-", dir=args.dir))
     try:
         print(f"# store benchmark ({os.cpu_count()} cores, scratch {d})\n")

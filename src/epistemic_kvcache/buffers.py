@@ -11,8 +11,9 @@ gets zeroed pages from the kernel as the receive touches them (two passes; measu
 Only blocks of at least `MMAP_MIN_BYTES` get a mapping, and at most `MAX_MAPPINGS` live at
 once (the kernel limits a process to ~65k mappings, `vm.max_map_count`); past that, or
 when mmap fails, the buffer is a plain bytearray. The store recognises memoryviews of an
-mmap as handed over (see `store.api.owned_buffer`) and keeps them without copying; the
-durable store reads cold blocks into such buffers too.
+mmap as handed over (see `store.api.owned_buffer`) and keeps them without copying.
+Transient buffers (a cold read that is served and freed) should stay bytearrays: malloc
+reuses freed heap memory without faults, a fresh mapping faults every time.
 """
 
 from __future__ import annotations

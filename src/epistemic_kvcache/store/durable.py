@@ -67,7 +67,6 @@ from typing import Any
 import blake3
 import lmdb
 
-from epistemic_kvcache.buffers import alloc_block
 from epistemic_kvcache.errors import (
     CapacityError,
     ConfigurationError,
@@ -168,8 +167,11 @@ class _Segment:
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         self.fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o600)
 
-    def read(self, offset: int, size: int) -> Buffer:
-        buf = alloc_block(size)
+    def read(self, offset: int, size: int) -> bytearray:
+        # A plain bytearray: a read buffer is often transient (served, then freed), and
+        # malloc reuses freed heap memory without new page faults (measured: 4 MiB cold
+        # GETs at 4.4 GB/s this way vs 0.5 GB/s with a fresh mmap per read).
+        buf = bytearray(size)
         view = memoryview(buf)
         done = 0
         while done < size:
