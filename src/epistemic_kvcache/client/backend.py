@@ -809,35 +809,44 @@ class EpistemicGraphKVBackend:
             return None
         return SnapshotInfo(**_fields_of(answer, _SNAPSHOT_FIELDS, "snapshot"))
 
-    def snapshot_info(self, snapshot_id: str) -> SnapshotInfo | None:
-        """The snapshot, or None (absent, expired, or the server unreachable)."""
+    def _record(self, kind: str, rid: str, fields: tuple[str, ...]) -> dict[str, Any] | None:
+        """GET a snapshot/branch record's fields; None if absent or unreachable."""
         try:
-            status, answer = self._call(
-                "GET", self._id_path("snapshot", snapshot_id), what="snapshot info"
-            )
+            status, answer = self._call("GET", self._id_path(kind, rid), what=f"{kind} info")
         except _TransportFailure:
             return None
         if status == 404:
             return None
-        return SnapshotInfo(**_fields_of(answer, _SNAPSHOT_FIELDS, "snapshot info"))
+        return _fields_of(answer, fields, f"{kind} info")
 
-    def list_snapshots(self) -> list[SnapshotInfo]:
-        """Live snapshots of the caller's namespace, oldest first."""
-        _, answer = self._call_or_raise("GET", f"{self._prefix}/kv/snapshot", what="snapshots")
-        items = _fields_of(answer, ("snapshots",), "snapshots")["snapshots"]
+    def _records(self, kind: str, fields: tuple[str, ...]) -> list[dict[str, Any]]:
+        """The caller's snapshot/branch records (raises when unreachable)."""
+        plural = "branches" if kind == "branch" else f"{kind}s"
+        _, answer = self._call_or_raise("GET", f"{self._prefix}/kv/{kind}", what=plural)
+        items = _fields_of(answer, (plural,), plural)[plural]
         if not isinstance(items, list):
-            raise RemoteProtocolError("snapshots: 'snapshots' is not a list")
-        return [SnapshotInfo(**_fields_of(d, _SNAPSHOT_FIELDS, "snapshots")) for d in items]
+            raise RemoteProtocolError(f"{plural}: {plural!r} is not a list")
+        return [_fields_of(d, fields, plural) for d in items]
 
-    def delete_snapshot(self, snapshot_id: str) -> bool:
-        """Release the snapshot (and its branches). False if absent or unreachable."""
+    def _delete_record(self, kind: str, rid: str) -> bool:
         try:
-            status, _ = self._call(
-                "DELETE", self._id_path("snapshot", snapshot_id), what="snapshot delete"
-            )
+            status, _ = self._call("DELETE", self._id_path(kind, rid), what=f"{kind} delete")
         except _TransportFailure:
             return False
         return status == 204
+
+    def snapshot_info(self, snapshot_id: str) -> SnapshotInfo | None:
+        """The snapshot, or None (absent, expired, or the server unreachable)."""
+        rec = self._record("snapshot", snapshot_id, _SNAPSHOT_FIELDS)
+        return SnapshotInfo(**rec) if rec is not None else None
+
+    def list_snapshots(self) -> list[SnapshotInfo]:
+        """Live snapshots of the caller's namespace, oldest first."""
+        return [SnapshotInfo(**d) for d in self._records("snapshot", _SNAPSHOT_FIELDS)]
+
+    def delete_snapshot(self, snapshot_id: str) -> bool:
+        """Release the snapshot (and its branches). False if absent or unreachable."""
+        return self._delete_record("snapshot", snapshot_id)
 
     def snapshot_get(self, snapshot_id: str, key: str) -> bytes | None:
         """`key` as of the snapshot, or None."""
@@ -865,33 +874,16 @@ class EpistemicGraphKVBackend:
 
     def branch_info(self, branch_id: str) -> BranchInfo | None:
         """The branch (with its private and shared bytes), or None."""
-        try:
-            status, answer = self._call(
-                "GET", self._id_path("branch", branch_id), what="branch info"
-            )
-        except _TransportFailure:
-            return None
-        if status == 404:
-            return None
-        return BranchInfo(**_fields_of(answer, _BRANCH_FIELDS, "branch info"))
+        rec = self._record("branch", branch_id, _BRANCH_FIELDS)
+        return BranchInfo(**rec) if rec is not None else None
 
     def list_branches(self) -> list[BranchInfo]:
         """Branches of the caller's namespace, oldest first."""
-        _, answer = self._call_or_raise("GET", f"{self._prefix}/kv/branch", what="branches")
-        items = _fields_of(answer, ("branches",), "branches")["branches"]
-        if not isinstance(items, list):
-            raise RemoteProtocolError("branches: 'branches' is not a list")
-        return [BranchInfo(**_fields_of(d, _BRANCH_FIELDS, "branches")) for d in items]
+        return [BranchInfo(**d) for d in self._records("branch", _BRANCH_FIELDS)]
 
     def delete_branch(self, branch_id: str) -> bool:
         """Release the branch's overlay. False if absent or unreachable."""
-        try:
-            status, _ = self._call(
-                "DELETE", self._id_path("branch", branch_id), what="branch delete"
-            )
-        except _TransportFailure:
-            return False
-        return status == 204
+        return self._delete_record("branch", branch_id)
 
     def branch_get(self, branch_id: str, key: str) -> bytes | None:
         """`key` in the branch: its overlay's block, else the snapshot's; or None."""
