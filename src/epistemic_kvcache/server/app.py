@@ -126,15 +126,13 @@ class _Connections:
     """Live connections of all listeners, for the graceful stop."""
 
     def __init__(self) -> None:
-        self.live: set[_Tracked | _TrackedBuffered] = set()
+        self.live: set[_TrackingMixin] = set()
 
 
-class _Tracked(asyncio.Protocol):
-    """Proxy for a plain `asyncio.Protocol`: records the transport and counts reads."""
+class _TrackingMixin:
+    """What both proxies share: record the transport, count reads, forward the rest."""
 
-    __slots__ = ("_inner", "_registry", "reads", "transport")
-
-    def __init__(self, inner: asyncio.Protocol, registry: _Connections) -> None:
+    def __init__(self, inner: asyncio.Protocol | asyncio.BufferedProtocol, registry: _Connections):
         self._inner = inner
         self._registry = registry
         self.reads = 0
@@ -148,56 +146,43 @@ class _Tracked(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._registry.live.discard(self)
         self._inner.connection_lost(exc)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+
+class _Tracked(_TrackingMixin, asyncio.Protocol):
+    """Proxy for a plain `asyncio.Protocol`."""
+
+    def __init__(self, inner: asyncio.Protocol, registry: _Connections) -> None:
+        super().__init__(inner, registry)
+        self._data_received = inner.data_received
 
     def data_received(self, data: bytes) -> None:
         self.reads += 1
-        self._inner.data_received(data)
-
-    def eof_received(self) -> bool | None:
-        return self._inner.eof_received()
-
-    def pause_writing(self) -> None:
-        self._inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self._inner.resume_writing()
+        self._data_received(data)
 
 
-class _TrackedBuffered(asyncio.BufferedProtocol):
+class _TrackedBuffered(_TrackingMixin, asyncio.BufferedProtocol):
     """Proxy for an `asyncio.BufferedProtocol` (reads go into the inner protocol's buffers)."""
 
-    __slots__ = ("_inner", "_registry", "reads", "transport")
-
     def __init__(self, inner: asyncio.BufferedProtocol, registry: _Connections) -> None:
-        self._inner = inner
-        self._registry = registry
-        self.reads = 0
-        self.transport: asyncio.BaseTransport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-        self._registry.live.add(self)
-        self._inner.connection_made(transport)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._registry.live.discard(self)
-        self._inner.connection_lost(exc)
+        super().__init__(inner, registry)
+        self._get_buffer = inner.get_buffer
+        self._buffer_updated = inner.buffer_updated
 
     def get_buffer(self, sizehint: int) -> Any:
-        return self._inner.get_buffer(sizehint)
+        return self._get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
         self.reads += 1
-        self._inner.buffer_updated(nbytes)
-
-    def eof_received(self) -> bool | None:
-        return self._inner.eof_received()
-
-    def pause_writing(self) -> None:
-        self._inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self._inner.resume_writing()
+        self._buffer_updated(nbytes)
 
 
 def _tracking(
