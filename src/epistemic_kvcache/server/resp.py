@@ -1381,7 +1381,8 @@ def _info(c: RespConnection, cmd: Command) -> object:
         (
             "clients",
             [
-                ("connected_clients", ctx.open_connections.get(WIRE, 0)),
+                # the server-wide connection count would tell one tenant about the
+                # others' traffic, so INFO reports only the limit
                 ("maxclients", ctx.limits.max_connections),
             ],
         ),
