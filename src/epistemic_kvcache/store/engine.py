@@ -19,7 +19,9 @@ How it works
   or just dropped from RAM (durable backend: it is on disk). When warm is over capacity
   its victims leave RAM: dropped (durable) or evicted with all their keys (memory).
 - Every read from warm (and from disk, in the durable backend) is verified against the
-  digest; a mismatch quarantines the blob, counts `integrity_failures`, and is a miss.
+  digest and counts `integrity_failures` on a mismatch. A bad disk copy (or, in the
+  memory backend, a bad warm copy: the only one) quarantines the blob and is a miss; a bad
+  warm copy in the durable backend is dropped and the verified disk copy is served.
 - Stats are exact: every blob's footprint (unique block, resident bytes, per-tier
   occupancy, pinned) is added to each namespace that references it and to the store
   total, and moved with it between tiers, under the one lock.
@@ -642,6 +644,15 @@ class TieredEngine(SharedKvBackend):
         """Read a block that is in neither RAM tier (durable backend). None = unreadable."""
         return None
 
+    def _drop_bad_warm(self, b: _Blob, warm: bytes) -> None:
+        """A warm copy failed verification: count it and forget the copy (lock NOT held)."""
+        with self._lock:
+            self._total.integrity_failures += 1
+            for ns in b.owners():
+                self._counters(ns).integrity_failures += 1
+            if b.warm is warm:
+                self._set_warm(b, None)
+
     def _quarantine(self, b: _Blob, reason: str, loc: tuple[int, int]) -> None:
         """Drop a blob whose bytes fail verification (lock NOT held)."""
         with self._lock:
@@ -744,14 +755,22 @@ class TieredEngine(SharedKvBackend):
                 return b.hot
             warm = b.warm
             loc = (b.seg, b.off)  # read together: compaction may move the block
-        data: Buffer | None
+        data: Buffer | None = None
         corrupt = False
         if warm is not None:
             try:
                 data = warm if len(warm) == b.size else self._codec.decompress(warm)
             except ValueError:
+                data = None
+            if data is not None and len(data) == b.size and digest_of(data) == b.digest:
+                pass  # verified
+            elif not self._has_lower_tier():
                 data, corrupt = None, True
-        else:
+            else:
+                # A damaged RAM copy: drop it, count it, and serve the disk copy instead.
+                self._drop_bad_warm(b, warm)
+                data = None
+        if data is None and not corrupt:
             data = self._read_lower(b, loc)  # None: unreadable right now (I/O error), a miss
             if data is None:
                 with self._lock:
@@ -759,8 +778,8 @@ class TieredEngine(SharedKvBackend):
                     loc = (b.seg, b.off)
                 if moved:  # compaction moved it (and dropped the old segment): read again
                     data = self._read_lower(b, loc)
-        if data is not None and (len(data) != b.size or digest_of(data) != b.digest):
-            data, corrupt = None, True
+            if data is not None and (len(data) != b.size or digest_of(data) != b.digest):
+                data, corrupt = None, True
         if data is None:
             if corrupt:
                 self._quarantine(b, "digest mismatch", loc)
