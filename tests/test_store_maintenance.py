@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from epistemic_kvcache.errors import InvalidKeyError, NotFoundError
+from epistemic_kvcache.errors import CapacityError, InvalidKeyError, NotFoundError
 from epistemic_kvcache.store import SharedKvIndex, SharedKvStoreBackend
 from epistemic_kvcache.store.engine import WOULD_BLOCK, branch_ns
 
@@ -200,4 +200,38 @@ def test_get_nowait_never_reads_below_ram(tmp_path: Path) -> None:
     assert store.evict("t", "k")
     assert store.get_nowait("t", "k") is WOULD_BLOCK
     assert store.get("t", "k") == b"v" * 100  # the worker-thread path reads the disk
+    store.close()
+
+
+@pytest.mark.parametrize("backend", ["memory", "durable"])
+def test_one_tenant_cannot_pin_the_store_full(tmp_path: Path, backend: str) -> None:
+    """Pins and snapshots count against a per-tenant quota (half the capacity by default),
+    so another tenant's PUTs still find room."""
+    caps = {"hot_capacity_bytes": 1 << 20, "warm_capacity_bytes": 0}
+    store = (
+        SharedKvIndex(**caps, max_snapshots_per_tenant=3)
+        if backend == "memory"
+        else _durable(tmp_path, **caps, cold_capacity_bytes=1 << 20, max_snapshots_per_tenant=3)
+    )
+    block = 100 << 10
+    for i in range(8):
+        store.put("greedy", f"k{i}", os.urandom(block))
+    for i in range(5):  # 500 KiB of 1 MiB: within the 50% share
+        assert store.pin("greedy", f"k{i}")
+    with pytest.raises(CapacityError, match="pin quota"):
+        store.pin("greedy", "k5")
+    assert store.pin("greedy", "k0")  # pinning an already-pinned block costs nothing
+    with pytest.raises(CapacityError, match="pin quota"):
+        store.snapshot_create("greedy")  # k5..k7 would add 300 KiB
+    store.snapshot_create("greedy", keys=["k0", "k1"])  # already pinned: no new bytes
+    store.snapshot_create("greedy", keys=["nothing"])
+    store.snapshot_create("greedy", keys=["nothing"])
+    with pytest.raises(CapacityError, match="snapshot quota"):
+        store.snapshot_create("greedy", keys=["nothing"])
+    # another tenant still has room to write (the greedy tenant's unpinned blocks go)
+    for i in range(5):
+        store.put("other", f"o{i}", os.urandom(block))
+    assert all(store.exists("other", f"o{i}") for i in range(5))
+    assert store.stats("greedy").pinned_blocks == 5
+    assert store.check(deep=True).ok
     store.close()

@@ -308,6 +308,7 @@ def test_a_memory_store_full_of_snapshot_blocks_refuses_new_ones(scope: str) -> 
         hot_capacity_bytes=2 * 4096,
         warm_capacity_bytes=2 * 4096,
         dedup_scope=scope,  # type: ignore[arg-type]
+        max_pinned_fraction=1.0,  # a single-tenant deployment may pin everything
     )
     fill(store, NS, {f"h{i}": blob(f"h{i}") for i in range(4)})
     store.snapshot_create(NS)

@@ -174,7 +174,9 @@ def test_memory_incompressible_blocks_stay_raw_and_overflow_evicts() -> None:
 
 
 def test_memory_pinned_blocks_are_never_evicted_and_full_pins_refuse_puts() -> None:
-    store = SharedKvIndex(hot_capacity_bytes=1 * MiB, warm_capacity_bytes=1 * MiB)
+    store = SharedKvIndex(
+        hot_capacity_bytes=1 * MiB, warm_capacity_bytes=1 * MiB, max_pinned_fraction=1.0
+    )
     for i in range(2):
         store.put(NS, f"pin{i}", rnd(100 + i))
         assert store.pin(NS, f"pin{i}")
@@ -292,6 +294,7 @@ def test_durable_cold_full_of_pinned_blocks_refuses_puts(tmp_path: Path) -> None
         hot_capacity_bytes=256 * KiB,
         warm_capacity_bytes=0,
         cold_capacity_bytes=2 * MiB,
+        max_pinned_fraction=1.0,  # one tenant may pin it all: the store must still refuse
     )
     for i in range(8):
         store.put(NS, f"p{i}", rnd(i))

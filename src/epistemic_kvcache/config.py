@@ -134,6 +134,8 @@ class ServerConfig:
     warm_capacity_bytes: int = 1 * GiB
     cold_capacity_bytes: int = 100 * GiB
     dedup_scope: str = "namespace"
+    max_pinned_fraction: float = 0.5
+    max_snapshots_per_tenant: int = 256
     metrics_tenants: tuple[str, ...] = ("default",)
     """Tenants allowed to read `/metrics` (empty: nobody)."""
     limits: ServerLimits = field(default_factory=ServerLimits)
@@ -172,6 +174,8 @@ class ServerConfig:
             "cold_capacity_bytes": self.cold_capacity_bytes,
             "max_block_bytes": self.max_block_bytes,
             "dedup_scope": self.dedup_scope,
+            "max_pinned_fraction": self.max_pinned_fraction,
+            "max_snapshots_per_tenant": self.max_snapshots_per_tenant,
         }
 
 
@@ -263,6 +267,19 @@ def _parse_seconds(raw: object, *, allow_zero: bool) -> float:
     except ValueError:
         raise _Invalid(expected) from None
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise _Invalid(expected)
+    return value
+
+
+def _parse_fraction(raw: object) -> float:
+    expected = "a fraction in (0, 1], e.g. 0.5"
+    if isinstance(raw, bool):
+        raise _Invalid(expected)
+    try:
+        value = float(raw) if isinstance(raw, int | float) else float(str(raw).strip())
+    except ValueError:
+        raise _Invalid(expected) from None
+    if not math.isfinite(value) or not 0 < value <= 1:
         raise _Invalid(expected)
     return value
 
@@ -648,6 +665,21 @@ SETTINGS: tuple[Setting, ...] = (
         _choice("namespace", "global"),
         _D.dedup_scope,
         "share identical bytes within a namespace (default) or globally",
+    ),
+    Setting(
+        "max_pinned_fraction",
+        _parse_fraction,
+        _D.max_pinned_fraction,
+        "share of the capacity one tenant may pin (pins and snapshots; cold tier, or RAM "
+        "for the memory backend)",
+        "FRACTION",
+    ),
+    Setting(
+        "max_snapshots_per_tenant",
+        _parse_positive_int,
+        _D.max_snapshots_per_tenant,
+        "live snapshots one tenant may hold",
+        "N",
     ),
     Setting(
         "metrics_tenants",

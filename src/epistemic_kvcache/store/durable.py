@@ -256,6 +256,8 @@ class SharedKvStoreBackend(TieredEngine):
         max_block_bytes: int = 128 << 20,
         dedup_scope: DedupScope = "namespace",
         codec: WarmCodec | None = None,
+        max_pinned_fraction: float = 0.5,
+        max_snapshots_per_tenant: int = 256,
         segment_bytes: int = 1 << 30,
         map_size_bytes: int = 64 << 30,
         max_batch_bytes: int = 512 << 20,
@@ -268,6 +270,8 @@ class SharedKvStoreBackend(TieredEngine):
             max_block_bytes=max_block_bytes,
             dedup_scope=dedup_scope,
             codec=codec,
+            max_pinned_fraction=max_pinned_fraction,
+            max_snapshots_per_tenant=max_snapshots_per_tenant,
         )
         if not isinstance(cold_capacity_bytes, int) or cold_capacity_bytes <= 0:
             raise ConfigurationError(
@@ -559,6 +563,10 @@ class SharedKvStoreBackend(TieredEngine):
     def pin(self, ns: str, key: str) -> bool:
         self._validate(ns, key)
         self._check_open()
+        with self._lock:
+            b = self._lookup(ns, key)
+            if b is not None:
+                self._check_pin_quota(ns, 0 if b.pins else b.size)
         return bool(self._call(_Op("pin", ns, key)))
 
     def unpin(self, ns: str, key: str) -> bool:

@@ -198,6 +198,7 @@ class _Counters:
     integrity_failures: int = 0
     logical_bytes: int = 0
     pinned_blocks: int = 0
+    pinned_bytes: int = 0
     promotions: int = 0
     put_conflicts: int = 0
     put_new: int = 0
@@ -311,6 +312,8 @@ class TieredEngine(SharedKvBackend):
         max_block_bytes: int,
         dedup_scope: DedupScope,
         codec: WarmCodec | None,
+        max_pinned_fraction: float = 0.5,
+        max_snapshots_per_tenant: int = 256,
     ) -> None:
         for name, value in (
             ("hot_capacity_bytes", hot_capacity_bytes),
@@ -332,6 +335,19 @@ class TieredEngine(SharedKvBackend):
         self.warm_capacity_bytes = warm_capacity_bytes
         self.max_block_bytes = max_block_bytes
         self.dedup_scope: DedupScope = dedup_scope
+        if not 0.0 < max_pinned_fraction <= 1.0:
+            raise ConfigurationError(
+                f"invalid max_pinned_fraction: expected (0, 1] (got {max_pinned_fraction!r})"
+            )
+        if max_snapshots_per_tenant < 1:
+            raise ConfigurationError(
+                "invalid max_snapshots_per_tenant: expected a positive integer "
+                f"(got {max_snapshots_per_tenant!r})"
+            )
+        # Per-tenant quotas, so one tenant cannot pin (or snapshot) the store full and
+        # leave every other tenant's PUTs without room.
+        self.max_pinned_fraction = max_pinned_fraction
+        self.max_snapshots_per_tenant = max_snapshots_per_tenant
         self._codec = codec if codec is not None else WarmCodec()
         self._lock = threading.Lock()
         self._closed = False
@@ -397,6 +413,7 @@ class TieredEngine(SharedKvBackend):
             c.cold_bytes += sign * b.size
         if b.pins:
             c.pinned_blocks += sign
+            c.pinned_bytes += sign * b.size
 
     def _account(self, b: _Blob, sign: int) -> None:
         """Add (+1) or remove (-1) the blob's footprint from its owners and the total."""
@@ -965,6 +982,22 @@ class TieredEngine(SharedKvBackend):
         if ttl_s is not None and not ttl_s > 0:
             raise ValueError(f"invalid ttl_s: expected a positive number (got {ttl_s!r})")
         self._check_open()
+        with self._lock:
+            if len(self._snapshots.get(ns, {})) >= self.max_snapshots_per_tenant:
+                raise CapacityError(
+                    f"snapshot quota exceeded: {self.max_snapshots_per_tenant} snapshots; "
+                    "delete one (or give them a ttl_s)"
+                )
+            idx = self._index.get(ns) or {}
+            names = keys if keys is not None else list(idx)
+            newly = {
+                b.sdig: b.size
+                for k in names
+                if (prefix is None or k.startswith(prefix))
+                and (b := idx.get(k)) is not None
+                and not b.pins
+            }
+            self._check_pin_quota(ns, sum(newly.values()))
         sid = secrets.token_hex(8)
         now = time.time()
         rec: dict[str, Any] = {
@@ -1224,6 +1257,20 @@ class TieredEngine(SharedKvBackend):
             else:
                 cc.put_conflicts += 1
 
+    def _pin_capacity(self) -> int:
+        """The bytes pins compete for: RAM (memory backend) or the cold tier (durable)."""
+        return self._tier_caps().get("cold", self.hot_capacity_bytes + self.warm_capacity_bytes)
+
+    def _check_pin_quota(self, tenant: str, extra: int) -> None:
+        """Refuse a pin/snapshot that would take `tenant` past its share (lock held)."""
+        limit = int(self._pin_capacity() * self.max_pinned_fraction)
+        used = self._counters(tenant).pinned_bytes
+        if extra > 0 and used + extra > limit:
+            raise CapacityError(
+                f"pin quota exceeded: {used + extra} bytes would be pinned by this tenant, "
+                f"its limit is {limit} ({self.max_pinned_fraction:.0%} of {self._pin_capacity()})"
+            )
+
     def _check_ram_room(self, size: int) -> None:
         """Memory backend: refuse a block that cannot fit beside the pinned ones."""
         budget = self.hot_capacity_bytes + self.warm_capacity_bytes
@@ -1269,6 +1316,8 @@ class SharedKvIndex(TieredEngine):
         max_block_bytes: int = 128 << 20,
         dedup_scope: DedupScope = "namespace",
         codec: WarmCodec | None = None,
+        max_pinned_fraction: float = 0.5,
+        max_snapshots_per_tenant: int = 256,
     ) -> None:
         super().__init__(
             hot_capacity_bytes=hot_capacity_bytes,
@@ -1276,6 +1325,8 @@ class SharedKvIndex(TieredEngine):
             max_block_bytes=max_block_bytes,
             dedup_scope=dedup_scope,
             codec=codec,
+            max_pinned_fraction=max_pinned_fraction,
+            max_snapshots_per_tenant=max_snapshots_per_tenant,
         )
 
     def put(self, ns: str, key: str, data: Buffer, *, epoch_scope: str | None = None) -> PutResult:
@@ -1377,8 +1428,10 @@ class SharedKvIndex(TieredEngine):
         self._validate(ns, key)
         self._check_open()
         with self._lock:
-            if self._lookup(ns, key) is None:
+            b = self._lookup(ns, key)
+            if b is None:
                 return False
+            self._check_pin_quota(ns, 0 if b.pins else b.size)
             self._apply([PinDelta(ns, key, +1)])
             return True
 
