@@ -536,3 +536,24 @@ def test_batch_gets_into_buffers_split_by_bytes() -> None:
     assert _byte_bounded_chunks([MAX_BATCH_PUT_BYTES + 1, 1]) == [(0, 1), (1, 2)]
     assert len(_byte_bounded_chunks([1] * (MAX_BATCH_KEYS + 1))) == 2
     assert _byte_bounded_chunks([]) == []
+
+
+def test_get_many_splits_when_the_hits_exceed_the_server_batch_limit(tmp_path: Path) -> None:
+    server = Server(
+        tmp_path,
+        "--max-batch-bytes",
+        "1MiB",
+        "--max-block-bytes",
+        "1MiB",
+        "--max-inflight-body-bytes",
+        "64MiB",
+    )
+    try:
+        with EpistemicGraphKVBackend(base_url=server.url(), token=TOKEN) as c:
+            blocks = {f"b{i}": os.urandom(600 << 10) for i in range(4)}  # 2.4 MiB of hits
+            for k, v in blocks.items():
+                assert c.put(k, v)
+            got = c.get_many([*blocks, "absent"])
+            assert got == [*blocks.values(), None]
+    finally:
+        server.stop()

@@ -70,6 +70,10 @@ class _TransportFailure(Exception):
     """Internal: a request failed in a way that degrades to a miss."""
 
 
+class _BatchTooLarge(_TransportFailure):
+    """Internal: the server refused a batch answer over its `max_batch_bytes` (413)."""
+
+
 class KvCacheUnavailableError(KvCacheError):
     """The server could not be reached (or answered 5xx/429/408).
 
@@ -312,6 +316,8 @@ class EpistemicGraphKVBackend:
             self._count(server_errors=1)
             self._degraded("server", what, f"HTTP {status} {detail}")
             raise _TransportFailure(f"HTTP {status}")
+        if status == 413 and what == "batch get":
+            raise _BatchTooLarge(detail)  # the caller splits the batch
         if status in (411, 413):
             # Block too large or similar: the write fails, the caller carries on.
             self._degraded("refused", what, f"HTTP {status} {detail}")
@@ -581,9 +587,18 @@ class EpistemicGraphKVBackend:
             validate_key(k)
         out: list[bytes | None] = []
         for start in range(0, len(keys), MAX_BATCH_KEYS):
-            chunk = list(keys[start : start + MAX_BATCH_KEYS])
-            out.extend(self._batch_get(chunk, None, exact=True))
+            out.extend(self._get_splitting(list(keys[start : start + MAX_BATCH_KEYS])))
         return out
+
+    def _get_splitting(self, keys: list[str]) -> list[bytes | None]:
+        """A batch GET; when the hits add up past the server's batch limit, halves."""
+        try:
+            return self._batch_get(keys, None, exact=True, raise_too_large=True)
+        except _BatchTooLarge:
+            if len(keys) == 1:
+                return [self.get(keys[0])]
+            mid = len(keys) // 2
+            return self._get_splitting(keys[:mid]) + self._get_splitting(keys[mid:])
 
     def get_many_into(
         self, keys: Sequence[str], buffers: Sequence[Any], *, exact: bool = True
@@ -601,7 +616,12 @@ class EpistemicGraphKVBackend:
         return out
 
     def _batch_get(
-        self, keys: list[str], views: list[memoryview] | None, *, exact: bool
+        self,
+        keys: list[str],
+        views: list[memoryview] | None,
+        *,
+        exact: bool,
+        raise_too_large: bool = False,
     ) -> list[Any]:
         """Batch GET. With `views`, fills them and returns sizes; else returns bytes."""
         n = len(keys)
@@ -615,6 +635,12 @@ class EpistemicGraphKVBackend:
                 preload=False,
                 what="batch get",
             )
+        except _BatchTooLarge as exc:
+            if raise_too_large:
+                raise
+            self._degraded("refused", "batch get", f"HTTP 413 {exc}")
+            self._count(misses=n)
+            return [None] * n
         except _TransportFailure:
             self._count(misses=n)
             return [None] * n
