@@ -46,7 +46,7 @@ from epistemic_kvcache.errors import (
     RemoteProtocolError,
 )
 from epistemic_kvcache.graph import Edge, PageInResult
-from epistemic_kvcache.proto.http import quote_key
+from epistemic_kvcache.proto.http import encode_batch_put_request, quote_key
 from epistemic_kvcache.store.api import BranchInfo, SnapshotInfo, validate_key
 
 log = logging.getLogger(__name__)
@@ -723,10 +723,7 @@ class EpistemicGraphKVBackend:
         return out
 
     def _put_batch(self, batch: list[tuple[str, memoryview]]) -> list[bool]:
-        header = json.dumps(
-            {"keys": [k for k, _ in batch], "sizes": [mv.nbytes for _, mv in batch]}
-        ).encode()
-        parts: list[Buffer] = [_U32.pack(len(header)), header, *(mv for _, mv in batch)]
+        parts = encode_batch_put_request([k for k, _ in batch], [mv for _, mv in batch])
         length = sum(memoryview(p).nbytes for p in parts)
         try:
             resp = self._request(
