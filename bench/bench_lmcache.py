@@ -19,21 +19,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import select
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import bench_server
 from bench.bench_server import redis_server
 from epistemic_kvcache.integrations.lmcache.l2_native_connector import EpistemicGraphL2Connector
 
@@ -44,58 +42,14 @@ WORKLOADS = [(16, 4 * MiB), (4, 32 * MiB)]
 EXISTS_KEYS = 64
 
 
-@contextmanager
-def our_server(tmp: Path, backend: str) -> Iterator[tuple[int, int]]:
-    """Our server on free loopback ports; its output is drained so it never blocks."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "epistemic_kvcache",
-        "serve",
-        "--backend",
+def our_server(tmp: Path, backend: str) -> AbstractContextManager[tuple[int, int]]:
+    """Our server (bench_server's launcher) with a hot tier that holds the whole load."""
+    return bench_server.our_server(
+        tmp,
         backend,
-        "--addr",
-        "127.0.0.1:0",
-        "--resp-addr",
-        "127.0.0.1:0",
-        "--persist-dir",
-        str(tmp / f"ours-{backend}"),
-        "--token",
-        TOKEN,
-        "--hot-capacity-bytes",
-        "4GiB",
-        "--max-block-bytes",
-        "64MiB",
-        "--log-level",
-        "info",  # the `listening ...` lines are INFO
-    ]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    ports: dict[str, int] = {}
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert p.stdout is not None
-        for line in p.stdout:
-            for wire, port in re.findall(r"listening (http|resp)=\S+:(\d+)", line):
-                ports[wire] = int(port)
-            if len(ports) == 2:
-                ready.set()
-        ready.set()
-
-    t = threading.Thread(target=pump, daemon=True)
-    t.start()
-    try:
-        if not ready.wait(60) or len(ports) != 2:
-            raise RuntimeError("our server did not start")
-        yield ports["http"], ports["resp"]
-    finally:
-        p.terminate()
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
-        t.join(5)
+        token=TOKEN,
+        options=("--hot-capacity-bytes", "4GiB", "--max-block-bytes", "64MiB"),
+    )
 
 
 def call(client: Any, fid: int, timeout_s: float = 120.0) -> tuple[bool, str, list[bool] | None]:

@@ -22,8 +22,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -90,41 +91,46 @@ def redis_server(tmp: Path, *, fsync_always: bool) -> Iterator[int]:
 
 
 @contextmanager
-def our_server(tmp: Path, backend: str) -> Iterator[tuple[int, int]]:
-    d = tmp / f"ours-{backend}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "epistemic_kvcache",
-        "serve",
-        "--backend",
-        backend,
-        "--addr",
-        "127.0.0.1:0",
-        "--resp-addr",
-        "127.0.0.1:0",
-        "--persist-dir",
-        str(d),
-        "--token",
-        TOKEN,
+def our_server(
+    tmp: Path,
+    backend: str,
+    *,
+    token: str = TOKEN,
+    options: Sequence[str] = (
         "--hot-capacity-bytes",
         "6GiB",
         "--warm-capacity-bytes",
         "0",
         "--max-block-bytes",
         "64MiB",
-    ]
+    ),
+) -> Iterator[tuple[int, int]]:
+    """Our server on free loopback ports -> (http port, resp port).
+
+    Its output is drained by a thread for its whole life, so a chatty log can never fill
+    the pipe and stall the server mid-benchmark."""
+    cmd = [sys.executable, "-m", "epistemic_kvcache", "serve", "--backend", backend,
+           "--addr", "127.0.0.1:0", "--resp-addr", "127.0.0.1:0",
+           "--persist-dir", str(tmp / f"ours-{backend}"), "--token", token,
+           "--log-level", "info", *options]  # fmt: skip
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ports: dict[str, int] = {}
-    try:
+    ready = threading.Event()
+
+    def pump() -> None:
         assert p.stdout is not None
-        deadline = time.time() + 60
-        while len(ports) < 2 and time.time() < deadline:
-            line = p.stdout.readline()
-            if not line:
-                raise RuntimeError("server exited before listening")
+        for line in p.stdout:
             for wire, port in re.findall(r"listening (http|resp)=\S+:(\d+)", line):
                 ports[wire] = int(port)
+            if len(ports) == 2:
+                ready.set()
+        ready.set()
+
+    t = threading.Thread(target=pump, daemon=True)
+    t.start()
+    try:
+        if not ready.wait(60) or len(ports) != 2:
+            raise RuntimeError("our server did not start")
         yield ports["http"], ports["resp"]
     finally:
         p.send_signal(signal.SIGTERM)
@@ -132,6 +138,8 @@ def our_server(tmp: Path, backend: str) -> Iterator[tuple[int, int]]:
             p.wait(30)
         except subprocess.TimeoutExpired:
             p.kill()
+            p.wait(10)
+        t.join(5)
 
 
 def workload(size: int, budget: int, clients: int) -> tuple[list[bytes], list[bytes]]:

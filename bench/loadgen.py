@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import uvloop
@@ -145,6 +146,32 @@ async def _connect(host: str, port: int, max_body: int) -> _Conn:
     return proto
 
 
+async def _drive(
+    conns: list[_Conn], n: int, size: int, one: Callable[[_Conn, int], Awaitable[None]]
+) -> Result:
+    """Run `one(conn, i)` for i in [0, n) split over the connections, one in flight each;
+    time each request and the whole run; close the connections."""
+    res = Result()
+    per = n // len(conns)
+
+    async def worker(ci: int) -> None:
+        c = conns[ci]
+        for i in range(ci * per, (ci + 1) * per):
+            t = time.perf_counter()
+            await one(c, i)
+            res.latencies.append(time.perf_counter() - t)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(i) for i in range(len(conns))))
+    res.seconds = time.perf_counter() - t0
+    res.ops = per * len(conns)
+    res.nbytes = res.ops * size
+    for c in conns:
+        assert c.transport is not None
+        c.transport.close()
+    return res
+
+
 async def run_resp(
     host: str,
     port: int,
@@ -159,32 +186,18 @@ async def run_resp(
     for c in conns:
         if token:
             await c.request(resp_cmd(b"AUTH", token.encode()))
-    res = Result()
-    per = len(keys) // clients
 
-    async def worker(ci: int) -> None:
-        c = conns[ci]
-        for i in range(ci * per, (ci + 1) * per):
-            t = time.perf_counter()
-            if op == "set":
-                r = await c.request(resp_cmd(b"SET", keys[i], payloads[i]))
-                if r != b"+OK":
-                    raise RuntimeError(f"SET failed: {r!r}")
-            else:
-                r = await c.request(resp_cmd(b"GET", keys[i]))
-                if r != b"body" or c.got != size + 2:
-                    raise RuntimeError(f"GET miss or wrong size: {r!r}")
-            res.latencies.append(time.perf_counter() - t)
+    async def one(c: _Conn, i: int) -> None:
+        if op == "set":
+            r = await c.request(resp_cmd(b"SET", keys[i], payloads[i]))
+            if r != b"+OK":
+                raise RuntimeError(f"SET failed: {r!r}")
+        else:
+            r = await c.request(resp_cmd(b"GET", keys[i]))
+            if r != b"body" or c.got != size + 2:
+                raise RuntimeError(f"GET miss or wrong size: {r!r}")
 
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker(i) for i in range(clients)))
-    res.seconds = time.perf_counter() - t0
-    res.ops = per * clients
-    res.nbytes = res.ops * size
-    for c in conns:
-        assert c.transport is not None
-        c.transport.close()
-    return res
+    return await _drive(conns, len(keys), size, one)
 
 
 async def run_http(
@@ -200,42 +213,23 @@ async def run_http(
     conns = [await _connect(host, port, size) for _ in range(clients)]
     for c in conns:
         c.mode = "http"
-    res = Result()
-    per = len(keys) // clients
     auth = b"Authorization: Bearer " + token.encode() + b"\r\n"
 
-    async def worker(ci: int) -> None:
-        c = conns[ci]
-        for i in range(ci * per, (ci + 1) * per):
-            path = b"/kv/" + keys[i]
-            t = time.perf_counter()
-            if op == "set":
-                head = (
-                    b"PUT "
-                    + path
-                    + b" HTTP/1.1\r\nHost: b\r\n"
-                    + auth
-                    + b"Content-Length: %d\r\n\r\n" % size
-                )
-                await c.request([head, payloads[i]], "PUT")
-                if not (c.status.startswith(b"http/1.1 20")):
-                    raise RuntimeError(f"PUT failed: {c.status!r}")
-            else:
-                head = b"GET " + path + b" HTTP/1.1\r\nHost: b\r\n" + auth + b"\r\n"
-                await c.request([head])
-                if not c.status.startswith(b"http/1.1 200") or c.got != size:
-                    raise RuntimeError(f"GET failed: {c.status!r} {c.got}")
-            res.latencies.append(time.perf_counter() - t)
+    async def one(c: _Conn, i: int) -> None:
+        path = b"/kv/" + keys[i]
+        if op == "set":
+            head = b"PUT " + path + b" HTTP/1.1\r\nHost: b\r\n" + auth
+            head += b"Content-Length: %d\r\n\r\n" % size
+            await c.request([head, payloads[i]], "PUT")
+            if not c.status.startswith(b"http/1.1 20"):
+                raise RuntimeError(f"PUT failed: {c.status!r}")
+        else:
+            head = b"GET " + path + b" HTTP/1.1\r\nHost: b\r\n" + auth + b"\r\n"
+            await c.request([head])
+            if not c.status.startswith(b"http/1.1 200") or c.got != size:
+                raise RuntimeError(f"GET failed: {c.status!r} {c.got}")
 
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker(i) for i in range(clients)))
-    res.seconds = time.perf_counter() - t0
-    res.ops = per * clients
-    res.nbytes = res.ops * size
-    for c in conns:
-        assert c.transport is not None
-        c.transport.close()
-    return res
+    return await _drive(conns, len(keys), size, one)
 
 
 def run(coro: object) -> Result:
