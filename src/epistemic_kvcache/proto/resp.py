@@ -51,16 +51,23 @@ from epistemic_kvcache.errors import LocalProtocolError, RemoteProtocolError
 Buffer = bytes | bytearray | memoryview
 Arg = bytes | bytearray | memoryview
 Command = list[Arg]
-ReserveFn = Callable[[int], bool]
-"""Asked before a large bulk is allocated: may the parser hold this many more bytes?"""
+ReserveFn = Callable[[int], bool | str]
+"""Asked before a large bulk is allocated: may the parser hold this many more bytes?
+True grants; False or a reason string refuses (the reason ends up in `RefusedCommand`)."""
 
 
 class RefusedCommand(list[Arg]):
-    """Framed in place of a command one of whose large bulks `reserve` refused.
+    """Framed in place of a command one of whose large bulks `reserve` refused (or that
+    the owner refused while it was being framed, `refuse_partial`).
 
-    It is empty: the command's arguments were read off the wire and dropped."""
+    It is empty: the command's arguments were read off the wire and dropped. `reason` is
+    what `reserve` (or the owner) gave as the reason, `""` if none."""
 
-    __slots__ = ()
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str = "") -> None:
+        super().__init__()
+        self.reason = reason
 
 
 KiB: Final = 1024
@@ -82,6 +89,11 @@ DEFAULT_READ_BUFFER_BYTES: Final = 256 * KiB
 """Size of the scratch buffer lent to the socket for everything but large bulks."""
 DEFAULT_SERIALIZE_CUTOFF: Final = 16 * KiB
 """Bulk replies this long or longer are returned as their own buffer, never copied."""
+
+COMMAND_OVERHEAD: Final = 128
+"""Memory a framed command costs beyond its arguments (list, queue entry), estimated."""
+ARG_OVERHEAD: Final = 48
+"""Memory one argument costs beyond its bytes (object header, list slot), estimated."""
 
 _INT_RE: Final = re.compile(rb"-?(?:0|[1-9][0-9]{0,18})")
 _INT64_MAX: Final = 2**63 - 1
@@ -241,6 +253,8 @@ class RespParser:
         read_buffer_bytes: int = DEFAULT_READ_BUFFER_BYTES,
         authenticated: bool = False,
         reserve: ReserveFn | None = None,
+        scratch: bytearray | None = None,
+        max_ready: int | None = None,
     ) -> None:
         for name, value in (
             ("max_inline_bytes", max_inline_bytes),
@@ -266,8 +280,13 @@ class RespParser:
 
         self._buf = bytearray()
         self._pos = 0
-        self._scratch = bytearray(read_buffer_bytes)
+        self._shared_scratch = scratch is not None
+        self._scratch = scratch if scratch is not None else bytearray(read_buffer_bytes)
         self._lent_big = False
+        self.max_ready = max_ready
+        """Frame at most this many commands ahead (None: all that are complete); the rest
+        stays buffered and is framed as commands are taken, which bounds the work one
+        read can cause."""
 
         self._state = _State.START
         self._args: Command = []
@@ -278,10 +297,13 @@ class RespParser:
         self._big: bytearray | memoryview = bytearray()
         self._big_filled = 0
         self._refused = False
+        self._refusal = ""
         self._skip = 0
 
         self._ready: deque[tuple[Command, int, int]] = deque()
         self._ready_bytes = 0
+        self._ready_cost = 0
+        self._args_cost = 0
         self._error: RemoteProtocolError | None = None
         self.commands_parsed = 0
         """Total commands framed so far (the I/O layer uses it to see progress)."""
@@ -310,7 +332,7 @@ class RespParser:
             self._lent_big = True
             return memoryview(big)[self._big_filled :]
         self._lent_big = False
-        if sizehint > len(self._scratch):
+        if sizehint > len(self._scratch) and not self._shared_scratch:
             self._scratch = bytearray(sizehint)
         return memoryview(self._scratch)
 
@@ -350,8 +372,9 @@ class RespParser:
         max_line = self.max_inline_bytes
         max_args = self.max_multibulk_len
         max_bulk = min(self.max_bulk_bytes, self.large_bulk_threshold - 1)
+        room = self._room()
         pos = 0
-        while pos < n and data[pos] == 0x2A:  # '*'
+        while pos < n and data[pos] == 0x2A and room > 0:  # '*'
             cr = data.find(b"\r\n", pos, n)
             if cr < 0 or cr - pos > max_line:
                 break
@@ -378,10 +401,17 @@ class RespParser:
                 p = end + 2
             else:
                 self._finish(args, size)
+                room -= 1
                 pos = p
                 continue
             break
         return pos
+
+    def _room(self) -> int:
+        """How many more commands may be framed ahead now."""
+        if self.max_ready is None:
+            return 1 << 62
+        return self.max_ready - len(self._ready)
 
     # -- output -----------------------------------------------------------------------
     def next_event(self) -> Event:
@@ -395,6 +425,7 @@ class RespParser:
         if self._ready:
             cmd, size, held = self._ready.popleft()
             self._ready_bytes -= size
+            self._ready_cost -= size - held + COMMAND_OVERHEAD + ARG_OVERHEAD * len(cmd)
             self.held_bytes -= held
             return cmd
         if self._error is not None:
@@ -432,6 +463,26 @@ class RespParser:
             self._ready_bytes + self._args_bytes + self._big_filled + (len(self._buf) - self._pos)
         )
 
+    @property
+    def pending_bytes(self) -> int:
+        """Memory held for commands not yet returned, *except* preallocated large bulks
+        (`held_bytes`, reserved separately): small arguments with their object overhead
+        (framed and partial commands) and the unparsed receive buffer."""
+        return self._ready_cost + self._args_cost + len(self._buf)
+
+    @property
+    def framing(self) -> bool:
+        """Whether a multibulk command is partly framed (arguments pending)."""
+        return self._state is not _State.START
+
+    def refuse_partial(self, reason: str = "") -> bool:
+        """Drop the arguments of the command being framed; the rest of it is read and
+        dropped, and it is framed as a `RefusedCommand`. False when none is in progress."""
+        if self._state is _State.START or self._refused:
+            return False
+        self._refuse(reason)
+        return True
+
     # -- the state machine --------------------------------------------------------------
     def _fail(self, exc: RemoteProtocolError) -> None:
         self._error = exc
@@ -440,6 +491,7 @@ class RespParser:
         self._big_filled = 0
         self._args = []
         self._args_held = 0
+        self._args_cost = 0
 
     def _advance(self) -> None:
         try:
@@ -473,7 +525,7 @@ class RespParser:
             if state is _State.START:
                 if self._ready and not self.authenticated:
                     return  # lazy before AUTH: limits may change after this command
-                if self._pos >= len(buf):
+                if self._pos >= len(buf) or self._room() <= 0:
                     return
                 if buf[self._pos] == 0x2A:  # '*'
                     cr = self._header_line("mbulk")
@@ -491,6 +543,7 @@ class RespParser:
                     self._args = []
                     self._args_bytes = 0
                     self._args_held = 0
+                    self._args_cost = COMMAND_OVERHEAD
                     self._refused = False
                     self._state = _State.ARG_HEADER
                 elif not self._inline():
@@ -513,8 +566,8 @@ class RespParser:
                 self._bulk_len = length
                 if length < self.large_bulk_threshold:
                     self._state = _State.ARG_BODY
-                elif self._refused or (self.reserve is not None and not self.reserve(length)):
-                    self._refuse()
+                elif self._refused or not self._granted(length):
+                    self._refuse(self._refusal)
                     self._skip = length
                     self._state = _State.SKIP_BODY
                 else:
@@ -561,37 +614,52 @@ class RespParser:
                 self._big = bytearray()
                 self._big_filled = 0
                 self._args_held += len(big)
-                self._push_arg(big)
+                self._push_arg(big, big=True)
 
-    def _refuse(self) -> None:
+    def _granted(self, length: int) -> bool:
+        if self.reserve is None:
+            return True
+        answer = self.reserve(length)
+        if answer is True:
+            return True
+        self._refusal = answer if isinstance(answer, str) else ""
+        return False
+
+    def _refuse(self, reason: str = "") -> None:
         """Drop the command being framed (a large bulk of it was refused)."""
+        if not self._refused:
+            self._refusal = reason
         self._refused = True
         self.held_bytes -= self._args_held
         self._args = []
         self._args_bytes = 0
         self._args_held = 0
+        self._args_cost = 0
 
-    def _push_arg(self, arg: Arg) -> None:
+    def _push_arg(self, arg: Arg, *, big: bool = False) -> None:
         if not self._refused:
             self._args.append(arg)
             self._args_bytes += len(arg)
+            self._args_cost += ARG_OVERHEAD + (0 if big else len(arg))
         self._args_left -= 1
         if self._args_left:
             self._state = _State.ARG_HEADER
             return
         if self._refused:
-            self._finish(RefusedCommand(), 0)
+            self._finish(RefusedCommand(self._refusal), 0)
         else:
             self._finish(self._args, self._args_bytes, self._args_held)
         self._args = []
         self._args_bytes = 0
         self._args_held = 0
+        self._args_cost = 0
         self._refused = False
         self._state = _State.START
 
     def _finish(self, cmd: Command, size: int, held: int = 0) -> None:
         self._ready.append((cmd, size, held))
         self._ready_bytes += size
+        self._ready_cost += size - held + COMMAND_OVERHEAD + ARG_OVERHEAD * len(cmd)
         self.commands_parsed += 1
 
     def _inline(self) -> bool:
