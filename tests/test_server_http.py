@@ -840,8 +840,8 @@ def test_idle_keep_alive_timeout(small: Server) -> None:
 
 def test_connection_cap(small: Server) -> None:
     held = [small.raw() for _ in range(3)]
-    for s in held:  # make sure the server has accepted all three
-        s.sendall(b"GET /healthz HTTP/1.1\r\n\r\n")
+    for s in held:  # make sure the server has accepted all three, authenticated
+        s.sendall(b"GET /kv/stats HTTP/1.1\r\nAuthorization: Bearer tok-a\r\n\r\n")
         (resp,), _ = read_responses(s, 1)
         assert resp.status == 200
     extra = small.raw()

@@ -346,7 +346,11 @@ def test_info(r: redis.Redis, server: ServerThread) -> None:
     info = r.info()
     assert info["redis_version"] == "7.0.0"
     assert info["redis_mode"] == "standalone"
-    assert "connected_clients" not in info  # would reveal other tenants' connections
+    # this tenant's own connections only: the server-wide count would reveal the others'
+    with server.client(TOKEN_B) as other:
+        other.ping()
+        assert info["connected_clients"] == 1
+        assert r.info("clients")["connected_clients"] == 1
     assert info["maxclients"] >= 1
     assert info["db0"]["keys"] == 1
     assert info["unique_blocks"] == 1
@@ -699,10 +703,11 @@ def test_connection_cap_and_idle_timeout() -> None:
     srv = ServerThread(ServerLimits(max_connections=2, idle_timeout_s=0.5))
     try:
         a, b = Raw(srv.port), Raw(srv.port)
-        a.send(b"PING\r\n")
-        b.send(b"PING\r\n")
-        assert a.recv_until(b"\r\n") == b"+PONG\r\n"
-        assert b.recv_until(b"\r\n") == b"+PONG\r\n"
+        a.send(b"AUTH " + TOKEN_A.encode() + b"\r\n")
+        b.send(b"AUTH " + TOKEN_B.encode() + b"\r\n")
+        assert a.recv_until(b"\r\n") == b"+OK\r\n"
+        assert b.recv_until(b"\r\n") == b"+OK\r\n"
+        # Full of authenticated connections: a new one is refused.
         c = Raw(srv.port)
         assert c.read_to_eof() == b"-ERR max number of clients reached\r\n"
         c.close()

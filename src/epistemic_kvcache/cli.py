@@ -33,9 +33,15 @@ class Subcommand:
     run: Callable[[argparse.Namespace], int]
 
 
-def setup_logging(level: str = "INFO") -> None:
-    """Log to stderr, one line per record (the `listening ...` lines are parsed by tools)."""
+def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
+    """Log to stderr, one line per record (the `listening ...` lines are parsed by tools);
+    `fmt="json"`: one JSON object per line."""
     logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr, force=True)
+    if fmt == "json":
+        from epistemic_kvcache.server.oplog import JsonFormatter
+
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonFormatter())
 
 
 def _serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +56,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     values = {k: v for k, v in vars(args).items() if k not in ("command", "_run")}
     config = load_config(values, os.environ)
-    setup_logging(config.log_level)
+    setup_logging(config.log_level, config.log_format)
     return run(config)
 
 

@@ -142,6 +142,10 @@ class ServerConfig:
     store_threads: int = 32
     shutdown_timeout_s: float = 10.0
     log_level: str = "INFO"
+    log_format: str = "text"
+    """`text` (one line per record) or `json` (one JSON object per line)."""
+    access_log: bool = False
+    """One log line per answered request (logger `epistemic_kvcache.access`)."""
     stats_log_interval_s: float = 60.0
     retire_interval_s: float = 5.0
     config_file: Path | None = None
@@ -483,8 +487,24 @@ _LIMIT_HELP = {
     "max_connections": "open connections per listener",
     "max_batch_keys": "keys per batch request",
     "max_batch_bytes": "total block bytes per batch request",
-    "max_inflight_body_bytes": "request bodies and RESP bulks being received, server-wide "
-    "(over it: HTTP 503 overloaded / RESP -ERR server busy)",
+    "max_inflight_body_bytes": "every byte buffered for clients (bodies, bulks, queued "
+    "commands, cold-read and batch answers), server-wide (over it: HTTP 503 overloaded / "
+    "RESP -ERR server busy)",
+    "max_tenant_inflight_bytes": "one tenant's share of max_inflight_body_bytes "
+    "(over it: HTTP 429 tenant_busy / RESP -ERR)",
+    "max_unauthenticated_connections": "connections per listener not authenticated yet "
+    "(full: the oldest is closed)",
+    "max_unauthenticated_connections_per_peer": "unauthenticated connections per client "
+    "address (over it: its oldest is closed)",
+    "max_connections_per_peer": "connections per client address and listener",
+    "max_connections_per_tenant": "authenticated connections per tenant and listener",
+    "subscriber_idle_timeout_s": "RESP subscribers sending nothing this long are closed",
+    "client_output_buffer_limit_bytes": "unread replies one connection may hold; over it "
+    "the client is disconnected",
+    "resp_max_query_buffer_bytes": "bytes of not-yet-run RESP commands one connection may "
+    "buffer (large bulks aside); over it the client is disconnected",
+    "resp_unauthenticated_max_buffer_bytes": "bytes a RESP connection may send ahead before "
+    "AUTH (reading pauses above it)",
     "resp_unauthenticated_max_args": "RESP arguments per command before AUTH",
     "resp_unauthenticated_max_bulk_bytes": "RESP bulk string size before AUTH",
     "resp_max_args": "RESP arguments per command",
@@ -704,6 +724,19 @@ SETTINGS: tuple[Setting, ...] = (
         "SECONDS",
     ),
     Setting("log_level", _parse_log_level, _D.log_level, "debug, info, warning, error", "LEVEL"),
+    Setting(
+        "log_format",
+        _choice("text", "json"),
+        _D.log_format,
+        "text, or json (one JSON object per line)",
+    ),
+    Setting(
+        "access_log",
+        parse_bool,
+        _D.access_log,
+        "log one line per answered request (logger epistemic_kvcache.access)",
+        kind="bool",
+    ),
     Setting(
         "stats_log_interval_s",
         _nonneg_seconds,
@@ -943,6 +976,13 @@ def _validate(c: ServerConfig) -> None:
                 "max_inflight_body_bytes",
                 f"expected at least {name} ({format_size(getattr(lim, name))}), "
                 f"got {format_size(lim.max_inflight_body_bytes)}",
+            )
+        share = min(lim.max_tenant_inflight_bytes, lim.max_inflight_body_bytes)
+        if getattr(lim, name) > share:
+            fail(
+                "max_tenant_inflight_bytes",
+                f"expected at least {name} ({format_size(getattr(lim, name))}), "
+                f"got {format_size(lim.max_tenant_inflight_bytes)}",
             )
 
     if c.store_threads > 1024:

@@ -42,6 +42,7 @@ _U32 = struct.Struct(">I")
 # -- routes -------------------------------------------------------------------------------
 
 ROUTE_HEALTHZ = "/healthz"
+ROUTE_READYZ = "/readyz"
 ROUTE_METRICS = "/metrics"
 ROUTE_STATS = "/kv/stats"
 ROUTE_BATCH_EXISTS = "/kv/batch/exists"
@@ -49,7 +50,7 @@ ROUTE_BATCH_GET = "/kv/batch/get"
 ROUTE_BATCH_PUT = "/kv/batch/put"
 ROUTE_KEY = "/kv/{key}"
 ROUTE_KEY_EXISTS = "/kv/{key}/exists"
-# Engine routes (snapshots, branches, epochs, paging, listing; `server/routes_engine.py`).
+# Engine routes (snapshots, branches, epochs, paging, listing; `server/http/engine.py`).
 ROUTE_SNAPSHOTS = "/kv/snapshot"
 ROUTE_SNAPSHOT = "/kv/snapshot/{id}"
 ROUTE_SNAPSHOT_KEY = "/kv/snapshot/{id}/{key}"
@@ -64,31 +65,9 @@ ROUTE_KEYS = "/kv/keys"
 ROUTE_OTHER = "other"
 """Metrics label for unknown paths and requests too malformed to route."""
 
-ROUTE_METHODS: dict[str, tuple[str, ...]] = {
-    ROUTE_HEALTHZ: ("GET", "HEAD"),
-    ROUTE_METRICS: ("GET", "HEAD"),
-    ROUTE_STATS: ("GET", "HEAD"),
-    ROUTE_BATCH_EXISTS: ("POST",),
-    ROUTE_BATCH_GET: ("POST",),
-    ROUTE_BATCH_PUT: ("POST",),
-    ROUTE_KEY: ("GET", "HEAD", "PUT", "DELETE"),
-    ROUTE_KEY_EXISTS: ("GET", "HEAD"),
-    ROUTE_SNAPSHOTS: ("GET", "HEAD", "POST"),
-    ROUTE_SNAPSHOT: ("GET", "HEAD", "DELETE"),
-    ROUTE_SNAPSHOT_KEY: ("GET", "HEAD"),
-    ROUTE_SNAPSHOT_FORK: ("POST",),
-    ROUTE_BRANCHES: ("GET", "HEAD"),
-    ROUTE_BRANCH: ("GET", "HEAD", "DELETE"),
-    ROUTE_BRANCH_KEY: ("GET", "HEAD", "PUT"),
-    ROUTE_EPOCH: ("GET", "HEAD"),
-    ROUTE_EPOCH_BUMP: ("POST",),
-    ROUTE_PAGE_IN: ("POST",),
-    ROUTE_KEYS: ("GET", "HEAD"),
-}
-"""Allowed methods per route (the `Allow` header of a 405)."""
-
 _FIXED_ROUTES = {
     b"/healthz": ROUTE_HEALTHZ,
+    b"/readyz": ROUTE_READYZ,
     b"/metrics": ROUTE_METRICS,
     b"/kv/stats": ROUTE_STATS,
     b"/kv/batch/exists": ROUTE_BATCH_EXISTS,
@@ -99,22 +78,6 @@ _RESERVED_SEGMENTS = (b"stats", b"batch", b"snapshot", b"branch", b"epoch", b"pa
 """First segments under `/kv/` that name routes, not keys."""
 _ESCAPED_KEYS = (*_RESERVED_SEGMENTS, b"fork")
 """Keys `quote_key` sends with a letter encoded (`fork`: `/kv/snapshot/<id>/fork`)."""
-ENGINE_ROUTES = frozenset(
-    {
-        ROUTE_SNAPSHOTS,
-        ROUTE_SNAPSHOT,
-        ROUTE_SNAPSHOT_KEY,
-        ROUTE_SNAPSHOT_FORK,
-        ROUTE_BRANCHES,
-        ROUTE_BRANCH,
-        ROUTE_BRANCH_KEY,
-        ROUTE_EPOCH,
-        ROUTE_EPOCH_BUMP,
-        ROUTE_PAGE_IN,
-        ROUTE_KEYS,
-    }
-)
-"""Routes answered by `server/routes_engine.py`."""
 _ENGINE_FIXED = {
     b"snapshot": ROUTE_SNAPSHOTS,
     b"branch": ROUTE_BRANCHES,
@@ -253,6 +216,8 @@ def _split_frame(body: Buffer, max_header_bytes: int) -> tuple[dict[str, object]
         header = json.loads(bytes(view[_U32.size : end]))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RemoteProtocolError(f"batch body: invalid JSON header ({exc})") from exc
+    except RecursionError:
+        raise RemoteProtocolError("batch body: JSON header nested too deeply") from None
     if not isinstance(header, dict):
         raise RemoteProtocolError("batch body: JSON header is not an object")
     return header, view[end:]
@@ -335,6 +300,8 @@ def decode_key_list(body: Buffer, *, max_keys: int) -> list[str]:
         doc = json.loads(bytes(body))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RemoteProtocolError(f"invalid JSON body ({exc})") from exc
+    except RecursionError:
+        raise RemoteProtocolError("invalid JSON body (nested too deeply)") from None
     keys = doc.get("keys") if isinstance(doc, dict) else None
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise RemoteProtocolError('body must be {"keys": [<string>, ...]}')

@@ -1,11 +1,15 @@
-"""The server runner: config -> store, authenticator, listeners; graceful stop.
+"""The server runner: config -> store, authenticator, listeners; graceful stop; reload.
 
 How it works:
-- `serve(config)` builds the authenticator first (cheap, may create the first-run
-  token), checks each listener's bind rule and loads TLS, opens the store, then starts
-  the HTTP and RESP listeners. Each bound address is logged as one parseable line,
-  `listening http=127.0.0.1:40123` / `listening resp=127.0.0.1:40124` (port 0 shows the
-  real port). Nothing listens before every check has passed.
+- `serve(config)` does every check that can fail before it writes anything: it reads
+  the credentials (a first-run token is generated in memory, not written yet), loads
+  TLS, checks each listener's bind rule, and binds both listeners without accepting.
+  Then it creates the persist dir (mode 0700) if needed, opens the store, writes the
+  first-run token (0600), and only then starts accepting. A start-up that fails
+  leaves no token file and removes a persist dir it created. Each bound address is
+  logged as one parseable line, `listening http=127.0.0.1:40123` /
+  `listening resp=127.0.0.1:40124` (port 0 shows the real port), followed by one
+  `started epistemic-kvcache <version> ...` line.
 - Every connection's protocol is wrapped in a thin proxy that records its transport
   and counts reads; the store thread pool counts calls in flight. On SIGTERM/SIGINT (or
   `ServerHandle.stop()`) the listeners stop accepting, then the runner waits — at most
@@ -13,6 +17,11 @@ How it works:
   during the last quarter second and every write buffer is empty (requests in progress finish,
   idle keep-alive connections do not hold the exit up). Then it closes the remaining
   connections, drains the thread pool and closes the store.
+- SIGHUP (or `ServerHandle.reload()`) re-reads the token file, the generated token, the
+  JWT secret/public key/JWKS and the TLS certificate, key and client CA, without
+  dropping a connection: new credentials and certificates apply to new authentications
+  and handshakes; RESP connections authenticated with a credential that no longer
+  verifies are closed. Anything that fails to load is logged and the old value kept.
 - Background tasks: the stats log line, `retire_forever` (a bounded `retire_stale` on the
   thread pool every `retire_interval_s`) and `watch_epochs_forever` (about once a second,
   reads the epochs of the scopes this server has seen from the shared registry and
@@ -29,6 +38,7 @@ import contextlib
 import errno
 import functools
 import logging
+import shutil
 import signal
 import ssl
 import threading
@@ -37,9 +47,10 @@ from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
 from epistemic_kvcache.config import Address, ServerConfig, format_size
-from epistemic_kvcache.errors import KvCacheError
-from epistemic_kvcache.server.auth import build_authenticator
+from epistemic_kvcache.errors import ConfigurationError, KvCacheError
+from epistemic_kvcache.server.auth import ReloadableAuthenticator, plan_authenticator
 from epistemic_kvcache.server.context import ServerContext
+from epistemic_kvcache.server.oplog import AccessLog
 from epistemic_kvcache.server.tls import check_bind, ssl_context_from_config
 from epistemic_kvcache.store.api import SharedKvBackend, StoreStats
 
@@ -66,6 +77,7 @@ class ServerHandle:
     tls: bool
     _loop: asyncio.AbstractEventLoop = field(repr=False)
     _stop: asyncio.Event = field(repr=False)
+    _reload: Callable[[], None] = field(repr=False, default=lambda: None)
 
     @property
     def http(self) -> Address:
@@ -86,6 +98,11 @@ class ServerHandle:
         """Ask the server to shut down gracefully. Safe from any thread; idempotent."""
         with contextlib.suppress(RuntimeError):  # loop already closed: nothing to stop
             self._loop.call_soon_threadsafe(self._stop.set)
+
+    def reload(self) -> None:
+        """What SIGHUP does: re-read credentials and certificates. Safe from any thread."""
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._reload)
 
 
 class CountingExecutor(concurrent.futures.ThreadPoolExecutor):
@@ -332,6 +349,7 @@ async def _listen(
     tls: ssl.SSLContext | None,
     backlog: int,
 ) -> tuple[asyncio.Server, tuple[Address, ...]]:
+    """Bind `addr` without accepting yet (`start_serving()` later)."""
     try:
         server = await loop.create_server(
             factory,
@@ -340,6 +358,7 @@ async def _listen(
             ssl=tls,
             backlog=backlog,
             ssl_handshake_timeout=10.0 if tls else None,
+            start_serving=False,
         )
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
@@ -354,6 +373,87 @@ async def _listen(
     return server, tuple(_sock_address(s.getsockname()) for s in server.sockets)
 
 
+class _LateFactory:
+    """A protocol factory bound before the context exists (nothing is accepted before)."""
+
+    def __init__(self) -> None:
+        self.factory: Callable[[], asyncio.BaseProtocol] | None = None
+
+    def __call__(self) -> asyncio.BaseProtocol:
+        if self.factory is None:  # start_serving() is called only after it is set
+            raise RuntimeError("listener accepted before the server was ready")
+        return self.factory()
+
+
+def _make_persist_dir(config: ServerConfig) -> bool:
+    """Create the persist dir (mode 0700) if it is missing; True when created here."""
+    path = config.persist_dir
+    if path.is_dir():
+        mode = path.stat().st_mode & 0o777
+        if mode & 0o077:
+            log.warning(
+                "persist dir %s is accessible to group/others (mode %o): chmod 700 it",
+                path,
+                mode,
+            )
+        return False
+    try:
+        path.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        raise ConfigurationError(
+            f"invalid persist_dir: '{path}' exists and is not a directory"
+        ) from None
+    except OSError as exc:
+        raise ConfigurationError(
+            f"invalid persist_dir: cannot create '{path}': {exc.strerror}"
+        ) from None
+    path.chmod(0o700)  # mkdir's mode is filtered by the umask; make it exact
+    return True
+
+
+def server_version() -> str:
+    """The installed package's version ("0" when running from an uninstalled tree)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("epistemic-kvcache")
+    except metadata.PackageNotFoundError:
+        return "0"
+
+
+def reload_tls(config: ServerConfig, live: ssl.SSLContext) -> None:
+    """Load the configured certificate chain (and client CA) into the listeners' live
+    context: new handshakes use them, established connections keep theirs. The files
+    are checked with a fresh context first, so a bad file changes nothing."""
+    if config.tls_cert is None or config.tls_key is None:
+        return
+    ssl_context_from_config(config)  # raises ConfigurationError for a bad file
+    live.load_cert_chain(certfile=str(config.tls_cert), keyfile=str(config.tls_key))
+    if config.tls_client_ca is not None:
+        live.load_verify_locations(cafile=str(config.tls_client_ca))
+
+
+def _reload(config: ServerConfig, ctx: ServerContext, tls: ssl.SSLContext | None) -> None:
+    """SIGHUP: credentials and certificates re-read; failures logged, old ones kept."""
+    auth = ctx.auth
+    if isinstance(auth, ReloadableAuthenticator):
+        try:
+            summary = auth.reload()
+        except (ConfigurationError, OSError) as exc:
+            log.error("reload: credentials NOT reloaded, the previous ones stay in force: %s", exc)
+        else:
+            log.info("reload: credentials reloaded (%s)", summary)
+            for hook in ctx.reload_hooks:
+                hook()
+    if tls is not None:
+        try:
+            reload_tls(config, tls)
+        except (ConfigurationError, OSError, ssl.SSLError) as exc:
+            log.error("reload: TLS NOT reloaded, the previous certificate stays in use: %s", exc)
+        else:
+            log.info("reload: TLS certificate reloaded from %s", config.tls_cert)
+
+
 async def serve(
     config: ServerConfig, *, ready: Callable[[ServerHandle], None] | None = None
 ) -> None:
@@ -361,7 +461,7 @@ async def serve(
 
     `ready` is called (on the loop) with the `ServerHandle` once every listener is open.
     Raises `ConfigurationError`, `ListenerError` or a `StoreError` when start-up fails;
-    no listener stays open in that case.
+    no listener stays open and no file is left behind in that case.
     """
     from epistemic_kvcache.server.http import make_http_factory
     from epistemic_kvcache.server.metrics import Metrics
@@ -371,7 +471,8 @@ async def serve(
     for warning in config.warnings:
         log.warning("%s", warning)
 
-    auth = build_authenticator(config)
+    # 1. Every check that reads but writes nothing.
+    auth_plan = plan_authenticator(config)
     tls = ssl_context_from_config(config)
     check_bind(
         config.addr,
@@ -391,30 +492,21 @@ async def serve(
             if addr is not None and not addr.is_loopback:
                 log.warning("plaintext listener on %s (--allow-insecure-bind)", addr)
 
-    store = await loop.run_in_executor(None, build_store, config)
-    executor = CountingExecutor(config.store_threads)
     servers: list[asyncio.Server] = []
     connections = _Connections()
     background: list[asyncio.Task[None]] = []
     stop = asyncio.Event()
     installed_signals: list[int] = []
+    store: SharedKvBackend | None = None
+    executor: CountingExecutor | None = None
+    created_dir = False
+    started = False
     try:
-        ctx = ServerContext(
-            store=store,
-            auth=auth,
-            limits=config.limits,
-            metrics=Metrics(store),
-            executor=executor,
-            metrics_tenants=frozenset(config.metrics_tenants),
-        )
+        # 2. Bind (not accepting yet): a taken port fails here, before any file is written.
         backlog = max(128, min(config.limits.max_connections, 4096))
+        http_factory, resp_factory = _LateFactory(), _LateFactory()
         http_server, http_addrs = await _listen(
-            loop,
-            "--addr",
-            config.addr,
-            _tracking(make_http_factory(ctx), connections),
-            tls,
-            backlog,
+            loop, "--addr", config.addr, _tracking(http_factory, connections), tls, backlog
         )
         servers.append(http_server)
         resp_addrs: tuple[Address, ...] = ()
@@ -423,22 +515,66 @@ async def serve(
                 loop,
                 "--resp-addr",
                 config.resp_addr,
-                _tracking(make_resp_factory(ctx), connections),
+                _tracking(resp_factory, connections),
                 tls,
                 backlog,
             )
             servers.append(resp_server)
+
+        # 3. Files: the persist dir, the store, the first-run token.
+        if config.backend == "durable" or auth_plan.pending_token is not None:
+            created_dir = _make_persist_dir(config)
+        store = await loop.run_in_executor(None, build_store, config)
+        auth_plan.commit()
+        executor = CountingExecutor(config.store_threads)
+        ctx = ServerContext(
+            store=store,
+            auth=ReloadableAuthenticator(config, auth_plan.authenticator),
+            limits=config.limits,
+            metrics=Metrics(store),
+            executor=executor,
+            metrics_tenants=frozenset(config.metrics_tenants),
+            access_log=AccessLog(config.access_log),
+        )
+        http_factory.factory = make_http_factory(ctx)
+        if config.resp_addr is not None:
+            resp_factory.factory = make_resp_factory(ctx)
         else:
             log.info("RESP listener off")
 
-        # Logged once every listener is open, so a failed start logs no "listening" line.
+        # 4. Accept.
+        for server in servers:
+            await server.start_serving()
+        started = True
+        # Logged once every listener accepts, so a failed start logs no "listening" line.
         mode = "off"
         if tls is not None:
             mode = "mtls" if tls.verify_mode == ssl.CERT_REQUIRED else "on"
         for name, addrs in (("http", http_addrs), ("resp", resp_addrs)):
             for a in addrs:
                 log.info("listening %s=%s tls=%s", name, a, mode)
-        installed_signals = _install_signals(loop, stop)
+        log.info(
+            "started epistemic-kvcache %s http=%s resp=%s tls=%s backend=%s persist_dir=%s "
+            "dedup_scope=%s",
+            server_version(),
+            ",".join(str(a) for a in http_addrs),
+            ",".join(str(a) for a in resp_addrs) or "off",
+            mode,
+            config.backend,
+            config.persist_dir.resolve() if config.backend == "durable" else "-",
+            config.dedup_scope,
+            extra={
+                "event": "started",
+                "version": server_version(),
+                "http": ",".join(str(a) for a in http_addrs),
+                "resp": ",".join(str(a) for a in resp_addrs) or "off",
+            },
+        )
+
+        def reload() -> None:
+            _reload(config, ctx, tls)
+
+        installed_signals = _install_signals(loop, stop, reload)
         if config.stats_log_interval_s > 0:
             background.append(
                 asyncio.create_task(
@@ -454,13 +590,7 @@ async def serve(
         background.append(
             asyncio.create_task(watch_epochs_forever(ctx), name="kvcache-epoch-watch")
         )
-        handle = ServerHandle(http_addrs, resp_addrs, tls is not None, loop, stop)
-        log.info(
-            "serving backend=%s persist_dir=%s dedup_scope=%s",
-            config.backend,
-            config.persist_dir.resolve() if config.backend == "durable" else "-",
-            config.dedup_scope,
-        )
+        handle = ServerHandle(http_addrs, resp_addrs, tls is not None, loop, stop, reload)
         if ready is not None:
             ready(handle)
         await stop.wait()
@@ -482,20 +612,35 @@ async def serve(
             if isinstance(conn.transport, asyncio.WriteTransport):
                 conn.transport.abort()
         await asyncio.sleep(0)
-        await loop.run_in_executor(None, _close_store, executor, store)
+        if store is not None:
+            await loop.run_in_executor(None, _close_store, executor, store)
+        if not started and created_dir:
+            shutil.rmtree(config.persist_dir, ignore_errors=True)
     log.info("stopped")
 
 
-def _close_store(executor: concurrent.futures.ThreadPoolExecutor, store: SharedKvBackend) -> None:
-    executor.shutdown(wait=True)
+def _close_store(
+    executor: concurrent.futures.ThreadPoolExecutor | None, store: SharedKvBackend
+) -> None:
+    if executor is not None:
+        executor.shutdown(wait=True)
     store.close()
 
 
-def _install_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> list[int]:
-    """SIGTERM/SIGINT -> graceful stop (main thread only; elsewhere the caller stops us)."""
+def _install_signals(
+    loop: asyncio.AbstractEventLoop, stop: asyncio.Event, reload: Callable[[], None]
+) -> list[int]:
+    """SIGTERM/SIGINT -> graceful stop, SIGHUP -> reload (main thread only; elsewhere the
+    caller uses `ServerHandle.stop()` / `reload()`)."""
     if threading.current_thread() is not threading.main_thread():
         return []
     installed: list[int] = []
+    try:
+        loop.add_signal_handler(signal.SIGHUP, reload)
+    except (NotImplementedError, RuntimeError, ValueError, AttributeError):
+        pass
+    else:
+        installed.append(signal.SIGHUP)
     for sig in (signal.SIGTERM, signal.SIGINT):
 
         def on_signal(sig: signal.Signals = sig) -> None:

@@ -32,7 +32,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -182,20 +182,7 @@ def ensure_generated_token(persist_dir: Path) -> Path:
     An existing file is reused as it is, so clients keep working across restarts.
     """
     path = persist_dir / GENERATED_TOKEN_FILENAME
-    try:
-        persist_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return path
-    except OSError as exc:
-        raise ConfigurationError(
-            f"invalid persist_dir: cannot create the first-run token '{path}': {exc.strerror}"
-        ) from None
-    try:
-        os.write(fd, (secrets.token_urlsafe(32) + "\n").encode("ascii"))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _write_generated_token(path, secrets.token_urlsafe(32))
     return path
 
 
@@ -519,27 +506,31 @@ class CredentialAuthenticator:
         raise AuthError("invalid credentials")
 
 
-def build_authenticator(config: ServerConfig) -> CredentialAuthenticator:
-    """The authenticator `config` describes.
+@dataclass(slots=True)
+class AuthPlan:
+    """An authenticator built from `config`, with the first-run token not yet on disk.
 
-    With no credential source configured and `generate_token` on, creates (or reuses)
-    `<persist_dir>/token` and accepts it for tenant `default`; its path is logged, the
-    token never. With `generate_token` off, raises `ConfigurationError` (fail closed).
+    `commit()` writes the generated token (if one is pending): start-up calls it only
+    once every other check has passed, so a start-up that fails writes no file.
     """
-    table = TokenTable()
-    for token in config.tokens:
-        table.add(token, DEFAULT_TENANT)
-    if config.token_file is not None:
-        load_token_file(config.token_file, table)
-    verifier = JwtVerifier.from_config(config) if config.jwt_enabled else None
-    if not config.auth_configured:
-        if not config.generate_token:
-            raise ConfigurationError(
-                "no credentials configured (--token, --token-file, --jwt-secret, "
-                "--jwt-public-key or --jwt-jwks) and --no-generate-token: refusing to serve"
-            )
-        path = ensure_generated_token(config.persist_dir)
-        load_token_file(path, table)
+
+    authenticator: CredentialAuthenticator
+    token_path: Path | None = None
+    """Where the generated token goes (None: no generated token in use)."""
+    pending_token: str | None = field(default=None, repr=False)
+    """The generated token still to be written (None: the file exists already)."""
+
+    def commit(self) -> None:
+        """Write the pending first-run token (mode 0600, directory 0700)."""
+        path = self.token_path
+        if path is None:
+            return
+        if self.pending_token is not None:
+            token, self.pending_token = self.pending_token, None
+            if not _write_generated_token(path, token):
+                # another process created it meanwhile: accept that one instead
+                table = load_token_file(path)
+                self.authenticator.tokens = table
         log.info(
             "no credentials configured: accepting the token in %s for tenant %r "
             "(clients: EPISTEMIC_GRAPH_KVCACHE_TOKEN=$(cat %s))",
@@ -547,16 +538,108 @@ def build_authenticator(config: ServerConfig) -> CredentialAuthenticator:
             DEFAULT_TENANT,
             path.resolve(),
         )
-    return CredentialAuthenticator(table, verifier)
+
+
+def _write_generated_token(path: Path, token: str) -> bool:
+    """Create `path` (0600) holding `token`; False if it exists already."""
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        raise ConfigurationError(
+            f"invalid persist_dir: cannot create the first-run token '{path}': {exc.strerror}"
+        ) from None
+    try:
+        os.write(fd, (token + "\n").encode("ascii"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return True
+
+
+def plan_authenticator(config: ServerConfig) -> AuthPlan:
+    """The authenticator `config` describes, reading files but writing none.
+
+    With no credential source configured and `generate_token` on, it accepts
+    `<persist_dir>/token` if that exists, else a new random token that `commit()`
+    writes there. With `generate_token` off, raises `ConfigurationError` (fail closed).
+    """
+    table = TokenTable()
+    for token in config.tokens:
+        table.add(token, DEFAULT_TENANT)
+    if config.token_file is not None:
+        load_token_file(config.token_file, table)
+    verifier = JwtVerifier.from_config(config) if config.jwt_enabled else None
+    if config.auth_configured:
+        return AuthPlan(CredentialAuthenticator(table, verifier))
+    if not config.generate_token:
+        raise ConfigurationError(
+            "no credentials configured (--token, --token-file, --jwt-secret, "
+            "--jwt-public-key or --jwt-jwks) and --no-generate-token: refusing to serve"
+        )
+    path = config.persist_dir / GENERATED_TOKEN_FILENAME
+    if path.exists() or path.is_symlink():
+        load_token_file(path, table)
+        return AuthPlan(CredentialAuthenticator(table, verifier), path)
+    if config.persist_dir.exists() and not config.persist_dir.is_dir():
+        raise ConfigurationError(
+            f"invalid persist_dir: '{config.persist_dir}' exists and is not a directory"
+        )
+    token = secrets.token_urlsafe(32)
+    table.add(token, DEFAULT_TENANT, source=str(path))
+    return AuthPlan(CredentialAuthenticator(table, verifier), path, token)
+
+
+def build_authenticator(config: ServerConfig) -> CredentialAuthenticator:
+    """The authenticator `config` describes (`plan_authenticator`, committed at once).
+
+    With no credential source configured and `generate_token` on, creates (or reuses)
+    `<persist_dir>/token` and accepts it for tenant `default`; its path is logged, the
+    token never. With `generate_token` off, raises `ConfigurationError` (fail closed).
+    """
+    plan = plan_authenticator(config)
+    plan.commit()
+    return plan.authenticator
+
+
+class ReloadableAuthenticator:
+    """The server's authenticator: `reload()` (SIGHUP) re-reads the token file, the
+    generated token, the JWT secret, public key and JWKS, and swaps them in at once;
+    a reload that fails keeps the credentials in use."""
+
+    def __init__(self, config: ServerConfig, current: CredentialAuthenticator) -> None:
+        self._config = config
+        self._current = current
+
+    def authenticate(self, credential: str) -> Identity:
+        return self._current.authenticate(credential)
+
+    def reload(self) -> str:
+        """Rebuild from the files; a summary of what is accepted now. Raises
+        `ConfigurationError` (the old credentials stay in force)."""
+        plan = plan_authenticator(self._config)
+        if plan.pending_token is not None:
+            raise ConfigurationError(
+                f"invalid persist_dir: the generated token file '{plan.token_path}' is gone"
+            )
+        self._current = plan.authenticator
+        tokens = plan.authenticator.tokens
+        jwt_state = "on" if plan.authenticator.jwt else "off"
+        return f"{len(tokens) if tokens else 0} token(s), JWT {jwt_state}"
 
 
 __all__ = [
     "GENERATED_TOKEN_FILENAME",
+    "AuthPlan",
     "CredentialAuthenticator",
     "JwtVerifier",
+    "ReloadableAuthenticator",
     "TokenTable",
     "build_authenticator",
     "ensure_generated_token",
     "load_token_file",
     "looks_like_jwt",
+    "plan_authenticator",
 ]

@@ -18,6 +18,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
+from epistemic_kvcache.server.budget import (
+    Account,
+    BatchTooLarge,
+    Busy,
+    ConnectionSlots,
+    MemoryBudget,
+    SlotLimits,
+)
+from epistemic_kvcache.server.oplog import AccessLog, AuthFailureLog
 from epistemic_kvcache.store.api import Buffer, PutResult, SharedKvBackend
 from epistemic_kvcache.store.engine import WOULD_BLOCK, TieredEngine, WouldBlock
 
@@ -67,18 +76,49 @@ class ServerLimits:
     anonymous peers cannot hold every connection slot (HTTP: no request with valid
     credentials yet; RESP: no successful AUTH/HELLO)."""
     max_connections: int = 1024
-    """Open connections per listener; more are accepted and closed at once."""
+    """Open connections per listener. When full, the oldest connection that has not
+    authenticated yet is closed to make room; with none, the new one is refused."""
+    max_unauthenticated_connections: int = 256
+    """Connections per listener that have not authenticated yet (a small pool of its
+    own: when full, its oldest connection is closed to admit the new one, if that one
+    has had a second to authenticate; else the new one is refused)."""
+    max_unauthenticated_connections_per_peer: int = 64
+    """Unauthenticated connections one client address may hold (its oldest is closed,
+    the same way), so one host cannot fill the pool."""
+    max_connections_per_peer: int = 512
+    """Connections one client address may hold on one listener."""
+    max_connections_per_tenant: int = 512
+    """Authenticated connections one tenant may hold on one listener."""
+    subscriber_idle_timeout_s: float = 1800.0
+    """A RESP connection in subscribed mode that sends nothing this long is closed (a
+    subscriber is otherwise never idle); redis-py's `health_check_interval` keeps it."""
     max_batch_keys: int = 1024
     max_batch_bytes: int = 256 * MiB
-    """A batch is one request body held whole in RAM: 256 MiB is 1024 keys of 256 KiB."""
+    """A batch is one request body (or answer, or MGET reply) held whole in RAM: 256 MiB
+    is 1024 keys of 256 KiB."""
     max_inflight_body_bytes: int = 2048 * MiB
-    """Bytes all request bodies (HTTP) and large bulks (RESP) being received may hold
-    together, server-wide. Each is allocated whole once its head is accepted, so without
-    this a few header-only requests could make the server allocate gigabytes."""
+    """Every byte buffered for clients, server-wide: request bodies and RESP bulks being
+    received, RESP commands not yet run, cold-read and batch answers until sent. A body
+    is allocated whole once its head is accepted, so without this a few header-only
+    requests could make the server allocate gigabytes."""
+    max_tenant_inflight_bytes: int = 512 * MiB
+    """One tenant's share of `max_inflight_body_bytes` (over it: HTTP 429, RESP -ERR),
+    so one tenant cannot make the server busy for the others."""
+    client_output_buffer_limit_bytes: int = 512 * MiB
+    """Replies queued for one connection that does not read them; over it the client is
+    disconnected (Redis' client-output-buffer-limit). A connection's next command waits
+    until its replies are sent, so only a slow reader of one huge answer reaches it."""
+    resp_max_query_buffer_bytes: int = 64 * MiB
+    """Bytes one RESP connection may buffer of commands not yet run (small arguments
+    with their overhead; bulks of 32 KiB and more are counted in the in-flight budget
+    only). A client over it is disconnected (Redis' client-query-buffer-limit)."""
     resp_unauthenticated_max_args: int = 10
     """Before AUTH: at most this many arguments, command name included (Redis'
     CVE-2021-32675 limit; `HELLO 3 AUTH <user> <pass> SETNAME <name>` needs 7)."""
     resp_unauthenticated_max_bulk_bytes: int = 4096
+    resp_unauthenticated_max_buffer_bytes: int = 64 * 1024
+    """Before AUTH: bytes read ahead of the command being run; reading pauses above it,
+    so an unauthenticated peer cannot queue a pipeline (one command at a time)."""
     resp_max_args: int = 1024 * 1024
     """Redis' own multibulk limit is 1024*1024 arguments."""
 
@@ -92,14 +132,20 @@ class EpochNotifier:
 
     Also remembers the `(tenant, scope)` pairs this server has seen (bumped or watched) and
     their last known epoch, so a watcher can poll the shared registry for bumps made by
-    other processes; each epoch is published at most once per server.
+    other processes; each epoch is published at most once per server. The table is
+    shared fairly: a tenant watching more than `max_watched_per_tenant` scopes forgets
+    its own oldest, and past `max_watched` in all the tenant watching the most loses
+    its oldest, so one tenant cannot push another's watches out.
     """
 
-    def __init__(self, max_watched: int = 10_000) -> None:
+    def __init__(self, max_watched: int = 10_000, max_watched_per_tenant: int = 1_000) -> None:
         self.max_watched = max_watched
+        self.max_watched_per_tenant = max_watched_per_tenant
         self.subscribers: dict[str, set[EpochCallback]] = {}
         self.known: dict[tuple[str, str], int | None] = {}
         """(tenant, scope) -> last epoch published or seen; None: not read yet."""
+        self._by_tenant: dict[str, dict[str, None]] = {}
+        """tenant -> its watched scopes, oldest first."""
 
     def subscribe(self, tenant: str, deliver: EpochCallback) -> None:
         self.subscribers.setdefault(tenant, set()).add(deliver)
@@ -111,16 +157,33 @@ class EpochNotifier:
             if not subs:
                 del self.subscribers[tenant]
 
+    def watched_by(self, tenant: str) -> int:
+        """How many scopes of `tenant` are watched."""
+        return len(self._by_tenant.get(tenant, ()))
+
     def watch(self, tenant: str, scope: str, epoch: int | None = None) -> None:
         """Poll `scope` from now on (its current epoch, if known, is not published)."""
         key = (tenant, scope)
         if key not in self.known:
+            scopes = self._by_tenant.setdefault(tenant, {})
+            if len(scopes) >= self.max_watched_per_tenant:
+                self._forget(tenant, next(iter(scopes)))
             self.known[key] = epoch
-            while len(self.known) > self.max_watched:  # forget the oldest
-                del self.known[next(iter(self.known))]
+            self._by_tenant.setdefault(tenant, {})[scope] = None
+            while len(self.known) > self.max_watched:
+                largest = max(self._by_tenant, key=lambda t: len(self._by_tenant[t]))
+                self._forget(largest, next(iter(self._by_tenant[largest])))
         elif epoch is not None:
             last = self.known[key]
             self.known[key] = epoch if last is None else max(last, epoch)
+
+    def _forget(self, tenant: str, scope: str) -> None:
+        self.known.pop((tenant, scope), None)
+        scopes = self._by_tenant.get(tenant)
+        if scopes is not None:
+            scopes.pop(scope, None)
+            if not scopes:
+                del self._by_tenant[tenant]
 
     def publish(self, tenant: str, scope: str, epoch: int) -> bool:
         """Deliver `<scope> <epoch>` to the tenant's subscribers unless already known."""
@@ -129,10 +192,20 @@ class EpochNotifier:
         if last is not None and last >= epoch:
             return False
         self.watch(tenant, scope)
-        self.known[key] = epoch
+        if key in self.known:
+            self.known[key] = epoch
         for deliver in list(self.subscribers.get(tenant, ())):
             deliver(scope, epoch)
         return True
+
+
+@dataclass(frozen=True, slots=True)
+class Readiness:
+    """Whether the server should get traffic (`/readyz`, RESP `INFO`), and why not."""
+
+    ready: bool
+    reason: str | None = None
+    detail: dict[str, bool] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -149,13 +222,19 @@ class ServerContext:
         )
     )
     open_connections: dict[str, int] = field(default_factory=dict)
-    """Live connections per listener name ("http", "resp"), for the connection cap."""
+    """Live connections per listener name ("http", "resp"), exported as a metric."""
     metrics_tenants: frozenset[str] = frozenset({"default"})
     """Tenants that may read `/metrics` (store-wide totals: operators only)."""
     epochs: EpochNotifier = field(default_factory=EpochNotifier)
     """Epoch bump notifications (RESP pub/sub channel `kvcache:epochs`)."""
-    inflight_body_bytes: int = field(default=0, init=False)
-    """Bytes reserved by request bodies and bulks being received or served (event loop)."""
+    auth_failures: AuthFailureLog = field(default_factory=AuthFailureLog)
+    access_log: AccessLog = field(default_factory=AccessLog)
+    reload_hooks: list[Callable[[], None]] = field(default_factory=list)
+    """Called after the credentials were reloaded (SIGHUP): RESP re-checks its sessions."""
+    budget: MemoryBudget = field(init=False)
+    """Every byte buffered for clients, server-wide and per tenant (see server/budget.py)."""
+    slots: dict[str, ConnectionSlots] = field(init=False, default_factory=dict)
+    """Connection slots per listener name."""
     inline_puts: bool = field(init=False)
     """`put_nowait` answers PUTs without a future (the memory backend)."""
     _engine: TieredEngine | None = field(init=False)
@@ -165,21 +244,47 @@ class ServerContext:
 
         self._engine = self.store if isinstance(self.store, TieredEngine) else None
         self.inline_puts = isinstance(self.store, SharedKvIndex)
+        lim = self.limits
+        self.budget = MemoryBudget(
+            lim.max_inflight_body_bytes,
+            min(lim.max_tenant_inflight_bytes, lim.max_inflight_body_bytes),
+        )
 
-    def reserve_body(self, nbytes: int) -> bool:
-        """Reserve `nbytes` of the in-flight body budget before allocating a body (call on
-        the event loop); False when that would exceed `max_inflight_body_bytes`. Whoever
-        gets True calls `release_body(nbytes)` once the body is no longer needed."""
-        if nbytes <= 0:
-            return True
-        if self.inflight_body_bytes + nbytes > self.limits.max_inflight_body_bytes:
-            return False
-        self.inflight_body_bytes += nbytes
-        return True
+    def slots_for(self, wire: str) -> ConnectionSlots:
+        """The connection slots of listener `wire` (created on first use)."""
+        slots = self.slots.get(wire)
+        if slots is None:
+            lim = self.limits
+            slots = ConnectionSlots(
+                SlotLimits(
+                    max_connections=lim.max_connections,
+                    max_unauthenticated=min(
+                        lim.max_unauthenticated_connections, lim.max_connections
+                    ),
+                    max_unauthenticated_per_peer=lim.max_unauthenticated_connections_per_peer,
+                    max_per_peer=lim.max_connections_per_peer,
+                    max_per_tenant=lim.max_connections_per_tenant,
+                )
+            )
+            self.slots[wire] = slots
+            self.open_connections.setdefault(wire, 0)
+        return slots
 
-    def release_body(self, nbytes: int) -> None:
-        """Give back a reservation made by `reserve_body` (call on the event loop)."""
-        self.inflight_body_bytes -= nbytes
+    def readiness(self) -> Readiness:
+        """The store's readiness (`store.health()`); a store without it is ready."""
+        health = getattr(self.store, "health", None)
+        if health is None:
+            return Readiness(True)
+        try:
+            h = health()
+        except Exception as exc:  # a failing health check is "not ready", never a crash
+            return Readiness(False, f"health check failed: {type(exc).__name__}")
+        detail = {
+            name: bool(getattr(h, name))
+            for name in ("writable", "committer_alive", "disk_full", "recovering")
+            if hasattr(h, name)
+        }
+        return Readiness(bool(h.ready), getattr(h, "reason", None), detail)
 
     def get_nowait(self, ns: str, key: str) -> Buffer | WouldBlock | None:
         """The block if RAM answers at once (hit or miss), else `WOULD_BLOCK`; inline."""
@@ -197,12 +302,48 @@ class ServerContext:
             return WOULD_BLOCK
         return engine.put_nowait(ns, key, data)
 
-    async def get(self, ns: str, key: str) -> Buffer | None:
-        """`store.get`, inline when RAM answers, else on the thread pool."""
+    async def get(self, ns: str, key: str, account: Account) -> Buffer | None:
+        """`store.get`, inline when RAM answers, else on the thread pool with its buffer
+        reserved from `account` first (`Busy` when refused)."""
         data = self.get_nowait(ns, key)
         if data is WOULD_BLOCK:
-            return await self.run(self.store.get, ns, key)
+            return await self.run(self.read_reserved, account, ns, key)
         return data
+
+    def read_reserved(self, account: Account, ns: str, key: str) -> Buffer | None:
+        """Blocking (thread pool): the block, reading it only once `account` holds room
+        for it under "reply" (raises `Busy`); None for a miss."""
+        store = self.store
+        size = store.size(ns, key)
+        if size is None:
+            return None
+        refused = account.take("reply", size)
+        if refused is not None:
+            raise Busy(refused, size)
+        data = store.get(ns, key)
+        got = 0 if data is None else len(data)
+        if got != size:  # replaced meanwhile: hold what was really read
+            account.set("reply", account.holding("reply") - size + got, force=True)
+        return data
+
+    def read_many_reserved(self, account: Account, ns: str, keys: list[str]) -> list[Buffer | None]:
+        """Blocking: `get_many`, its answers' size reserved from `account` first; raises
+        `BatchTooLarge` over `max_batch_bytes` and `Busy` when refused."""
+        store = self.store
+        total = sum(s for s in (store.size(ns, k) for k in keys) if s is not None)
+        limit = self.limits.max_batch_bytes
+        if total > limit:
+            raise BatchTooLarge(total, limit)
+        refused = account.take("reply", total)
+        if refused is not None:
+            raise Busy(refused, total)
+        blocks = store.get_many(ns, keys)
+        got = sum(len(b) for b in blocks if b is not None)
+        if got != total:
+            account.set("reply", account.holding("reply") - total + got, force=True)
+        if got > limit:  # keys were replaced between the two looks
+            raise BatchTooLarge(got, limit)
+        return blocks
 
     async def put(self, ns: str, key: str, data: Buffer) -> PutResult:
         """`store.put`: small PUTs start inline and a durable one is awaited as a future;

@@ -1,0 +1,210 @@
+"""The shapes every HTTP route shares: `Request`, `Response`, `HttpError`, the route table's rows.
+
+A route (`Route`) names, per method, the handler and the body it accepts (`BodyRule`:
+the largest body, the 413 code, whether the buffer goes to the store whole); the
+connection (server/http/connection.py) decides everything from the head alone with
+this table — authentication, method, body length — before one body byte is read.
+Handlers receive a complete `Request` and return a `Response` or raise `HttpError`
+(or a store error, mapped by proto/errors.py's table).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+from epistemic_kvcache.errors import RemoteProtocolError
+from epistemic_kvcache.proto.http import JSON_CONTENT_TYPE, OCTET_CONTENT_TYPE, error_body
+from epistemic_kvcache.server.budget import Account
+from epistemic_kvcache.server.context import ServerContext, ServerLimits
+from epistemic_kvcache.store.api import Buffer, PutOutcome, PutResult
+
+LARGE_JSON: Final = 64 * 1024
+"""JSON answers that may be larger than this are encoded on the thread pool."""
+
+
+class HttpError(Exception):
+    """Raised by a handler (or the admission checks) to answer with a JSON error."""
+
+    def __init__(
+        self, status: int, code: str, message: str, headers: Sequence[tuple[str, str]] = ()
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.headers = tuple(headers)
+
+    def response(self) -> Response:
+        return Response.error(self.status, self.code, self.message, self.headers)
+
+
+def bad_request(message: str) -> HttpError:
+    return HttpError(400, "bad_request", message)
+
+
+@dataclass(slots=True)
+class Response:
+    """Status, headers, body buffers (sent as they are) and Content-Length (None: none)."""
+
+    status: int
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    parts: Sequence[Buffer] = ()
+    length: int | None = 0
+
+    @classmethod
+    def json(cls, status: int, doc: object, headers: Sequence[tuple[str, str]] = ()) -> Response:
+        """A JSON answer encoded here (small documents only: this runs on the loop)."""
+        return cls.encoded_json(status, encode_json(doc), headers)
+
+    @classmethod
+    def encoded_json(
+        cls, status: int, body: bytes, headers: Sequence[tuple[str, str]] = ()
+    ) -> Response:
+        return cls(status, [("Content-Type", JSON_CONTENT_TYPE), *headers], [body], len(body))
+
+    @classmethod
+    def error(
+        cls, status: int, code: str, message: str, headers: Sequence[tuple[str, str]] = ()
+    ) -> Response:
+        body = error_body(code, message)
+        return cls(status, [("Content-Type", JSON_CONTENT_TYPE), *headers], [body], len(body))
+
+    @classmethod
+    def octets(cls, data: Buffer) -> Response:
+        return cls(200, [("Content-Type", OCTET_CONTENT_TYPE)], [data], len(data))
+
+    @classmethod
+    def empty(cls, status: int = 204) -> Response:
+        return cls(status, [], [], None)
+
+
+OUTCOME_WORD: Final = {
+    PutOutcome.NEW: "created",
+    PutOutcome.DUPLICATE: "duplicate",
+    PutOutcome.CONFLICT: "conflict",
+}
+"""A PUT's outcome as the API names it (`outcome` field, `X-Kv-Outcome` header)."""
+
+
+def put_answer(result: PutResult, extra: Mapping[str, object] | None = None) -> Response:
+    """The answer to a PUT: 201 when the key is new, else 200; outcome and digest."""
+    word = OUTCOME_WORD[result.outcome]
+    doc = {"outcome": word, "digest": result.digest.hex(), "size": result.size, **(extra or {})}
+    headers = [("X-Kv-Digest", result.digest.hex()), ("X-Kv-Outcome", word)]
+    return Response.json(201 if result.created else 200, doc, headers)
+
+
+def encode_json(doc: object) -> bytes:
+    return json.dumps(doc, separators=(",", ":")).encode("utf-8")
+
+
+async def large_json(
+    ctx: ServerContext, status: int, doc: object, headers: Sequence[tuple[str, str]] = ()
+) -> Response:
+    """A JSON answer that may be large, encoded on the thread pool (the loop never
+    spends milliseconds in `json.dumps`)."""
+    return Response.encoded_json(status, await ctx.run(encode_json, doc), headers)
+
+
+def load_json(body: Buffer | None, *, empty_ok: bool) -> dict[str, Any]:
+    """Parse a JSON object body; `HttpError` 400 for anything else (including documents
+    nested too deeply to parse, which would otherwise surface as RecursionError)."""
+    if not body:
+        if empty_ok:
+            return {}
+        raise bad_request("this route needs a JSON object body")
+    try:
+        doc = json.loads(bytes(body))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad_request(f"invalid JSON body ({exc})") from exc
+    except RecursionError:
+        raise bad_request("invalid JSON body (nested too deeply)") from None
+    if not isinstance(doc, dict):
+        raise bad_request("the body must be a JSON object")
+    return doc
+
+
+@dataclass(slots=True)
+class Request:
+    """A complete, authenticated (unless the route needs none), admitted request."""
+
+    ctx: ServerContext
+    account: Account
+    """The connection's memory account (reserve read buffers under "reply")."""
+    method: str
+    route: str
+    target: bytes
+    """The raw request target (path and query, still percent-encoded)."""
+    tenant: str | None
+    key: str | None
+    """The decoded `{key}` segment, for routes that have one."""
+    headers: Mapping[bytes, bytes]
+    body: bytearray | memoryview | None
+
+    @property
+    def ns(self) -> str:
+        """The caller's namespace (routes needing authentication only)."""
+        if self.tenant is None:
+            raise RemoteProtocolError("this route needs credentials", status_hint=401)
+        return self.tenant
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+BufferKind = Literal["block", "bytes"]
+
+
+@dataclass(frozen=True, slots=True)
+class BodyRule:
+    """The body a method of a route accepts."""
+
+    limit: Callable[[ServerLimits, int], int]
+    """(limits, the store's max block bytes) -> the largest body."""
+    code: str
+    """The 413 error code above the limit."""
+    buffer: BufferKind = "bytes"
+    """`block`: handed to the store whole (mmap-backed when large); `bytes`: parsed."""
+
+
+def block_body(limits: ServerLimits, store_max: int) -> int:
+    return min(limits.max_block_bytes, store_max)
+
+
+BLOCK: Final = BodyRule(block_body, "block_too_large", "block")
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    handler: Handler
+    body: BodyRule | None = None
+    """None: the method takes no body (one that arrives anyway is read and dropped,
+    up to `max_block_bytes`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One route template and what each method does there."""
+
+    template: str
+    methods: Mapping[str, Endpoint]
+    auth: bool = True
+    """False: answered without credentials (`/healthz`, `/readyz`)."""
+    operators_only: bool = False
+    """Only tenants in `metrics_tenants` may call it (`/metrics`)."""
+
+    @property
+    def allow(self) -> str:
+        """The `Allow` header: the methods, HEAD wherever GET is."""
+        methods = list(self.methods)
+        if "GET" in methods and "HEAD" not in methods:
+            methods.insert(methods.index("GET") + 1, "HEAD")
+        return ", ".join(methods)
+
+    def endpoint(self, method: str) -> Endpoint | None:
+        """The endpoint answering `method` (HEAD is answered by GET, without the body)."""
+        found = self.methods.get(method)
+        if found is None and method == "HEAD":
+            found = self.methods.get("GET")
+        return found

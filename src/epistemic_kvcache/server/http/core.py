@@ -1,0 +1,169 @@
+"""Handlers of the core `/kv` routes: blocks by key, batches, stats, health and metrics."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from epistemic_kvcache.errors import InvalidKeyError, StoreError
+from epistemic_kvcache.proto.errors import row_for
+from epistemic_kvcache.proto.http import (
+    BATCH_CONTENT_TYPE,
+    OCTET_CONTENT_TYPE,
+    decode_batch_put_request,
+    decode_key_list,
+    encode_batch_get_response,
+)
+from epistemic_kvcache.server.http.api import (
+    OUTCOME_WORD,
+    HttpError,
+    Request,
+    Response,
+    large_json,
+    put_answer,
+)
+from epistemic_kvcache.server.http.engine import EPOCH_SCOPE_HEADER, scoped_put
+from epistemic_kvcache.store.api import MAX_KEY_BYTES, PutOutcome, validate_key
+
+NOT_FOUND: Final = HttpError(404, "not_found", "no such key")
+
+
+def batch_header_limit(max_batch_keys: int) -> int:
+    """Bytes a batch JSON header may take: every key at its size limit, JSON-escaped 6x."""
+    return max_batch_keys * (6 * MAX_KEY_BYTES + 24) + 1024
+
+
+async def healthz(req: Request) -> Response:
+    """Liveness: the process answers (no store call, no credentials)."""
+    return Response.json(200, {"status": "ok"})
+
+
+async def readyz(req: Request) -> Response:
+    """Readiness: 200 when the store is writable and recovered, else 503 with why."""
+    ready = req.ctx.readiness()
+    doc: dict[str, object] = {"status": "ready" if ready.ready else "not_ready"}
+    if not ready.ready:
+        doc["reason"] = ready.reason or "not ready"
+    doc.update(ready.detail)
+    return Response.json(200 if ready.ready else 503, doc)
+
+
+async def metrics(req: Request) -> Response:
+    body, ctype = await req.ctx.run(req.ctx.metrics.render)
+    return Response(200, [("Content-Type", ctype)], [body], len(body))
+
+
+async def stats(req: Request) -> Response:
+    ns = req.ns
+    result = await req.ctx.run(req.ctx.store.stats, ns)
+    return Response.json(200, {"namespace": ns, **result.to_dict()})
+
+
+def _batch_keys(req: Request) -> list[str]:
+    assert req.body is not None
+    keys = decode_key_list(req.body, max_keys=req.ctx.limits.max_batch_keys)
+    for i, key in enumerate(keys):
+        try:
+            validate_key(key)
+        except InvalidKeyError as exc:
+            raise InvalidKeyError(f"keys[{i}]: {exc}") from exc
+    return keys
+
+
+async def batch_exists(req: Request) -> Response:
+    keys = _batch_keys(req)
+    found = await req.ctx.run(req.ctx.store.exists_many, req.ns, keys)
+    return await large_json(req.ctx, 200, {"exists": found})
+
+
+async def batch_get(req: Request) -> Response:
+    keys = _batch_keys(req)
+    ctx = req.ctx
+    blocks = await ctx.run(ctx.read_many_reserved, req.account, req.ns, keys)
+    parts = encode_batch_get_response(blocks)
+    return Response(200, [("Content-Type", BATCH_CONTENT_TYPE)], parts, sum(len(p) for p in parts))
+
+
+async def batch_put(req: Request) -> Response:
+    assert req.body is not None
+    limits = req.ctx.limits
+    items = decode_batch_put_request(
+        req.body,
+        max_keys=limits.max_batch_keys,
+        max_header_bytes=batch_header_limit(limits.max_batch_keys),
+    )
+    results = await req.ctx.run(_batch_put, req, items)
+    return await large_json(req.ctx, 200, {"results": results})
+
+
+def _batch_put(req: Request, items: list[tuple[str, memoryview]]) -> list[str]:
+    """Runs on the store pool: one `put_many` for the valid items, per-key errors."""
+    store, ns = req.ctx.store, req.ns
+    max_block = min(req.ctx.limits.max_block_bytes, store.max_block_bytes)
+    results: list[str] = [""] * len(items)
+    valid: list[int] = []
+    for i, (key, view) in enumerate(items):
+        try:
+            validate_key(key)
+        except InvalidKeyError:
+            results[i] = "error:bad_key"
+            continue
+        if len(view) > max_block:
+            results[i] = "error:block_too_large"
+            continue
+        valid.append(i)
+    existed = store.exists_many(ns, [items[i][0] for i in valid])
+    try:
+        done = store.put_many(ns, [items[i] for i in valid])
+    except StoreError:
+        # put_many stops at its first failure: redo one by one for per-key answers.
+        # Items it stored already read as duplicates now; `existed` tells them apart.
+        for i, was in zip(valid, existed, strict=True):
+            try:
+                outcome = store.put(ns, *items[i]).outcome
+            except StoreError as exc:
+                results[i] = "error:" + row_for(exc).code
+                continue
+            if outcome is PutOutcome.DUPLICATE and not was:
+                outcome = PutOutcome.NEW
+            results[i] = OUTCOME_WORD[outcome]
+    else:
+        for i, res in zip(valid, done, strict=True):
+            results[i] = OUTCOME_WORD[res.outcome]
+    return results
+
+
+async def key_exists(req: Request) -> Response:
+    key = req.key
+    assert key is not None
+    found = await req.ctx.run(req.ctx.store.exists, req.ns, key)
+    return Response.json(200, {"hash": key, "exists": found})
+
+
+async def key_get(req: Request) -> Response:
+    """GET and HEAD of `/kv/<key>` (HEAD reads only the size)."""
+    ctx, key = req.ctx, req.key
+    assert key is not None
+    if req.method == "HEAD":
+        size = await ctx.run(ctx.store.size, req.ns, key)
+        if size is None:
+            raise NOT_FOUND
+        return Response(200, [("Content-Type", OCTET_CONTENT_TYPE)], [], size)
+    data = await ctx.get(req.ns, key, req.account)
+    if data is None:
+        raise NOT_FOUND
+    return Response.octets(data)
+
+
+async def key_delete(req: Request) -> Response:
+    assert req.key is not None
+    if await req.ctx.run(req.ctx.store.delete, req.ns, req.key):
+        return Response.empty(204)
+    raise NOT_FOUND
+
+
+async def key_put(req: Request) -> Response:
+    if EPOCH_SCOPE_HEADER in req.headers:
+        return await scoped_put(req)
+    assert req.key is not None
+    assert req.body is not None
+    return put_answer(await req.ctx.put(req.ns, req.key, req.body))

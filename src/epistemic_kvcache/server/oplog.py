@@ -1,0 +1,127 @@
+"""What the operator sees in the log: failed logins, an optional access log, JSON lines.
+
+- `AuthFailureLog`: every failed authentication is logged at WARNING with the wire, the
+  peer address and the reason (never the credential), at most `burst` lines per
+  `window_s`; the rest are counted and summarised in one line when the window ends,
+  so a password-guessing flood cannot flood the log. Clients get a generic answer.
+- `AccessLog`: with `--access-log`, one INFO line per answered request on the logger
+  `epistemic_kvcache.access`: wire, peer, tenant, request, status, bytes and duration.
+- `JsonFormatter`: `--log-format json` writes each record as one JSON object per line
+  (`ts`, `level`, `logger`, `msg`, and the fields a record carries in `extra`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, Final
+
+AUTH_LOG: Final = logging.getLogger("epistemic_kvcache.auth")
+ACCESS_LOG: Final = logging.getLogger("epistemic_kvcache.access")
+
+_STD_ATTRS: Final = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
+
+
+class AuthFailureLog:
+    """Rate-limited WARNING lines for failed authentications (event loop only)."""
+
+    def __init__(self, burst: int = 20, window_s: float = 10.0) -> None:
+        self.burst = burst
+        self.window_s = window_s
+        self.total = 0
+        self._window_start = 0.0
+        self._in_window = 0
+        self._suppressed = 0
+
+    def failed(self, wire: str, peer: str, reason: str) -> None:
+        """Log (or count) one failed authentication."""
+        self.total += 1
+        now = time.monotonic()
+        if now - self._window_start >= self.window_s:
+            if self._suppressed:
+                AUTH_LOG.warning(
+                    "%d more failed authentications not logged in the last %.0fs",
+                    self._suppressed,
+                    now - self._window_start,
+                    extra={"event": "auth_failed_suppressed", "count": self._suppressed},
+                )
+            self._window_start = now
+            self._in_window = 0
+            self._suppressed = 0
+        if self._in_window >= self.burst:
+            self._suppressed += 1
+            return
+        self._in_window += 1
+        AUTH_LOG.warning(
+            "authentication failed wire=%s peer=%s reason=%s",
+            wire,
+            peer,
+            reason,
+            extra={"event": "auth_failed", "wire": wire, "peer": peer, "reason": reason},
+        )
+
+
+class AccessLog:
+    """One line per answered request when enabled (`--access-log`)."""
+
+    def __init__(self, enabled: bool = False) -> None:
+        self.enabled = enabled
+
+    def record(
+        self,
+        wire: str,
+        peer: str,
+        tenant: str | None,
+        request: str,
+        status: str,
+        bytes_in: int,
+        bytes_out: int,
+        seconds: float,
+    ) -> None:
+        ACCESS_LOG.info(
+            "%s %s %s %r %s in=%d out=%d %.3fms",
+            wire,
+            peer,
+            tenant or "-",
+            request,
+            status,
+            bytes_in,
+            bytes_out,
+            seconds * 1000,
+            extra={
+                "event": "access",
+                "wire": wire,
+                "peer": peer,
+                "tenant": tenant,
+                "request": request,
+                "status": status,
+                "bytes_in": bytes_in,
+                "bytes_out": bytes_out,
+                "duration_ms": round(seconds * 1000, 3),
+            },
+        )
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: ts (RFC 3339, UTC), level, logger, msg, extra fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for name, value in vars(record).items():
+            if name not in _STD_ATTRS and not name.startswith("_"):
+                doc[name] = (
+                    value if isinstance(value, str | int | float | bool | None) else str(value)
+                )
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, ensure_ascii=False)
+
+
+__all__ = ["ACCESS_LOG", "AUTH_LOG", "AccessLog", "AuthFailureLog", "JsonFormatter"]

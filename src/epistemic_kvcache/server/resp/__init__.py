@@ -1,0 +1,21 @@
+"""The Redis (RESP2/RESP3) listener (docs/resp.md).
+
+- `connection`: the asyncio protocol: framing, back-pressure, accounting, timers.
+- `dispatch`: the command table, checks, batching on the thread pool, fast paths.
+- `commands`: the command handlers, each given a narrow `Session`.
+- `session`: what a handler sees (the client's session, the listener's shared state).
+"""
+
+from epistemic_kvcache.server.resp.commands import EPOCH_CHANNEL
+from epistemic_kvcache.server.resp.common import REDIS_COMPAT_VERSION
+from epistemic_kvcache.server.resp.connection import RespConnection, make_resp_factory
+from epistemic_kvcache.server.resp.dispatch import COMMANDS, CommandSpec
+
+__all__ = [
+    "COMMANDS",
+    "EPOCH_CHANNEL",
+    "REDIS_COMPAT_VERSION",
+    "CommandSpec",
+    "RespConnection",
+    "make_resp_factory",
+]

@@ -1,0 +1,671 @@
+"""The RESP command handlers, registered in the command table (`dispatch.COMMANDS`).
+
+Each handler receives the client's `Session` (server/resp/session.py) and the command's
+arguments, and returns a reply value (`proto.resp.serialize` encodes it) or raises
+`Reply` with an error. Handlers registered with `blocking_command` run on the store's
+thread pool (store calls); those registered with `command` run on the event loop and
+must not block.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Final
+
+from epistemic_kvcache.proto.glob import Glob
+from epistemic_kvcache.proto.resp import (
+    Buffer,
+    Command,
+    ErrorReply,
+    SimpleString,
+    Verbatim,
+)
+from epistemic_kvcache.server.budget import BatchTooLarge, Busy
+from epistemic_kvcache.server.resp.common import (
+    OK,
+    REDIS_COMPAT_VERSION,
+    SYNTAX_ERROR,
+    Frames,
+    Reply,
+    busy_reply,
+    push,
+    text,
+    to_glob,
+    to_int,
+    to_key,
+    unknown_subcommand,
+    wrong_args,
+)
+from epistemic_kvcache.server.resp.dispatch import COMMANDS, CommandSpec, blocking_command, command
+from epistemic_kvcache.server.resp.session import Session
+from epistemic_kvcache.store.api import SharedKvBackend
+
+EPOCH_CHANNEL: Final = b"kvcache:epochs"
+"""Pub/sub channel of epoch bumps: messages `<scope> <epoch>`, per tenant."""
+MAX_CHANNELS: Final = 1024
+"""Channels one connection may subscribe to (only EPOCH_CHANNEL carries messages)."""
+SCAN_MAX_COUNT: Final = 10000
+SCAN_DEFAULT_COUNT: Final = 10
+SCAN_MATCH_BUDGET: Final = 50_000_000
+"""Glob work (`Glob.cost` units, ~3 ns each) one SCAN call may spend on MATCH; past it
+the call returns early with a cursor (SCAN may return fewer keys than COUNT)."""
+MEMORY_USAGE_OVERHEAD: Final = 96
+"""Bytes `MEMORY USAGE` adds to key and value for the index entry (an estimate)."""
+
+_TTL_UNSUPPORTED: Final = ErrorReply(
+    "ERR SET with EX/PX/EXAT/PXAT is not supported: entries never expire, they are "
+    "evicted by the cache tiers or removed with DEL"
+)
+_HELLO_NOAUTH: Final = ErrorReply(
+    "NOAUTH HELLO must be called with the client already authenticated, otherwise the "
+    "HELLO <proto> AUTH <user> <pass> option can be used to authenticate the client and "
+    "select the RESP protocol version at the same time"
+)
+
+
+def _valid_client_name(raw: Buffer) -> str:
+    data = bytes(raw)
+    if any(b < 0x21 or b > 0x7E for b in data):
+        raise Reply(
+            ErrorReply("ERR Client names cannot contain spaces, newlines or special characters.")
+        )
+    return data.decode("ascii")
+
+
+def hello_map(s: Session) -> dict[str, object]:
+    return {
+        "server": "epistemic-kvcache",
+        "version": REDIS_COMPAT_VERSION,
+        "proto": s.protocol_version,
+        "id": s.client_id,
+        "mode": "standalone",
+        "role": "master",
+        "modules": [],
+    }
+
+
+# -- connection commands --------------------------------------------------------------------
+
+
+@command("ping", -1, ("fast", "stale"), (0, 0, 0), "connection", "Ping the server.", no_auth=True)
+async def _ping(s: Session, cmd: Command) -> object:
+    if len(cmd) > 2:
+        return wrong_args("ping")
+    if s.channels and s.protocol_version == 2:  # Redis' subscribed-mode PING reply
+        return [b"pong", cmd[1] if len(cmd) == 2 else b""]
+    return cmd[1] if len(cmd) == 2 else SimpleString("PONG")
+
+
+@command("echo", 2, ("fast", "stale"), (0, 0, 0), "connection", "Return the argument.")
+async def _echo(s: Session, cmd: Command) -> object:
+    return cmd[1]
+
+
+@command(
+    "quit", -1, ("fast", "stale"), (0, 0, 0), "connection", "Close the connection.", no_auth=True
+)
+async def _quit(s: Session, cmd: Command) -> object:
+    s.quit_requested = True
+    return OK
+
+
+@command(
+    "auth",
+    -2,
+    ("fast", "stale", "no-auth"),
+    (0, 0, 0),
+    "connection",
+    "Authenticate the connection; its keys live in the credential's namespace.",
+    no_auth=True,
+)
+async def _auth(s: Session, cmd: Command) -> object:
+    if len(cmd) > 3:
+        return SYNTAX_ERROR
+    return s.authenticate(cmd[-1]) or OK
+
+
+@command(
+    "hello",
+    -1,
+    ("fast", "stale", "no-auth"),
+    (0, 0, 0),
+    "connection",
+    "Handshake: select RESP2/RESP3, optionally authenticate and name the client.",
+    no_auth=True,
+)
+async def _hello(s: Session, cmd: Command) -> object:
+    version = s.protocol_version
+    password: Buffer | None = None
+    setname: str | None = None
+    if len(cmd) >= 2:
+        version = to_int(
+            cmd[1], ErrorReply("ERR Protocol version is not an integer or out of range")
+        )
+        i = 2
+        while i < len(cmd):
+            opt = bytes(cmd[i]).upper()
+            if opt == b"AUTH" and i + 2 < len(cmd):
+                password = cmd[i + 2]
+                i += 3
+            elif opt == b"SETNAME" and i + 1 < len(cmd):
+                setname = _valid_client_name(cmd[i + 1])
+                i += 2
+            else:
+                return ErrorReply(f"ERR Syntax error in HELLO option '{text(cmd[i])}'")
+        if version not in (2, 3):
+            return ErrorReply("NOPROTO unsupported protocol version")
+    if password is not None:
+        failed = s.authenticate(password)
+        if failed is not None:
+            return failed
+    if s.identity is None:
+        return _HELLO_NOAUTH
+    if setname is not None:
+        s.name = setname or None
+    s.protocol_version = version
+    return hello_map(s)
+
+
+@command(
+    "select",
+    2,
+    ("fast", "loading", "stale"),
+    (0, 0, 0),
+    "connection",
+    "Select database 0 (the only one).",
+)
+async def _select(s: Session, cmd: Command) -> object:
+    if to_int(cmd[1]) != 0:
+        return ErrorReply("ERR DB index is out of range")
+    return OK
+
+
+@command(
+    "subscribe",
+    -2,
+    ("pubsub", "noscript", "loading", "stale"),
+    (0, 0, 0),
+    "pubsub",
+    "Listen for messages on channels (kvcache:epochs: the tenant's epoch bumps).",
+)
+async def _subscribe(s: Session, cmd: Command) -> object:
+    frames: list[Buffer] = []
+    for raw in cmd[1:]:
+        channel = bytes(raw)
+        if channel not in s.channels and len(s.channels) >= MAX_CHANNELS:
+            return ErrorReply(f"ERR at most {MAX_CHANNELS} channels per connection")
+        s.channels[channel] = None
+        frames += push([b"subscribe", channel, len(s.channels)], s.protocol_version)
+    s.subscriptions_changed()
+    return Frames(frames)
+
+
+@command(
+    "unsubscribe",
+    -1,
+    ("pubsub", "noscript", "loading", "stale"),
+    (0, 0, 0),
+    "pubsub",
+    "Stop listening on the given channels, or on all of them.",
+)
+async def _unsubscribe(s: Session, cmd: Command) -> object:
+    targets = [bytes(a) for a in cmd[1:]] if len(cmd) > 1 else list(s.channels)
+    if not targets:
+        return Frames(push([b"unsubscribe", None, 0], s.protocol_version))
+    frames: list[Buffer] = []
+    for channel in targets:
+        s.channels.pop(channel, None)
+        frames += push([b"unsubscribe", channel, len(s.channels)], s.protocol_version)
+    s.subscriptions_changed()
+    return Frames(frames)
+
+
+@command(
+    "reset",
+    1,
+    ("fast", "stale", "no-auth"),
+    (0, 0, 0),
+    "connection",
+    "Reset the connection: RESP2, no name, unauthenticated.",
+    no_auth=True,
+)
+async def _reset(s: Session, cmd: Command) -> object:
+    s.reset()
+    return SimpleString("RESET")
+
+
+@command(
+    "client", -2, ("stale",), (0, 0, 0), "connection", "CLIENT SETNAME | GETNAME | ID | SETINFO."
+)
+async def _client(s: Session, cmd: Command) -> object:
+    sub = bytes(cmd[1]).upper()
+    if sub == b"SETNAME" and len(cmd) == 3:
+        s.name = _valid_client_name(cmd[2]) or None
+        return OK
+    if sub == b"GETNAME" and len(cmd) == 2:
+        return s.name
+    if sub == b"ID" and len(cmd) == 2:
+        return s.client_id
+    if sub == b"SETINFO" and len(cmd) == 4:
+        attr = bytes(cmd[2]).upper()
+        value = _valid_client_name(cmd[3]) if cmd[3] else ""
+        if attr == b"LIB-NAME":
+            s.lib_name = value or None
+        elif attr == b"LIB-VER":
+            s.lib_version = value or None
+        else:
+            return ErrorReply(f"ERR Unrecognized option '{text(cmd[2])}'")
+        return OK
+    if sub in (b"SETNAME", b"GETNAME", b"ID", b"SETINFO"):
+        return ErrorReply(
+            f"ERR wrong number of arguments for 'client|{sub.decode().lower()}' command"
+        )
+    return unknown_subcommand(cmd[1], "CLIENT")
+
+
+# -- key commands ---------------------------------------------------------------------------
+
+
+@blocking_command("get", 2, ("readonly", "fast"), (1, 1, 1), "string", "Get the value of a key.")
+def _get(s: Session, cmd: Command) -> object:
+    try:
+        return s.call(s.ctx.read_reserved, s.account, s.namespace, to_key(cmd[1]))
+    except Busy as exc:
+        raise Reply(busy_reply(exc.limit)) from None
+
+
+@blocking_command(
+    "set",
+    -3,
+    ("write", "denyoom"),
+    (1, 1, 1),
+    "string",
+    "Set a key (first write wins: an existing key keeps its bytes).",
+)
+def _set(s: Session, cmd: Command) -> object:
+    nx = xx = get = keepttl = False
+    ttl = False
+    i = 3
+    while i < len(cmd):
+        opt = bytes(cmd[i]).upper()
+        if opt == b"NX" and not xx:
+            nx = True
+        elif opt == b"XX" and not nx:
+            xx = True
+        elif opt == b"GET":
+            get = True
+        elif opt == b"KEEPTTL" and not ttl:
+            keepttl = True
+        elif opt in (b"EX", b"PX", b"EXAT", b"PXAT") and not ttl and not keepttl:
+            if i + 1 >= len(cmd):
+                return SYNTAX_ERROR
+            if to_int(cmd[i + 1]) <= 0:
+                return ErrorReply("ERR invalid expire time in 'set' command")
+            ttl = True
+            i += 1
+        else:
+            return SYNTAX_ERROR
+        i += 1
+    if ttl:
+        return _TTL_UNSUPPORTED
+    store = s.store
+    ns = s.namespace
+    key = to_key(cmd[1])
+    old: Buffer | None = None
+    if get:
+        old = _get(s, [b"get", cmd[1]])  # type: ignore[assignment]
+    ok_reply: object = old if get else OK
+    if nx:
+        if get and old is not None:
+            return old
+        result = s.call(store.put, ns, key, cmd[2])
+        return ok_reply if result.created else None
+    if xx and not (old is not None or s.call(store.exists, ns, key)):
+        return None
+    s.call(store.put, ns, key, cmd[2])
+    return ok_reply
+
+
+@blocking_command("mget", -2, ("readonly", "fast"), (1, -1, 1), "string", "Get the values of keys.")
+def _mget(s: Session, cmd: Command) -> object:
+    keys = [to_key(k) for k in cmd[1:]]
+    try:
+        return s.call(s.ctx.read_many_reserved, s.account, s.namespace, keys)
+    except Busy as exc:
+        raise Reply(busy_reply(exc.limit)) from None
+    except BatchTooLarge as exc:
+        raise Reply(ErrorReply(f"ERR MGET {exc}")) from None
+
+
+@blocking_command(
+    "mset",
+    -3,
+    ("write", "denyoom"),
+    (1, -1, 2),
+    "string",
+    "Set several keys (first write wins per key).",
+)
+def _mset(s: Session, cmd: Command) -> object:
+    if len(cmd) % 2 == 0:
+        return wrong_args("mset")
+    items = [(to_key(cmd[i]), cmd[i + 1]) for i in range(1, len(cmd), 2)]
+    s.call(s.store.put_many, s.namespace, items)
+    return OK
+
+
+@blocking_command(
+    "exists", -2, ("readonly", "fast"), (1, -1, 1), "keyspace", "Count how many of the keys exist."
+)
+def _exists(s: Session, cmd: Command) -> object:
+    keys = [to_key(k) for k in cmd[1:]]
+    return sum(s.call(s.store.exists_many, s.namespace, keys))
+
+
+def _delete(s: Session, cmd: Command) -> object:
+    keys = [to_key(k) for k in cmd[1:]]
+    return sum(s.call(s.store.delete_many, s.namespace, keys))
+
+
+blocking_command("del", -2, ("write",), (1, -1, 1), "keyspace", "Delete keys.")(_delete)
+blocking_command("unlink", -2, ("write", "fast"), (1, -1, 1), "keyspace", "Delete keys.")(_delete)
+
+
+@blocking_command("strlen", 2, ("readonly", "fast"), (1, 1, 1), "string", "Length of a value.")
+def _strlen(s: Session, cmd: Command) -> object:
+    size = s.call(s.store.size, s.namespace, to_key(cmd[1]))
+    return size or 0
+
+
+@blocking_command(
+    "type", 2, ("readonly", "fast"), (1, 1, 1), "keyspace", "The type of a key: string or none."
+)
+def _type(s: Session, cmd: Command) -> object:
+    exists = s.call(s.store.exists, s.namespace, to_key(cmd[1]))
+    return SimpleString("string" if exists else "none")
+
+
+@blocking_command(
+    "memory",
+    -2,
+    ("readonly",),
+    (2, 2, 1),
+    "server",
+    "MEMORY USAGE key [SAMPLES n]: bytes a key and its value take (estimated).",
+)
+def _memory(s: Session, cmd: Command) -> object:
+    sub = bytes(cmd[1]).upper()
+    if sub != b"USAGE":
+        return unknown_subcommand(cmd[1], "MEMORY")
+    if len(cmd) not in (3, 5):
+        return ErrorReply("ERR wrong number of arguments for 'memory|usage' command")
+    if len(cmd) == 5:
+        if bytes(cmd[3]).upper() != b"SAMPLES":
+            return SYNTAX_ERROR
+        to_int(cmd[4])
+    key = to_key(cmd[2])
+    size = s.call(s.store.size, s.namespace, key)
+    if size is None:
+        return None
+    return size + len(bytes(cmd[2])) + MEMORY_USAGE_OVERHEAD
+
+
+@blocking_command(
+    "dbsize",
+    1,
+    ("readonly", "fast"),
+    (0, 0, 0),
+    "server",
+    "Number of keys in the caller's namespace.",
+)
+def _dbsize(s: Session, cmd: Command) -> object:
+    return s.call(s.store.count, s.namespace)
+
+
+@blocking_command(
+    "scan",
+    -2,
+    ("readonly",),
+    (0, 0, 0),
+    "keyspace",
+    "Iterate the caller's keys (cursor, MATCH, COUNT, TYPE).",
+)
+def _scan(s: Session, cmd: Command) -> object:
+    invalid_cursor = ErrorReply("ERR invalid cursor")
+    cursor = to_int(cmd[1], invalid_cursor)
+    count = SCAN_DEFAULT_COUNT
+    match: Glob | None = None
+    only_strings = True
+    i = 2
+    while i < len(cmd):
+        opt = bytes(cmd[i]).upper()
+        if i + 1 >= len(cmd):
+            return SYNTAX_ERROR
+        if opt == b"COUNT":
+            count = to_int(cmd[i + 1])
+            if count < 1:
+                return SYNTAX_ERROR
+        elif opt == b"MATCH":
+            match = to_glob(cmd[i + 1])
+        elif opt == b"TYPE":
+            only_strings = bytes(cmd[i + 1]).lower() == b"string"
+        else:
+            return SYNTAX_ERROR
+        i += 2
+    ns = s.namespace
+    after: str | None = None
+    if cursor != 0:
+        after = s.shared.cursors.position(ns, cursor)
+        if after is None:
+            return invalid_cursor
+    limit = min(count, SCAN_MAX_COUNT)
+    keys: list[str] = s.call(_scan_page, s.store, ns, after, limit)
+    more = len(keys) == limit
+    encoded = [k.encode("utf-8") for k in keys] if only_strings else []
+    if match is not None:
+        matched: list[bytes] = []
+        spent = 0
+        for i, k in enumerate(encoded):
+            if i and spent >= SCAN_MATCH_BUDGET:  # bounded work per call: resume later
+                keys, more = keys[:i], True
+                break
+            spent += match.cost(len(k))
+            if match.match(k):
+                matched.append(k)
+        encoded = matched
+    next_cursor = s.shared.cursors.new(ns, keys[-1]) if more else 0
+    return [str(next_cursor), encoded]
+
+
+def _scan_page(store: SharedKvBackend, ns: str, after: str | None, limit: int) -> list[str]:
+    return store.keys(ns, after=after, limit=limit)
+
+
+# -- server commands ------------------------------------------------------------------------
+
+_INFO_DEFAULT: Final = ("server", "clients", "persistence", "stats", "kvcache", "keyspace")
+
+
+def maxmemory(s: Session) -> int:
+    """Bytes the RAM tiers may hold (hot + warm capacity): what `maxmemory` means here."""
+    tiers = s.store.stats(None).tiers
+    return sum(t.capacity_bytes for name, t in tiers.items() if name in ("hot", "warm"))
+
+
+@blocking_command(
+    "info",
+    -1,
+    ("loading", "stale"),
+    (0, 0, 0),
+    "server",
+    "Server information and the caller's namespace stats.",
+)
+def _info(s: Session, cmd: Command) -> object:
+    wanted = {bytes(a).decode("ascii", "replace").lower() for a in cmd[1:]}
+    if not wanted or wanted & {"all", "default", "everything"}:
+        wanted = set(_INFO_DEFAULT)
+    ns = s.namespace
+    stats = s.call(s.store.stats, ns)
+    nkeys = s.call(s.store.count, ns)
+    ctx, shared = s.ctx, s.shared
+    ready = ctx.readiness()
+    activity = shared.activity(ns)
+    sections: list[tuple[str, list[tuple[str, object]]]] = [
+        (
+            "server",
+            [
+                ("redis_version", REDIS_COMPAT_VERSION),
+                ("redis_mode", "standalone"),
+                ("server_name", "epistemic-kvcache"),
+                ("kvcache_version", shared.version),
+                ("arch_bits", 64),
+                ("uptime_in_seconds", int(time.monotonic() - shared.started)),
+                ("resp_protocols", "2,3"),
+                ("ready", int(ready.ready)),
+                ("ready_reason", (ready.reason or "ok").replace("\r", " ").replace("\n", " ")),
+            ],
+        ),
+        (
+            "clients",
+            [
+                # this tenant's own connections only: the server-wide count would tell one
+                # tenant about the others' traffic
+                ("connected_clients", ctx.slots_for("resp").connections_of(ns)),
+                ("blocked_clients", 0),
+                ("maxclients", ctx.limits.max_connections),
+            ],
+        ),
+        (
+            "memory",
+            [
+                ("used_memory", stats.resident_bytes),
+                ("maxmemory", s.call(maxmemory, s)),
+                ("maxmemory_policy", "allkeys-lru"),
+            ],
+        ),
+        (
+            "persistence",
+            [
+                ("loading", 0),
+                ("aof_enabled", int(shared.durable)),
+                ("rdb_changes_since_last_save", 0),
+            ],
+        ),
+        (
+            "stats",
+            [
+                ("total_connections_received", activity.connections),
+                ("total_commands_processed", activity.commands),
+                ("keyspace_hits", stats.get_hits),
+                ("keyspace_misses", stats.get_misses),
+                ("evicted_keys", stats.evictions),
+                ("expired_keys", 0),
+            ],
+        ),
+    ]
+    kv: list[tuple[str, object]] = []
+    for field, value in stats.to_dict().items():
+        if field == "tiers":
+            for tier, tstats in value.items():
+                kv.extend((f"tier_{tier}_{k}", v) for k, v in tstats.items())
+        elif field != "extra":
+            kv.append((field, value))
+    sections.append(("kvcache", kv))
+    sections.append(("keyspace", [("db0", f"keys={nkeys},expires=0,avg_ttl=0")]))
+    lines: list[str] = []
+    for title, fields in sections:
+        if title not in wanted:
+            continue
+        if lines:
+            lines.append("")
+        lines.append(f"# {title.capitalize()}")
+        lines.extend(f"{k}:{v}" for k, v in fields)
+    out = "\r\n".join(lines) + ("\r\n" if lines else "")
+    return Verbatim(out) if s.protocol_version == 3 else out.encode("utf-8")
+
+
+def _config_table(s: Session) -> dict[str, str]:
+    limits = s.limits
+    durable = s.shared.durable
+    return {
+        "save": "",
+        "appendonly": "yes" if durable else "no",
+        "appendfsync": "always" if durable else "no",
+        "databases": "1",
+        "maxclients": str(limits.max_connections),
+        "proto-max-bulk-len": str(limits.max_block_bytes),
+        "timeout": str(int(limits.idle_timeout_s)),
+        "maxmemory": str(maxmemory(s)),
+        "maxmemory-policy": "allkeys-lru",
+    }
+
+
+@blocking_command(
+    "config",
+    -2,
+    ("admin", "noscript", "loading", "stale"),
+    (0, 0, 0),
+    "server",
+    "CONFIG GET: the Redis settings clients look at, answered truthfully.",
+)
+def _config(s: Session, cmd: Command) -> object:
+    if bytes(cmd[1]).upper() != b"GET":
+        return unknown_subcommand(cmd[1], "CONFIG")
+    if len(cmd) < 3:
+        return ErrorReply("ERR wrong number of arguments for 'config|get' command")
+    globs = [to_glob(bytes(pattern).lower()) for pattern in cmd[2:]]
+    table = s.call(_config_table, s)
+    out: dict[str, str] = {}
+    for glob in globs:
+        for name, value in table.items():
+            if glob.match(name.encode()):
+                out[name] = value
+    return out
+
+
+def _command_info(spec: CommandSpec) -> list[object]:
+    return [
+        spec.name,
+        spec.arity,
+        {SimpleString(f) for f in spec.flags},
+        spec.first_key,
+        spec.last_key,
+        spec.step,
+        set(),
+        [],
+        [],
+        [],
+    ]
+
+
+def _command_docs(spec: CommandSpec) -> dict[str, object]:
+    return {"summary": spec.summary, "since": "1.0.0", "group": spec.group}
+
+
+def _lookup_specs(names: Sequence[Buffer]) -> list[CommandSpec | None]:
+    return [COMMANDS.get(bytes(n).lower()) for n in names]
+
+
+@command(
+    "command",
+    -1,
+    ("loading", "stale"),
+    (0, 0, 0),
+    "server",
+    "COMMAND, COMMAND COUNT | LIST | INFO | DOCS.",
+)
+async def _command_cmd(s: Session, cmd: Command) -> object:
+    if len(cmd) == 1:
+        return [_command_info(spec) for spec in COMMANDS.values()]
+    sub = bytes(cmd[1]).upper()
+    if sub == b"COUNT" and len(cmd) == 2:
+        return len(COMMANDS)
+    if sub == b"LIST" and len(cmd) == 2:
+        return [spec.name for spec in COMMANDS.values()]
+    if sub == b"INFO":
+        specs = _lookup_specs(cmd[2:]) if len(cmd) > 2 else list(COMMANDS.values())
+        return [_command_info(spec) if spec is not None else None for spec in specs]
+    if sub == b"DOCS":
+        specs = _lookup_specs(cmd[2:]) if len(cmd) > 2 else list(COMMANDS.values())
+        return {spec.name: _command_docs(spec) for spec in specs if spec is not None}
+    return unknown_subcommand(cmd[1], "COMMAND")

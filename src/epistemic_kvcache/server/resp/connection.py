@@ -1,0 +1,550 @@
+"""The Redis (RESP2/RESP3) listener's connection: framing, back-pressure, accounting, timers.
+
+How it works
+------------
+One `RespConnection` (an `asyncio.BufferedProtocol`) per client. The event loop reads
+into a read buffer shared by the listener's connections (the parser copies out what it
+keeps before `buffer_updated` returns); a large SET payload is read straight into its
+final preallocated array. The parser frames at most `MAX_FRAMED_AHEAD` commands per read
+(the rest stays buffered), so one read never costs more than a bounded amount of work.
+A per-connection task takes commands in order and hands each to the `Dispatcher`
+(server/resp/dispatch.py), writing replies before taking the next, so pipelined replies
+keep request order. While the task is parked waiting for input, `buffer_updated` runs
+the dispatcher's fast path (plain GET/SET that RAM answers) without waking it.
+
+Fairness: the task yields to the event loop once a time slice (`SLICE_S`) of commands
+has run, and after every command before AUTH, so no connection holds the loop.
+
+Accounting (server/budget.py): the connection's `Account` holds, under its tenant (or
+the unauthenticated pseudo-tenant): "bulk" — large bulks preallocated by the parser;
+"input" — the parser's other buffered bytes (small arguments with their overhead,
+framed commands, the unparsed tail); "reply" — cold-read buffers reserved by handlers;
+"output" — replies queued in the transport. Growing "bulk" or "input" can be refused:
+the command being framed is then dropped and answered `-ERR server busy` (or the
+tenant's own busy error). Limits per connection: `resp_max_query_buffer_bytes` of
+"input" and `client_output_buffer_limit_bytes` of "output"; a client over either is
+disconnected, as Redis does.
+
+Back-pressure: reading pauses while a complete command waits and more than
+`READ_HIGH_WATER` bytes are buffered (before AUTH: more than
+`resp_unauthenticated_max_buffer_bytes`), and resumes when the task drains it or needs
+data. `pause_writing` stops the task before its next command, so a client that does not
+read is not served (and then not read).
+
+Slots (server/budget.py `ConnectionSlots`): a connection takes an unauthenticated slot
+when it opens and moves to its tenant's share on AUTH; a tenant at its share is refused
+there. Timers: not authenticated within `auth_timeout_s` -> closed; no traffic for
+`idle_timeout_s` -> closed (subscribers: `subscriber_idle_timeout_s`); a command whose
+first byte arrived more than `request_timeout_s` ago and is still incomplete -> closed
+(slowloris); replies not read for `request_timeout_s` -> closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Final, cast
+
+from epistemic_kvcache.errors import RemoteProtocolError
+from epistemic_kvcache.proto.resp import (
+    NEED_DATA,
+    Buffer,
+    Command,
+    ErrorReply,
+    Event,
+    RespParser,
+    serialize,
+)
+from epistemic_kvcache.server.budget import Account, Slot, peer_of
+from epistemic_kvcache.server.context import Identity, ServerContext
+from epistemic_kvcache.server.resp.commands import EPOCH_CHANNEL
+from epistemic_kvcache.server.resp.common import WIRE, log, push
+from epistemic_kvcache.server.resp.dispatch import Dispatcher
+from epistemic_kvcache.server.resp.session import Session, Shared
+from epistemic_kvcache.store.api import MAX_KEY_BYTES
+
+READ_HIGH_WATER: Final = 4 * 1024 * 1024
+"""Bytes of not-yet-executed commands above which reading pauses."""
+MAX_FRAMED_AHEAD: Final = 256
+"""Commands the parser frames ahead of the one running (the rest stays raw bytes)."""
+SLICE_S: Final = 0.002
+"""A connection's task yields to the event loop after running commands this long."""
+PUBSUB_OUTPUT_LIMIT: Final = 8 * 1024 * 1024
+"""A subscriber whose unread messages exceed this is disconnected (Redis' soft pubsub
+client-output-buffer-limit is 8 MiB)."""
+
+
+def make_resp_factory(ctx: ServerContext) -> Callable[[], asyncio.BufferedProtocol]:
+    """A protocol factory for `loop.create_server` serving RESP on `ctx`'s store."""
+    shared = Shared(ctx)
+    ctx.slots_for(WIRE)
+
+    def factory() -> asyncio.BufferedProtocol:
+        return RespConnection(shared)
+
+    return factory
+
+
+class _Queue:
+    """The dispatcher's view of the framed commands: put-back ones first, then the parser's."""
+
+    __slots__ = ("parser", "pending")
+
+    def __init__(self, parser: RespParser) -> None:
+        self.parser = parser
+        self.pending: deque[Command] = deque()
+
+    def peek(self) -> Command | None:
+        return self.pending[0] if self.pending else self.parser.peek()
+
+    def pop(self) -> None:
+        if self.pending:
+            self.pending.popleft()
+        else:
+            self.parser.next_event()
+
+    def unshift(self, commands: list[Command]) -> None:
+        self.pending.extendleft(reversed(commands))
+
+    def next(self) -> Event:
+        if self.pending:
+            return self.pending.popleft()
+        return self.parser.next_event()
+
+
+class RespConnection(asyncio.BufferedProtocol):
+    """One RESP client connection. Create through `make_resp_factory`."""
+
+    def __init__(self, shared: Shared) -> None:
+        self._shared = shared
+        self._ctx = ctx = shared.ctx
+        self._limits = limits = ctx.limits
+        self._slots = ctx.slots_for(WIRE)
+        self._account = Account(ctx.budget)
+        self.session = Session(shared, self._account, self)
+        self._parser = RespParser(
+            max_multibulk_len=limits.resp_max_args,
+            max_bulk_bytes=max(limits.max_block_bytes, MAX_KEY_BYTES),
+            unauthenticated_max_multibulk_len=limits.resp_unauthenticated_max_args,
+            unauthenticated_max_bulk_bytes=limits.resp_unauthenticated_max_bulk_bytes,
+            reserve=self._reserve,
+            scratch=shared.scratch,
+            max_ready=MAX_FRAMED_AHEAD,
+        )
+        self._queue = _Queue(self._parser)
+        self._dispatcher = Dispatcher(self.session, self._queue)
+        self._slot: Slot | None = None
+        self.peer = "?"
+
+        self._loop = asyncio.get_running_loop()
+        self._transport: asyncio.Transport | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._wakeup = asyncio.Event()
+        self._can_write = asyncio.Event()
+        self._can_write.set()
+        self._write_paused_since: float | None = None
+        self._closing = False
+        self._eof = False
+        self._reading_paused = False
+        self._parked = False
+        """The command task waits for input with nothing queued: the fast path may run."""
+        self._last_activity = self._loop.time()
+        self._partial_since: float | None = None
+        self._seen_parsed = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._auth_timer: asyncio.TimerHandle | None = None
+        self._sub_tenant: str | None = None
+        self._counted_tenant: str | None = None
+
+    # -- asyncio callbacks ----------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport = cast(asyncio.Transport, transport)
+        self.peer = peer_of(transport)
+        self.session.peer = self.peer
+        admitted = self._slots.admit(self.peer, self._evicted)
+        self._ctx.open_connections[WIRE] = self._slots.open
+        if isinstance(admitted, str):
+            self._closing = True
+            log.info("RESP connection from %s refused: %s", self.peer, admitted)
+            transport.write(f"-ERR {admitted}\r\n".encode())
+            transport.close()
+            return
+        self._slot = admitted
+        self._shared.live.add(self)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._task = self._loop.create_task(self._serve())
+        self._arm_timer(self._timeout_check_delay())
+        self.arm_auth_deadline()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._parser.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        parser = self._parser
+        parser.buffer_updated(nbytes)
+        now = self._loop.time()
+        self._last_activity = now
+        if parser.has_partial:
+            if self._partial_since is None or parser.commands_parsed != self._seen_parsed:
+                self._partial_since = now
+                self._seen_parsed = parser.commands_parsed
+        else:
+            self._partial_since = None
+        if not self._account_input():
+            return
+        s = self.session
+        if (
+            self._parked
+            and parser.has_ready
+            and s.identity is not None
+            and not s.channels
+            and not self._closing
+        ):
+            self._dispatcher.run_inline(self._write_more, parser.peek, parser.next_event)
+            self._settle()
+            if not parser.has_ready and not parser.has_error:
+                return  # all answered here: the task stays parked
+        self._wakeup.set()
+        if self._reading_paused or self._transport is None:
+            return
+        if s.identity is None:
+            over = parser.buffered_bytes > self._limits.resp_unauthenticated_max_buffer_bytes
+        else:
+            over = parser.has_ready and parser.buffered_bytes > READ_HIGH_WATER
+        if over:
+            self._reading_paused = True
+            self._transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        self._eof = True
+        self._wakeup.set()
+        return True  # keep the write side open until the queued replies are sent
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closing = True
+        self._account.close()
+        self.session.channels.clear()
+        self.on_subscriptions()
+        if self._slot is not None:
+            self._slots.release(self._slot)
+            self._slot = None
+            self._ctx.open_connections[WIRE] = self._slots.open
+        for handle in (self._timer, self._auth_timer):
+            if handle is not None:
+                handle.cancel()
+        self._timer = self._auth_timer = None
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        self._can_write.set()
+        self._wakeup.set()
+
+    def pause_writing(self) -> None:
+        self._can_write.clear()
+        self._write_paused_since = self._loop.time()
+
+    def resume_writing(self) -> None:
+        self._last_activity = self._loop.time()
+        self._write_paused_since = None
+        self._account_output()
+        self._can_write.set()
+
+    # -- the command loop -------------------------------------------------------------------
+    async def _serve(self) -> None:
+        loop_time = time.perf_counter
+        slice_start = loop_time()
+        try:
+            while not self._closing:
+                try:
+                    event = self._queue.next()
+                except RemoteProtocolError as exc:
+                    self._dispatcher.observe("protocol_error", ErrorReply(""), 0.0)
+                    self._write(serialize(ErrorReply(f"ERR {exc}"), self.session.protocol_version))
+                    self._close()
+                    return
+                if event is NEED_DATA:
+                    self._settle()
+                    self._resume_reading(force=True)
+                    if self._eof:
+                        self._close()
+                        return
+                    self._wakeup.clear()
+                    self._parked = True
+                    try:
+                        await self._wakeup.wait()
+                    finally:
+                        self._parked = False
+                    slice_start = loop_time()
+                    continue
+                self._resume_reading(force=False)
+                if not self._can_write.is_set():
+                    await self._can_write.wait()
+                    if self._closing:
+                        return
+                    slice_start = loop_time()
+                replies = await self._dispatcher.execute(event)
+                if self._closing:
+                    return
+                if not self._queue.pending:
+                    self._settle()
+                buffers: list[Buffer] = []
+                for reply in replies:
+                    buffers += self._dispatcher.encode(reply)
+                self._write(buffers)
+                self._account.give_back("reply")
+                if self.session.quit_requested:
+                    self._close()
+                    return
+                self._last_activity = self._loop.time()
+                if self.session.identity is None or loop_time() - slice_start > SLICE_S:
+                    await asyncio.sleep(0)  # let other connections run
+                    slice_start = loop_time()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("RESP connection %d failed", self.session.client_id)
+            self._close(abort=True)
+
+    # -- accounting ---------------------------------------------------------------------------
+    def _reserve(self, nbytes: int) -> bool | str:
+        """The parser's `reserve` hook: hold `nbytes` of a large bulk under "bulk"."""
+        refused = self._account.take("bulk", nbytes)
+        if refused is None:
+            return True
+        log.info(
+            "RESP connection %d (%s): %d-byte bulk refused (%s limit)",
+            self.session.client_id,
+            self.peer,
+            nbytes,
+            refused,
+        )
+        return refused
+
+    def _account_input(self) -> bool:
+        """Count what the parser buffers; False (connection closed) over the query limit."""
+        parser = self._parser
+        pending = parser.pending_bytes
+        limit = self._limits.resp_max_query_buffer_bytes
+        if pending > limit:
+            log.warning(
+                "RESP connection %d (%s) buffered %d bytes of commands "
+                "(resp_max_query_buffer_bytes=%d): closed",
+                self.session.client_id,
+                self.peer,
+                pending,
+                limit,
+            )
+            self._write(
+                serialize(
+                    ErrorReply(
+                        "ERR Protocol error: query buffer limit reached "
+                        "(resp_max_query_buffer_bytes)"
+                    ),
+                    self.session.protocol_version,
+                )
+            )
+            self._close()
+            return False
+        refused = self._account.set("input", pending)
+        if refused is not None:
+            if parser.refuse_partial(refused):
+                pending = parser.pending_bytes
+            self._account.set("input", pending, force=True)
+        return True
+
+    def _account_output(self) -> None:
+        limit = self._limits.client_output_buffer_limit_bytes
+        queued = self._account.track_output(self._transport, limit)
+        if queued is not None and not self._closing:
+            log.warning(
+                "RESP connection %d (%s) has %d bytes of unread replies "
+                "(client_output_buffer_limit_bytes=%d): closed",
+                self.session.client_id,
+                self.peer,
+                queued,
+                limit,
+            )
+            self._close(abort=True)
+
+    def _settle(self) -> None:
+        """Release what this connection holds beyond what its parser still buffers.
+
+        Call only while none of its commands runs and none waits in the queue: every
+        bulk taken out of the parser is then done with."""
+        account, parser = self._account, self._parser
+        if account.holding("bulk") > parser.held_bytes:
+            account.set("bulk", parser.held_bytes)
+        account.set("input", parser.pending_bytes, force=True)
+
+    # -- I/O helpers ------------------------------------------------------------------------
+    def _write(self, buffers: list[Buffer]) -> None:
+        transport = self._transport
+        if transport is None or transport.is_closing() or not buffers:
+            return
+        if len(buffers) == 1:
+            transport.write(buffers[0])
+        else:
+            transport.writelines(buffers)
+        self._account_output()
+
+    def _write_more(self, buffers: list[Buffer]) -> bool:
+        """The fast path's writer: write, and say whether the peer is keeping up."""
+        self._write(buffers)
+        return self._can_write.is_set() and not self._closing
+
+    def _close(self, *, abort: bool = False) -> None:
+        self._closing = True
+        transport = self._transport
+        if transport is not None and not transport.is_closing():
+            if abort:
+                transport.abort()
+            else:
+                transport.close()
+
+    def revoke(self) -> None:
+        """The session's credential no longer verifies (credentials reloaded): close."""
+        log.warning(
+            "RESP connection %d (%s) of tenant %r closed: its credential was revoked",
+            self.session.client_id,
+            self.peer,
+            self.session.identity.tenant if self.session.identity else None,
+        )
+        self._close(abort=True)
+
+    def _evicted(self) -> None:
+        """Our unauthenticated slot went to a newer connection (the pool was full)."""
+        log.debug("RESP connection from %s closed: unauthenticated pool full", self.peer)
+        self._slot = None
+        self._close(abort=True)
+
+    def _resume_reading(self, *, force: bool) -> None:
+        if not self._reading_paused or self._transport is None:
+            return
+        parser = self._parser
+        if self.session.identity is None:
+            low = self._limits.resp_unauthenticated_max_buffer_bytes // 2
+        else:
+            low = READ_HIGH_WATER // 2
+        if force or parser.buffered_bytes <= low:
+            self._reading_paused = False
+            self._partial_since = None  # the wait was ours, not the client's
+            self._transport.resume_reading()
+
+    def arm_auth_deadline(self) -> None:
+        """Close the connection unless it authenticates within `auth_timeout_s`."""
+        if self._auth_timer is not None:
+            self._auth_timer.cancel()
+        self._auth_timer = self._loop.call_later(self._limits.auth_timeout_s, self._on_auth_timeout)
+
+    def _on_auth_timeout(self) -> None:
+        self._auth_timer = None
+        if self._closing or self.session.identity is not None:
+            return
+        log.info(
+            "RESP connection %d (%s) not authenticated in time, closing",
+            self.session.client_id,
+            self.peer,
+        )
+        self._close(abort=True)
+
+    def _timeout_check_delay(self) -> float:
+        limits = self._limits
+        return max(0.05, min(limits.idle_timeout_s, limits.request_timeout_s))
+
+    def _arm_timer(self, delay: float) -> None:
+        self._timer = self._loop.call_later(delay, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self._closing:
+            return
+        limits = self._limits
+        now = self._loop.time()
+        if self._dispatcher.busy:
+            self._last_activity = now
+        idle = limits.subscriber_idle_timeout_s if self.session.channels else limits.idle_timeout_s
+        deadline = self._last_activity + idle
+        why = "idle"
+        if self._partial_since is not None and not self._reading_paused:
+            partial_deadline = self._partial_since + limits.request_timeout_s
+            if partial_deadline < deadline:
+                deadline, why = partial_deadline, "command not completed in time"
+        if self._write_paused_since is not None:
+            stall_deadline = self._write_paused_since + limits.request_timeout_s
+            if stall_deadline < deadline:
+                deadline, why = stall_deadline, "replies not read in time"
+        if now >= deadline:
+            log.info("RESP connection %d (%s) closed: %s", self.session.client_id, self.peer, why)
+            self._close(abort=True)
+            return
+        self._arm_timer(max(0.05, min(deadline - now, self._timeout_check_delay())))
+
+    # -- session hooks ------------------------------------------------------------------------
+    def on_login(self, identity: Identity) -> ErrorReply | None:
+        """`SessionHooks.on_login`: move to the tenant's slots and memory share."""
+        slot = self._slot
+        if slot is not None:
+            refused = self._slots.authenticate(slot, identity.tenant)
+            if refused is not None:
+                log.warning(
+                    "RESP connection from %s refused for tenant %r: %s",
+                    self.peer,
+                    identity.tenant,
+                    refused,
+                )
+                self.session.quit_requested = True
+                return ErrorReply(f"ERR {refused}")
+        self._account.move_to(identity.tenant)
+        self._parser.authenticated = True
+        if self._auth_timer is not None:
+            self._auth_timer.cancel()
+            self._auth_timer = None
+        if self._counted_tenant != identity.tenant:
+            self._counted_tenant = identity.tenant
+            self._shared.activity(identity.tenant).connections += 1
+        return None
+
+    def on_reset(self) -> None:
+        """`SessionHooks.on_reset`: unauthenticated again."""
+        if self._slot is not None:
+            self._slots.deauthenticate(self._slot)
+        self._account.move_to(None)
+        self._parser.authenticated = False
+        self.arm_auth_deadline()
+
+    def on_subscriptions(self) -> None:
+        """Listen to the current tenant's epoch bumps iff subscribed to EPOCH_CHANNEL."""
+        s = self.session
+        want = None
+        if s.identity is not None and EPOCH_CHANNEL in s.channels:
+            want = s.identity.tenant
+        if want == self._sub_tenant:
+            return
+        epochs = self._ctx.epochs
+        if self._sub_tenant is not None:
+            epochs.unsubscribe(self._sub_tenant, self.deliver_epoch)
+        if want is not None:
+            epochs.subscribe(want, self.deliver_epoch)
+        self._sub_tenant = want
+
+    def deliver_epoch(self, scope: str, epoch: int) -> None:
+        """Send one `message` frame on EPOCH_CHANNEL (on the event loop)."""
+        transport = self._transport
+        if transport is None or transport.is_closing() or self._closing:
+            return
+        if transport.get_write_buffer_size() > PUBSUB_OUTPUT_LIMIT:
+            log.warning(
+                "RESP subscriber %d (%s) does not read its messages: closed",
+                self.session.client_id,
+                self.peer,
+            )
+            self._close(abort=True)
+            return
+        payload = f"{scope} {epoch}".encode()
+        self._write(push([b"message", EPOCH_CHANNEL, payload], self.session.protocol_version))

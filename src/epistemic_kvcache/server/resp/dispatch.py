@@ -1,0 +1,441 @@
+"""RESP dispatch: the command table, checks, batching on the thread pool, and fast paths.
+
+How it works
+------------
+`COMMANDS` maps a lowercase command name to its `CommandSpec` (Redis arity, flags, key
+positions, and exactly one handler: `handler` runs on the event loop, `blocking_handler`
+on the store's thread pool). The handlers live in server/resp/commands.py.
+
+A connection owns one `Dispatcher`. `execute(cmd)` checks the command (known, allowed
+before AUTH, arity, subscribed mode) and runs it:
+- a plain `GET key` that RAM answers at once (`ServerContext.get_nowait`) inline;
+- a plain `SET key value` started inline (`put_nowait`) together with the plain SETs
+  pipelined right behind it, so durable ones share one group commit;
+- a blocking command in one thread-pool job together with the blocking commands framed
+  right behind it (at most `MAX_BATCH_COMMANDS`, arguments under `MAX_BATCH_ARG_BYTES`);
+  the job stops early once its replies reach `MAX_BATCH_REPLY_BYTES` and the rest goes
+  back to the front of the queue;
+- anything else by awaiting its loop handler.
+`run_inline` is the connection's fast path while its task is parked: it answers framed
+plain GET/SET commands RAM answers at once, at most `INLINE_MAX_COMMANDS` per call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final, Protocol
+
+from epistemic_kvcache.errors import StoreError
+from epistemic_kvcache.proto.resp import (
+    Buffer,
+    Command,
+    ErrorReply,
+    RefusedCommand,
+    serialize,
+)
+from epistemic_kvcache.server.resp.common import (
+    INTERNAL_ERROR,
+    NOAUTH,
+    OK,
+    WIRE,
+    Frames,
+    Reply,
+    busy_reply,
+    store_error_reply,
+    text,
+    to_key,
+    wrong_args,
+)
+from epistemic_kvcache.store.api import PutResult
+from epistemic_kvcache.store.engine import WOULD_BLOCK
+
+if TYPE_CHECKING:
+    from epistemic_kvcache.server.resp.session import Session
+
+log = logging.getLogger("epistemic_kvcache.server.resp")
+
+MAX_BATCH_COMMANDS: Final = 64
+"""Pipelined store commands run in one thread-pool job, at most this many..."""
+MAX_BATCH_ARG_BYTES: Final = 1024 * 1024
+"""...while their arguments total less than this..."""
+MAX_BATCH_REPLY_BYTES: Final = 4 * 1024 * 1024
+"""...and the job stops early once its replies reach this (the rest runs next)."""
+MAX_PIPELINED_SETS: Final = 64
+"""Plain SETs queued for one group commit before their replies are awaited."""
+INLINE_MAX_COMMANDS: Final = 64
+"""Commands the fast path answers in one read callback before leaving the rest to the
+connection's task (which yields to other connections between time slices)."""
+SMALL_REPLY: Final = 16 * 1024
+"""Bulk replies shorter than this are sent as one buffer (head + bytes + CRLF)."""
+_FAST_NAMES: Final = {b"get": "get", b"GET": "get", b"set": "set", b"SET": "set"}
+_SUBSCRIBED_MODE_COMMANDS: Final = frozenset(
+    {"subscribe", "unsubscribe", "psubscribe", "punsubscribe", "ping", "quit", "reset"}
+)
+
+Handler = Callable[["Session", Command], Awaitable[object]]
+"""Runs on the event loop (session state, no store access)."""
+BlockingHandler = Callable[["Session", Command], object]
+"""Runs on the thread pool (store access); consecutive ones are batched in one job."""
+
+
+@dataclass(frozen=True, slots=True)
+class CommandSpec:
+    """One command: Redis arity (negative = at least), flags, key positions, handler."""
+
+    name: str
+    arity: int
+    flags: tuple[str, ...]
+    first_key: int
+    last_key: int
+    step: int
+    group: str
+    summary: str
+    handler: Handler | None
+    blocking_handler: BlockingHandler | None = None
+    no_auth: bool = False
+
+
+COMMANDS: dict[bytes, CommandSpec] = {}
+
+
+def command(
+    name: str,
+    arity: int,
+    flags: tuple[str, ...],
+    keys: tuple[int, int, int],
+    group: str,
+    summary: str,
+    *,
+    no_auth: bool = False,
+) -> Callable[[Handler], Handler]:
+    """Register an event-loop handler."""
+
+    def register(fn: Handler) -> Handler:
+        COMMANDS[name.encode()] = CommandSpec(
+            name, arity, flags, *keys, group, summary, fn, no_auth=no_auth
+        )
+        return fn
+
+    return register
+
+
+def blocking_command(
+    name: str,
+    arity: int,
+    flags: tuple[str, ...],
+    keys: tuple[int, int, int],
+    group: str,
+    summary: str,
+) -> Callable[[BlockingHandler], BlockingHandler]:
+    """Register a thread-pool handler."""
+
+    def register(fn: BlockingHandler) -> BlockingHandler:
+        COMMANDS[name.encode()] = CommandSpec(
+            name, arity, flags, *keys, group, summary, None, blocking_handler=fn
+        )
+        return fn
+
+    return register
+
+
+class CommandQueue(Protocol):
+    """The connection's framed commands, in order."""
+
+    def peek(self) -> Command | None: ...
+
+    def pop(self) -> None:
+        """Drop the command `peek` returned."""
+
+    def unshift(self, commands: list[Command]) -> None:
+        """Put commands back at the front, in order."""
+
+
+def command_bytes(cmd: Command) -> int:
+    return sum(len(a) for a in cmd)
+
+
+def reply_bytes(reply: object) -> int:
+    """Approximate payload size of a reply (bulk strings, and arrays of them)."""
+    if isinstance(reply, bytes | bytearray | memoryview):
+        return len(reply)
+    if isinstance(reply, list):
+        return sum(len(r) for r in reply if isinstance(r, bytes | bytearray | memoryview))
+    return 0
+
+
+def unknown_command(cmd: Command) -> ErrorReply:
+    args = ""
+    for arg in cmd[1:]:
+        if len(args) >= 128:
+            break
+        args += f"'{text(arg, 128 - len(args))}' "
+    return ErrorReply(f"ERR unknown command '{text(cmd[0])}', with args beginning with: {args}")
+
+
+class Dispatcher:
+    """Runs one connection's commands (see the module docstring)."""
+
+    def __init__(self, session: Session, queue: CommandQueue) -> None:
+        self.session = session
+        self.ctx = session.ctx
+        self.queue = queue
+        self.busy = False
+        """A command is running (the connection is not idle)."""
+
+    # -- checks and metrics ---------------------------------------------------------------
+    def check(self, cmd: Command) -> tuple[str, CommandSpec | None, ErrorReply | None]:
+        """The command's metrics route, its spec, and an error reply if it may not run."""
+        s = self.session
+        if isinstance(cmd, RefusedCommand):
+            return "busy", None, busy_reply(cmd.reason)
+        spec = COMMANDS.get(bytes(cmd[0]).lower())
+        if spec is None:
+            return "unknown", None, NOAUTH if s.identity is None else unknown_command(cmd)
+        if s.identity is None and not spec.no_auth:
+            return spec.name, spec, NOAUTH
+        if (spec.arity > 0 and len(cmd) != spec.arity) or len(cmd) < -spec.arity:
+            return spec.name, spec, wrong_args(spec.name)
+        if s.channels and s.protocol_version == 2 and spec.name not in _SUBSCRIBED_MODE_COMMANDS:
+            return (
+                spec.name,
+                spec,
+                ErrorReply(
+                    f"ERR Can't execute '{spec.name}': only (P|S)SUBSCRIBE / "
+                    "(P|S)UNSUBSCRIBE / PING / QUIT / RESET are allowed in this context"
+                ),
+            )
+        return spec.name, spec, None
+
+    def observe(self, route: str, reply: object, seconds: float) -> None:
+        status = "error" if isinstance(reply, ErrorReply) else "ok"
+        s = self.session
+        if s.identity is not None:
+            s.shared.activity(s.identity.tenant).commands += 1
+        try:
+            self.ctx.metrics.observe_request(wire=WIRE, route=route, status=status, seconds=seconds)
+        except Exception:  # metrics must never break serving
+            log.exception("metrics.observe_request failed")
+
+    # -- execution ------------------------------------------------------------------------
+    async def execute(self, cmd: Command) -> list[object]:
+        """Run `cmd`, and the store commands framed right behind it in the same job."""
+        started = time.perf_counter()
+        route, spec, error = self.check(cmd)
+        if error is not None or spec is None:
+            self.observe(route, error, time.perf_counter() - started)
+            return [error]
+        if route == "get" and len(cmd) == 2:
+            try:
+                fast = self.get_nowait(cmd[1])
+            except Reply as exc:
+                fast = exc.reply
+            if fast is not WOULD_BLOCK:
+                self.observe(route, fast, time.perf_counter() - started)
+                return [fast]
+        elif route == "set" and len(cmd) == 3:
+            replies = await self._plain_sets(cmd, started)
+            if replies is not None:
+                return replies
+        if spec.blocking_handler is not None:
+            return await self._batch(route, spec.blocking_handler, cmd)
+        handler = spec.handler
+        if handler is None:  # every spec has exactly one of the two handlers
+            raise RuntimeError(f"command {spec.name!r} has no handler")
+        reply: object
+        self.busy = True
+        try:
+            reply = await handler(self.session, cmd)
+        except Reply as exc:
+            reply = exc.reply
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("RESP %s failed", route)
+            reply = INTERNAL_ERROR
+        finally:
+            self.busy = False
+        self.observe(route, reply, time.perf_counter() - started)
+        return [reply]
+
+    async def _batch(self, route: str, handler: BlockingHandler, cmd: Command) -> list[object]:
+        batch = [(route, handler, cmd)]
+        size = command_bytes(cmd)
+        queue = self.queue
+        while len(batch) < MAX_BATCH_COMMANDS and size < MAX_BATCH_ARG_BYTES:
+            following = queue.peek()
+            if following is None:
+                break
+            route2, spec2, error2 = self.check(following)
+            if error2 is not None or spec2 is None or spec2.blocking_handler is None:
+                break
+            queue.pop()
+            batch.append((route2, spec2.blocking_handler, following))
+            size += command_bytes(following)
+        self.busy = True
+        try:
+            results = await self.ctx.run(self._run_batch, batch)
+        finally:
+            self.busy = False
+        for (route_i, _, _), (reply_i, seconds) in zip(batch, results, strict=False):
+            self.observe(route_i, reply_i, seconds)
+        # Commands the job left undone (replies grew too big) run next, in order.
+        queue.unshift([item[2] for item in batch[len(results) :]])
+        return [reply_i for reply_i, _ in results]
+
+    def _run_batch(
+        self, batch: list[tuple[str, BlockingHandler, Command]]
+    ) -> list[tuple[object, float]]:
+        """Thread-pool job: run store commands in order until their replies grow big."""
+        out: list[tuple[object, float]] = []
+        total = 0
+        for route, handler, cmd in batch:
+            started = time.perf_counter()
+            reply: object
+            try:
+                reply = handler(self.session, cmd)
+            except Reply as exc:
+                reply = exc.reply
+            except Exception:
+                log.exception("RESP %s failed", route)
+                reply = INTERNAL_ERROR
+            out.append((reply, time.perf_counter() - started))
+            total += reply_bytes(reply)
+            if total >= MAX_BATCH_REPLY_BYTES:
+                break
+        return out
+
+    # -- fast paths -------------------------------------------------------------------------
+    def get_nowait(self, arg: Buffer) -> object:
+        """A plain GET's reply if RAM answers it, else `WOULD_BLOCK`."""
+        try:
+            return self.ctx.get_nowait(self.session.namespace, to_key(arg))
+        except StoreError as exc:
+            raise Reply(store_error_reply(exc, "get")) from None
+
+    def run_inline(
+        self,
+        write: Callable[[list[Buffer]], bool],
+        peek: Callable[[], Command | None],
+        pop: Callable[[], object],
+    ) -> None:
+        """Answer framed plain GET/SET commands that RAM answers at once (task parked).
+
+        `write` sends a reply and says whether more may be written now. Stops at the
+        first command it cannot answer without blocking (the task runs it), after
+        `INLINE_MAX_COMMANDS`, or when `write` says the peer is not reading.
+        """
+        ctx = self.ctx
+        inline_puts = ctx.inline_puts
+        s = self.session
+        for _ in range(INLINE_MAX_COMMANDS):
+            cmd = peek()
+            if cmd is None or not 2 <= len(cmd) <= 3:
+                return
+            name = cmd[0]
+            kind = _FAST_NAMES.get(name) if isinstance(name, bytes) else None
+            if kind is None:
+                kind = _FAST_NAMES.get(bytes(name).lower())
+                if kind is None:
+                    return
+            started = time.perf_counter()
+            reply: object
+            try:
+                if kind == "get" and len(cmd) == 2:
+                    reply = self.get_nowait(cmd[1])
+                elif kind == "set" and len(cmd) == 3 and inline_puts:
+                    result = ctx.put_nowait(s.namespace, to_key(cmd[1]), cmd[2])
+                    if result is WOULD_BLOCK:
+                        return
+                    if not isinstance(result, PutResult):  # inline_puts: never a future
+                        raise RuntimeError("put_nowait returned a future on an inline store")
+                    reply = OK
+                else:
+                    return
+            except Reply as exc:
+                reply = exc.reply
+            except StoreError as exc:
+                reply = store_error_reply(exc, kind)
+            if reply is WOULD_BLOCK:
+                return
+            pop()
+            more = write(self.encode(reply))
+            self.observe(kind, reply, time.perf_counter() - started)
+            if not more:
+                return
+
+    def encode(self, reply: object) -> list[Buffer]:
+        """`serialize`, with the replies of GET and SET written without its machinery."""
+        if isinstance(reply, bytes | bytearray):
+            n = len(reply)
+            if n < SMALL_REPLY:
+                return [b"".join((b"$%d\r\n" % n, reply, b"\r\n"))]
+            return [b"$%d\r\n" % n, reply, b"\r\n"]
+        if reply is OK:
+            return [b"+OK\r\n"]
+        if reply is None:
+            return [b"$-1\r\n" if self.session.protocol_version == 2 else b"_\r\n"]
+        if isinstance(reply, Frames):
+            return reply.buffers
+        return serialize(reply, self.session.protocol_version)
+
+    def _plain_set_ok(self, cmd: Command | None) -> bool:
+        """Whether `cmd` is a `SET key value` this connection may run now."""
+        s = self.session
+        if cmd is None or len(cmd) != 3 or s.identity is None or s.channels:
+            return False
+        return bytes(cmd[0]).lower() == b"set"
+
+    async def _plain_sets(self, cmd: Command, started: float) -> list[object] | None:
+        """Run `SET key value` and the plain SETs pipelined right behind it.
+
+        Each is started inline (`put_nowait`); durable ones are all queued before the
+        first is awaited, so they share a group commit. None when the first cannot start
+        inline (the caller runs it on the thread pool).
+        """
+        ns = self.session.namespace
+        ctx = self.ctx
+        begun: list[tuple[object, float]] = []
+        current: Command | None = cmd
+        while current is not None:
+            t0 = started if not begun else time.perf_counter()
+            outcome: object
+            try:
+                outcome = ctx.put_nowait(ns, to_key(current[1]), current[2])
+            except Reply as exc:
+                outcome = exc.reply
+            except StoreError as exc:
+                outcome = store_error_reply(exc, "set")
+            if outcome is WOULD_BLOCK:
+                break
+            if begun:
+                self.queue.pop()  # consume what was peeked
+            begun.append((outcome, t0))
+            if len(begun) >= MAX_PIPELINED_SETS:
+                break
+            following = self.queue.peek()
+            current = following if self._plain_set_ok(following) else None
+        if not begun:
+            return None
+        replies: list[object] = []
+        self.busy = True
+        try:
+            for outcome, t0 in begun:
+                reply = outcome
+                if isinstance(outcome, concurrent.futures.Future):
+                    try:
+                        await asyncio.wrap_future(outcome)
+                        reply = OK
+                    except StoreError as exc:
+                        reply = store_error_reply(exc, "set")
+                elif isinstance(outcome, PutResult):
+                    reply = OK
+                replies.append(reply)
+                self.observe("set", reply, time.perf_counter() - t0)
+        finally:
+            self.busy = False
+        return replies

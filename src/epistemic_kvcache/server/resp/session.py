@@ -1,0 +1,254 @@
+"""What a RESP command handler sees: the client's session and the listener's shared state.
+
+Handlers never touch the connection (transport, parser, timers). They get a `Session`:
+the client's protocol version, name, identity, subscriptions and memory account, the
+store calls (errors mapped to RESP replies), and a few requests to the connection
+(authenticate, reset, quit, subscriptions changed) through `SessionHooks`.
+`Shared` holds what all connections of one listener share: the server context, the
+per-tenant SCAN cursor tables, the start time and version.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Final, Protocol, TypeVar
+
+from epistemic_kvcache.errors import AuthError, StoreError
+from epistemic_kvcache.proto.resp import Buffer, ErrorReply
+from epistemic_kvcache.server.budget import Account
+from epistemic_kvcache.server.context import Identity, ServerContext, ServerLimits
+from epistemic_kvcache.server.resp.common import (
+    NOAUTH,
+    WIRE,
+    WRONGPASS,
+    Reply,
+    store_error_reply,
+)
+from epistemic_kvcache.store.api import SharedKvBackend
+
+T = TypeVar("T")
+
+SCAN_CURSORS_PER_TENANT: Final = 1024
+"""SCAN cursors remembered per tenant (its oldest forgotten first)."""
+SCAN_CURSORS: Final = 16384
+"""SCAN cursors remembered in all; past it the tenant holding the most loses its oldest."""
+
+
+class CursorTable:
+    """SCAN cursors -> positions, per tenant, with fair eviction. Thread-safe."""
+
+    def __init__(
+        self, per_tenant: int = SCAN_CURSORS_PER_TENANT, total: int = SCAN_CURSORS
+    ) -> None:
+        self.per_tenant = per_tenant
+        self.total = total
+        self._tables: dict[str, OrderedDict[int, str]] = {}
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def new(self, tenant: str, after: str) -> int:
+        """A fresh random cursor resuming after `after`."""
+        with self._lock:
+            table = self._tables.setdefault(tenant, OrderedDict())
+            cursor = 0
+            while cursor == 0 or cursor in table:
+                cursor = secrets.randbits(63)
+            table[cursor] = after
+            self._count += 1
+            if len(table) > self.per_tenant:
+                table.popitem(last=False)
+                self._count -= 1
+            while self._count > self.total:
+                largest = max(self._tables.values(), key=len)
+                largest.popitem(last=False)
+                self._count -= 1
+            return cursor
+
+    def position(self, tenant: str, cursor: int) -> str | None:
+        """Where `cursor` of `tenant` resumes, or None (unknown, forgotten, another's)."""
+        with self._lock:
+            table = self._tables.get(tenant)
+            if table is None:
+                return None
+            after = table.get(cursor)
+            if after is not None:
+                table.move_to_end(cursor)
+            return after
+
+    def held_by(self, tenant: str) -> int:
+        return len(self._tables.get(tenant, ()))
+
+
+@dataclass(slots=True)
+class Activity:
+    """A tenant's RESP activity on this listener (INFO `total_*`; its own only)."""
+
+    connections: int = 0
+    commands: int = 0
+
+
+MAX_ACTIVITY_TENANTS: Final = 10_000
+"""Tenants whose activity counters are kept (the least recently active dropped first)."""
+
+
+class Shared:
+    """What all connections of one RESP listener share."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+        self.started = time.monotonic()
+        self.cursors = CursorTable()
+        self.scratch = bytearray(256 * 1024)
+        """The read buffer every connection's parser borrows between `get_buffer` and
+        `buffer_updated` (the parser copies out what it keeps before returning)."""
+        try:
+            self.version = metadata.version("epistemic-kvcache")
+        except metadata.PackageNotFoundError:
+            self.version = "0"
+        self.durable = _is_durable(ctx.store)
+        self._activity: OrderedDict[str, Activity] = OrderedDict()
+        self.live: weakref.WeakSet[LiveConnection] = weakref.WeakSet()
+        ctx.reload_hooks.append(self.revalidate)
+
+    def revalidate(self) -> None:
+        """After a credentials reload: close the connections whose credential no longer
+        verifies (a revoked token or key ends its sessions, not only new logins)."""
+        for conn in list(self.live):
+            if not conn.session.still_valid():
+                conn.revoke()
+
+    def activity(self, tenant: str) -> Activity:
+        """The activity counters of `tenant` (created on first use)."""
+        found = self._activity.get(tenant)
+        if found is None:
+            found = self._activity[tenant] = Activity()
+            while len(self._activity) > MAX_ACTIVITY_TENANTS:
+                self._activity.popitem(last=False)
+        return found
+
+
+def _is_durable(store: SharedKvBackend) -> bool:
+    """Whether acknowledged writes are on disk (drives CONFIG GET appendonly/INFO)."""
+    from epistemic_kvcache.store import SharedKvIndex
+
+    return not isinstance(store, SharedKvIndex)
+
+
+class LiveConnection(Protocol):
+    """What `Shared.revalidate` needs of a connection."""
+
+    session: Session
+
+    def revoke(self) -> None:
+        """Close the connection: its credential was revoked."""
+
+
+class SessionHooks(Protocol):
+    """What a session asks of its connection."""
+
+    def on_login(self, identity: Identity) -> ErrorReply | None:
+        """Take a connection slot for `identity`'s tenant; an error reply if refused."""
+
+    def on_reset(self) -> None:
+        """The session is unauthenticated again (parser limits, auth deadline, slot)."""
+
+    def on_subscriptions(self) -> None:
+        """The set of subscribed channels changed."""
+
+
+class Session:
+    """One client's session: the narrow context every command handler receives."""
+
+    def __init__(self, shared: Shared, account: Account, hooks: SessionHooks) -> None:
+        self.shared = shared
+        self.ctx = shared.ctx
+        self.account = account
+        self.hooks = hooks
+        self.client_id = secrets.randbits(62) + 1
+        """Random per connection: a counter would tell one tenant the others' rate."""
+        self.identity: Identity | None = None
+        self.credential: str | None = None
+        """Kept to re-check the session when the credentials are reloaded (SIGHUP)."""
+        self.protocol_version = 2
+        self.name: str | None = None
+        self.lib_name: str | None = None
+        self.lib_version: str | None = None
+        self.channels: dict[bytes, None] = {}
+        """Subscribed pub/sub channels, in subscription order."""
+        self.quit_requested = False
+        self.peer = "?"
+        """The client's address (for the log)."""
+
+    @property
+    def store(self) -> SharedKvBackend:
+        return self.ctx.store
+
+    @property
+    def limits(self) -> ServerLimits:
+        return self.ctx.limits
+
+    @property
+    def namespace(self) -> str:
+        identity = self.identity
+        if identity is None:  # handlers run only once authenticated
+            raise Reply(NOAUTH)
+        return identity.tenant
+
+    @staticmethod
+    def call(fn: Callable[..., T], *args: object) -> T:
+        """Call the store (on the thread pool), mapping its errors to RESP errors."""
+        try:
+            return fn(*args)
+        except StoreError as exc:
+            raise Reply(store_error_reply(exc, getattr(fn, "__name__", repr(fn)))) from None
+
+    def authenticate(self, password: Buffer) -> ErrorReply | None:
+        """Verify a credential and switch identity; an error reply on failure (the reason
+        goes to the log, the client gets Redis' generic WRONGPASS)."""
+        try:
+            credential = bytes(password).decode("utf-8")
+            identity = self.ctx.auth.authenticate(credential)
+        except UnicodeDecodeError:
+            self.ctx.auth_failures.failed(WIRE, self.peer, "credential is not UTF-8")
+            return WRONGPASS
+        except AuthError as exc:
+            self.ctx.auth_failures.failed(WIRE, self.peer, str(exc) or "invalid credentials")
+            return WRONGPASS
+        refused = self.hooks.on_login(identity)
+        if refused is not None:
+            return refused
+        self.identity = identity
+        self.credential = credential
+        self.hooks.on_subscriptions()
+        return None
+
+    def still_valid(self) -> bool:
+        """Whether the session's credential still verifies to the same tenant (after
+        the credentials were reloaded); True for an unauthenticated session."""
+        if self.identity is None or self.credential is None:
+            return True
+        try:
+            identity = self.ctx.auth.authenticate(self.credential)
+        except AuthError:
+            return False
+        return identity.tenant == self.identity.tenant
+
+    def reset(self) -> None:
+        """RESET: RESP2, no name, unauthenticated, no subscriptions."""
+        self.channels.clear()
+        self.hooks.on_subscriptions()
+        self.protocol_version = 2
+        self.name = None
+        self.identity = None
+        self.credential = None
+        self.hooks.on_reset()
+
+    def subscriptions_changed(self) -> None:
+        self.hooks.on_subscriptions()
