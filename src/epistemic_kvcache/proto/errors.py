@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from epistemic_kvcache import errors as _errors
 from epistemic_kvcache.errors import (
     AuthError,
     BlockTooLargeError,
@@ -21,10 +20,12 @@ from epistemic_kvcache.errors import (
     InvalidKeyError,
     KvCacheError,
     NotFoundError,
+    QuotaExceededError,
     RemoteProtocolError,
     StorageIOError,
     StoreClosedError,
     StoreError,
+    StoreFaultError,
 )
 
 
@@ -47,95 +48,72 @@ class ErrorRow:
     """Retrying later can succeed (HTTP adds `Retry-After`)."""
 
 
-def _optional(name: str) -> type[KvCacheError] | None:
-    found = getattr(_errors, name, None)
-    return found if isinstance(found, type) and issubclass(found, KvCacheError) else None
-
-
-_QuotaExceeded = _optional("QuotaExceededError")
-_StoreFault = _optional("StoreFaultError")
-
-ERROR_ROWS: Final[tuple[ErrorRow, ...]] = tuple(
-    row
-    for row in (
-        ErrorRow(InvalidKeyError, 400, "bad_key", "ERR {detail}", ""),
-        ErrorRow(BlockTooLargeError, 413, "block_too_large", "ERR block too large: {detail}", ""),
-        ErrorRow(NotFoundError, 404, "not_found", "ERR not found: {detail}", ""),
-        *(
-            (
-                ErrorRow(
-                    _QuotaExceeded,
-                    507,
-                    "quota_exceeded",
-                    "ERR quota exceeded: {detail}",
-                    "tenant quota exceeded: ",
-                ),
-            )
-            if _QuotaExceeded is not None
-            else ()
-        ),
-        ErrorRow(
-            CapacityError,
-            507,
-            "insufficient_storage",
-            "ERR no room in the cache: {detail}",
-            "no room to store the block: ",
-        ),
-        ErrorRow(
-            DiskFullError,
-            507,
-            "insufficient_storage",
-            "ERR disk full, nothing was stored",
-            "no room to store the block: disk full",
-            private=True,
-            retry=True,
-        ),
-        ErrorRow(
-            StorageIOError,
-            503,
-            "storage_io_error",
-            "ERR storage I/O error, nothing was stored",
-            "storage I/O error, nothing was stored",
-            private=True,
-            retry=True,
-        ),
-        *(
-            (
-                ErrorRow(
-                    _StoreFault,
-                    503,
-                    "store_fault",
-                    "ERR store fault: the store is read-only until the server restarts",
-                    "store fault: the store is read-only until the server restarts",
-                    private=True,
-                ),
-            )
-            if _StoreFault is not None
-            else ()
-        ),
-        ErrorRow(
-            StoreClosedError,
-            503,
-            "unavailable",
-            "ERR the store is closed",
-            "the store is closed",
-            private=True,
-            retry=True,
-        ),
-        ErrorRow(
-            StoreError, 500, "internal", "ERR internal error", "internal store error", private=True
-        ),
-        ErrorRow(ForbiddenError, 403, "forbidden", "NOPERM {detail}", ""),
-        ErrorRow(
-            AuthError,
-            401,
-            "unauthorized",
-            "WRONGPASS invalid username-password pair or user is disabled.",
-            "invalid credentials",
-            private=True,
-        ),
-        ErrorRow(RemoteProtocolError, 400, "bad_request", "ERR {detail}", ""),
-    )
+ERROR_ROWS: Final[tuple[ErrorRow, ...]] = (
+    ErrorRow(InvalidKeyError, 400, "bad_key", "ERR {detail}", ""),
+    ErrorRow(BlockTooLargeError, 413, "block_too_large", "ERR block too large: {detail}", ""),
+    ErrorRow(NotFoundError, 404, "not_found", "ERR not found: {detail}", ""),
+    ErrorRow(
+        QuotaExceededError,
+        507,
+        "quota_exceeded",
+        "ERR quota exceeded: {detail}",
+        "tenant quota exceeded: ",
+    ),
+    ErrorRow(
+        CapacityError,
+        507,
+        "insufficient_storage",
+        "ERR no room in the cache: {detail}",
+        "no room to store the block: ",
+    ),
+    ErrorRow(
+        DiskFullError,
+        507,
+        "insufficient_storage",
+        "ERR disk full, nothing was stored",
+        "no room to store the block: disk full",
+        private=True,
+        retry=True,
+    ),
+    ErrorRow(
+        StorageIOError,
+        503,
+        "storage_io_error",
+        "ERR storage I/O error, nothing was stored",
+        "storage I/O error, nothing was stored",
+        private=True,
+        retry=True,
+    ),
+    ErrorRow(
+        StoreFaultError,
+        503,
+        "store_fault",
+        "ERR store fault: the store is read-only until the server restarts",
+        "store fault: the store is read-only until the server restarts",
+        private=True,
+    ),
+    ErrorRow(
+        StoreClosedError,
+        503,
+        "unavailable",
+        "ERR the store is closed",
+        "the store is closed",
+        private=True,
+        retry=True,
+    ),
+    ErrorRow(
+        StoreError, 500, "internal", "ERR internal error", "internal store error", private=True
+    ),
+    ErrorRow(ForbiddenError, 403, "forbidden", "NOPERM {detail}", ""),
+    ErrorRow(
+        AuthError,
+        401,
+        "unauthorized",
+        "WRONGPASS invalid username-password pair or user is disabled.",
+        "invalid credentials",
+        private=True,
+    ),
+    ErrorRow(RemoteProtocolError, 400, "bad_request", "ERR {detail}", ""),
 )
 """Most specific first: the first row whose `exc` matches answers."""
 

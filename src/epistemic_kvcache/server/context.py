@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
@@ -27,7 +28,7 @@ from epistemic_kvcache.server.budget import (
     SlotLimits,
 )
 from epistemic_kvcache.server.oplog import AccessLog, AuthFailureLog
-from epistemic_kvcache.store.api import Buffer, PutResult, SharedKvBackend
+from epistemic_kvcache.store.api import Buffer, PutCond, PutResult, SharedKvBackend
 from epistemic_kvcache.store.engine import WOULD_BLOCK, TieredEngine, WouldBlock
 
 if TYPE_CHECKING:
@@ -271,20 +272,18 @@ class ServerContext:
         return slots
 
     def readiness(self) -> Readiness:
-        """The store's readiness (`store.health()`); a store without it is ready."""
-        health = getattr(self.store, "health", None)
-        if health is None:
-            return Readiness(True)
+        """The store's readiness (`store.health()`); a failing check is "not ready"."""
         try:
-            h = health()
+            h = self.store.health()
         except Exception as exc:  # a failing health check is "not ready", never a crash
             return Readiness(False, f"health check failed: {type(exc).__name__}")
         detail = {
-            name: bool(getattr(h, name))
-            for name in ("writable", "committer_alive", "disk_full", "recovering")
-            if hasattr(h, name)
+            "writable": h.writable,
+            "committer_alive": h.committer_alive,
+            "disk_full": h.disk_full,
+            "recovering": h.recovering,
         }
-        return Readiness(bool(h.ready), getattr(h, "reason", None), detail)
+        return Readiness(h.ready, h.reason, detail)
 
     def get_nowait(self, ns: str, key: str) -> Buffer | WouldBlock | None:
         """The block if RAM answers at once (hit or miss), else `WOULD_BLOCK`; inline."""
@@ -294,13 +293,15 @@ class ServerContext:
         return engine.get_nowait(ns, key)
 
     def put_nowait(
-        self, ns: str, key: str, data: Buffer
+        self, ns: str, key: str, data: Buffer, cond: PutCond = None
     ) -> PutResult | concurrent.futures.Future[PutResult] | WouldBlock:
         """Start a PUT inline when that is cheap (see `TieredEngine.put_nowait`)."""
         engine = self._engine
         if engine is None:
             return WOULD_BLOCK
-        return engine.put_nowait(ns, key, data)
+        if cond is None:
+            return engine.put_nowait(ns, key, data)
+        return engine.put_nowait(ns, key, data, cond=cond)
 
     async def get(self, ns: str, key: str, account: Account) -> Buffer | None:
         """`store.get`, inline when RAM answers, else on the thread pool with its buffer
@@ -345,12 +346,14 @@ class ServerContext:
             raise BatchTooLarge(got, limit)
         return blocks
 
-    async def put(self, ns: str, key: str, data: Buffer) -> PutResult:
+    async def put(self, ns: str, key: str, data: Buffer, cond: PutCond = None) -> PutResult:
         """`store.put`: small PUTs start inline and a durable one is awaited as a future;
         the others run on the thread pool."""
-        started = self.put_nowait(ns, key, data)
+        started = self.put_nowait(ns, key, data, cond)
         if started is WOULD_BLOCK:
-            return await self.run(self.store.put, ns, key, data)
+            if cond is None:
+                return await self.run(self.store.put, ns, key, data)
+            return await self.run(functools.partial(self.store.put, ns, key, data, cond=cond))
         if isinstance(started, PutResult):
             return started
         return await asyncio.wrap_future(started)

@@ -19,7 +19,7 @@ from epistemic_kvcache.errors import RemoteProtocolError
 from epistemic_kvcache.proto.http import JSON_CONTENT_TYPE, OCTET_CONTENT_TYPE, error_body
 from epistemic_kvcache.server.budget import Account
 from epistemic_kvcache.server.context import ServerContext, ServerLimits
-from epistemic_kvcache.store.api import Buffer, PutOutcome, PutResult
+from epistemic_kvcache.store.api import Buffer, PutCond, PutOutcome, PutResult
 
 LARGE_JSON: Final = 64 * 1024
 """JSON answers that may be larger than this are encoded on the thread pool."""
@@ -84,17 +84,72 @@ class Response:
 OUTCOME_WORD: Final = {
     PutOutcome.NEW: "created",
     PutOutcome.DUPLICATE: "duplicate",
+    PutOutcome.REPLACED: "replaced",
     PutOutcome.CONFLICT: "conflict",
+    PutOutcome.MISSING: "missing",
 }
 """A PUT's outcome as the API names it (`outcome` field, `X-Kv-Outcome` header)."""
 
 
-def put_answer(result: PutResult, extra: Mapping[str, object] | None = None) -> Response:
-    """The answer to a PUT: 201 when the key is new, else 200; outcome and digest."""
+def put_status(result: PutResult, *, conditional: bool) -> int:
+    """201 created; 200 replaced or duplicate; refused: 412 when the request carried a
+    precondition (`If-None-Match: *` / `If-Match: *`), else 409 (a first-write-wins
+    tenant's key holding other bytes)."""
+    if result.created:
+        return 201
+    if result.applied:
+        return 200
+    return 412 if conditional else 409
+
+
+def put_answer(
+    result: PutResult,
+    extra: Mapping[str, object] | None = None,
+    *,
+    conditional: bool = False,
+) -> Response:
+    """The answer to a PUT (`put_status`), with its outcome and the key's digest."""
     word = OUTCOME_WORD[result.outcome]
-    doc = {"outcome": word, "digest": result.digest.hex(), "size": result.size, **(extra or {})}
+    doc: dict[str, object] = {
+        "outcome": word,
+        "digest": result.digest.hex(),
+        "size": result.size,
+        **(extra or {}),
+    }
+    status = put_status(result, conditional=conditional)
+    if status >= 400:
+        doc = {
+            "error": "precondition_failed" if status == 412 else "conflict",
+            "message": _REFUSED[result.outcome],
+            **doc,
+        }
     headers = [("X-Kv-Digest", result.digest.hex()), ("X-Kv-Outcome", word)]
-    return Response.json(201 if result.created else 200, doc, headers)
+    return Response.json(status, doc, headers)
+
+
+_REFUSED: Final = {
+    PutOutcome.CONFLICT: "the key exists (create-only PUT, or a first-write-wins tenant's key "
+    "holding other bytes): nothing was written",
+    PutOutcome.MISSING: "the key does not exist (replace-only PUT): nothing was written",
+}
+
+
+def put_condition(req: Request) -> PutCond:
+    """`If-None-Match: *` -> create only ("nx"); `If-Match: *` -> replace only ("xx").
+    Other values are refused (keys have no entity tags to compare)."""
+    none_match = req.headers.get(b"if-none-match")
+    match = req.headers.get(b"if-match")
+    if none_match is not None and match is not None:
+        raise HttpError(400, "bad_request", "give If-None-Match or If-Match, not both")
+    if none_match is not None:
+        if none_match.strip() != b"*":
+            raise HttpError(400, "bad_request", "If-None-Match supports only '*' (create only)")
+        return "nx"
+    if match is not None:
+        if match.strip() != b"*":
+            raise HttpError(400, "bad_request", "If-Match supports only '*' (replace only)")
+        return "xx"
+    return None
 
 
 def encode_json(doc: object) -> bytes:

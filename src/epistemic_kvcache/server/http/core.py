@@ -20,6 +20,7 @@ from epistemic_kvcache.server.http.api import (
     Response,
     large_json,
     put_answer,
+    put_condition,
 )
 from epistemic_kvcache.server.http.engine import EPOCH_SCOPE_HEADER, scoped_put
 from epistemic_kvcache.store.api import MAX_KEY_BYTES, PutOutcome, validate_key
@@ -166,4 +167,6 @@ async def key_put(req: Request) -> Response:
         return await scoped_put(req)
     assert req.key is not None
     assert req.body is not None
-    return put_answer(await req.ctx.put(req.ns, req.key, req.body))
+    cond = put_condition(req)
+    result = await req.ctx.put(req.ns, req.key, req.body, cond)
+    return put_answer(result, conditional=cond is not None)

@@ -37,6 +37,7 @@ from epistemic_kvcache.server.http.api import (
     large_json,
     load_json,
     put_answer,
+    put_condition,
 )
 from epistemic_kvcache.store.api import SharedKvBackend, validate_key
 from epistemic_kvcache.store.engine import MAX_SCOPE_BYTES
@@ -204,10 +205,11 @@ async def scoped_put(req: Request) -> Response:
         raise bad_request("X-Kv-Epoch-Scope must be UTF-8") from exc
     assert req.key is not None
     assert req.body is not None
-    put = functools.partial(ctx.store.put, req.ns, req.key, req.body, epoch_scope=scope)
+    cond = put_condition(req)
+    put = functools.partial(ctx.store.put, req.ns, req.key, req.body, epoch_scope=scope, cond=cond)
     result = await ctx.run(put)
     ctx.watch_epoch(req.ns, scope)  # publish bumps other processes make to this scope
-    return put_answer(result, {"epoch_scope": scope})
+    return put_answer(result, {"epoch_scope": scope}, conditional=cond is not None)
 
 
 async def branch_key(req: Request) -> Response:

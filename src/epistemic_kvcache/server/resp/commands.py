@@ -9,6 +9,7 @@ must not block.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from typing import Final
@@ -39,7 +40,7 @@ from epistemic_kvcache.server.resp.common import (
 )
 from epistemic_kvcache.server.resp.dispatch import COMMANDS, CommandSpec, blocking_command, command
 from epistemic_kvcache.server.resp.session import Session
-from epistemic_kvcache.store.api import SharedKvBackend
+from epistemic_kvcache.store.api import PutCond, SharedKvBackend
 
 EPOCH_CHANNEL: Final = b"kvcache:epochs"
 """Pub/sub channel of epoch bumps: messages `<scope> <epoch>`, per tenant."""
@@ -281,7 +282,7 @@ def _get(s: Session, cmd: Command) -> object:
     ("write", "denyoom"),
     (1, 1, 1),
     "string",
-    "Set a key (first write wins: an existing key keeps its bytes).",
+    "Set a key, replacing what it held (NX: create only, XX: replace only, GET).",
 )
 def _set(s: Session, cmd: Command) -> object:
     nx = xx = get = keepttl = False
@@ -312,19 +313,15 @@ def _set(s: Session, cmd: Command) -> object:
     store = s.store
     ns = s.namespace
     key = to_key(cmd[1])
-    old: Buffer | None = None
+    old: object = None
+    if get:  # the old value, read just before the write (not atomic with it)
+        old = _get(s, [b"get", cmd[1]])
+    cond: PutCond = "nx" if nx else "xx" if xx else None
+    put = store.put if cond is None else functools.partial(store.put, cond=cond)
+    result = s.call(put, ns, key, cmd[2])
     if get:
-        old = _get(s, [b"get", cmd[1]])  # type: ignore[assignment]
-    ok_reply: object = old if get else OK
-    if nx:
-        if get and old is not None:
-            return old
-        result = s.call(store.put, ns, key, cmd[2])
-        return ok_reply if result.created else None
-    if xx and not (old is not None or s.call(store.exists, ns, key)):
-        return None
-    s.call(store.put, ns, key, cmd[2])
-    return ok_reply
+        return old
+    return OK if result.applied else None
 
 
 @blocking_command("mget", -2, ("readonly", "fast"), (1, -1, 1), "string", "Get the values of keys.")
@@ -344,7 +341,7 @@ def _mget(s: Session, cmd: Command) -> object:
     ("write", "denyoom"),
     (1, -1, 2),
     "string",
-    "Set several keys (first write wins per key).",
+    "Set several keys (each replaced like SET).",
 )
 def _mset(s: Session, cmd: Command) -> object:
     if len(cmd) % 2 == 0:
@@ -408,6 +405,36 @@ def _memory(s: Session, cmd: Command) -> object:
     if size is None:
         return None
     return size + len(bytes(cmd[2])) + MEMORY_USAGE_OVERHEAD
+
+
+@blocking_command(
+    "flushdb",
+    -1,
+    ("write",),
+    (0, 0, 0),
+    "server",
+    "Delete every key of the caller's tenant (snapshots and branches keep their bytes).",
+)
+def _flushdb(s: Session, cmd: Command) -> object:
+    if len(cmd) > 2 or (len(cmd) == 2 and bytes(cmd[1]).upper() not in (b"ASYNC", b"SYNC")):
+        return SYNTAX_ERROR
+    s.call(s.store.flush, s.namespace)
+    return OK
+
+
+@command(
+    "flushall",
+    -1,
+    ("write",),
+    (0, 0, 0),
+    "server",
+    "Refused: it would delete every tenant's keys (FLUSHDB deletes the caller's).",
+)
+async def _flushall(s: Session, cmd: Command) -> object:
+    return ErrorReply(
+        "ERR FLUSHALL is not supported: it would delete every tenant's keys; "
+        "FLUSHDB deletes this tenant's keys"
+    )
 
 
 @blocking_command(

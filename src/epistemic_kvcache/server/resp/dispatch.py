@@ -353,7 +353,7 @@ class Dispatcher:
                         return
                     if not isinstance(result, PutResult):  # inline_puts: never a future
                         raise RuntimeError("put_nowait returned a future on an inline store")
-                    reply = OK
+                    reply = OK if result.applied else None
                 else:
                     return
             except Reply as exc:
@@ -428,12 +428,12 @@ class Dispatcher:
                 reply = outcome
                 if isinstance(outcome, concurrent.futures.Future):
                     try:
-                        await asyncio.wrap_future(outcome)
-                        reply = OK
+                        result = await asyncio.wrap_future(outcome)
+                        reply = OK if result.applied else None
                     except StoreError as exc:
                         reply = store_error_reply(exc, "set")
                 elif isinstance(outcome, PutResult):
-                    reply = OK
+                    reply = OK if outcome.applied else None
                 replies.append(reply)
                 self.observe("set", reply, time.perf_counter() - t0)
         finally:
