@@ -27,7 +27,7 @@ from epistemic_kvcache.server.budget import (
     MemoryBudget,
     SlotLimits,
 )
-from epistemic_kvcache.server.oplog import AccessLog, AuthFailureLog
+from epistemic_kvcache.server.oplog import AccessLog, AuthFailureLog, RefusalLog
 from epistemic_kvcache.store.api import Buffer, PutCond, PutResult, SharedKvBackend
 from epistemic_kvcache.store.engine import WOULD_BLOCK, TieredEngine, WouldBlock
 
@@ -109,7 +109,7 @@ class ServerLimits:
     """Replies queued for one connection that does not read them; over it the client is
     disconnected (Redis' client-output-buffer-limit). A connection's next command waits
     until its replies are sent, so only a slow reader of one huge answer reaches it."""
-    resp_max_query_buffer_bytes: int = 64 * MiB
+    resp_max_query_buffer_bytes: int = 32 * MiB
     """Bytes one RESP connection may buffer of commands not yet run (small arguments
     with their overhead; bulks of 32 KiB and more are counted in the in-flight budget
     only). A client over it is disconnected (Redis' client-query-buffer-limit)."""
@@ -229,6 +229,8 @@ class ServerContext:
     epochs: EpochNotifier = field(default_factory=EpochNotifier)
     """Epoch bump notifications (RESP pub/sub channel `kvcache:epochs`)."""
     auth_failures: AuthFailureLog = field(default_factory=AuthFailureLog)
+    refusals: RefusalLog = field(default_factory=RefusalLog)
+    """Connections refused or closed at a limit (rate-limited WARNING lines)."""
     access_log: AccessLog = field(default_factory=AccessLog)
     reload_hooks: list[Callable[[], None]] = field(default_factory=list)
     """Called after the credentials were reloaded (SIGHUP): RESP re-checks its sessions."""

@@ -4,6 +4,8 @@
   peer address and the reason (never the credential), at most `burst` lines per
   `window_s`; the rest are counted and summarised in one line when the window ends,
   so a password-guessing flood cannot flood the log. Clients get a generic answer.
+- `RefusalLog`: the same for connections refused or closed at a limit (slots, memory
+  shares, query and output buffers), on the logger `epistemic_kvcache.limits`.
 - `AccessLog`: with `--access-log`, one INFO line per answered request on the logger
   `epistemic_kvcache.access`: wire, peer, tenant, request, status, bytes and duration.
 - `JsonFormatter`: `--log-format json` writes each record as one JSON object per line
@@ -19,14 +21,27 @@ from typing import Any, Final
 
 AUTH_LOG: Final = logging.getLogger("epistemic_kvcache.auth")
 ACCESS_LOG: Final = logging.getLogger("epistemic_kvcache.access")
+LIMIT_LOG: Final = logging.getLogger("epistemic_kvcache.limits")
 
 _STD_ATTRS: Final = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
 
 
-class AuthFailureLog:
-    """Rate-limited WARNING lines for failed authentications (event loop only)."""
+class RateLimitedLog:
+    """WARNING lines about what clients do wrong, at most `burst` per `window_s`; the
+    rest are counted and summarised in one line when the window ends, so a flood of
+    bad clients cannot flood the log (event loop only)."""
 
-    def __init__(self, burst: int = 20, window_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        logger: logging.Logger,
+        event: str,
+        what: str,
+        burst: int = 20,
+        window_s: float = 10.0,
+    ) -> None:
+        self.logger = logger
+        self.event = event
+        self.what = what
         self.burst = burst
         self.window_s = window_s
         self.total = 0
@@ -34,17 +49,18 @@ class AuthFailureLog:
         self._in_window = 0
         self._suppressed = 0
 
-    def failed(self, wire: str, peer: str, reason: str) -> None:
-        """Log (or count) one failed authentication."""
+    def note(self, wire: str, peer: str, reason: str) -> None:
+        """Log (or count) one occurrence."""
         self.total += 1
         now = time.monotonic()
         if now - self._window_start >= self.window_s:
             if self._suppressed:
-                AUTH_LOG.warning(
-                    "%d more failed authentications not logged in the last %.0fs",
+                self.logger.warning(
+                    "%d more %s not logged in the last %.0fs",
                     self._suppressed,
+                    self.what,
                     now - self._window_start,
-                    extra={"event": "auth_failed_suppressed", "count": self._suppressed},
+                    extra={"event": self.event + "_suppressed", "count": self._suppressed},
                 )
             self._window_start = now
             self._in_window = 0
@@ -53,13 +69,31 @@ class AuthFailureLog:
             self._suppressed += 1
             return
         self._in_window += 1
-        AUTH_LOG.warning(
-            "authentication failed wire=%s peer=%s reason=%s",
+        self.logger.warning(
+            "%s wire=%s peer=%s reason=%s",
+            self.what.rstrip("s") if self.what.endswith("s") else self.what,
             wire,
             peer,
             reason,
-            extra={"event": "auth_failed", "wire": wire, "peer": peer, "reason": reason},
+            extra={"event": self.event, "wire": wire, "peer": peer, "reason": reason},
         )
+
+
+class AuthFailureLog(RateLimitedLog):
+    """Failed authentications: wire, peer address and reason (never the credential)."""
+
+    def __init__(self, burst: int = 20, window_s: float = 10.0) -> None:
+        super().__init__(AUTH_LOG, "auth_failed", "failed authentications", burst, window_s)
+
+    def failed(self, wire: str, peer: str, reason: str) -> None:
+        self.note(wire, peer, reason)
+
+
+class RefusalLog(RateLimitedLog):
+    """Connections refused or closed for a limit (slots, memory shares, buffers)."""
+
+    def __init__(self, burst: int = 20, window_s: float = 10.0) -> None:
+        super().__init__(LIMIT_LOG, "refused", "refused connections", burst, window_s)
 
 
 class AccessLog:
@@ -124,4 +158,13 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(doc, ensure_ascii=False)
 
 
-__all__ = ["ACCESS_LOG", "AUTH_LOG", "AccessLog", "AuthFailureLog", "JsonFormatter"]
+__all__ = [
+    "ACCESS_LOG",
+    "AUTH_LOG",
+    "LIMIT_LOG",
+    "AccessLog",
+    "AuthFailureLog",
+    "JsonFormatter",
+    "RateLimitedLog",
+    "RefusalLog",
+]

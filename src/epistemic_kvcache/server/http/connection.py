@@ -34,9 +34,7 @@ How it works
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import socket
 import time
 from collections import deque
 from collections.abc import Callable
@@ -182,14 +180,10 @@ class HttpConnection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
         self.peer = peer_of(transport)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):  # not TCP (unix socket)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         admitted = self._slots.admit(self.peer, self._evicted)
         self._ctx.open_connections[WIRE] = self._slots.open
         if isinstance(admitted, str):
-            log.info("http: connection from %s refused: %s", self.peer, admitted)
+            self._ctx.refusals.note(WIRE, self.peer, admitted)
             self._stopped = True
             err = HttpError(503, "overloaded", f"{admitted}, retry later", (("Retry-After", "1"),))
             self._send(err.response(), head_only=False, close=True, http10=False)
@@ -500,11 +494,8 @@ class HttpConnection(asyncio.BufferedProtocol):
             if slot is not None:
                 refused = self._slots.authenticate(slot, identity.tenant)
                 if refused is not None:
-                    log.warning(
-                        "http: connection from %s refused for tenant %r: %s",
-                        self.peer,
-                        identity.tenant,
-                        refused,
+                    self._ctx.refusals.note(
+                        WIRE, self.peer, f"tenant {identity.tenant!r}: {refused}"
                     )
                     return HttpError(429, "too_many_connections", refused, (("Retry-After", "1"),))
             self._tenant = identity.tenant
@@ -691,12 +682,10 @@ class HttpConnection(asyncio.BufferedProtocol):
         limit = self._limits.client_output_buffer_limit_bytes
         queued = self._account.track_output(self._transport, limit)
         if queued is not None and not self._closed:
-            log.warning(
-                "http: %s has %d bytes of unread answers (client_output_buffer_limit_bytes=%d):"
-                " closed",
+            self._ctx.refusals.note(
+                WIRE,
                 self.peer,
-                queued,
-                limit,
+                f"{queued} bytes of unread answers (client_output_buffer_limit_bytes)",
             )
             self._abort()
 
@@ -745,11 +734,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._auth_timer = None
         if self._closed or self._transport is None:
             return
-        log.info(
-            "http: %s sent no authenticated request within %ss, closing",
-            self.peer,
-            self._limits.auth_timeout_s,
-        )
+        log.debug("http: %s sent no authenticated request in time, closing", self.peer)
         self._stopped = True
         self._transport.close()
 
@@ -762,11 +747,7 @@ class HttpConnection(asyncio.BufferedProtocol):
     def _on_stall(self) -> None:
         self._stall = None
         if self._write_paused:
-            log.info(
-                "http: %s stopped reading for %ss, aborting",
-                self.peer,
-                self._limits.request_timeout_s,
-            )
+            self._ctx.refusals.note(WIRE, self.peer, "stopped reading our answers")
             self._abort()
 
     def _abort(self) -> None:

@@ -42,8 +42,6 @@ first byte arrived more than `request_timeout_s` ago and is still incomplete -> 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
 import time
 from collections import deque
 from collections.abc import Callable
@@ -73,6 +71,9 @@ MAX_FRAMED_AHEAD: Final = 256
 """Commands the parser frames ahead of the one running (the rest stays raw bytes)."""
 SLICE_S: Final = 0.002
 """A connection's task yields to the event loop after running commands this long."""
+READ_SLICE_S: Final = 0.001
+"""A read whose parsing (and fast-path answers) took longer than this makes the
+connection skip reading until the event loop has served everyone else once."""
 PUBSUB_OUTPUT_LIMIT: Final = 8 * 1024 * 1024
 """A subscriber whose unread messages exceed this is disconnected (Redis' soft pubsub
 client-output-buffer-limit is 8 MiB)."""
@@ -150,6 +151,10 @@ class RespConnection(asyncio.BufferedProtocol):
         self._closing = False
         self._eof = False
         self._reading_paused = False
+        """Back-pressure: too much is buffered."""
+        self._read_yield = False
+        """Fairness: the last read cost a time slice; reading resumes next loop turn."""
+        self._transport_paused = False
         self._parked = False
         """The command task waits for input with nothing queued: the fast path may run."""
         self._last_activity = self._loop.time()
@@ -169,16 +174,12 @@ class RespConnection(asyncio.BufferedProtocol):
         self._ctx.open_connections[WIRE] = self._slots.open
         if isinstance(admitted, str):
             self._closing = True
-            log.info("RESP connection from %s refused: %s", self.peer, admitted)
+            self._ctx.refusals.note(WIRE, self.peer, admitted)
             transport.write(f"-ERR {admitted}\r\n".encode())
             transport.close()
             return
         self._slot = admitted
         self._shared.live.add(self)
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._task = self._loop.create_task(self._serve())
         self._arm_timer(self._timeout_check_delay())
         self.arm_auth_deadline()
@@ -187,6 +188,12 @@ class RespConnection(asyncio.BufferedProtocol):
         return self._parser.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
+        started = time.perf_counter()
+        self._buffer_updated(nbytes)
+        if time.perf_counter() - started > READ_SLICE_S:
+            self._yield_reading()
+
+    def _buffer_updated(self, nbytes: int) -> None:
         parser = self._parser
         parser.buffer_updated(nbytes)
         now = self._loop.time()
@@ -220,7 +227,7 @@ class RespConnection(asyncio.BufferedProtocol):
             over = parser.has_ready and parser.buffered_bytes > READ_HIGH_WATER
         if over:
             self._reading_paused = True
-            self._transport.pause_reading()
+            self._apply_reading()
 
     def eof_received(self) -> bool:
         self._eof = True
@@ -317,13 +324,7 @@ class RespConnection(asyncio.BufferedProtocol):
         refused = self._account.take("bulk", nbytes)
         if refused is None:
             return True
-        log.info(
-            "RESP connection %d (%s): %d-byte bulk refused (%s limit)",
-            self.session.client_id,
-            self.peer,
-            nbytes,
-            refused,
-        )
+        self._ctx.refusals.note(WIRE, self.peer, f"{nbytes}-byte bulk over the {refused} limit")
         return refused
 
     def _account_input(self) -> bool:
@@ -332,13 +333,10 @@ class RespConnection(asyncio.BufferedProtocol):
         pending = parser.pending_bytes
         limit = self._limits.resp_max_query_buffer_bytes
         if pending > limit:
-            log.warning(
-                "RESP connection %d (%s) buffered %d bytes of commands "
-                "(resp_max_query_buffer_bytes=%d): closed",
-                self.session.client_id,
+            self._ctx.refusals.note(
+                WIRE,
                 self.peer,
-                pending,
-                limit,
+                f"{pending} bytes of commands buffered (resp_max_query_buffer_bytes)",
             )
             self._write(
                 serialize(
@@ -362,13 +360,10 @@ class RespConnection(asyncio.BufferedProtocol):
         limit = self._limits.client_output_buffer_limit_bytes
         queued = self._account.track_output(self._transport, limit)
         if queued is not None and not self._closing:
-            log.warning(
-                "RESP connection %d (%s) has %d bytes of unread replies "
-                "(client_output_buffer_limit_bytes=%d): closed",
-                self.session.client_id,
+            self._ctx.refusals.note(
+                WIRE,
                 self.peer,
-                queued,
-                limit,
+                f"{queued} bytes of unread replies (client_output_buffer_limit_bytes)",
             )
             self._close(abort=True)
 
@@ -423,6 +418,32 @@ class RespConnection(asyncio.BufferedProtocol):
         self._slot = None
         self._close(abort=True)
 
+    def _yield_reading(self) -> None:
+        """This read cost more than `READ_SLICE_S`: stop reading until the event loop
+        has run everything else once (libuv would otherwise read again at once)."""
+        if self._read_yield or self._closing:
+            return
+        self._read_yield = True
+        self._apply_reading()
+        self._loop.call_soon(self._end_read_yield)
+
+    def _end_read_yield(self) -> None:
+        self._read_yield = False
+        self._apply_reading()
+
+    def _apply_reading(self) -> None:
+        """Pause or resume the transport: paused while back-pressure or a yield holds."""
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        want_paused = self._reading_paused or self._read_yield
+        if want_paused != self._transport_paused:
+            self._transport_paused = want_paused
+            if want_paused:
+                transport.pause_reading()
+            else:
+                transport.resume_reading()
+
     def _resume_reading(self, *, force: bool) -> None:
         if not self._reading_paused or self._transport is None:
             return
@@ -434,7 +455,7 @@ class RespConnection(asyncio.BufferedProtocol):
         if force or parser.buffered_bytes <= low:
             self._reading_paused = False
             self._partial_since = None  # the wait was ours, not the client's
-            self._transport.resume_reading()
+            self._apply_reading()
 
     def arm_auth_deadline(self) -> None:
         """Close the connection unless it authenticates within `auth_timeout_s`."""
@@ -446,11 +467,7 @@ class RespConnection(asyncio.BufferedProtocol):
         self._auth_timer = None
         if self._closing or self.session.identity is not None:
             return
-        log.info(
-            "RESP connection %d (%s) not authenticated in time, closing",
-            self.session.client_id,
-            self.peer,
-        )
+        log.debug("RESP connection from %s not authenticated in time, closing", self.peer)
         self._close(abort=True)
 
     def _timeout_check_delay(self) -> float:
@@ -480,7 +497,10 @@ class RespConnection(asyncio.BufferedProtocol):
             if stall_deadline < deadline:
                 deadline, why = stall_deadline, "replies not read in time"
         if now >= deadline:
-            log.info("RESP connection %d (%s) closed: %s", self.session.client_id, self.peer, why)
+            if why == "idle":
+                log.debug("RESP connection from %s closed: idle", self.peer)
+            else:
+                self._ctx.refusals.note(WIRE, self.peer, why)
             self._close(abort=True)
             return
         self._arm_timer(max(0.05, min(deadline - now, self._timeout_check_delay())))
@@ -492,12 +512,7 @@ class RespConnection(asyncio.BufferedProtocol):
         if slot is not None:
             refused = self._slots.authenticate(slot, identity.tenant)
             if refused is not None:
-                log.warning(
-                    "RESP connection from %s refused for tenant %r: %s",
-                    self.peer,
-                    identity.tenant,
-                    refused,
-                )
+                self._ctx.refusals.note(WIRE, self.peer, f"tenant {identity.tenant!r}: {refused}")
                 self.session.quit_requested = True
                 return ErrorReply(f"ERR {refused}")
         self._account.move_to(identity.tenant)
@@ -539,11 +554,7 @@ class RespConnection(asyncio.BufferedProtocol):
         if transport is None or transport.is_closing() or self._closing:
             return
         if transport.get_write_buffer_size() > PUBSUB_OUTPUT_LIMIT:
-            log.warning(
-                "RESP subscriber %d (%s) does not read its messages: closed",
-                self.session.client_id,
-                self.peer,
-            )
+            self._ctx.refusals.note(WIRE, self.peer, "subscriber does not read its messages")
             self._close(abort=True)
             return
         payload = f"{scope} {epoch}".encode()

@@ -35,6 +35,8 @@ from epistemic_kvcache.store.api import SharedKvBackend
 
 T = TypeVar("T")
 
+READ_BUFFER_BYTES: Final = 64 * 1024
+"""One read's worth: what a connection parses per read callback is bounded by it."""
 SCAN_CURSORS_PER_TENANT: Final = 1024
 """SCAN cursors remembered per tenant (its oldest forgotten first)."""
 SCAN_CURSORS: Final = 16384
@@ -105,7 +107,7 @@ class Shared:
         self.ctx = ctx
         self.started = time.monotonic()
         self.cursors = CursorTable()
-        self.scratch = bytearray(256 * 1024)
+        self.scratch = bytearray(READ_BUFFER_BYTES)
         """The read buffer every connection's parser borrows between `get_buffer` and
         `buffer_updated` (the parser copies out what it keeps before returning)."""
         try:
