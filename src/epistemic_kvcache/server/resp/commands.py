@@ -510,7 +510,15 @@ def _scan_page(store: SharedKvBackend, ns: str, after: str | None, limit: int) -
 
 # -- server commands ------------------------------------------------------------------------
 
-_INFO_DEFAULT: Final = ("server", "clients", "persistence", "stats", "kvcache", "keyspace")
+_INFO_DEFAULT: Final = (
+    "server",
+    "clients",
+    "memory",
+    "persistence",
+    "stats",
+    "kvcache",
+    "keyspace",
+)
 
 
 def maxmemory(s: Session) -> int:
