@@ -21,7 +21,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import abuse  # noqa: E402
+from bench import abuse
 
 MiB = 1024 * 1024
 INFLIGHT = 256 * MiB

@@ -55,7 +55,8 @@ def test_budget_refuses_by_the_limit_that_is_reached() -> None:
     assert budget.refusals == {"server": 1, "tenant": 1}
     a.give_back("body", 30)
     assert b.take("body", 20) is None
-    assert budget.used_by("a") == 30 and budget.used_by("b") == 60
+    assert budget.used_by("a") == 30
+    assert budget.used_by("b") == 60
 
 
 def test_account_purposes_force_move_and_close() -> None:
@@ -64,10 +65,12 @@ def test_account_purposes_force_move_and_close() -> None:
     assert acc.set("input", 500) is None
     assert budget.used_by(None) == 500
     acc.move_to("t")  # authenticated: everything counts for the tenant now
-    assert budget.used_by(None) == 0 and budget.used_by("t") == 500
+    assert budget.used_by(None) == 0
+    assert budget.used_by("t") == 500
     assert acc.take("reply", 1) == "tenant"  # over its share: refused...
     acc.set("output", 50, force=True)  # ...but bytes that exist are always counted
-    assert acc.held == 550 and budget.used == 550
+    assert acc.held == 550
+    assert budget.used == 550
     acc.set("input", 0)
     assert acc.held == 50
     acc.close()
@@ -91,7 +94,8 @@ def test_account_is_safe_across_threads() -> None:
     churn("input")
     for t in threads:
         t.join()
-    assert acc.held == 0 and budget.used == 0
+    assert acc.held == 0
+    assert budget.used == 0
 
 
 # -- connection slots ------------------------------------------------------------------------
@@ -130,7 +134,8 @@ def test_unauthenticated_pool_evicts_the_oldest_past_its_grace() -> None:
     fresh = s.admit("10.0.0.9", lambda: None)
     assert not isinstance(fresh, str)
     assert closed == ["c0"]  # the oldest went
-    assert s.unauthenticated == 4 and s.evicted == 1
+    assert s.unauthenticated == 4
+    assert s.evicted == 1
 
 
 def test_one_peer_cannot_fill_the_unauthenticated_pool() -> None:
@@ -161,22 +166,26 @@ def test_tenant_and_peer_caps_and_the_total() -> None:
     assert not isinstance(extra, str)
     assert s.authenticate(extra, "tenant-a") == "max number of clients reached for this tenant"
     assert s.authenticate(extra, "tenant-b") is None  # another tenant has its own share
-    assert s.connections_of("tenant-a") == 3 and s.connections_of("tenant-b") == 1
+    assert s.connections_of("tenant-a") == 3
+    assert s.connections_of("tenant-b") == 1
     for _ in range(2):
         assert not isinstance(s.admit("host-a", lambda: None), str)
     assert s.admit("host-a", lambda: None) == "max number of clients reached for this address"
     s.release(mine[0])
     s.release(mine[0])  # idempotent
-    assert s.connections_of("tenant-a") == 2 and s.open == 5
+    assert s.connections_of("tenant-a") == 2
+    assert s.open == 5
     s.deauthenticate(extra)  # RESET: back to the small pool
-    assert s.connections_of("tenant-b") == 0 and s.unauthenticated == 3
+    assert s.connections_of("tenant-b") == 0
+    assert s.unauthenticated == 3
 
 
 def test_full_listener_makes_room_from_stale_unauthenticated_only() -> None:
     clock = Clock()
     s = slots(clock, max_connections=3, max_unauthenticated=3, max_unauthenticated_per_peer=3)
     a = s.admit("p1", lambda: None)
-    assert not isinstance(a, str) and s.authenticate(a, "t") is None
+    assert not isinstance(a, str)
+    assert s.authenticate(a, "t") is None
     closed: list[str] = []
     for i in range(2):
         assert not isinstance(s.admit("p2", lambda i=i: closed.append(str(i))), str)
@@ -266,4 +275,5 @@ def test_error_table_order_and_fallback() -> None:
     assert exception_for_code("quota_exceeded") is QuotaExceededError
     assert exception_for_code("no_such_code") is None
     line = resp_text(row_for(InvalidKeyError("a\r\nb")), InvalidKeyError("a\r\nb"))
-    assert "\r" not in line and "\n" not in line
+    assert "\r" not in line
+    assert "\n" not in line

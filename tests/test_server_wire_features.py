@@ -206,7 +206,8 @@ def test_type_memory_usage_and_maxmemory(srv: Srv) -> None:
         assert r.type("t1") == b"string"
         assert r.type("absent") == b"none"
         usage = r.memory_usage("t1")
-        assert usage is not None and 1000 < usage < 2000
+        assert usage is not None
+        assert 1000 < usage < 2000
         assert r.execute_command("MEMORY", "USAGE", "t1", "SAMPLES", "0") == usage
         assert r.memory_usage("absent") is None
         with pytest.raises(redis.ResponseError, match="unknown subcommand"):
@@ -335,7 +336,9 @@ def test_a_tenant_at_its_share_gets_its_own_error() -> None:
         third = _put_head(s.http_port, "held-2", 1 * MiB, "tok-a")
         heads.append(third)
         data = third.recv(4096)
-        assert b" 429 " in data and b"tenant_busy" in data and b"Retry-After: 1" in data
+        assert b" 429 " in data
+        assert b"tenant_busy" in data
+        assert b"Retry-After: 1" in data
         with s.redis("tok-a") as a:  # RESP draws on the same share
             with pytest.raises(redis.ResponseError, match="share of in-flight memory"):
                 a.set("big", b"x" * MiB)
