@@ -35,13 +35,15 @@ class RateLimitedLog:
         self,
         logger: logging.Logger,
         event: str,
-        what: str,
+        one: str,
+        many: str,
         burst: int = 20,
         window_s: float = 10.0,
     ) -> None:
         self.logger = logger
         self.event = event
-        self.what = what
+        self.one = one
+        self.what = many
         self.burst = burst
         self.window_s = window_s
         self.total = 0
@@ -71,7 +73,7 @@ class RateLimitedLog:
         self._in_window += 1
         self.logger.warning(
             "%s wire=%s peer=%s reason=%s",
-            self.what.rstrip("s") if self.what.endswith("s") else self.what,
+            self.one,
             wire,
             peer,
             reason,
@@ -83,7 +85,14 @@ class AuthFailureLog(RateLimitedLog):
     """Failed authentications: wire, peer address and reason (never the credential)."""
 
     def __init__(self, burst: int = 20, window_s: float = 10.0) -> None:
-        super().__init__(AUTH_LOG, "auth_failed", "failed authentications", burst, window_s)
+        super().__init__(
+            AUTH_LOG,
+            "auth_failed",
+            "authentication failed",
+            "failed authentications",
+            burst,
+            window_s,
+        )
 
     def failed(self, wire: str, peer: str, reason: str) -> None:
         self.note(wire, peer, reason)
@@ -93,7 +102,9 @@ class RefusalLog(RateLimitedLog):
     """Connections refused or closed for a limit (slots, memory shares, buffers)."""
 
     def __init__(self, burst: int = 20, window_s: float = 10.0) -> None:
-        super().__init__(LIMIT_LOG, "refused", "refused connections", burst, window_s)
+        super().__init__(
+            LIMIT_LOG, "refused", "client refused at a limit", "refusals", burst, window_s
+        )
 
 
 class AccessLog:

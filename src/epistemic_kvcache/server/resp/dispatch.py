@@ -216,6 +216,18 @@ class Dispatcher:
         s = self.session
         if s.identity is not None:
             s.shared.activity(s.identity.tenant).commands += 1
+        access = self.ctx.access_log
+        if access.enabled:
+            access.record(
+                WIRE,
+                s.peer,
+                s.identity.tenant if s.identity is not None else None,
+                route,
+                status,
+                0,
+                reply_bytes(reply),
+                seconds,
+            )
         try:
             self.ctx.metrics.observe_request(wire=WIRE, route=route, status=status, seconds=seconds)
         except Exception:  # metrics must never break serving

@@ -1,0 +1,324 @@
+"""What an operator sees and does: the start-up line, JSON logs, failed logins and the
+access log in the log, SIGHUP reloading tokens, JWT keys and TLS certificates without
+dropping connections, file modes, and a failed start-up that leaves nothing behind.
+
+The real `python -m epistemic_kvcache serve` runs as a subprocess (signals reach it);
+the helpers are test_server_app.py's.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import signal
+import socket
+import ssl
+import stat
+import time
+from pathlib import Path
+
+import jwt
+import pytest
+import redis
+import trustme
+from cryptography.hazmat.primitives.asymmetric import ec
+from jwt.algorithms import ECAlgorithm
+
+from epistemic_kvcache.server.oplog import AuthFailureLog, JsonFormatter
+from test_server_app import (  # the subprocess harness of the runner's own tests
+    NO_RETRY,
+    TOKEN,
+    Server,
+    _get,
+    fail_to_start,
+    servers,
+    start,
+)
+
+__all__ = ["servers"]  # the fixture, imported for this module's tests
+
+
+def _replace(path: Path, text: str) -> None:
+    """Rewrite a file the way an operator's tooling should: write aside, rename."""
+    tmp = path.with_suffix(".new")
+    tmp.write_text(text)
+    tmp.chmod(0o600)
+    tmp.replace(path)
+
+
+def _hup(server: Server, marker: str) -> None:
+    before = sum(marker in line for line in server.lines)
+    server.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while sum(marker in line for line in server.lines) <= before:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{marker!r} not logged after SIGHUP:\n{server.log()}")
+        time.sleep(0.02)
+
+
+# -- start-up and logs ---------------------------------------------------------------------
+
+
+def test_startup_line_and_json_log_format(tmp_path: Path, servers: list[Server]) -> None:
+    server = start(servers, tmp_path, "--token", TOKEN, "--log-format", "json")
+    assert server.http is not None
+    assert server.resp is not None
+    docs = [json.loads(line) for line in server.lines if line.strip()]
+    assert all({"ts", "level", "logger", "msg"} <= set(d) for d in docs)
+    started = [d for d in docs if d.get("event") == "started"]
+    assert len(started) == 1
+    assert started[0]["http"] == str(server.http)
+    assert started[0]["resp"] == str(server.resp)
+    assert started[0]["version"]
+    assert started[0]["msg"].startswith(f"started epistemic-kvcache {started[0]['version']} ")
+    assert server.stop() == 0
+
+
+def test_failed_logins_are_logged_with_peer_and_reason(
+    tmp_path: Path, servers: list[Server]
+) -> None:
+    secret = tmp_path / "jwt.secret"
+    secret.write_text("s" * 40)
+    server = start(servers, tmp_path, "--token", TOKEN, "--jwt-secret-file", str(secret))
+    assert server.http is not None
+    assert server.resp is not None
+    expired = jwt.encode({"tenant": "t", "exp": int(time.time()) - 60}, "s" * 40, algorithm="HS256")
+    status, body = _get(server.http, "/kv/stats", token=expired)
+    assert status == 401
+    assert json.loads(body)["message"] == "invalid credentials"  # generic for the client
+    assert _get(server.http, "/kv/stats", token=None)[0] == 401
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(
+            host=server.resp.host, port=server.resp.port, password="wrong-0123", retry=NO_RETRY
+        ).ping()
+    server.wait_for(
+        r"authentication failed wire=http peer=127\.0\.0\.1 reason=invalid token: expired"
+    )
+    server.wait_for(r"authentication failed wire=http peer=127\.0\.0\.1 reason=no credentials")
+    server.wait_for(r"authentication failed wire=resp peer=127\.0\.0\.1 reason=invalid credentials")
+    assert expired not in server.log()
+    assert "wrong-0123" not in server.log()
+    assert server.stop() == 0
+
+
+def test_failed_login_log_is_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
+    log = AuthFailureLog(burst=3, window_s=0.2)
+    with caplog.at_level(logging.WARNING, logger="epistemic_kvcache.auth"):
+        for _ in range(50):
+            log.failed("resp", "10.0.0.1", "invalid credentials")
+        time.sleep(0.25)
+        log.failed("resp", "10.0.0.1", "invalid credentials")
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[:3] == ["authentication failed wire=resp peer=10.0.0.1 "
+                            "reason=invalid credentials"] * 3  # fmt: skip
+    assert "47 more failed authentications not logged in the last" in messages[3]
+    assert len(messages) == 5
+    assert log.total == 51
+
+
+def test_json_formatter_keeps_extra_fields() -> None:
+    record = logging.makeLogRecord(
+        {"name": "x", "levelno": 30, "levelname": "WARNING", "msg": "m %s", "args": ("a",)}
+    )
+    record.peer = "10.0.0.1"
+    doc = json.loads(JsonFormatter().format(record))
+    assert (doc["level"], doc["logger"], doc["msg"], doc["peer"]) == (
+        "warning",
+        "x",
+        "m a",
+        "10.0.0.1",
+    )
+
+
+def test_access_log(tmp_path: Path, servers: list[Server]) -> None:
+    server = start(servers, tmp_path, "--token", TOKEN, "--access-log")
+    assert server.http is not None
+    assert server.resp is not None
+    assert _get(server.http, "/kv/a1", method="PUT", body=b"12345")[0] == 201
+    r = redis.Redis(host=server.resp.host, port=server.resp.port, password=TOKEN)
+    try:
+        assert r.get("a1") == b"12345"
+    finally:
+        r.close()
+    server.wait_for(r"epistemic_kvcache\.access: http 127\.0\.0\.1 default 'PUT /kv/a1' 201 in=5")
+    server.wait_for(r"epistemic_kvcache\.access: resp 127\.0\.0\.1 default 'get' ok")
+    assert server.stop() == 0
+
+
+# -- SIGHUP ----------------------------------------------------------------------------------
+
+
+def test_sighup_reloads_the_token_file_and_ends_revoked_sessions(
+    tmp_path: Path, servers: list[Server]
+) -> None:
+    old, new = "old-token-0123456789abcd", "new-token-0123456789abcd"
+    tokens = tmp_path / "tokens"
+    _replace(tokens, f"{old} team\n")
+    server = start(servers, tmp_path, "--token-file", str(tokens))
+    assert server.http is not None
+    assert server.resp is not None
+    keep = http.client.HTTPConnection(server.http.host, server.http.port, timeout=10)
+    keep.request("GET", "/kv/stats", headers={"Authorization": f"Bearer {old}"})
+    assert keep.getresponse().read()
+    assert True
+    sock_before = keep.sock
+    session = redis.Redis(
+        host=server.resp.host, port=server.resp.port, password=old, retry=NO_RETRY
+    )
+    assert session.set("r1", b"v") is True
+
+    _replace(tokens, f"{new} team\n")
+    _hup(server, "reload: credentials reloaded")
+    # the same keep-alive connection goes on, with the new token only
+    keep.request("GET", "/kv/r1", headers={"Authorization": f"Bearer {new}"})
+    response = keep.getresponse()
+    assert (response.status, response.read()) == (200, b"v")
+    assert keep.sock is sock_before
+    keep.request("GET", "/kv/r1", headers={"Authorization": f"Bearer {old}"})
+    response = keep.getresponse()
+    assert response.status == 401
+    response.read()
+    keep.close()
+    # the RESP session authenticated with the revoked token was closed
+    with pytest.raises(redis.ConnectionError):
+        session.get("r1")
+    session.close()
+    server.wait_for(r"closed: its credential was revoked")
+    fresh = redis.Redis(host=server.resp.host, port=server.resp.port, password=new)
+    try:
+        assert fresh.get("r1") == b"v"
+    finally:
+        fresh.close()
+
+    # A broken file is not loaded: the credentials in force stay.
+    _replace(tokens, "# nothing here\n")
+    _hup(server, "credentials NOT reloaded")
+    assert _get(server.http, "/kv/r1", token=new) == (200, b"v")
+    assert server.stop() == 0
+
+
+def test_sighup_reloads_jwks(tmp_path: Path, servers: list[Server]) -> None:
+    keys = [ec.generate_private_key(ec.SECP256R1()) for _ in range(2)]
+
+    def jwks(key: ec.EllipticCurvePrivateKey, kid: str) -> str:
+        jwk = json.loads(ECAlgorithm.to_jwk(key.public_key()))
+        jwk.update(kid=kid, use="sig", alg="ES256")
+        return json.dumps({"keys": [jwk]})
+
+    def token(key: ec.EllipticCurvePrivateKey, kid: str) -> str:
+        claims = {"tenant": "team", "exp": int(time.time()) + 600}
+        return jwt.encode(claims, key, algorithm="ES256", headers={"kid": kid})
+
+    path = tmp_path / "jwks.json"
+    _replace(path, jwks(keys[0], "k1"))
+    server = start(servers, tmp_path, "--jwt-jwks", str(path))
+    assert server.http is not None
+    assert _get(server.http, "/kv/stats", token=token(keys[0], "k1"))[0] == 200
+    _replace(path, jwks(keys[1], "k2"))
+    _hup(server, "reload: credentials reloaded")
+    assert _get(server.http, "/kv/stats", token=token(keys[1], "k2"))[0] == 200
+    assert _get(server.http, "/kv/stats", token=token(keys[0], "k1"))[0] == 401
+    assert server.stop() == 0
+
+
+def test_sighup_reloads_the_tls_certificate(tmp_path: Path, servers: list[Server]) -> None:
+    ca = trustme.CA()
+    cert, key, ca_file = tmp_path / "server.pem", tmp_path / "server.key", tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+
+    def issue() -> int:
+        issued = ca.issue_cert("127.0.0.1")
+        new_cert, new_key = tmp_path / "cert.new", tmp_path / "key.new"
+        issued.cert_chain_pems[0].write_to_path(str(new_cert))
+        issued.private_key_pem.write_to_path(str(new_key))
+        new_key.chmod(0o600)
+        new_cert.replace(cert)
+        new_key.replace(key)
+        from cryptography import x509
+
+        return x509.load_pem_x509_certificate(cert.read_bytes()).serial_number
+
+    first = issue()
+    server = start(
+        servers, tmp_path, "--token", TOKEN, "--tls-cert", str(cert), "--tls-key", str(key)
+    )
+    assert server.http is not None
+    client_ctx = ssl.create_default_context(cafile=str(ca_file))
+
+    def served_serial() -> int:
+        with (
+            socket.create_connection((server.http.host, server.http.port), timeout=10) as raw,
+            client_ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+        ):
+            der = tls.getpeercert(binary_form=True)
+        from cryptography import x509
+
+        assert der is not None
+        return x509.load_der_x509_certificate(der).serial_number
+
+    assert served_serial() == first
+    keep = http.client.HTTPSConnection(
+        server.http.host, server.http.port, timeout=10, context=client_ctx
+    )
+    keep.request("GET", "/kv/stats", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert keep.getresponse().read()
+    second = issue()
+    assert second != first
+    _hup(server, "reload: TLS certificate reloaded")
+    assert served_serial() == second  # new handshakes get the new certificate
+    keep.request("GET", "/kv/stats", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert keep.getresponse().status == 200  # the established connection goes on
+    keep.close()
+    # a bad certificate file is not loaded; the current one stays in use
+    cert.write_text("not a certificate\n")
+    _hup(server, "TLS NOT reloaded")
+    assert served_serial() == second
+    assert server.stop() == 0
+
+
+# -- files -----------------------------------------------------------------------------------
+
+
+def test_persist_dir_and_token_modes(tmp_path: Path, servers: list[Server]) -> None:
+    old_umask = os.umask(0o022)  # a typical umask: the server must not rely on it
+    try:
+        server = start(servers, tmp_path)
+    finally:
+        os.umask(old_umask)
+    data = tmp_path / "data"
+    assert stat.S_IMODE(data.stat().st_mode) == 0o700
+    assert stat.S_IMODE((data / "token").stat().st_mode) == 0o600
+    assert server.stop() == 0
+    data.chmod(0o755)
+    again = start(servers, tmp_path)
+    again.wait_for(r"persist dir .* is accessible to group/others \(mode 755\): chmod 700 it")
+    assert again.stop() == 0
+
+
+def test_failed_start_writes_no_file(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        # no credentials: a first-run token would be generated, had the start succeeded
+        rc, out = fail_to_start(
+            tmp_path,
+            base=(
+                "--addr",
+                "127.0.0.1:0",
+                "--resp-addr",
+                f"127.0.0.1:{port}",
+                "--persist-dir",
+                "data",
+            ),
+        )
+    assert rc == 1, out
+    assert "address already in use" in out
+    assert not (tmp_path / "data").exists()
+    rc, out = fail_to_start(
+        tmp_path, "--tls-cert", str(tmp_path / "nope.pem"), "--tls-key", str(tmp_path / "k")
+    )
+    assert rc == 2, out
+    assert not (tmp_path / "data").exists()
