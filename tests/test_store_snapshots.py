@@ -511,7 +511,8 @@ def test_fork_of_a_10000_block_snapshot_copies_zero_bytes(opener: Opener, backen
         assert s.resident_bytes == before.resident_bytes
         assert s.total_refs == before.total_refs + n  # references, not copies
         if backend == "durable":
-            assert s.extra["segment_bytes"] == before.extra["segment_bytes"]
+            # the log gains one small key record per entry, never a block's bytes
+            assert s.extra["segment_bytes"] - before.extra["segment_bytes"] < n * 200
     assert bytes(store.branch_get(NS, br.id, "blk09999") or b"") == items[-1][1]
 
 

@@ -222,6 +222,8 @@ class ConsistencyReport:
     refcount_mismatches: list[str] = field(default_factory=list)
     corrupt_blobs: list[str] = field(default_factory=list)
     """Blobs whose bytes no longer match their digest (only with `deep=True`)."""
+    lost_keys: list[str] = field(default_factory=list)
+    """Keys (`ns/key`) whose bytes were gone when the store opened (served as misses)."""
 
     @property
     def ok(self) -> bool:
@@ -230,6 +232,7 @@ class ConsistencyReport:
             or self.orphan_blobs
             or self.refcount_mismatches
             or self.corrupt_blobs
+            or self.lost_keys
         )
 
 

@@ -488,7 +488,7 @@ class TieredEngine(SharedKvBackend):
             b.seg, b.off = e.seg, e.off
             b.owner = {} if self.dedup_scope == "global" else tenant
             self._blobs[e.sdig] = b
-            if e.data is not None and e.size <= self.hot_capacity_bytes:
+            if e.data is not None and self._admit_hot(e.size):
                 b.hot = e.data  # counted hot by the footprints below
                 self._hot[e.sdig] = b
             self._footprint(b, self._total, +1)
@@ -570,6 +570,10 @@ class TieredEngine(SharedKvBackend):
         if was != (b.pins > 0):
             self._pinned_bytes += b.size if b.pins > 0 else -b.size
 
+    def _admit_hot(self, size: int) -> bool:
+        """Whether a new block's bytes go into the hot tier (lock held)."""
+        return size <= self.hot_capacity_bytes
+
     def _on_blob_created(self, b: _Blob) -> None:
         """Hook for the durable backend (segment accounting)."""
 
@@ -598,17 +602,19 @@ class TieredEngine(SharedKvBackend):
                 break
         return best
 
-    def _rebalance(self) -> None:
-        """Demote hot -> warm (-> out of RAM) until both tiers fit their capacity."""
+    def _rebalance(self, hot_target: int | None = None) -> None:
+        """Demote hot -> warm (-> out of RAM) until hot holds at most `hot_target` bytes
+        (default: its capacity) and warm fits its capacity."""
+        target = self.hot_capacity_bytes if hot_target is None else hot_target
         total = self._total
         if (
-            total.hot_bytes - self._hot_leaving <= self.hot_capacity_bytes
+            total.hot_bytes - self._hot_leaving <= target
             and total.warm_bytes <= self.warm_capacity_bytes
         ):
             return  # nothing to do (unlocked look: whoever adds bytes calls this after)
         while True:
             with self._lock:
-                over = self._total.hot_bytes - self._hot_leaving - self.hot_capacity_bytes
+                over = self._total.hot_bytes - self._hot_leaving - target
                 victim = self._pick_victim(self._hot) if over > 0 else None
                 if victim is None:
                     break
