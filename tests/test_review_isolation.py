@@ -21,9 +21,9 @@ from epistemic_kvcache.config import load_config
 from epistemic_kvcache.proto.http import quote_key
 from epistemic_kvcache.server.app import ServerHandle, ServerThread
 from epistemic_kvcache.store.durable import SharedKvStoreBackend
+from epistemic_kvcache.store.engine import branch_ns, snapshot_ns
 from epistemic_kvcache.store.index import _longkey, split_key_row
 from epistemic_kvcache.store.index import key_row as _key_row
-from epistemic_kvcache.store.engine import branch_ns, snapshot_ns
 
 TOKEN_A = "review-token-tenant-a-0123456789"
 TOKEN_B = "review-token-tenant-b-0123456789"
