@@ -11,15 +11,17 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# Runtime only: what `make serve` needs.
-$(RUN_STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e .
+CONSTRAINTS := constraints/test.txt
+
+# Runtime only: what `make serve` needs (the package with its `server` extra).
+$(RUN_STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[server]'
 	touch $(RUN_STAMP)
 
-# Everything the checks need: dev tools, and lmcache + torch (CPU build) for the
-# LMCache integration tests.
-$(DEV_STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev,lmcache]'
+# Everything the checks need: dev tools (server, mcp and deploy validators included), and
+# lmcache + torch (CPU build) for the LMCache integration tests, at the tested versions.
+$(DEV_STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[dev,lmcache]'
 	touch $(RUN_STAMP) $(DEV_STAMP)
 
 setup: $(RUN_STAMP)
