@@ -94,6 +94,19 @@ def _validate(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _mcp_arguments(parser: argparse.ArgumentParser) -> None:
+    from epistemic_kvcache.mcp_tools import add_arguments
+
+    add_arguments(parser)
+
+
+def _mcp(args: argparse.Namespace) -> int:
+    from epistemic_kvcache.mcp_tools import run
+
+    setup_logging("INFO")
+    return run(args)
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "serve": Subcommand(
         help="run the cache server (HTTP /kv and Redis RESP listeners)",
@@ -104,6 +117,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         help="check a running server through the LMCache L2 connector (put, read back, dedup)",
         add_arguments=_validate_arguments,
         run=_validate,
+    ),
+    "mcp": Subcommand(
+        help="serve the MCP tools graph_kvcache, graph_fork, graph_kv_checkpoint (needs [mcp])",
+        add_arguments=_mcp_arguments,
+        run=_mcp,
     ),
 }
 
