@@ -92,3 +92,13 @@ def test_first_write_wins_tenants() -> None:
     assert c.store_options()["first_write_wins"] == frozenset({"a", "b"})
     c = load_config({}, {P + "FIRST_WRITE_WINS_TENANTS": "*"})
     assert c.store_options()["first_write_wins"] is True
+
+
+def test_client_token_from_a_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    f = tmp_path / "token"
+    f.write_text("# mounted secret\n\ns3cr3t-token tenant-ignored\n")
+    assert KvCacheConfig.from_env({P + "CLIENT_TOKEN_FILE": str(f)}).token == "s3cr3t-token"
+    env = {P + "CLIENT_TOKEN_FILE": str(f), P + "TOKEN": "direct"}
+    assert KvCacheConfig.from_env(env).token == "direct"  # the variable wins over the file
+    with pytest.raises(ValueError, match=f"invalid {P}CLIENT_TOKEN_FILE: cannot read"):
+        KvCacheConfig.from_env({P + "CLIENT_TOKEN_FILE": str(tmp_path / "missing")})

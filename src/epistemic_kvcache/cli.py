@@ -94,6 +94,53 @@ def _validate(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _healthcheck_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--url",
+        default=None,
+        help="base URL to probe (default: this machine's server from its settings: "
+        "--addr / EPISTEMIC_GRAPH_KVCACHE_ADDR, https when TLS is configured)",
+    )
+    parser.add_argument(
+        "--ready", action="store_true", help="probe /readyz (serving and writable), not /healthz"
+    )
+    parser.add_argument("--timeout-s", type=float, default=3.0, help="default 3")
+
+
+def _healthcheck(args: argparse.Namespace) -> int:
+    """Exit 0 when the server answers 200 (container HEALTHCHECK, systemd, scripts)."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    url = args.url
+    context = None
+    if url is None:
+        from epistemic_kvcache.config import load_config
+
+        config = load_config({}, os.environ)
+        host = config.addr.host
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1" if host != "::" else "::1"
+        scheme = "https" if config.tls_enabled else "http"
+        netloc = f"[{host}]:{config.addr.port}" if ":" in host else f"{host}:{config.addr.port}"
+        url = f"{scheme}://{netloc}"
+        if config.tls_enabled:  # our own listener on loopback: the name will not match
+            context = ssl.create_default_context()
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+    path = "/readyz" if args.ready else "/healthz"
+    try:
+        with urllib.request.urlopen(  # noqa: S310 - http(s) URL built above or given
+            url.rstrip("/") + path, timeout=args.timeout_s, context=context
+        ) as resp:
+            ok = resp.status == 200
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"{PROG} healthcheck: {url}{path}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    return EXIT_OK if ok else EXIT_FAILURE
+
+
 def _mcp_arguments(parser: argparse.ArgumentParser) -> None:
     from epistemic_kvcache.mcp_tools import add_arguments
 
@@ -117,6 +164,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         help="check a running server through the LMCache L2 connector (put, read back, dedup)",
         add_arguments=_validate_arguments,
         run=_validate,
+    ),
+    "healthcheck": Subcommand(
+        help="exit 0 if the local server answers /healthz (or /readyz with --ready)",
+        add_arguments=_healthcheck_arguments,
+        run=_healthcheck,
     ),
     "mcp": Subcommand(
         help="serve the MCP tools graph_kvcache, graph_fork, graph_kv_checkpoint (needs [mcp])",

@@ -35,6 +35,7 @@ ENV_URL = ENV_PREFIX + "URL"
 ENV_ADDR = ENV_PREFIX + "ADDR"
 ENV_TOKEN = ENV_PREFIX + "TOKEN"
 # Client only.
+ENV_TOKEN_FILE = CLIENT_ENV_PREFIX + "TOKEN_FILE"
 ENV_CLIENT_CERT = CLIENT_ENV_PREFIX + "CERT"
 ENV_CLIENT_KEY = CLIENT_ENV_PREFIX + "KEY"
 ENV_CONNECT_TIMEOUT = CLIENT_ENV_PREFIX + "CONNECT_TIMEOUT_S"
@@ -53,6 +54,7 @@ CLIENT_ENV_NAMES = (
     ENV_URL,
     ENV_ADDR,
     ENV_TOKEN,
+    ENV_TOKEN_FILE,
     ENV_CLIENT_CERT,
     ENV_CLIENT_KEY,
     ENV_CONNECT_TIMEOUT,
@@ -71,6 +73,21 @@ DEFAULT_READ_TIMEOUT_S = 30.0
 server may take a few seconds. Past 30 s recomputing the KV is cheaper."""
 DEFAULT_MAX_CONNECTIONS = 16
 """Keep-alive connections kept per client; one per concurrently requesting thread."""
+
+
+def read_token_file(path: str, setting: str) -> str:
+    """The token in `path`: its first non-empty, non-comment line (a mounted secret)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.strip() for line in f]
+    except OSError as exc:
+        raise ConfigurationError(
+            f"invalid {setting}: cannot read {path!r} ({exc.strerror})"
+        ) from None
+    for line in lines:
+        if line and not line.startswith("#"):
+            return line.split()[0]
+    raise ConfigurationError(f"invalid {setting}: no token in {path!r}")
 
 
 def url_from_addr(addr: str) -> str:
@@ -224,6 +241,9 @@ class KvCacheConfig:
         else:
             kwargs["base_url"] = url_from_addr(addr or DEFAULT_ADDR)
         kwargs["token"] = get(ENV_TOKEN)
+        token_file = get(ENV_TOKEN_FILE)
+        if kwargs["token"] is None and token_file is not None:
+            kwargs["token"] = read_token_file(token_file, ENV_TOKEN_FILE)
         kwargs["client_cert"] = get(ENV_CLIENT_CERT)
         kwargs["client_key"] = get(ENV_CLIENT_KEY)
         kwargs["ca_file"] = get("SSL_CERT_FILE") or get("REQUESTS_CA_BUNDLE")

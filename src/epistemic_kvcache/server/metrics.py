@@ -72,6 +72,13 @@ _STORE_INTERNAL: dict[str, tuple[str, str]] = {
 """`StoreStats.extra` keys -> (type, help): exported as `kvcache_store_<key>` (counters with
 `_total`). Keys not listed here are exported as `kvcache_store_internal{name=...}`."""
 
+_HEALTH_GAUGES: tuple[tuple[str, str], ...] = (
+    ("ready", "1 when the store serves reads and writes (what /readyz reports)."),
+    ("writable", "0 when the store refuses writes (disk full, fault, recovering)."),
+    ("committer_alive", "0 when the durable store's group committer has died (store fault)."),
+    ("disk_full", "1 while the persist dir's file system is full."),
+    ("recovering", "1 while the store rebuilds its index at start-up."),
+)
 _NAME_OK = re.compile(r"[^a-zA-Z0-9_]")
 
 
@@ -108,6 +115,7 @@ class _StoreCollector(Collector):
         up.add_metric([], 1)
         yield up
         yield from self._stats_metrics(stats)
+        yield from self._health_metrics()
         yield from self._connection_metrics()
 
     def describe(self) -> Iterator[Metric]:
@@ -146,6 +154,21 @@ class _StoreCollector(Collector):
                 yield GaugeMetricFamily(f"kvcache_store_{key}", known[1], value=value)
         if unknown.samples:
             yield unknown
+
+    def _health_metrics(self) -> Iterator[Metric]:
+        """`store.health()` as 0/1 gauges (stores that offer it)."""
+        health_of = getattr(self._store, "health", None)
+        if health_of is None:
+            return
+        try:
+            health = health_of()
+        except Exception as exc:
+            log.warning("store health unavailable for /metrics: %s", exc)
+            return
+        for attr, doc in _HEALTH_GAUGES:
+            value = getattr(health, attr, None)
+            if isinstance(value, bool):
+                yield GaugeMetricFamily(f"kvcache_store_{attr}", doc, value=int(value))
 
     def _connection_metrics(self) -> Iterator[Metric]:
         conns = self.connections
