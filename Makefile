@@ -27,10 +27,15 @@ $(DEV_STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
 setup: $(RUN_STAMP)
 setup-dev: $(DEV_STAMP)
 
-# Debian packages the test-suite talks to (real redis-server, redis-cli, redis-benchmark).
+# Debian packages the test-suite talks to (real redis-server, redis-cli, redis-benchmark),
+# the daemonless image builder (buildah, podman, debootstrap: tests/test_image.py) and
+# systemd-analyze for the unit file.
+SYSDEPS := redis-server redis-tools buildah podman debootstrap crun systemd
 sysdeps:
-	@command -v redis-server >/dev/null && command -v redis-benchmark >/dev/null || \
-	  { (apt-get update -qq || true) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools; }
+	@command -v redis-server >/dev/null && command -v redis-benchmark >/dev/null && \
+	  command -v buildah >/dev/null && command -v debootstrap >/dev/null && \
+	  command -v systemd-analyze >/dev/null || \
+	  { (apt-get update -qq || true) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SYSDEPS); }
 
 # Quick start: run the server on embedded defaults (loopback, durable store in ./kvcache-data).
 serve: setup
