@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 RUN_STAMP := $(VENV)/.stamp-run
 DEV_STAMP := $(VENV)/.stamp-dev
 
-.PHONY: setup setup-dev sysdeps serve check test lint fmt types bench clean
+.PHONY: setup setup-dev sysdeps serve check test lint fmt types bench clean dist dist-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -38,8 +38,10 @@ sysdeps:
 	  { (apt-get update -qq || true) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SYSDEPS); }
 
 # Quick start: run the server on embedded defaults (loopback, durable store in ./kvcache-data).
+# Extra flags: make serve ARGS="--backend memory --hot-capacity-bytes 4GiB"
+ARGS ?=
 serve: setup
-	$(BIN)/epistemic-kvcache serve
+	$(BIN)/epistemic-kvcache serve $(ARGS)
 
 lint: setup-dev
 	$(BIN)/ruff format --check src tests bench scripts
@@ -55,8 +57,23 @@ types: setup-dev
 test: setup-dev sysdeps
 	$(BIN)/pytest
 
+# The wheel and sdist, installed into a fresh venv: the client alone (no server extra)
+# must import without the store, and the command must run.
+DIST_VENV := build/dist-venv
+dist: setup-dev
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
+dist-check: dist
+	rm -rf $(DIST_VENV)
+	$(PY) -m venv $(DIST_VENV)
+	$(DIST_VENV)/bin/pip install -q dist/epistemic_kvcache-*.whl
+	$(DIST_VENV)/bin/epistemic-kvcache --version
+	$(DIST_VENV)/bin/python scripts/check_client_install.py
+	tar tzf dist/epistemic_kvcache-*.tar.gz | grep -q '/LICENSE$$'
+	unzip -l dist/epistemic_kvcache-*.whl | grep -q 'licenses/LICENSE'
+
 # Quick start: set up from nothing and pass every check.
-check: lint types test
+check: lint types test dist-check
 
 bench: setup-dev sysdeps
 	@command -v iperf3 >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iperf3
@@ -67,4 +84,4 @@ bench: setup-dev sysdeps
 	$(BIN)/python -m bench.bench_context
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis build dist
