@@ -86,7 +86,7 @@ def test_bad_client_value_names_the_variable() -> None:
 
 
 def test_first_write_wins_tenants() -> None:
-    assert "first_write_wins" not in load_config({}, {}).store_options()
+    assert load_config({}, {}).store_options()["first_write_wins"] is False
     c = load_config({"first_write_wins_tenants": "a,b"}, {})
     assert c.first_write_wins_tenants == ("a", "b")
     assert c.store_options()["first_write_wins"] == frozenset({"a", "b"})

@@ -1,10 +1,11 @@
 """Both store backends against a dict model (Hypothesis state machine).
 
 The model is `(ns, key) -> bytes` plus pin counts and the PUT counters. Keys and contents
-come from small pools, so repeat PUTs (duplicates), first-write-wins conflicts and
-cross-key dedup happen all the time. Capacities are large, so nothing moves between tiers
-on its own; only the `evict` rule pushes blocks out of RAM. After every step the store's
-own deep consistency check must pass and every stat must match a recount from the model.
+come from small pools, so repeat PUTs (duplicates), replacements, create-only (`nx`) and
+replace-only (`xx`) refusals and cross-key dedup happen all the time. Capacities are
+large, so nothing moves between tiers on its own; only the `evict` rule pushes blocks out
+of RAM. After every step the store's own deep consistency check must pass and every stat
+must match a recount from the model.
 The durable machine also closes and reopens the store (counters are per process: they
 restart at zero, the data and pins do not).
 """
@@ -109,27 +110,41 @@ class StoreModel(RuleBasedStateMachine):
         ns=st.sampled_from(NAMESPACES),
         key=st.sampled_from(KEYS),
         content=st.sampled_from(CONTENTS),
+        cond=st.sampled_from([None, None, None, "nx", "xx"]),
     )
-    def put(self, ns: str, key: str, content: bytes) -> None:
+    def put(self, ns: str, key: str, content: bytes, cond: str | None) -> None:
         ref = (ns, key)
-        res = self.s.put(ns, key, content)
+        res = self.s.put(ns, key, content, cond=cond)  # type: ignore[arg-type]
         old = self.data.get(ref)
-        if old is not None:
-            expected = PutOutcome.DUPLICATE if old == content else PutOutcome.CONFLICT
+        if old is None and cond == "xx":
+            assert res.outcome is PutOutcome.MISSING
+            assert not self.s.exists(ns, key)
+            return
+        if old is not None and (cond == "nx" or old == content):
+            expected = PutOutcome.CONFLICT if cond == "nx" else PutOutcome.DUPLICATE
             assert res.outcome is expected
             assert res.digest == blake3.blake3(old).digest()
             assert res.size == len(old)
-            self.count(ns, "dedup_hits" if old == content else "put_conflicts")
+            self.count(ns, "put_conflicts" if cond == "nx" else "dedup_hits")
             return
-        assert res.outcome is PutOutcome.NEW
+        assert res.outcome is (PutOutcome.NEW if old is None else PutOutcome.REPLACED)
         assert res.digest == blake3.blake3(content).digest()
         assert res.size == len(content)
         self.data[ref] = content
-        self.count(ns, "put_new")
+        self.count(ns, "put_new" if old is None else "put_replaced")
         if len(self.same_blob(ref)) > 1:
             self.count(ns, "dedup_hits")
         else:
             self.hot.add(self.scope_of(ref))
+
+    @rule(ns=st.sampled_from(NAMESPACES))
+    def flush(self, ns: str) -> None:
+        mine = [r for r in self.data if r[0] == ns]
+        assert self.s.flush(ns) == len(mine)
+        for r in mine:
+            del self.data[r]
+            self.pins.pop(r, None)
+        assert self.s.count(ns) == 0
 
     @rule(ns=st.sampled_from(NAMESPACES), key=st.sampled_from(KEYS))
     def get(self, ns: str, key: str) -> None:
@@ -243,6 +258,7 @@ class StoreModel(RuleBasedStateMachine):
                         "put_new",
                         "dedup_hits",
                         "put_conflicts",
+                        "put_replaced",
                         "get_hits",
                         "get_misses",
                         "evictions",
@@ -275,7 +291,14 @@ class StoreModel(RuleBasedStateMachine):
         assert total.unique_blocks == len(total_blobs)
         assert total.resident_bytes == sum(len(b[1]) for b in total_blobs)
         assert total.pinned_blocks == len(total_pinned)
-        for name in ("put_new", "dedup_hits", "put_conflicts", "get_hits", "get_misses"):
+        for name in (
+            "put_new",
+            "dedup_hits",
+            "put_conflicts",
+            "put_replaced",
+            "get_hits",
+            "get_misses",
+        ):
             assert getattr(total, name) == sums[name], name
         if not self.pressure:
             assert total.tiers["hot"].blocks == len(total_blobs & self.hot)

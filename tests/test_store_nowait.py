@@ -40,7 +40,11 @@ def test_memory_put_nowait_small_is_done_large_or_full_would_block() -> None:
     assert r.outcome is PutOutcome.NEW
     again = store.put_nowait(NS, "small", b"y" * 1000)
     assert isinstance(again, PutResult)
-    assert again.outcome is PutOutcome.CONFLICT
+    assert again.outcome is PutOutcome.REPLACED
+    assert bytes(store.get(NS, "small") or b"") == b"y" * 1000
+    refused = store.put_nowait(NS, "small", b"z" * 1000, cond="nx")
+    assert isinstance(refused, PutResult)
+    assert refused.outcome is PutOutcome.CONFLICT
     assert store.put_nowait(NS, "big", os.urandom(INLINE_MAX_BYTES + 1)) is WOULD_BLOCK
     assert store.exists(NS, "big") is False
     store.put(NS, "fill", os.urandom((1 << 20) - 1000))  # hot tier now full

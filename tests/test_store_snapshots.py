@@ -196,18 +196,31 @@ def test_branch_reads_fall_through_and_writes_stay_in_the_overlay(store: SharedK
         store.branch_create(NS, "no-such-snapshot")
 
 
-def test_first_write_wins_inside_an_overlay(store: SharedKvBackend) -> None:
+def test_overwrites_inside_an_overlay_leave_the_snapshot_alone(store: SharedKvBackend) -> None:
     fill(store, NS, {"a": blob("a")})
     sid = store.snapshot_create(NS).id
     bid = store.branch_create(NS, sid).id
     # writing the snapshot's own bytes into the overlay is a new overlay key (deduped)
     assert store.branch_put(NS, bid, "a", blob("a")).outcome is PutOutcome.NEW
     assert store.branch_put(NS, bid, "a", blob("a")).outcome is PutOutcome.DUPLICATE
-    assert store.branch_put(NS, bid, "a", blob("other")).outcome is PutOutcome.CONFLICT
-    assert bytes(store.branch_get(NS, bid, "a") or b"") == blob("a")
+    assert store.branch_put(NS, bid, "a", blob("other")).outcome is PutOutcome.REPLACED
+    assert bytes(store.branch_get(NS, bid, "a") or b"") == blob("other")
+    assert bytes(store.snapshot_get(NS, sid, "a") or b"") == blob("a")
     assert store.branch_put(NS, bid, "x", blob("x1")).outcome is PutOutcome.NEW
-    assert store.branch_put(NS, bid, "x", blob("x2")).outcome is PutOutcome.CONFLICT
-    assert bytes(store.branch_get(NS, bid, "x") or b"") == blob("x1")
+    assert store.branch_put(NS, bid, "x", blob("x2")).outcome is PutOutcome.REPLACED
+    assert bytes(store.branch_get(NS, bid, "x") or b"") == blob("x2")
+
+
+def test_overwrite_and_flush_keep_the_snapshots_bytes(store: SharedKvBackend) -> None:
+    fill(store, NS, {"a": blob("a"), "b": blob("b")})
+    sid = store.snapshot_create(NS).id
+    assert store.put(NS, "a", blob("a2")).outcome is PutOutcome.REPLACED
+    assert bytes(store.get(NS, "a") or b"") == blob("a2")
+    assert bytes(store.snapshot_get(NS, sid, "a") or b"") == blob("a")
+    assert store.flush(NS) == 2
+    assert store.count(NS) == 0
+    assert bytes(store.snapshot_get(NS, sid, "b") or b"") == blob("b")
+    assert store.check(deep=True).ok
 
 
 def test_branch_delete_releases_only_its_overlay(store: SharedKvBackend) -> None:
@@ -557,10 +570,12 @@ class SnapshotModel(RuleBasedStateMachine):
     def put(self, key: str, data: bytes) -> None:
         result = self.s.put(NS, key, data)
         if key in self.live:
-            assert result.outcome is not PutOutcome.NEW
+            assert result.outcome is (
+                PutOutcome.DUPLICATE if self.live[key] == data else PutOutcome.REPLACED
+            )
         else:
             assert result.created
-            self.live[key] = data
+        self.live[key] = data  # snapshots taken before keep the old bytes
 
     @rule(key=st.sampled_from(KEYS))
     def delete(self, key: str) -> None:
@@ -594,10 +609,12 @@ class SnapshotModel(RuleBasedStateMachine):
         overlay = self.overlays[bid][1]
         result = self.s.branch_put(NS, bid, key, data)
         if key in overlay:
-            assert result.outcome is not PutOutcome.NEW
+            assert result.outcome is (
+                PutOutcome.DUPLICATE if overlay[key] == data else PutOutcome.REPLACED
+            )
         else:
             assert result.created
-            overlay[key] = data
+        overlay[key] = data
 
     @rule(bid=branches, key=st.sampled_from(KEYS))
     def branch_get(self, bid: str, key: str) -> None:

@@ -368,9 +368,12 @@ def test_stats_exact_under_concurrency(tmp_path: Path, backend: str, scope: str)
     for ns in namespaces:
         s = store.stats(ns)
         assert s.put_new == total[f"{ns}:new"]
-        assert s.put_conflicts == total[f"{ns}:conflict"]
+        assert s.put_replaced == total[f"{ns}:replaced"]
+        assert s.put_conflicts == total[f"{ns}:conflict"] == 0
         assert total[f"{ns}:duplicate"] <= s.dedup_hits
-        assert s.dedup_hits <= total[f"{ns}:duplicate"] + total[f"{ns}:new"]
+        assert s.dedup_hits <= (
+            total[f"{ns}:duplicate"] + total[f"{ns}:new"] + total[f"{ns}:replaced"]
+        )
         assert s.get_hits + s.get_misses == total[f"{ns}:get"]
     s = store.stats(None)
     assert s.put_new == sum(v for k, v in total.items() if k.endswith(":new"))

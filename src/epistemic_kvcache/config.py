@@ -191,13 +191,11 @@ class ServerConfig:
             **self._first_write_wins_option(),
         }
 
-    def _first_write_wins_option(self) -> dict[str, Any]:
-        # Only passed when set, so the default works with stores predating the option.
-        if not self.first_write_wins_tenants:
-            return {}
-        if "*" in self.first_write_wins_tenants:
+    def _first_write_wins_option(self) -> dict[str, bool | frozenset[str]]:
+        tenants = self.first_write_wins_tenants
+        if "*" in tenants:
             return {"first_write_wins": True}
-        return {"first_write_wins": frozenset(self.first_write_wins_tenants)}
+        return {"first_write_wins": frozenset(tenants) if tenants else False}
 
 
 # -- parsers: (setting name, raw value) -> value; raise ConfigurationError ----------------

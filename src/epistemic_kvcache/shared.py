@@ -140,6 +140,7 @@ STATS_FIELDS: tuple[StatField, ...] = (
     StatField("dedup_hits", "counter", "PUTs whose bytes were already stored."),
     StatField("put_new", "counter", "PUTs that created a key."),
     StatField("put_conflicts", "counter", "PUTs refused because the key already existed."),
+    StatField("put_replaced", "counter", "PUTs that replaced a key's bytes with other bytes."),
     StatField("get_hits", "counter", "GETs that found their block."),
     StatField("get_misses", "counter", "GETs that found nothing."),
     StatField("stale_missed", "counter", "GETs that found only a stale-epoch entry."),

@@ -57,6 +57,7 @@ class KvCacheStats:
     dedup_hits: int = 0
     put_new: int = 0
     put_conflicts: int = 0
+    put_replaced: int = 0
     get_hits: int = 0
     get_misses: int = 0
     stale_missed: int = 0

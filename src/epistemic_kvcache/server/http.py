@@ -96,7 +96,9 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _OUTCOME_WORD = {
     PutOutcome.NEW: "created",
     PutOutcome.DUPLICATE: "duplicate",
+    PutOutcome.REPLACED: "replaced",
     PutOutcome.CONFLICT: "conflict",
+    PutOutcome.MISSING: "missing",
 }
 
 

@@ -73,7 +73,9 @@ DEFAULT_LIST_KEYS = 1000
 _OUTCOME_WORD = {
     PutOutcome.NEW: "created",
     PutOutcome.DUPLICATE: "duplicate",
+    PutOutcome.REPLACED: "replaced",
     PutOutcome.CONFLICT: "conflict",
+    PutOutcome.MISSING: "missing",
 }
 
 

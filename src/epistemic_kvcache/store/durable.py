@@ -79,9 +79,13 @@ from epistemic_kvcache.errors import (
 from epistemic_kvcache.store.api import (
     Buffer,
     ConsistencyReport,
+    PutCond,
     PutOutcome,
     PutResult,
+    StoreHealth,
+    decide_put,
     owned_buffer,
+    validate_cond,
     validate_namespace,
 )
 from epistemic_kvcache.store.codec import WarmCodec
@@ -198,6 +202,7 @@ class _Op:
     loc: tuple[int, int] = (-1, 0)  # quarantine: (segment, offset) of the copy that failed
     tag: tuple[str, int] | None = None  # put: the epoch tag to write with the entry
     payload: Any = None  # snapshot / drop / meta_put arguments
+    cond: PutCond = None  # put: nx / xx
     future: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
 
 
@@ -263,6 +268,7 @@ class SharedKvStoreBackend(TieredEngine):
         max_batch_bytes: int = 512 << 20,
         io: DiskIO | None = None,
         epoch_dir: str | os.PathLike[str] | None = None,
+        first_write_wins: bool | frozenset[str] = False,
     ) -> None:
         super().__init__(
             hot_capacity_bytes=hot_capacity_bytes,
@@ -272,6 +278,7 @@ class SharedKvStoreBackend(TieredEngine):
             codec=codec,
             max_pinned_fraction=max_pinned_fraction,
             max_snapshots_per_tenant=max_snapshots_per_tenant,
+            first_write_wins=first_write_wins,
         )
         if not isinstance(cold_capacity_bytes, int) or cold_capacity_bytes <= 0:
             raise ConfigurationError(
@@ -483,54 +490,99 @@ class SharedKvStoreBackend(TieredEngine):
             op.future.result()
 
     # -- the public operations -----------------------------------------------------------
-    def put(self, ns: str, key: str, data: Buffer, *, epoch_scope: str | None = None) -> PutResult:
+    def put(
+        self,
+        ns: str,
+        key: str,
+        data: Buffer,
+        *,
+        epoch_scope: str | None = None,
+        cond: PutCond = None,
+    ) -> PutResult:
         ns_raw = self._validate(ns, key)
         self._check_size(data)
+        validate_cond(cond)
         self._check_open()
-        return self._put_into(ns, ns_raw, key, data, self._tag_for(ns, epoch_scope))
+        return self._put_into(ns, ns_raw, key, data, self._tag_for(ns, epoch_scope), cond)
 
     def _put_into(
-        self, ns: str, scope_raw: bytes, key: str, data: Buffer, tag: tuple[str, int] | None
+        self,
+        ns: str,
+        scope_raw: bytes,
+        key: str,
+        data: Buffer,
+        tag: tuple[str, int] | None,
+        cond: PutCond,
     ) -> PutResult:
-        started = self._put_submit(ns, scope_raw, key, data, tag)
+        started = self._put_submit(ns, scope_raw, key, data, tag, cond)
         if isinstance(started, PutResult):
             return started
         result: PutResult = started.result()
-        if result.outcome is PutOutcome.NEW:
+        if result.outcome is PutOutcome.NEW or result.outcome is PutOutcome.REPLACED:
             self._rebalance()
         return result
 
     def _put_start(
-        self, ns: str, key: str, data: Buffer, epoch_scope: str | None
+        self, ns: str, key: str, data: Buffer, epoch_scope: str | None, cond: PutCond
     ) -> PutResult | concurrent.futures.Future[PutResult]:
         ns_raw = self._validate(ns, key)
         self._check_size(data)
+        validate_cond(cond)
         self._check_open()
-        return self._put_submit(ns, ns_raw, key, data, self._tag_for(ns, epoch_scope))
+        return self._put_submit(ns, ns_raw, key, data, self._tag_for(ns, epoch_scope), cond)
 
     def _put_submit(
-        self, ns: str, scope_raw: bytes, key: str, data: Buffer, tag: tuple[str, int] | None
+        self,
+        ns: str,
+        scope_raw: bytes,
+        key: str,
+        data: Buffer,
+        tag: tuple[str, int] | None,
+        cond: PutCond,
     ) -> PutResult | concurrent.futures.Future[PutResult]:
-        """Hash, answer a repeated PUT at once, else queue it for the committer."""
+        """Hash, answer a PUT that writes nothing at once, else queue it for the committer."""
         data = owned_buffer(data)  # the hot tier keeps it
         digest = digest_of(data)
         sdig = self._scoped(scope_raw, digest)
         ref = (ns, key)
         with self._lock:
-            existing = self._lookup(ns, key)
-            if (
-                existing is not None
-                and not self._inflight.get(ref)
-                and not (self._tags and self._stale(ns, key))
-            ):
-                outcome = PutOutcome.DUPLICATE if existing.sdig == sdig else PutOutcome.CONFLICT
-                self._count_put(ns, outcome, False)
-                return PutResult(outcome, existing.digest, existing.size)
-        op = _Op("put", ns, key, sdig=sdig, digest=digest, data=data, tag=tag)
+            if not self._inflight.get(ref):
+                existing = self._lookup(ns, key)
+                if existing is not None and self._tags and self._stale(ns, key):
+                    existing = None
+                outcome = decide_put(
+                    existing.sdig if existing is not None else None, sdig, cond, self._fww(ns)
+                )
+                if outcome is PutOutcome.MISSING:
+                    self._count_put(ns, outcome, False)
+                    return PutResult(outcome, digest, len(data))
+                if outcome is PutOutcome.DUPLICATE or outcome is PutOutcome.CONFLICT:
+                    assert existing is not None
+                    self._count_put(ns, outcome, False)
+                    return PutResult(outcome, existing.digest, existing.size)
+        op = _Op("put", ns, key, sdig=sdig, digest=digest, data=data, tag=tag, cond=cond)
         self._submit(op)
         return op.future
 
-    def put_many(self, ns: str, items: Sequence[tuple[str, Buffer]]) -> list[PutResult]:
+    def flush(self, ns: str) -> int:
+        validate_namespace(ns)
+        self._check_open()
+        return int(self._call(_Op("flush", ns, "")))
+
+    def health(self) -> StoreHealth:
+        alive = self._committer.is_alive() or self._stopping
+        if not alive:
+            return StoreHealth(
+                ready=False,
+                writable=False,
+                committer_alive=False,
+                reason="the committer thread is not running",
+            )
+        return StoreHealth()
+
+    def put_many(
+        self, ns: str, items: Sequence[tuple[str, Buffer]], *, cond: PutCond = None
+    ) -> list[PutResult]:
         """Queue every item before waiting, so the batch shares one group commit.
 
         Every item is settled (stored or failed) before this returns or raises the first
@@ -546,7 +598,15 @@ class SharedKvStoreBackend(TieredEngine):
             data = owned_buffer(data)  # noqa: PLW2901 (the hot tier keeps it)
             digest = digest_of(data)
             ops.append(
-                _Op("put", ns, key, sdig=self._scoped(ns_raw, digest), digest=digest, data=data)
+                _Op(
+                    "put",
+                    ns,
+                    key,
+                    sdig=self._scoped(ns_raw, digest),
+                    digest=digest,
+                    data=data,
+                    cond=cond,
+                )
             )
         for op in ops:
             self._submit(op)
@@ -687,10 +747,13 @@ class SharedKvStoreBackend(TieredEngine):
                 if op.kind == "put" and isinstance(res, PutResult):
                     self._count_put(op.ns, res.outcome, op.deduped)
         for op, res in zip(batch, results, strict=True):
-            if isinstance(res, BaseException):
-                op.future.set_exception(res)
-            else:
-                op.future.set_result(res)
+            if op.future.done():  # cancelled by a caller that went away: nobody to tell
+                continue
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                if isinstance(res, BaseException):
+                    op.future.set_exception(res)
+                else:
+                    op.future.set_result(res)
 
     def _decide(
         self,
@@ -715,6 +778,8 @@ class SharedKvStoreBackend(TieredEngine):
             return self._decide_snapshot(txn, op, effects, state)
         if op.kind == "drop":
             return self._decide_drop(txn, op, effects)
+        if op.kind == "flush":
+            return self._decide_flush(txn, op, effects)
         if op.kind == "meta_put":
             e: MetaPut = op.payload
             txn.put(
@@ -743,22 +808,30 @@ class SharedKvStoreBackend(TieredEngine):
             ):
                 # the branch was deleted while this PUT was being hashed or queued
                 raise NotFoundError(f"no {internal[1]} {internal[2]!r}")
+            old_pins = 0
+            outcome = PutOutcome.NEW
             if row is not None:
-                _p, old_sdig, old_tag, _k = _unpack_entry(row)
-                if old_tag is not None and old_tag[1] < self._epoch_current(
+                old_pins, old_sdig, old_tag, _k = _unpack_entry(row)
+                stale = old_tag is not None and old_tag[1] < self._epoch_current(
                     tenant_of(op.ns), old_tag[0]
-                ):
-                    # a stale entry is replaced, not kept (first write wins per epoch)
-                    txn.delete(krow, db=self._db_keys)
-                    self._decref(txn, old_sdig)
-                    effects.append(DelKey(op.ns, op.key))
-                    row = None
-            if row is not None:
-                old = old_sdig
-                outcome = PutOutcome.DUPLICATE if old == op.sdig else PutOutcome.CONFLICT
-                brow = txn.get(old, db=self._db_blobs)
-                size = _BLOB_ROW.unpack(brow)[0] if brow else len(op.data)
-                return PutResult(outcome, old[-32:], size)
+                )
+                outcome = decide_put(
+                    None if stale else old_sdig, op.sdig, op.cond, self._fww(op.ns)
+                )
+                if outcome is PutOutcome.MISSING:
+                    return PutResult(outcome, op.digest, len(op.data))
+                if outcome is PutOutcome.DUPLICATE or outcome is PutOutcome.CONFLICT:
+                    brow = txn.get(old_sdig, db=self._db_blobs)
+                    size = _BLOB_ROW.unpack(brow)[0] if brow else len(op.data)
+                    return PutResult(outcome, old_sdig[-32:], size)
+                # replaced (a stale entry is replaced, not kept): drop the old reference
+                txn.delete(krow, db=self._db_keys)
+                self._decref(txn, old_sdig)
+                effects.append(DelKey(op.ns, op.key))
+                if stale:
+                    old_pins = 0
+            elif op.cond == "xx":
+                return PutResult(PutOutcome.MISSING, op.digest, len(op.data))
             size = len(op.data)
             brow = txn.get(op.sdig, db=self._db_blobs)
             if brow is not None:
@@ -766,26 +839,32 @@ class SharedKvStoreBackend(TieredEngine):
                 txn.put(op.sdig, _BLOB_ROW.pack(bsize, off, seg, refs + 1), db=self._db_blobs)
                 txn.put(
                     krow,
-                    _pack_entry(0, op.sdig, op.tag, _longkey(op.ns, op.key)),
+                    _pack_entry(old_pins, op.sdig, op.tag, _longkey(op.ns, op.key)),
                     db=self._db_keys,
                 )
                 effects.append(AddKey(op.ns, op.key, op.sdig, bsize, None, seg, off, op.tag))
+                if old_pins:
+                    effects.append(PinDelta(op.ns, op.key, old_pins))
                 touched.add(op.sdig)
                 state.added.setdefault(op.sdig, []).append((op.ns, op.key))
                 op.deduped = True
-                return PutResult(PutOutcome.NEW, op.digest, bsize)
+                return PutResult(outcome, op.digest, bsize)
             self._make_room(txn, size, effects, touched, state)
             seg_id, off = self._allocate(txn, size)
             writes.append((self._segments[seg_id], op.data, off))
             state.new_bytes += size
             txn.put(op.sdig, _BLOB_ROW.pack(size, off, seg_id, 1), db=self._db_blobs)
             txn.put(
-                krow, _pack_entry(0, op.sdig, op.tag, _longkey(op.ns, op.key)), db=self._db_keys
+                krow,
+                _pack_entry(old_pins, op.sdig, op.tag, _longkey(op.ns, op.key)),
+                db=self._db_keys,
             )
             effects.append(AddKey(op.ns, op.key, op.sdig, size, op.data, seg_id, off, op.tag))
+            if old_pins:
+                effects.append(PinDelta(op.ns, op.key, old_pins))
             touched.add(op.sdig)
             state.added.setdefault(op.sdig, []).append((op.ns, op.key))
-            return PutResult(PutOutcome.NEW, op.digest, size)
+            return PutResult(outcome, op.digest, size)
         if row is None:
             return False
         pins, sdig, tag, longkey = _unpack_entry(row)
@@ -856,6 +935,23 @@ class SharedKvStoreBackend(TieredEngine):
         txn.put(_meta_row("snap", tenant, sid), json.dumps(rec).encode(), db=self._db_meta)
         effects.append(MetaPut("snap", tenant, sid, rec))
         return n
+
+    def _decide_flush(self, txn: Any, op: _Op, effects: list[Effect]) -> int:
+        """Delete every key row of a tenant namespace (FLUSHDB)."""
+        start = _ns_prefix(op.ns)
+        cur = txn.cursor(db=self._db_keys)
+        doomed: list[tuple[bytes, bytes]] = []
+        if cur.set_range(start):
+            for k, v in cur:
+                if not k.startswith(start):
+                    break
+                doomed.append((bytes(k), bytes(v)))
+        for k, v in doomed:
+            txn.delete(k, db=self._db_keys)
+            _p, sdig, _t, longkey = _unpack_entry(v)
+            self._decref(txn, sdig)
+            effects.append(DelKey(op.ns, _split_key_row(k, longkey)[1]))
+        return len(doomed)
 
     def _decide_drop(self, txn: Any, op: _Op, effects: list[Effect]) -> int:
         """Delete every entry of the named snapshots / branches, and their records."""

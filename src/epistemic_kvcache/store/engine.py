@@ -56,13 +56,13 @@ from epistemic_kvcache.store.api import (
     BranchInfo,
     Buffer,
     ConsistencyReport,
+    PutCond,
     PutOutcome,
     PutResult,
     SharedKvBackend,
     SnapshotInfo,
     StoreStats,
     TierStats,
-    owned_buffer,
     validate_key,
     validate_namespace,
 )
@@ -199,6 +199,7 @@ class _Counters:
     promotions: int = 0
     put_conflicts: int = 0
     put_new: int = 0
+    put_replaced: int = 0
     resident_bytes: int = 0
     stale_missed: int = 0
     total_refs: int = 0
@@ -311,6 +312,7 @@ class TieredEngine(SharedKvBackend):
         codec: WarmCodec | None,
         max_pinned_fraction: float = 0.5,
         max_snapshots_per_tenant: int = 256,
+        first_write_wins: bool | frozenset[str] = False,
     ) -> None:
         for name, value in (
             ("hot_capacity_bytes", hot_capacity_bytes),
@@ -345,6 +347,12 @@ class TieredEngine(SharedKvBackend):
         # leave every other tenant's PUTs without room.
         self.max_pinned_fraction = max_pinned_fraction
         self.max_snapshots_per_tenant = max_snapshots_per_tenant
+        if not isinstance(first_write_wins, bool | frozenset):
+            raise ConfigurationError(
+                "invalid first_write_wins: expected a bool or a frozenset of tenants "
+                f"(got {first_write_wins!r})"
+            )
+        self.first_write_wins = first_write_wins
         self._codec = codec if codec is not None else WarmCodec()
         self._lock = threading.Lock()
         self._closed = False
@@ -390,6 +398,11 @@ class TieredEngine(SharedKvBackend):
             raise BlockTooLargeError(
                 f"block of {len(data)} bytes exceeds max_block_bytes={self.max_block_bytes}"
             )
+
+    def _fww(self, ns: str) -> bool:
+        """Whether `ns`'s tenant keeps first-write-wins (a plain PUT never replaces)."""
+        f = self.first_write_wins
+        return f if isinstance(f, bool) else tenant_of(ns) in f
 
     def _lookup(self, ns: str, key: str) -> _Blob | None:
         idx = self._index.get(ns)
@@ -704,7 +717,13 @@ class TieredEngine(SharedKvBackend):
         return self._read(ns, key, nowait=True)
 
     def put_nowait(
-        self, ns: str, key: str, data: Buffer, *, epoch_scope: str | None = None
+        self,
+        ns: str,
+        key: str,
+        data: Buffer,
+        *,
+        epoch_scope: str | None = None,
+        cond: PutCond = None,
     ) -> PutResult | concurrent.futures.Future[PutResult] | WouldBlock:
         """`put` when it is cheap to start from an event loop; else `WOULD_BLOCK`.
 
@@ -718,16 +737,16 @@ class TieredEngine(SharedKvBackend):
             self._total.hot_bytes + len(data) > self.hot_capacity_bytes
         ):
             return WOULD_BLOCK
-        return self._put_start(ns, key, data, epoch_scope)
+        return self._put_start(ns, key, data, epoch_scope, cond)
 
     def _put_start(
-        self, ns: str, key: str, data: Buffer, epoch_scope: str | None
+        self, ns: str, key: str, data: Buffer, epoch_scope: str | None, cond: PutCond
     ) -> PutResult | concurrent.futures.Future[PutResult]:
         """A PUT up to (not including) waiting for durability; the memory backend's is
         the whole PUT."""
-        if epoch_scope is None:  # the plain call, for subclasses overriding `put`
+        if epoch_scope is None and cond is None:  # the plain call, for overriding subclasses
             return self.put(ns, key, data)
-        return self.put(ns, key, data, epoch_scope=epoch_scope)
+        return self.put(ns, key, data, epoch_scope=epoch_scope, cond=cond)
 
     @overload
     def _read(self, ns: str, key: str) -> Buffer | None: ...
@@ -1138,12 +1157,18 @@ class TieredEngine(SharedKvBackend):
         with self._lock:
             if self._branch_rec(ns, branch_id) is None:
                 raise NotFoundError(f"no branch {branch_id!r}")
-        return self._put_into(branch_ns(ns, branch_id), ns_raw, key, data, None)
+        return self._put_into(branch_ns(ns, branch_id), ns_raw, key, data, None, None)
 
     # -- backend primitives --------------------------------------------------------------
     @abc.abstractmethod
     def _put_into(
-        self, ns: str, scope_raw: bytes, key: str, data: Buffer, tag: tuple[str, int] | None
+        self,
+        ns: str,
+        scope_raw: bytes,
+        key: str,
+        data: Buffer,
+        tag: tuple[str, int] | None,
+        cond: PutCond,
     ) -> PutResult:
         """PUT into a (possibly internal) namespace; blobs are scoped by `scope_raw`."""
 
@@ -1220,6 +1245,7 @@ class TieredEngine(SharedKvBackend):
                 dedup_hits=c.dedup_hits,
                 put_new=c.put_new,
                 put_conflicts=c.put_conflicts,
+                put_replaced=c.put_replaced,
                 get_hits=c.get_hits,
                 get_misses=c.get_misses,
                 stale_missed=c.stale_missed,
@@ -1245,13 +1271,16 @@ class TieredEngine(SharedKvBackend):
     def _count_put(self, ns: str, outcome: PutOutcome, deduped: bool) -> None:
         c = self._counters(ns)
         for cc in (c, self._total):
-            if outcome is PutOutcome.NEW:
-                cc.put_new += 1
+            if outcome is PutOutcome.NEW or outcome is PutOutcome.REPLACED:
+                if outcome is PutOutcome.NEW:
+                    cc.put_new += 1
+                else:
+                    cc.put_replaced += 1
                 if deduped:
                     cc.dedup_hits += 1
             elif outcome is PutOutcome.DUPLICATE:
                 cc.dedup_hits += 1
-            else:
+            elif outcome is PutOutcome.CONFLICT:
                 cc.put_conflicts += 1
 
     def _pin_capacity(self) -> int:
@@ -1297,176 +1326,3 @@ class TieredEngine(SharedKvBackend):
                 report.orphan_blobs.append(b.digest.hex())
             elif n != b.refs or n != len(b.key_refs()):
                 report.refcount_mismatches.append(f"{b.digest.hex()}: {b.refs} != {n}")
-
-
-class SharedKvIndex(TieredEngine):
-    """In-process, RAM-only backend (`--backend memory`): hot + warm tiers, no disk.
-
-    Eviction from warm drops blocks (it is a cache). Thread-safe.
-    """
-
-    def __init__(
-        self,
-        *,
-        hot_capacity_bytes: int = 1 << 30,
-        warm_capacity_bytes: int = 1 << 30,
-        max_block_bytes: int = 128 << 20,
-        dedup_scope: DedupScope = "namespace",
-        codec: WarmCodec | None = None,
-        max_pinned_fraction: float = 0.5,
-        max_snapshots_per_tenant: int = 256,
-    ) -> None:
-        super().__init__(
-            hot_capacity_bytes=hot_capacity_bytes,
-            warm_capacity_bytes=warm_capacity_bytes,
-            max_block_bytes=max_block_bytes,
-            dedup_scope=dedup_scope,
-            codec=codec,
-            max_pinned_fraction=max_pinned_fraction,
-            max_snapshots_per_tenant=max_snapshots_per_tenant,
-        )
-
-    def put(self, ns: str, key: str, data: Buffer, *, epoch_scope: str | None = None) -> PutResult:
-        ns_raw = self._validate(ns, key)
-        self._check_size(data)
-        self._check_open()
-        return self._put_into(ns, ns_raw, key, data, self._tag_for(ns, epoch_scope))
-
-    def _put_into(
-        self, ns: str, scope_raw: bytes, key: str, data: Buffer, tag: tuple[str, int] | None
-    ) -> PutResult:
-        data = owned_buffer(data)  # the hot tier keeps it
-        digest = digest_of(data)
-        sdig = self._scoped(scope_raw, digest)
-        with self._lock:
-            result = self._put_locked(ns, key, sdig, digest, data, tag)
-        if result.outcome is PutOutcome.NEW:
-            self._rebalance()
-        return result
-
-    def _put_locked(
-        self,
-        ns: str,
-        key: str,
-        sdig: bytes,
-        digest: bytes,
-        data: Buffer,
-        tag: tuple[str, int] | None = None,
-    ) -> PutResult:
-        size = len(data)
-        internal = parse_internal_ns(ns)
-        if internal is not None and internal[2] not in self._meta(internal[1]).get(internal[0], {}):
-            # the branch was deleted while this PUT was being hashed
-            raise NotFoundError(f"no {internal[1]} {internal[2]!r}")
-        existing = self._lookup(ns, key)
-        if existing is not None and self._tags and self._stale(ns, key):
-            self._apply([DelKey(ns, key)])  # a stale entry is replaced, not kept
-            existing = None
-        if existing is not None:
-            outcome = PutOutcome.DUPLICATE if existing.sdig == sdig else PutOutcome.CONFLICT
-            self._count_put(ns, outcome, False)
-            return PutResult(outcome, existing.digest, existing.size)
-        shared = sdig in self._blobs
-        if not shared:
-            self._check_ram_room(size)
-        self._apply([AddKey(ns, key, sdig, size, None if shared else data, tag=tag)])
-        b = self._blobs[sdig]
-        if b.hot is None and b.warm is None:
-            # larger than the hot tier: straight to warm (compressed when worth it)
-            comp = self._codec.compress(data) or bytes(data)
-            self._set_warm(b, comp)
-        self._count_put(ns, PutOutcome.NEW, shared)
-        return PutResult(PutOutcome.NEW, digest, size)
-
-    def put_many(self, ns: str, items: Sequence[tuple[str, Buffer]]) -> list[PutResult]:
-        return [self.put(ns, key, data) for key, data in items]
-
-    def delete(self, ns: str, key: str) -> bool:
-        self._validate(ns, key)
-        self._check_open()
-        with self._lock:
-            if self._lookup(ns, key) is None:
-                return False
-            self._apply([DelKey(ns, key)])
-            return True
-
-    def _snapshot_commit(
-        self,
-        tenant: str,
-        sid: str,
-        keys: list[str] | None,
-        prefix: str | None,
-        rec: dict[str, Any],
-    ) -> None:
-        with self._lock:
-            effects = self._snapshot_effects(tenant, sid, keys, prefix)
-            effects.append(MetaPut("snap", tenant, sid, rec))
-            self._apply(effects)
-
-    def _drop(self, tenant: str, items: list[tuple[str, str]]) -> None:
-        with self._lock:
-            self._apply(self._drop_effects(tenant, items))
-            self._forget_internal(tenant, items)
-
-    def _commit_meta(self, effect: MetaPut) -> None:
-        with self._lock:
-            self._apply([effect])
-
-    def _retire(self, pairs: list[tuple[str, str]]) -> int:
-        n = 0
-        with self._lock:
-            for ns, key in pairs:
-                if self._lookup(ns, key) is not None and self._stale(ns, key):
-                    self._apply([DelKey(ns, key)])
-                    n += 1
-        return n
-
-    def pin(self, ns: str, key: str) -> bool:
-        self._validate(ns, key)
-        self._check_open()
-        with self._lock:
-            b = self._lookup(ns, key)
-            if b is None:
-                return False
-            self._check_pin_quota(ns, 0 if b.pins else b.size)
-            self._apply([PinDelta(ns, key, +1)])
-            return True
-
-    def unpin(self, ns: str, key: str) -> bool:
-        self._validate(ns, key)
-        self._check_open()
-        with self._lock:
-            if self._pins.get((ns, key), 0) <= 0:
-                return False
-            self._apply([PinDelta(ns, key, -1)])
-            return True
-
-    def evict(self, ns: str, key: str) -> bool:
-        self._validate(ns, key)
-        self._check_open()
-        with self._lock:
-            b = self._lookup(ns, key)
-            if b is None or b.pins:
-                return False
-            self._evict_blob(b)
-            return True
-
-    def check(self, *, deep: bool = False) -> ConsistencyReport:
-        report = ConsistencyReport()
-        with self._lock:
-            self._base_check(report)
-            blobs = list(self._blobs.values()) if deep else []
-        for b in blobs:
-            data: Buffer | None = b.hot
-            if data is None and b.warm is not None:
-                try:
-                    data = b.warm if len(b.warm) == b.size else self._codec.decompress(b.warm)
-                except ValueError:
-                    data = None
-            if data is None or digest_of(data) != b.digest:
-                report.corrupt_blobs.append(b.digest.hex())
-        return report
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
