@@ -59,11 +59,13 @@ def base_image(tmp: Path) -> None:
             "debootstrap", "--variant=minbase", "--include=python3,python3-venv,ca-certificates",
             "bookworm", str(rootfs), "http://deb.debian.org/debian",
         )  # fmt: skip
-    tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
-    imp = subprocess.run(
-        ["podman", *STORE, "import", "-", BASE], stdin=tar.stdout, capture_output=True, check=False
-    )
-    tar.wait()
+    with subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE) as tar:
+        imp = subprocess.run(
+            ["podman", *STORE, "import", "-", BASE],
+            stdin=tar.stdout,
+            capture_output=True,
+            check=False,
+        )
     assert imp.returncode == 0, imp.stderr
 
 
