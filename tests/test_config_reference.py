@@ -12,6 +12,7 @@ from pathlib import Path
 from epistemic_kvcache.config import SETTINGS, SETTINGS_BY_NAME, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
+PREFIX = "EPISTEMIC_GRAPH_KVCACHE_"
 EXAMPLE = ROOT / "deploy" / "config" / "epistemic-kvcache.toml"
 
 
@@ -38,3 +39,12 @@ def test_example_toml_names_every_setting_and_each_value_parses() -> None:
     assert set(data) == {s.name for s in SETTINGS}
     for name, value in data.items():
         SETTINGS_BY_NAME[name].parse(value)  # raises on a bad example value
+
+
+def test_client_variables_documented_exactly() -> None:
+    from epistemic_kvcache.client.config import CLIENT_ENV_NAMES, DEPRECATED_ENV
+
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    section = doc.split("## Server and client variables", 1)[1]
+    named = set(re.findall(r"EPISTEMIC_GRAPH_KVCACHE_[A-Z_]*[A-Z]", section)) - {PREFIX + "CLIENT"}
+    assert named == set(CLIENT_ENV_NAMES) | set(DEPRECATED_ENV)
