@@ -81,7 +81,8 @@ from epistemic_kvcache.proto.resp import (
     serialize,
 )
 from epistemic_kvcache.server.context import Identity, ServerContext
-from epistemic_kvcache.store.api import MAX_KEY_BYTES, PutCond, PutResult, SharedKvBackend
+from epistemic_kvcache.shared import MAX_KEY_BYTES
+from epistemic_kvcache.store.api import PutCond, PutResult, SharedKvBackend
 from epistemic_kvcache.store.engine import WOULD_BLOCK
 
 log = logging.getLogger(__name__)

@@ -51,6 +51,7 @@ from epistemic_kvcache.errors import (
     NotFoundError,
     StoreClosedError,
 )
+from epistemic_kvcache.shared import MAX_SCOPE_BYTES
 from epistemic_kvcache.store.api import (
     BranchInfo,
     Buffer,
@@ -86,10 +87,6 @@ class WouldBlock(enum.Enum):
 
 
 WOULD_BLOCK: Final = WouldBlock.WOULD_BLOCK
-
-
-MAX_SCOPE_BYTES = 200
-"""Epoch scopes are short names; with a 256-byte tenant they fit one LMDB key (511)."""
 
 
 def validate_scope(scope: str) -> None:
