@@ -154,6 +154,62 @@ def _mcp(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _store_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="store_action", metavar="ACTION", required=True)
+    check = actions.add_parser(
+        "check",
+        help="replay the whole log, verify every block, compare the index with the log",
+        description="Check a durable store offline (the server must be stopped). Exit 0 "
+        "when nothing is damaged, lost or inconsistent, 1 otherwise.",
+    )
+    rebuild = actions.add_parser(
+        "rebuild-index",
+        help="set the index aside and build a new one from the log",
+        description="Rebuild the durable store's index from its log (the server must be "
+        "stopped). The old index is moved aside, never deleted.",
+    )
+    for sub in (check, rebuild):
+        sub.add_argument(
+            "--persist-dir",
+            default=None,
+            help="the store (default: --persist-dir / GRAPH_SERVICE_PERSIST_DIR / "
+            "./kvcache-data, as for serve)",
+        )
+    check.add_argument(
+        "--quick", action="store_true", help="do not re-hash blocks (headers and index only)"
+    )
+
+
+def _store(args: argparse.Namespace) -> int:
+    require_extra("server", "lmdb", "blosc2")
+    from pathlib import Path
+
+    from epistemic_kvcache.store import tools
+
+    if args.persist_dir is not None:
+        path = Path(args.persist_dir)
+    else:
+        from epistemic_kvcache.config import load_config
+
+        path = load_config({}, os.environ).persist_dir
+    if not (path / "segments").is_dir() and not (path / "index").is_dir():
+        raise ConfigurationError(f"invalid persist_dir: no store in {str(path)!r}")
+
+    def progress(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    if args.store_action == "check":
+        summary = tools.check(path, deep=not args.quick, progress=progress)
+        for line in summary.lines():
+            print(line)
+        return EXIT_OK if summary.ok else EXIT_FAILURE
+    setup_logging("WARNING")
+    rebuilt = tools.rebuild_index(path, progress=progress)
+    for line in rebuilt.lines():
+        print(line)
+    return EXIT_OK
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "serve": Subcommand(
         help="run the cache server (HTTP /kv and Redis RESP listeners)",
@@ -169,6 +225,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         help="exit 0 if the local server answers /healthz (or /readyz with --ready)",
         add_arguments=_healthcheck_arguments,
         run=_healthcheck,
+    ),
+    "store": Subcommand(
+        help="offline tools on a durable store: check, rebuild-index (server stopped)",
+        add_arguments=_store_arguments,
+        run=_store,
     ),
     "mcp": Subcommand(
         help="serve the MCP tools graph_kvcache, graph_fork, graph_kv_checkpoint (needs [mcp])",

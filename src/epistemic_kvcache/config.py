@@ -145,6 +145,12 @@ class ServerConfig:
     dedup_scope: str = "namespace"
     max_pinned_fraction: float = 0.5
     max_snapshots_per_tenant: int = 256
+    max_keys_per_tenant: int = 0
+    """Keys one tenant may hold (0: no limit)."""
+    max_epoch_scopes_per_tenant: int = 10_000
+    rebuild_index: bool = False
+    """Rebuild the durable store's index from its log at start (when it is missing or
+    damaged the server otherwise refuses to start)."""
     first_write_wins_tenants: tuple[str, ...] = ()
     """Tenants whose plain PUT of an existing key with other bytes is refused (conflict)
     instead of replacing it; `*` means every tenant."""
@@ -188,7 +194,16 @@ class ServerConfig:
             "dedup_scope": self.dedup_scope,
             "max_pinned_fraction": self.max_pinned_fraction,
             "max_snapshots_per_tenant": self.max_snapshots_per_tenant,
+            "max_keys_per_tenant": self.max_keys_per_tenant,
             **self._first_write_wins_option(),
+        }
+
+    def durable_options(self) -> dict[str, Any]:
+        """Keyword arguments only the durable backend takes."""
+        return {
+            "rebuild_index": self.rebuild_index,
+            "max_epoch_scopes_per_tenant": self.max_epoch_scopes_per_tenant,
+            "shutdown_timeout_s": self.shutdown_timeout_s,
         }
 
     def _first_write_wins_option(self) -> dict[str, bool | frozenset[str]]:
@@ -261,8 +276,7 @@ def parse_size_or_zero(raw: object) -> int:
         raise _Invalid("a size like 4GiB, or 0 to turn the tier off") from None
 
 
-def _parse_positive_int(raw: object) -> int:
-    expected = "a positive integer"
+def _parse_int(raw: object, *, minimum: int, expected: str) -> int:
     if isinstance(raw, bool):
         raise _Invalid(expected)
     if isinstance(raw, int):
@@ -272,9 +286,17 @@ def _parse_positive_int(raw: object) -> int:
             value = int(str(raw).strip().replace("_", ""))
         except ValueError:
             raise _Invalid(expected) from None
-    if value <= 0:
+    if value < minimum:
         raise _Invalid(expected)
     return value
+
+
+def _parse_positive_int(raw: object) -> int:
+    return _parse_int(raw, minimum=1, expected="a positive integer")
+
+
+def _parse_nonneg_int(raw: object) -> int:
+    return _parse_int(raw, minimum=0, expected="a non-negative integer")
 
 
 def _parse_seconds(raw: object, *, allow_zero: bool) -> float:
@@ -699,6 +721,28 @@ SETTINGS: tuple[Setting, ...] = (
         _D.max_snapshots_per_tenant,
         "live snapshots one tenant may hold",
         "N",
+    ),
+    Setting(
+        "max_keys_per_tenant",
+        _parse_nonneg_int,
+        _D.max_keys_per_tenant,
+        "keys one tenant may hold (0: no limit); a tenant at its limit gets its own error",
+        "N",
+    ),
+    Setting(
+        "max_epoch_scopes_per_tenant",
+        _parse_positive_int,
+        _D.max_epoch_scopes_per_tenant,
+        "epoch scopes one tenant may register (scopes without live entries are pruned first)",
+        "N",
+    ),
+    Setting(
+        "rebuild_index",
+        parse_bool,
+        _D.rebuild_index,
+        "rebuild the durable store's index from its log at start (instead of refusing to "
+        "start when the index is missing or damaged)",
+        kind="bool",
     ),
     Setting(
         "first_write_wins_tenants",

@@ -46,7 +46,7 @@ from epistemic_kvcache.store.engine import Move
 from epistemic_kvcache.store.index import Changes, KeyState, pack_loc, unpack_loc
 from epistemic_kvcache.store.records import Op
 from epistemic_kvcache.store.recovery import META_CODES, META_KINDS
-from epistemic_kvcache.store.segments import DELETE_RESERVE_BYTES, Damage, SyncFailed, scan
+from epistemic_kvcache.store.segments import Damage, SyncFailed, scan
 
 if TYPE_CHECKING:
     from epistemic_kvcache.store.durable import SharedKvStoreBackend
@@ -98,9 +98,9 @@ class Compactor:
             for sid in sealed:
                 length = s._seg_len.get(sid, 0)
                 dead = self._dead(sid)
-                if pressure:
+                if pressure:  # worth it when a fair share comes back, and the copy fits
                     live_part = length - dead
-                    ok = dead > 0 and (room is None or live_part <= room)
+                    ok = dead >= max(64 << 10, length // 8) and (room is None or live_part <= room)
                 else:
                     ok = dead * 3 >= length and dead >= min(1 << 20, s._segment_bytes // 64)
                 if ok and dead > best_dead:
@@ -128,16 +128,52 @@ class Compactor:
         and (after an ENOSPC) the file system's free space."""
         s = self.s
         w = s._writer
+        incoming += 64 << 10  # record headers and slack
         for _ in range(256):
-            room = s.cold_capacity_bytes - s.disk_bytes()
+            # the files may grow by the batch, and by the delete reserve zeroed after it
+            cap_room = s.cold_capacity_bytes - s.disk_bytes() - w.delete_reserve
+            room = cap_room
             if w.disk_full:
                 w._free_checked = 0.0  # look again
-                room = min(room, w.free_bytes() - DELETE_RESERVE_BYTES)
+                room = min(room, w.free_bytes() - w.delete_reserve)
             if incoming <= room:
                 return
             sid = self.candidate(room=max(0, room))
-            if sid is None or not self._work(sid):
+            if sid is not None:
+                if not self._work(sid):
+                    return
+                continue
+            if cap_room >= incoming:
+                return  # the file system is full, not the cold tier: no block is evicted
+            # nothing can be copied into the room left: empty a segment by evicting its
+            # blocks (the cache gives up some blocks; it never needs room to do so)
+            sid = self._eviction_victim(max(0, room))
+            if sid is None or not s._evict_segment(sid) or not self._work(sid):
                 return
+
+    def _eviction_victim(self, room: int) -> int | None:
+        """The sealed segment to empty: the one whose most recently used unpinned block
+        is the least recently used (LRU, by segment); a segment holding no block goes
+        first (it frees space without evicting anything). What stays (pinned blocks, key
+        records) must fit the room left."""
+        s = self.s
+        sealed = set(self._sealed())
+        with s._lock:
+            last_use: dict[int, int] = {}
+            pinned: dict[int, int] = {}
+            for rank, b in enumerate(s._blobs.values()):  # least recently used first
+                if b.pins:
+                    pinned[b.seg] = pinned.get(b.seg, 0) + b.size
+                else:
+                    last_use[b.seg] = rank
+            best, best_key = None, None
+            for sid in sealed:
+                if pinned.get(sid, 0) > room:
+                    continue
+                key = (last_use.get(sid, -1), sid)
+                if best_key is None or key < best_key:
+                    best, best_key = sid, key
+        return best
 
     # -- one step ------------------------------------------------------------------------
     def _work(self, sid: int) -> bool:

@@ -65,7 +65,6 @@ from epistemic_kvcache.errors import (
     ConfigurationError,
     DiskFullError,
     NotFoundError,
-    QuotaExceededError,
     StorageIOError,
     StoreClosedError,
     StoreError,
@@ -121,8 +120,10 @@ from epistemic_kvcache.store.recovery import (
     load_index,
     read_seals,
     replay,
+    valid_ends,
 )
 from epistemic_kvcache.store.segments import (
+    DELETE_RESERVE_BYTES,
     DiskIO,
     LogWriter,
     Segment,
@@ -294,6 +295,7 @@ class SharedKvStoreBackend(TieredEngine):
             codec=codec,
             max_pinned_fraction=max_pinned_fraction,
             max_snapshots_per_tenant=max_snapshots_per_tenant,
+            max_keys_per_tenant=max_keys_per_tenant,
             first_write_wins=first_write_wins,
         )
         if not isinstance(cold_capacity_bytes, int) or cold_capacity_bytes <= 0:
@@ -301,21 +303,18 @@ class SharedKvStoreBackend(TieredEngine):
                 f"invalid cold_capacity_bytes: expected a positive integer "
                 f"(got {cold_capacity_bytes!r})"
             )
-        if max_keys_per_tenant < 0:
-            raise ConfigurationError(
-                f"invalid max_keys_per_tenant: expected 0 (no limit) or more "
-                f"(got {max_keys_per_tenant!r})"
-            )
         self.cold_capacity_bytes = cold_capacity_bytes
-        self.max_keys_per_tenant = max_keys_per_tenant
         if segment_bytes is None:
             segment_bytes = min(DEFAULT_SEGMENT_BYTES, max(1 << 20, cold_capacity_bytes // 16))
         self._segment_bytes = segment_bytes
         # room kept free inside the cold capacity for compaction and deletes
-        self._reserve = min(2 * segment_bytes, cold_capacity_bytes // 8)
+        # room kept free inside the cold capacity: two segments (at most an eighth) for
+        # compaction to copy into, and the allocated space deletes write into
+        self._delete_reserve = min(DELETE_RESERVE_BYTES, cold_capacity_bytes // 8)
+        self._reserve = min(2 * segment_bytes, cold_capacity_bytes // 8) + self._delete_reserve
         self.live_capacity_bytes = cold_capacity_bytes - self._reserve
-        """Live block bytes the cold tier holds before it evicts: the capacity less a
-        reserve (two segments, at most an eighth) that compaction and deletes work in."""
+        """Live block bytes the cold tier holds before it evicts: the capacity less the
+        reserve that compaction and deletes work in."""
         self._max_batch_bytes = max_batch_bytes
         self._ckpt_interval = checkpoint_interval_s
         self._max_lag = max_checkpoint_lag_bytes
@@ -370,9 +369,10 @@ class SharedKvStoreBackend(TieredEngine):
         self._ix: Index | None = None
         self._epochs: EpochRegistry | None = None  # type: ignore[assignment]
         try:
+            private = self.path / "epochs"
             self._epochs = EpochRegistry(
                 epoch_path,
-                shared=epoch_dir is not None,
+                shared=epoch_path.resolve() != private.resolve(),
                 max_scopes_per_tenant=max_epoch_scopes_per_tenant,
             )
             t0 = time.perf_counter()
@@ -521,17 +521,7 @@ class SharedKvStoreBackend(TieredEngine):
         assert self._ix is not None
         ckpt = self._ix.checkpoint() or (0, 0)
         last = max(self._segs, default=0)
-        # where each segment's trusted bytes end
-        valid: dict[int, int] = {}
-        for sid, seg in self._segs.items():
-            size = seg.size()
-            if sid in st.seals:
-                trusted = st.seals[sid]
-            elif sid >= ckpt[0]:  # replayed: the end of its last complete batch
-                trusted = st.ends.get(sid, ckpt[1] if sid == ckpt[0] else 0)
-            else:
-                trusted = st.seg_rows.get(sid, (0, size))[1]
-            valid[sid] = min(trusted, size)
+        valid = valid_ends(st, self._segs, ckpt)  # where each segment's trusted bytes end
         if ckpt[0] > 0:
             for sid in range(ckpt[0], last + 1):
                 if sid not in self._segs and sid not in st.segdel:
@@ -608,6 +598,7 @@ class SharedKvStoreBackend(TieredEngine):
             self._io,
             self._segs,
             next_id=max([last, ckpt[0], *st.segdel]) + 1,
+            delete_reserve=self._delete_reserve,
         )
         if last in self._segs and last not in st.seals and end[0] == last:
             seg = self._segs[last]
@@ -652,6 +643,9 @@ class SharedKvStoreBackend(TieredEngine):
         caps["cold"] = self.cold_capacity_bytes
         return caps
 
+    def _pin_capacity(self) -> int:
+        return self.live_capacity_bytes
+
     def disk_bytes(self) -> int:
         """Bytes of the segment files (what the cold capacity bounds)."""
         return sum(self._seg_len.values()) + max(0, self._writer.zeroed_to - self._writer.pos)
@@ -694,7 +688,7 @@ class SharedKvStoreBackend(TieredEngine):
             )
         if self._closed:
             return StoreHealth(ready=False, writable=False, reason="the store is closed")
-        if self._writer.disk_full:
+        if self._writer.refresh_disk_full():
             return StoreHealth(
                 ready=False, writable=False, disk_full=True, reason=f"disk full under {self.path}"
             )
@@ -918,8 +912,11 @@ class SharedKvStoreBackend(TieredEngine):
     # -- the committer -------------------------------------------------------------------
     def _commit(self, batch: list[_Op]) -> None:
         """Decide, write + sync once, apply, answer (committer thread)."""
-        incoming = sum(op.nbytes for op in batch)
+        incoming = sum(op.nbytes for op in batch if op.kind == "put")
         if incoming and self._compact is not None:
+            # Room first, so the files never outgrow the cold capacity: evict what the new
+            # blocks displace (a batch of its own), then compact the space it frees.
+            self._pre_evict(incoming)
             self._compact.make_disk_room(incoming)
         self._wait_for_checkpoint_lag()
         w = self._writer
@@ -941,6 +938,47 @@ class SharedKvStoreBackend(TieredEngine):
                 return
             written = res
         self._finish(v, batch, results, written)
+
+    def _pre_evict(self, incoming: int) -> None:
+        """Commit the evictions `incoming` new bytes will need, before their batch."""
+        with self._lock:
+            over = self._total.cold_bytes + incoming - self.live_capacity_bytes
+        if over <= 0:
+            return
+        w = self._writer
+        w.begin()
+        v = _View(self)
+        try:
+            self._make_room(v, incoming)
+        except CapacityError:
+            return  # the batch itself will say so, per PUT
+        if w.empty:
+            return
+        res = self._write(v)
+        if not isinstance(res, StoreError):
+            self._finish(v, [], [], res)
+
+    def _evict_segment(self, sid: int) -> bool:
+        """Evict every unpinned block stored in segment `sid` (a batch of its own), so
+        the segment can be deleted without copying them (committer thread)."""
+        with self._lock:
+            victims = [b.sdig for b in self._blobs.values() if b.seg == sid and not b.pins]
+        if not victims:
+            return True
+        w = self._writer
+        w.begin()
+        v = _View(self)
+        for sdig in victims:
+            v.dropped.add(sdig)
+            for ns, key in self._keys_of_blob(v, sdig):
+                self._emit_del(v, ns, key, evicted=True)
+        if w.empty:
+            return True
+        res = self._write(v)
+        if isinstance(res, StoreError):
+            return False
+        self._finish(v, [], [], res)
+        return True
 
     def _write(self, v: _View) -> list[tuple[int, int]] | StoreError:
         """Write and sync the batch: (segment, new end) of each written, or the error to
@@ -1135,7 +1173,7 @@ class SharedKvStoreBackend(TieredEngine):
             assert live is not None
             return PutResult(outcome, live.sdig[-32:], live.size)
         if cur is None and self.max_keys_per_tenant and internal is None:
-            self._check_key_quota(v, ns)
+            self._key_quota(v, ns)
         pins = live.pins if live is not None else 0
         loc = v.blob_loc(op.sdig)
         data: Buffer | None = None
@@ -1169,18 +1207,14 @@ class SharedKvStoreBackend(TieredEngine):
             v.effects.append(PinDelta(ns, key, pins))  # pins belong to the key: they stay
         return PutResult(outcome, op.digest, size)
 
-    def _check_key_quota(self, v: _View, ns: str) -> None:
+    def _key_quota(self, v: _View, ns: str) -> None:
+        """The tenant's key count as RAM and this batch have it, against its quota."""
         with self._lock:
-            have = len(self._index.get(ns) or ())
-        added = sum(
-            1 for (n, k), st in v.keys.items() if n == ns and st is not None
-        )  # an overestimate when a batch replaces its own keys: fine for a limit
-        if have + added >= self.max_keys_per_tenant:
-            raise QuotaExceededError(
-                f"key quota exceeded: this tenant has {have + added} keys "
-                f"(limit {self.max_keys_per_tenant}); delete some first",
-                resource="keys",
+            idx = self._index.get(ns) or {}
+            added = sum(
+                1 for (n, k), st in v.keys.items() if n == ns and st is not None and k not in idx
             )
+            self._check_key_quota(ns, added)
 
     def _pin_room(self, v: _View, tenant: str, extra: int) -> None:
         """Atomic pin quota: RAM's pinned bytes plus what this batch pins (committer)."""
@@ -1272,15 +1306,9 @@ class SharedKvStoreBackend(TieredEngine):
         """Reference and pin the tenant's live entries under the snapshot namespace."""
         keys, prefix, rec = op.payload
         tenant, sid = op.ns, op.key
-        have = len(self._snapshots.get(tenant, {})) + sum(
-            1 for (k, t, _r), m in v.metas.items() if k == "snap" and t == tenant and m
-        )
-        if have >= self.max_snapshots_per_tenant:
-            raise QuotaExceededError(
-                f"snapshot quota exceeded: {self.max_snapshots_per_tenant} snapshots; "
-                "delete one (or give them a ttl_s)",
-                resource="snapshots",
-            )
+        pending = sum(1 for (k, t, _r), m in v.metas.items() if k == "snap" and t == tenant and m)
+        with self._lock:
+            self._check_snapshot_quota(tenant, pending)
         names = list(dict.fromkeys(keys)) if keys is not None else v.ns_keys(tenant)
         entries: list[tuple[str, _KS]] = []
         for key in names:
@@ -1474,6 +1502,17 @@ class SharedKvStoreBackend(TieredEngine):
                 if deep and digest_of(seg.read(off, size)) != sdig[-32:]:
                     report.corrupt_blobs.append(name)
             return report
+
+    def _close_without_checkpoint(self) -> None:
+        """Stop as a crash right after the last acknowledged write would: every write is
+        in the log, the index is left wherever its last checkpoint put it (tests)."""
+        with self._ckpt_cv:
+            self._ckpt_stop = True
+            self._ckpt_cv.notify_all()
+        self._ckpt_thread.join(self._shutdown_timeout_s)
+        self._ckpt_pending = Changes.empty()
+        self._ckpt_target = None
+        self.close()
 
     def close(self) -> None:
         if self._closed:

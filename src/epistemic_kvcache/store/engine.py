@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal, overload
 
 import blake3
+from sortedcontainers import SortedList
 
 from epistemic_kvcache.errors import (
     BlockTooLargeError,
@@ -49,6 +50,7 @@ from epistemic_kvcache.errors import (
     ConfigurationError,
     InvalidKeyError,
     NotFoundError,
+    QuotaExceededError,
     StoreClosedError,
 )
 from epistemic_kvcache.shared import MAX_SCOPE_BYTES
@@ -312,8 +314,15 @@ class TieredEngine(SharedKvBackend):
         codec: WarmCodec | None,
         max_pinned_fraction: float = 0.5,
         max_snapshots_per_tenant: int = 256,
+        max_keys_per_tenant: int = 0,
         first_write_wins: bool | frozenset[str] = False,
     ) -> None:
+        if not isinstance(max_keys_per_tenant, int) or max_keys_per_tenant < 0:
+            raise ConfigurationError(
+                "invalid max_keys_per_tenant: expected 0 (no limit) or a positive integer "
+                f"(got {max_keys_per_tenant!r})"
+            )
+        self.max_keys_per_tenant = max_keys_per_tenant
         for name, value in (
             ("hot_capacity_bytes", hot_capacity_bytes),
             ("warm_capacity_bytes", warm_capacity_bytes),
@@ -357,6 +366,9 @@ class TieredEngine(SharedKvBackend):
         self._lock = threading.Lock()
         self._closed = False
         self._index: dict[str, dict[str, _Blob]] = {}
+        # the same keys in order, per namespace: listing (SCAN) walks a page of it under
+        # the lock in O(log n + page), never sorting a whole namespace
+        self._sorted: dict[str, SortedList] = {}
         self._blobs: dict[bytes, _Blob] = {}  # insertion order = least recently used first
         self._hot: OrderedDict[bytes, _Blob] = OrderedDict()
         self._warm: OrderedDict[bytes, _Blob] = OrderedDict()
@@ -499,7 +511,13 @@ class TieredEngine(SharedKvBackend):
             b.owner[tenant] = n + 1
             if n == 0:
                 self._footprint(b, oc, +1)
-        self._index.setdefault(e.ns, {})[e.key] = b
+        idx = self._index.setdefault(e.ns, {})
+        if e.key not in idx:
+            sl = self._sorted.get(e.ns)
+            if sl is None:
+                sl = self._sorted[e.ns] = SortedList()
+            sl.add(e.key)
+        idx[e.key] = b
         if e.tag is not None:
             self._tags[(e.ns, e.key)] = e.tag
         c.total_refs += 1
@@ -512,6 +530,9 @@ class TieredEngine(SharedKvBackend):
         b = idx.pop(e.key, None) if idx is not None else None
         if b is None:
             return
+        sl = self._sorted.get(e.ns)
+        if sl is not None:
+            sl.discard(e.key)
         c = self._counters(e.ns)
         tenant = tenant_of(e.ns)
         oc = c if tenant == e.ns else self._counters(tenant)
@@ -887,12 +908,11 @@ class TieredEngine(SharedKvBackend):
     def keys(self, ns: str, *, after: str | None = None, limit: int = 1000) -> list[str]:
         validate_namespace(ns)
         with self._lock:
-            names = sorted(self._index.get(ns) or ())
-        if after is not None:
-            import bisect
-
-            names = names[bisect.bisect_right(names, after) :]
-        return names[:limit]
+            sl = self._sorted.get(ns)
+            if sl is None or limit <= 0:
+                return []
+            it = sl.irange(minimum=after, inclusive=(False, True)) if after is not None else sl
+            return list(itertools.islice(it, limit))
 
     def count(self, ns: str) -> int:
         with self._lock:
@@ -1004,22 +1024,8 @@ class TieredEngine(SharedKvBackend):
         if ttl_s is not None and not ttl_s > 0:
             raise ValueError(f"invalid ttl_s: expected a positive number (got {ttl_s!r})")
         self._check_open()
-        with self._lock:
-            if len(self._snapshots.get(ns, {})) >= self.max_snapshots_per_tenant:
-                raise CapacityError(
-                    f"snapshot quota exceeded: {self.max_snapshots_per_tenant} snapshots; "
-                    "delete one (or give them a ttl_s)"
-                )
-            idx = self._index.get(ns) or {}
-            names = keys if keys is not None else list(idx)
-            newly = {
-                b.sdig: b.size
-                for k in names
-                if (prefix is None or k.startswith(prefix))
-                and (b := idx.get(k)) is not None
-                and not b.pins
-            }
-            self._check_pin_quota(ns, sum(newly.values()))
+        # the quotas (snapshots, pinned bytes) are checked where the snapshot is committed,
+        # atomically with it: concurrent requests cannot both pass a check made before
         sid = secrets.token_hex(8)
         now = time.time()
         rec: dict[str, Any] = {
@@ -1233,6 +1239,7 @@ class TieredEngine(SharedKvBackend):
             ins = snapshot_ns(tenant, rid) if kind == "snap" else branch_ns(tenant, rid)
             if not self._index.get(ins):
                 self._index.pop(ins, None)
+                self._sorted.pop(ins, None)
                 self._ns.pop(ins, None)
 
     # -- stats ---------------------------------------------------------------------------
@@ -1298,9 +1305,29 @@ class TieredEngine(SharedKvBackend):
         limit = int(self._pin_capacity() * self.max_pinned_fraction)
         used = self._counters(tenant).pinned_bytes
         if extra > 0 and used + extra > limit:
-            raise CapacityError(
+            raise QuotaExceededError(
                 f"pin quota exceeded: {used + extra} bytes would be pinned by this tenant, "
-                f"its limit is {limit} ({self.max_pinned_fraction:.0%} of {self._pin_capacity()})"
+                f"its limit is {limit} ({self.max_pinned_fraction:.0%} of {self._pin_capacity()})",
+                resource="pins",
+            )
+
+    def _check_snapshot_quota(self, tenant: str, pending: int = 0) -> None:
+        """Refuse a snapshot past the tenant's count (lock held)."""
+        if len(self._snapshots.get(tenant, {})) + pending >= self.max_snapshots_per_tenant:
+            raise QuotaExceededError(
+                f"snapshot quota exceeded: {self.max_snapshots_per_tenant} snapshots; "
+                "delete one (or give them a ttl_s)",
+                resource="snapshots",
+            )
+
+    def _check_key_quota(self, ns: str, pending: int = 0) -> None:
+        """Refuse a new key past the tenant's count (lock held; 0 means no limit)."""
+        limit = self.max_keys_per_tenant
+        if limit and len(self._index.get(ns) or ()) + pending >= limit:
+            raise QuotaExceededError(
+                f"key quota exceeded: this tenant holds {limit} keys (its limit); "
+                "delete some first",
+                resource="keys",
             )
 
     def _check_ram_room(self, size: int) -> None:

@@ -69,6 +69,7 @@ class LogState:
     batches: int = 0
     records: int = 0
     replayed_bytes: int = 0
+    tail_bytes: int = 0  # after the last complete batch: a torn write or pre-zeroed space
     lost_keys: list[tuple[str, str, bytes]] = field(default_factory=list)
     lost_blobs: set[bytes] = field(default_factory=set)
     counters: dict[str, int] = field(default_factory=dict)
@@ -163,7 +164,14 @@ def replay(
                     f"replaying segment {sid:08d}: {st.records} records, "
                     f"{st.replayed_bytes >> 20} MiB"
                 )
-    # records after the last complete batch were never acknowledged: dropped
+    # Records after the last complete batch were never acknowledged: dropped. Bytes after
+    # it in the last segment are its torn tail or pre-zeroed space, not damage.
+    last = max(segments, default=None)
+    if last is not None:
+        tail_from = st.ends.get(last, 0)
+        tail = [d for d in st.damage if d[0] == last and d[1] >= tail_from]
+        st.damage = [d for d in st.damage if d not in tail]
+        st.tail_bytes = sum(d[2] - d[1] for d in tail)
 
 
 def _apply(st: LogState, sid: int, item: Scanned) -> None:
@@ -228,3 +236,21 @@ def finish(st: LogState, segments: dict[int, Segment], valid_end: dict[int, int]
     for (ns, key), ks in st.keys.items():
         if ks.sdig not in st.blobs or ks.sdig in st.lost_blobs:
             st.lost_keys.append((ns, key, ks.sdig[-32:]))
+
+
+def valid_ends(st: LogState, segments: dict[int, Segment], ckpt: tuple[int, int]) -> dict[int, int]:
+    """Where each segment's trusted bytes end, after replaying from `ckpt`.
+
+    Sealed (abandoned) segments end where their SEAL says; replayed segments at the end of
+    their last complete batch; older ones where the index last saw them."""
+    out = {}
+    for sid, seg in segments.items():
+        size = seg.size()
+        if sid in st.seals:
+            end = st.seals[sid]
+        elif sid >= ckpt[0]:
+            end = st.ends.get(sid, ckpt[1] if sid == ckpt[0] else 0)
+        else:
+            end = st.seg_rows.get(sid, (0, size))[1]
+        out[sid] = min(end, size)
+    return out

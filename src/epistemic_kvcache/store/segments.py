@@ -272,8 +272,10 @@ class LogWriter:
         segments: dict[int, Segment],
         *,
         next_id: int,
+        delete_reserve: int = DELETE_RESERVE_BYTES,
     ) -> None:
         self.dir = directory
+        self.delete_reserve = delete_reserve
         self.store_id = store_id
         self.segment_bytes = segment_bytes
         self.io = io
@@ -291,6 +293,7 @@ class LogWriter:
         self._prev_id = 0  # the segment before the active one (SEGH of the next)
         self.pending_seals: list[tuple[int, int]] = []  # abandoned (segment, valid end)
         self.last_batch_bytes = 0
+        self._trim: tuple[Segment, int] | None = None
 
     # -- opening -------------------------------------------------------------------------
     def resume(self, seg: Segment, pos: int) -> None:
@@ -311,6 +314,7 @@ class LogWriter:
 
     # -- one batch -----------------------------------------------------------------------
     def begin(self) -> None:
+        self._trim = None
         self._batch = []
         self._batch_start = (self.active, self.pos, self.zeroed_to, self.next_id, self._prev_id)
         self._headers: list[bytearray] = []
@@ -329,8 +333,7 @@ class LogWriter:
         self.fsyncs += 1
         old = self.active
         if old is not None and self.zeroed_to > self.pos:
-            with contextlib.suppress(OSError):  # a sealed segment keeps no zeroed tail
-                os.ftruncate(old.fd, self.pos)
+            self._trim = (old, self.pos)  # cut its zeroed tail once this batch is durable
         prev = old.id if old is not None else self._prev_id
         self.segments[seg_id] = seg
         self.active = seg
@@ -343,8 +346,14 @@ class LogWriter:
         return seg
 
     def would_roll(self, nbytes: int) -> bool:
-        """Whether `alloc(nbytes)` would open a new segment."""
-        return self.active is None or (self.pos > 0 and self.pos + nbytes > self.segment_bytes)
+        """Whether `alloc(nbytes)` would open a new segment. Small records fill the
+        allocated space after the end first (on a full disk a new file may not be
+        possible: deletes must still find room)."""
+        if self.active is None:
+            return True
+        if self.disk_full and nbytes <= 4096 and self.pos + nbytes <= self.zeroed_to:
+            return False
+        return self.pos > 0 and self.pos + nbytes > self.segment_bytes
 
     def alloc(self, header: bytearray, payload: Buffer | None = None) -> tuple[int, int]:
         """Place a record in this batch: returns (segment id, offset of the record)."""
@@ -388,9 +397,13 @@ class LogWriter:
         if not self._batch:
             return []
         records.set_end_of_batch(self._headers[-1])
-        if self.disk_full and not reserve_ok:
-            self._free_checked = 0.0  # look again: space may have come back
-            if self.free_bytes() < DELETE_RESERVE_BYTES + self.batch_bytes:
+        if not reserve_ok:
+            # new blocks never take the delete reserve: they need the file system's free
+            # space for themselves and for the reserve after them
+            if self.disk_full or self.free_bytes() < LOW_SPACE_BYTES:
+                self._free_checked = 0.0  # look again: space may have come back
+            if self.free_bytes() < self.batch_bytes + self.delete_reserve:
+                self.disk_full = True
                 raise OSError(errno.ENOSPC, "disk full (the space left is kept for deletes)")
         try:
             for p in self._batch:
@@ -411,7 +424,11 @@ class LogWriter:
             raise SyncFailed(exc) from exc
         self.last_batch_bytes = self.batch_bytes
         self.zeroed_to = max(self.zeroed_to, self.pos)
-        if self.disk_full and self.free_bytes() > LOW_SPACE_BYTES:
+        if self._trim is not None:
+            with contextlib.suppress(OSError):  # a sealed segment keeps no zeroed tail
+                os.ftruncate(self._trim[0].fd, self._trim[1])
+            self._trim = None
+        if self.disk_full and self.free_bytes() > self._room_to_breathe():
             self.disk_full = False
         self.pending_seals.clear()
         self._batch = []
@@ -450,18 +467,35 @@ class LogWriter:
             self._free_checked = now
         return self._free
 
+    def refresh_disk_full(self) -> bool:
+        """Look at the free space again; clear `disk_full` when there is room to breathe."""
+        if self.disk_full:
+            self._free_checked = 0.0
+            if self.free_bytes() > self._room_to_breathe():
+                self.disk_full = False
+        return self.disk_full
+
+    def _room_to_breathe(self) -> int:
+        """Free space at which a full disk counts as not full any more."""
+        return min(LOW_SPACE_BYTES, 2 * self.segment_bytes + self.delete_reserve)
+
     def _prezero(self, batch_bytes: int) -> None:
-        """Keep zeroed, allocated space after the active segment's end (small batches)."""
+        """Keep zeroed, allocated space after the active segment's end: the delete reserve
+        always, and more after small batches (their next syncs are then overwrites)."""
         seg = self.active
-        if seg is None or batch_bytes > PREZERO_MAX_BATCH or self.pos < self.zeroed_to:
+        if seg is None:
             return
-        span = min(PREZERO_BYTES, max(DELETE_RESERVE_BYTES, self.segment_bytes // 4))
-        free = self.free_bytes()
-        if free < LOW_SPACE_BYTES:
-            span = max(0, min(span, free // 16))
-        span = max(span, DELETE_RESERVE_BYTES)
+        if batch_bytes > PREZERO_MAX_BATCH:
+            span = self.delete_reserve
+        else:
+            span = min(PREZERO_BYTES, max(self.delete_reserve, self.segment_bytes // 4))
+            free = self.free_bytes()
+            if free < LOW_SPACE_BYTES:
+                span = max(self.delete_reserve, min(span, free // 16))
+        if self.pos + span <= self.zeroed_to:
+            return
         # never more than the delete reserve past the segment's nominal size
-        stop = min(self.pos + span, max(self.segment_bytes, self.pos) + DELETE_RESERVE_BYTES)
+        stop = min(self.pos + span, max(self.segment_bytes, self.pos) + self.delete_reserve)
         done = self.pos
         with contextlib.suppress(OSError):  # best effort: a full disk ends it early
             while done < stop:
