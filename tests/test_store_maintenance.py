@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import threading
 import time
@@ -126,10 +127,8 @@ def test_branch_put_racing_branch_delete_leaves_no_orphan(tmp_path: Path, backen
 def _segment_bytes_on_disk(path: Path) -> int:
     total = 0
     for p in (path / "segments").iterdir():
-        try:
+        with contextlib.suppress(FileNotFoundError):  # compaction deleted it meanwhile
             total += p.stat().st_size
-        except FileNotFoundError:  # compaction deleted it meanwhile
-            pass
     return total
 
 

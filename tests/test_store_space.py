@@ -7,6 +7,7 @@ root to mount it, as CI has.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -27,10 +28,8 @@ needs_root = pytest.mark.skipif(
 def seg_bytes(path: Path) -> int:
     total = 0
     for p in (path / "segments").iterdir():
-        try:
+        with contextlib.suppress(FileNotFoundError):  # compaction deleted it meanwhile
             total += p.stat().st_size
-        except FileNotFoundError:  # compaction deleted it meanwhile
-            pass
     return total
 
 
