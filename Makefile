@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 RUN_STAMP := $(VENV)/.stamp-run
 DEV_STAMP := $(VENV)/.stamp-dev
 
-.PHONY: setup setup-dev sysdeps serve check test lint fmt types bench clean dist dist-check
+.PHONY: setup setup-dev sysdeps serve check test lint fmt types bench clean dist dist-check crash-test
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -74,6 +74,12 @@ dist-check: dist
 
 # Quick start: set up from nothing and pass every check.
 check: lint types test dist-check
+
+# The crash harness at length: a real server SIGKILLed under load 200 times, every
+# acknowledged write checked byte for byte after each restart (tests/server_crash.py).
+CRASH_CYCLES ?= 200
+crash-test: setup-dev
+	KVCACHE_CRASH_CYCLES=$(CRASH_CYCLES) $(BIN)/python tests/server_crash.py build/crash-test
 
 bench: setup-dev sysdeps
 	@command -v iperf3 >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iperf3

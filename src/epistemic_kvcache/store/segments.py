@@ -486,17 +486,20 @@ class LogWriter:
         if seg is None:
             return
         if batch_bytes > PREZERO_MAX_BATCH:
-            span = self.delete_reserve
+            span = low = self.delete_reserve
         else:
             span = min(PREZERO_BYTES, max(self.delete_reserve, self.segment_bytes // 4))
             free = self.free_bytes()
             if free < LOW_SPACE_BYTES:
                 span = max(self.delete_reserve, min(span, free // 16))
-        if self.pos + span <= self.zeroed_to:
-            return
+            low = max(self.delete_reserve, span // 2)
+        if self.zeroed_to - self.pos >= low:
+            return  # enough zeroed ahead: extend only when it runs low (in one go)
         # never more than the delete reserve past the segment's nominal size
         stop = min(self.pos + span, max(self.segment_bytes, self.pos) + self.delete_reserve)
-        done = self.pos
+        done = max(self.pos, self.zeroed_to)
+        if done >= stop:
+            return
         with contextlib.suppress(OSError):  # best effort: a full disk ends it early
             while done < stop:
                 n = self.io.pwrite(seg.fd, memoryview(_ZEROS)[: stop - done], done)
