@@ -36,7 +36,7 @@ import blake3
 import redis
 import urllib3
 
-TOKEN = "crash-harness-token-0123456789abcdef"  # noqa: S105 - a test credential
+TOKEN = "crash-harness-token-0123456789abcdef"
 
 
 def content(key: str) -> bytes:

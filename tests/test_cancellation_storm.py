@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 import redis
-import server_crash
 import urllib3
+
+import server_crash
 
 TOKEN = server_crash.TOKEN
 

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 import server_crash
 
 
