@@ -247,3 +247,96 @@ def test_one_tenant_cannot_pin_the_store_full(tmp_path: Path, backend: str) -> N
     assert store.stats("greedy").pinned_blocks == 5
     assert store.check(deep=True).ok
     store.close()
+
+
+@pytest.mark.parametrize("backend", ["memory", "durable"])
+def test_per_tenant_key_and_epoch_scope_quotas(tmp_path: Path, backend: str) -> None:
+    """A tenant at its own limit gets its own error; other tenants do not notice."""
+    from epistemic_kvcache.errors import QuotaExceededError
+
+    opts = {"max_keys_per_tenant": 5, "max_epoch_scopes_per_tenant": 3}
+    store = (
+        SharedKvIndex(**opts)
+        if backend == "memory"
+        else _durable(tmp_path, map_size_bytes=64 << 20, **opts)
+    )
+    for i in range(5):
+        store.put("greedy", f"k{i}", b"x%d" % i)
+    with pytest.raises(QuotaExceededError, match="key quota") as exc:
+        store.put("greedy", "k5", b"y")
+    assert exc.value.resource == "keys"
+    assert store.put("greedy", "k0", b"replaced").outcome.value == "replaced"  # no new key
+    store.put("other", "k0", b"fine")  # another tenant is not affected
+    assert store.delete("greedy", "k1")
+    store.put("greedy", "k5", b"now it fits")
+    # epoch scopes: three per tenant; at the limit, scopes no live entry uses are pruned
+    assert store.delete("greedy", "k4")
+    store.put("greedy", "tagged", b"t", epoch_scope="s0")
+    for scope in ("s0", "s1", "s2"):
+        store.epoch_bump("greedy", scope)
+    store.epoch_bump("greedy", "s3")  # s1 and s2 tag nothing: pruned to make room
+    assert store.epoch_get("greedy", "s3") == 1
+    store.put("greedy", "k2", b"in s3", epoch_scope="s3")
+    store.put("greedy", "k3", b"in s4", epoch_scope="s4")
+    store.epoch_bump("greedy", "s4")  # s0, s3, s4: each tags a live entry
+    with pytest.raises(QuotaExceededError, match="epoch scope") as exc:
+        store.epoch_bump("greedy", "s5")
+    assert exc.value.resource == "epoch_scopes"
+    assert store.epoch_bump("other", "s5") == 1  # the other tenant's own share
+    store.close()
+
+
+@pytest.mark.parametrize("backend", ["memory", "durable"])
+def test_quotas_hold_under_concurrent_requests(tmp_path: Path, backend: str) -> None:
+    """Snapshot and pin quotas are checked atomically with the commit: concurrent
+    requests cannot all pass a check made before any of them is committed."""
+    from epistemic_kvcache.errors import CapacityError
+
+    store = (
+        SharedKvIndex(
+            hot_capacity_bytes=64 << 20, warm_capacity_bytes=0, max_snapshots_per_tenant=5
+        )
+        if backend == "memory"
+        else _durable(
+            tmp_path,
+            hot_capacity_bytes=64 << 20,
+            cold_capacity_bytes=(64 << 20) + (16 << 20),
+            segment_bytes=4 << 20,
+            max_snapshots_per_tenant=5,
+            map_size_bytes=64 << 20,
+        )
+    )
+    block = 1 << 20
+    for i in range(48):
+        store.put("t", f"k{i}", os.urandom(block))
+    barrier = threading.Barrier(20)
+
+    def snap(i: int) -> bool:
+        barrier.wait()
+        try:
+            store.snapshot_create("t", keys=[f"k{i}"])
+            return True
+        except CapacityError:
+            return False
+
+    with concurrent.futures.ThreadPoolExecutor(20) as ex:
+        made = sum(ex.map(snap, range(20)))
+    assert made == 5
+    assert len(store.snapshot_list("t")) == 5
+    for s in store.snapshot_list("t"):
+        store.snapshot_delete("t", s.id)
+    limit = int(store._pin_capacity() * store.max_pinned_fraction)  # type: ignore[attr-defined]
+    barrier = threading.Barrier(40)
+
+    def pin(i: int) -> bool:
+        barrier.wait()
+        try:
+            return store.pin("t", f"k{i}")
+        except CapacityError:
+            return False
+
+    with concurrent.futures.ThreadPoolExecutor(40) as ex:
+        pinned = sum(ex.map(pin, range(40)))
+    assert pinned == limit // block
+    assert store.stats("t").pinned_blocks * block <= limit
+    store.close()

@@ -195,6 +195,7 @@ class ServerConfig:
             "max_pinned_fraction": self.max_pinned_fraction,
             "max_snapshots_per_tenant": self.max_snapshots_per_tenant,
             "max_keys_per_tenant": self.max_keys_per_tenant,
+            "max_epoch_scopes_per_tenant": self.max_epoch_scopes_per_tenant,
             **self._first_write_wins_option(),
         }
 
@@ -202,7 +203,6 @@ class ServerConfig:
         """Keyword arguments only the durable backend takes."""
         return {
             "rebuild_index": self.rebuild_index,
-            "max_epoch_scopes_per_tenant": self.max_epoch_scopes_per_tenant,
             "shutdown_timeout_s": self.shutdown_timeout_s,
         }
 

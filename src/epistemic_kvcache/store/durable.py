@@ -297,6 +297,7 @@ class SharedKvStoreBackend(TieredEngine):
             max_snapshots_per_tenant=max_snapshots_per_tenant,
             max_keys_per_tenant=max_keys_per_tenant,
             first_write_wins=first_write_wins,
+            max_epoch_scopes_per_tenant=max_epoch_scopes_per_tenant,
         )
         if not isinstance(cold_capacity_bytes, int) or cold_capacity_bytes <= 0:
             raise ConfigurationError(

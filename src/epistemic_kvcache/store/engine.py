@@ -316,7 +316,14 @@ class TieredEngine(SharedKvBackend):
         max_snapshots_per_tenant: int = 256,
         max_keys_per_tenant: int = 0,
         first_write_wins: bool | frozenset[str] = False,
+        max_epoch_scopes_per_tenant: int = 10_000,
     ) -> None:
+        if max_epoch_scopes_per_tenant < 1:
+            raise ConfigurationError(
+                "invalid max_epoch_scopes_per_tenant: expected a positive integer "
+                f"(got {max_epoch_scopes_per_tenant!r})"
+            )
+        self.max_epoch_scopes_per_tenant = max_epoch_scopes_per_tenant
         if not isinstance(max_keys_per_tenant, int) or max_keys_per_tenant < 0:
             raise ConfigurationError(
                 "invalid max_keys_per_tenant: expected 0 (no limit) or a positive integer "
@@ -931,9 +938,29 @@ class TieredEngine(SharedKvBackend):
 
     def _epoch_advance(self, tenant: str, scope: str) -> int:
         with self._lock:
+            if (tenant, scope) not in self._epochs:
+                self._epoch_room(tenant)
             n = self._epochs.get((tenant, scope), 0) + 1
             self._epochs[(tenant, scope)] = n
             return n
+
+    def _epoch_room(self, tenant: str) -> None:
+        """Memory backend: a tenant at its scope limit first loses the scopes no live
+        entry is tagged with (forgetting their epoch cannot make anything fresh)."""
+        mine = [s for (t, s) in self._epochs if t == tenant]
+        limit = self.max_epoch_scopes_per_tenant
+        if len(mine) < limit:
+            return
+        used = {tag[0] for (ns, _k), tag in self._tags.items() if tenant_of(ns) == tenant}
+        for scope in mine:
+            if scope not in used:
+                del self._epochs[(tenant, scope)]
+        if len(mine) - sum(1 for sc in mine if sc not in used) >= limit:
+            raise QuotaExceededError(
+                f"epoch scope quota exceeded: this tenant has {limit} scopes with live "
+                "entries (its limit)",
+                resource="epoch_scopes",
+            )
 
     def _tag_for(self, ns: str, epoch_scope: str | None) -> tuple[str, int] | None:
         if epoch_scope is None:

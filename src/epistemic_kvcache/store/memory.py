@@ -53,9 +53,11 @@ class SharedKvIndex(TieredEngine):
         max_snapshots_per_tenant: int = 256,
         max_keys_per_tenant: int = 0,
         first_write_wins: bool | frozenset[str] = False,
+        max_epoch_scopes_per_tenant: int = 10_000,
     ) -> None:
         super().__init__(
             max_keys_per_tenant=max_keys_per_tenant,
+            max_epoch_scopes_per_tenant=max_epoch_scopes_per_tenant,
             hot_capacity_bytes=hot_capacity_bytes,
             warm_capacity_bytes=warm_capacity_bytes,
             max_block_bytes=max_block_bytes,
