@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 from epistemic_kvcache.errors import StoreError
 from epistemic_kvcache.store import records
 from epistemic_kvcache.store.engine import Move
-from epistemic_kvcache.store.index import Changes, KeyState, pack_loc, unpack_loc
+from epistemic_kvcache.store.index import pack_loc, unpack_loc
 from epistemic_kvcache.store.records import Op
 from epistemic_kvcache.store.recovery import META_CODES, META_KINDS
 from epistemic_kvcache.store.segments import Damage, SyncFailed, scan
@@ -315,14 +315,15 @@ class Compactor:
         written: list[tuple[int, int]],
     ) -> None:
         s = self.s
-        ch = Changes.empty()
         moved = 0
+        w = s._writer
         with s._lock:
+            dirty = s._dirty
             for sdig, old_off, nsid, noff in blob_moves:
                 b = s._blobs.get(sdig)
                 if b is not None and (b.seg, b.off) == (sid, old_off):
                     s._apply([Move(sdig, nsid, noff)])
-                    ch.blobs[sdig] = (b.size, noff, nsid)
+                    dirty.blobs.add(sdig)
                     moved += b.size
             for ns, key, old, new in key_moves:
                 locs = s._kloc.get(ns)
@@ -333,7 +334,7 @@ class Compactor:
                 tag = s._tags.get((ns, key))
                 s._count_key_rec(old, ns, key, b.sdig, tag, -1)
                 s._count_key_rec(new, ns, key, b.sdig, tag, +1)
-                ch.keys[(ns, key)] = KeyState(b.sdig, s._pins.get((ns, key), 0), tag, new)
+                dirty.keys.add((ns, key))
             for mk, old, new, nbytes in meta_moves:
                 cur = s._mloc.get(mk)
                 if cur is None or cur[0] != old:
@@ -342,19 +343,17 @@ class Compactor:
                 osid, nsid = unpack_loc(old)[0], unpack_loc(new)[0]
                 s._seg_live[osid] = s._seg_live.get(osid, 0) - cur[1]
                 s._seg_live[nsid] = s._seg_live.get(nsid, 0) + nbytes
-                body = s._meta(mk[0]).get(mk[1], {}).get(mk[2])
-                ch.metas[mk] = (new, body) if body is not None else None
+                dirty.metas.add(mk)
             for tsid, n in tomb.items():
                 s._seg_tomb[tsid] = s._seg_tomb.get(tsid, 0) + n
             for wsid, wend in written:
                 s._seg_len[wsid] = wend
-            for tsid in {*tomb, *(w for w, _e in written)}:
-                ch.segs[tsid] = (s._seg_tomb.get(tsid, 0), s._seg_len.get(tsid, 0))
+            dirty.segs.update(tomb, (ws for ws, _e in written))
+            if written and w.active is not None:
+                s._log_end = (w.active.id, w.pos)
         s._compacted_bytes += moved
-        w = s._writer
-        if written and w.active is not None:
-            s._log_end = (w.active.id, w.pos)
-            s._checkpoint_enqueue(ch, s._log_end, w.last_batch_bytes)
+        if written:
+            s._checkpoint_due(w.last_batch_bytes)
 
     def _cut_sealed(self, target: int, trusted_end: int) -> None:
         """Cut an abandoned segment to its trusted end, so its SEAL is needed no more."""
@@ -386,7 +385,6 @@ class Compactor:
             w.rollback()
             raise
         seg = s._segs.pop(sid, None)
-        ch = Changes.empty()
         with s._lock:
             s._seg_len.pop(sid, None)
             s._seg_live.pop(sid, None)
@@ -394,15 +392,14 @@ class Compactor:
             s._seg_tomb[tsid] = s._seg_tomb.get(tsid, 0) + len(hdr)
             for wsid, wend in written:
                 s._seg_len[wsid] = wend
-            ch.segs[sid] = None
-            ch.segs[tsid] = (s._seg_tomb[tsid], s._seg_len.get(tsid, 0))
+            s._dirty.segs.update((sid, tsid))
+            if w.active is not None:
+                s._log_end = (w.active.id, w.pos)
         if seg is not None:
             with contextlib.suppress(OSError):
                 seg.path.unlink()
         s._segments_deleted += 1
         if self.cursor is not None and self.cursor[0] == sid:
             self.cursor = None
-        if w.active is not None:
-            s._log_end = (w.active.id, w.pos)
-        s._checkpoint_enqueue(ch, s._log_end, w.last_batch_bytes)
+        s._checkpoint_due(w.last_batch_bytes)
         return True

@@ -254,6 +254,27 @@ class _View:
         return list(dict.fromkeys([*names, *extra]))
 
 
+@dataclass(slots=True)
+class _Dirty:
+    """What changed since the last checkpoint: the index rows to rewrite from RAM."""
+
+    keys: set[tuple[str, str]] = field(default_factory=set)
+    blobs: set[bytes] = field(default_factory=set)
+    metas: set[tuple[str, str, str]] = field(default_factory=set)
+    segs: set[int] = field(default_factory=set)
+    quarantine: dict[bytes, float] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.keys or self.blobs or self.metas or self.segs or self.quarantine)
+
+    def merge(self, later: _Dirty) -> None:
+        self.keys |= later.keys
+        self.blobs |= later.blobs
+        self.metas |= later.metas
+        self.segs |= later.segs
+        self.quarantine.update(later.quarantine)
+
+
 class SharedKvStoreBackend(TieredEngine):
     """Durable backend (`--backend durable`): hot + warm in RAM, the log on disk.
 
@@ -391,8 +412,7 @@ class SharedKvStoreBackend(TieredEngine):
         self._recovering = False
         self._compact = compaction.Compactor(self)
         self._ckpt_cv = threading.Condition()
-        self._ckpt_pending = Changes.empty()
-        self._ckpt_target: tuple[int, int] | None = None
+        self._dirty = _Dirty()  # rows the next checkpoint writes (under self._lock)
         self._ckpt_lag = 0
         self._ckpt_stop = False
         self._ckpt_error: str | None = None
@@ -1009,10 +1029,10 @@ class SharedKvStoreBackend(TieredEngine):
         results: list[Any],
         written: list[tuple[int, int]],
     ) -> None:
-        """The batch is durable: apply it to RAM, answer, hand the rows to the checkpointer."""
+        """The batch is durable: apply it to RAM, answer, mark the rows for the checkpointer."""
         w = self._writer
-        ch = Changes.empty()
         with self._lock:
+            dirty = self._dirty  # (swapped by the checkpointer under this lock)
             for ns, key in v.key_recs:  # the old record of each rewritten key goes dead
                 old = self._kloc.get(ns, {}).get(key)
                 b = self._lookup(ns, key)
@@ -1032,43 +1052,36 @@ class SharedKvStoreBackend(TieredEngine):
                         locs.pop(key, None)
                         if not locs:
                             del self._kloc[ns]
-                    ch.keys[(ns, key)] = None
                     continue
                 self._kloc.setdefault(ns, {})[key] = rec[0]
                 tag = self._tags.get((ns, key))
                 self._count_key_rec(rec[0], ns, key, b.sdig, tag, +1)
-                ch.keys[(ns, key)] = KeyState(b.sdig, self._pins.get((ns, key), 0), tag, rec[0])
+            dirty.keys.update(v.key_recs)
             for mk, mrec in v.meta_recs.items():
-                if mrec is None:
-                    ch.metas[mk] = None
-                    continue
-                self._mloc[mk] = mrec
-                sid = unpack_loc(mrec[0])[0]
-                self._seg_live[sid] = self._seg_live.get(sid, 0) + mrec[1]
-                body = self._meta(mk[0]).get(mk[1], {}).get(mk[2])
-                ch.metas[mk] = (mrec[0], body) if body is not None else None
-            for sdig in {*v.placed, *v.ref_delta, *v.dropped}:
-                b = self._blobs.get(sdig)
-                ch.blobs[sdig] = (b.size, b.off, b.seg) if b is not None else None
+                if mrec is not None:
+                    self._mloc[mk] = mrec
+                    sid = unpack_loc(mrec[0])[0]
+                    self._seg_live[sid] = self._seg_live.get(sid, 0) + mrec[1]
+            dirty.metas.update(v.meta_recs)
+            dirty.blobs.update(v.placed, v.ref_delta, v.dropped)
             for sid, n in v.tomb.items():
                 self._seg_tomb[sid] = self._seg_tomb.get(sid, 0) + n
             for sid, end in written:
                 self._seg_len[sid] = end
-            for sid in {*v.tomb, *(sid for sid, _e in written)}:
-                ch.segs[sid] = (self._seg_tomb.get(sid, 0), self._seg_len.get(sid, 0))
+            dirty.segs.update(v.tomb, (sid for sid, _e in written))
             self._quarantined.update(v.quarantine)
-            ch.quarantine.update(v.quarantine)
+            dirty.quarantine.update(v.quarantine)
             for op, res in zip(batch, results, strict=True):
                 if op.kind == "put" and isinstance(res, PutResult):
                     self._count_put(op.ns, res.outcome, op.deduped)
             self._release_locked(batch)
             self._batches += 1
             self._committed_ops += len(batch)
+            if w.active is not None:
+                self._log_end = (w.active.id, w.pos)
         for op, res in zip(batch, results, strict=True):
             settle(op.future, res)
-        if w.active is not None:
-            self._log_end = (w.active.id, w.pos)
-        self._checkpoint_enqueue(ch, self._log_end, w.last_batch_bytes)
+        self._checkpoint_due(w.last_batch_bytes)
         if v.hot_refused:
             self._tier_event.set()  # make room in hot for the next blocks
 
@@ -1410,13 +1423,47 @@ class SharedKvStoreBackend(TieredEngine):
     def _persisted_counters(self) -> dict[str, int]:
         return {"integrity_failures": self._total.integrity_failures}
 
-    def _checkpoint_enqueue(self, ch: Changes, pos: tuple[int, int], nbytes: int) -> None:
+    def _checkpoint_due(self, nbytes: int) -> None:
+        """`nbytes` more of log the index does not cover yet (the rows are marked dirty)."""
         with self._ckpt_cv:
-            self._ckpt_pending.merge(ch)
-            self._ckpt_target = pos
             self._ckpt_lag += nbytes
             if self._ckpt_lag >= _CHECKPOINT_TRIGGER_BYTES:
                 self._ckpt_cv.notify_all()
+
+    def _rows(self, dirty: _Dirty) -> Changes:
+        """The index rows of `dirty`, read from RAM in chunks (the lock is released
+        between chunks, so readers never wait long)."""
+        ch = Changes.empty()
+        keys = list(dirty.keys)
+        for i in range(0, len(keys), 2000):
+            with self._lock:
+                for ns, key in keys[i : i + 2000]:
+                    b = self._lookup(ns, key)
+                    loc = self._kloc.get(ns, {}).get(key)
+                    if b is None or loc is None:
+                        ch.keys[(ns, key)] = None
+                    else:
+                        pins = self._pins.get((ns, key), 0)
+                        ch.keys[(ns, key)] = KeyState(b.sdig, pins, self._tags.get((ns, key)), loc)
+        sdigs = list(dirty.blobs)
+        for i in range(0, len(sdigs), 2000):
+            with self._lock:
+                for sdig in sdigs[i : i + 2000]:
+                    blob = self._blobs.get(sdig)
+                    ch.blobs[sdig] = (blob.size, blob.off, blob.seg) if blob is not None else None
+        with self._lock:
+            for mk in dirty.metas:
+                body = self._meta(mk[0]).get(mk[1], {}).get(mk[2])
+                ml = self._mloc.get(mk)
+                ch.metas[mk] = (ml[0], body) if body is not None and ml is not None else None
+            for sid in dirty.segs:
+                ch.segs[sid] = (
+                    (self._seg_tomb.get(sid, 0), self._seg_len.get(sid, 0))
+                    if sid in self._segs
+                    else None
+                )
+            ch.quarantine.update(dirty.quarantine)
+        return ch
 
     def _wait_for_checkpoint_lag(self) -> None:
         """Back-pressure: the log may run ahead of the index by `max_checkpoint_lag_bytes`
@@ -1449,20 +1496,27 @@ class SharedKvStoreBackend(TieredEngine):
                 return
 
     def checkpoint(self) -> bool:
-        """Write the pending row changes to the index now (True when it is up to date)."""
-        with self._ckpt_cv:
-            ch, target, lag = self._ckpt_pending, self._ckpt_target, self._ckpt_lag
-            self._ckpt_pending, self._ckpt_target, self._ckpt_lag = Changes.empty(), None, 0
-        if target is None:
+        """Write the dirty rows to the index now (True when it is up to date).
+
+        The rows are read from RAM here, so they may be newer than the checkpoint position
+        they are written with: that is safe, since every record after the position is
+        replayed at open and each one sets a key's whole state (last writer wins)."""
+        with self._lock:
+            dirty, self._dirty = self._dirty, _Dirty()
+            target = self._log_end
+        if not dirty and target == self._ckpt_pos:
             return True
+        with self._ckpt_cv:
+            lag, self._ckpt_lag = self._ckpt_lag, 0
+        ch = self._rows(dirty)
         assert self._ix is not None
         try:
             self._ix.apply(ch, target, self._persisted_counters())
         except StorageIOError as exc:
+            with self._lock:
+                dirty.merge(self._dirty)
+                self._dirty = dirty
             with self._ckpt_cv:
-                ch.merge(self._ckpt_pending)  # later changes win
-                self._ckpt_pending = ch
-                self._ckpt_target = self._ckpt_target or target
                 self._ckpt_lag += lag
                 if self._ckpt_error is None:
                     log.error("index checkpoint failed (the log still has everything): %s", exc)
@@ -1511,8 +1565,9 @@ class SharedKvStoreBackend(TieredEngine):
             self._ckpt_stop = True
             self._ckpt_cv.notify_all()
         self._ckpt_thread.join(self._shutdown_timeout_s)
-        self._ckpt_pending = Changes.empty()
-        self._ckpt_target = None
+        with self._lock:
+            self._dirty = _Dirty()
+            self._log_end = self._ckpt_pos
         self.close()
 
     def close(self) -> None:
