@@ -53,6 +53,7 @@ END_OF_BATCH = 0x01
 _FIXED = struct.Struct(">4sBBBBIIQIQQIHHBB")
 FIXED_BYTES = _FIXED.size  # 54
 _HCRC_AT = 12
+_HCRC = struct.Struct(">I")
 MAX_HEADER_BYTES = FIXED_BYTES + 0xFFFF * 2 + 0xFF * 2
 MAX_PAYLOAD_BYTES = 1 << 40
 """Sanity bound on a payload length read from disk (a damaged length is not followed)."""
@@ -125,41 +126,38 @@ def encode(
     raw_scope = b""
     if tag is not None:
         raw_scope, epoch = tag[0].encode(), tag[1]
-    hlen = FIXED_BYTES + len(raw_ns) + len(raw_key) + len(sdig) + len(raw_scope)
-    buf = bytearray(hlen)
-    _FIXED.pack_into(
-        buf,
-        0,
-        MAGIC,
-        VERSION,
-        int(op),
-        flags,
-        0,
-        hlen,
-        0,
-        plen,
-        pins,
-        epoch,
-        aux,
-        pcrc,
-        len(raw_ns),
-        len(raw_key),
-        len(sdig),
-        len(raw_scope),
+    var = raw_ns + raw_key + sdig + raw_scope
+    hlen = FIXED_BYTES + len(var)
+    buf = bytearray(
+        _FIXED.pack(
+            MAGIC,
+            VERSION,
+            op,
+            flags,
+            0,
+            hlen,
+            0,
+            plen,
+            pins,
+            epoch,
+            aux,
+            pcrc,
+            len(raw_ns),
+            len(raw_key),
+            len(sdig),
+            len(raw_scope),
+        )
     )
-    pos = FIXED_BYTES
-    for part in (raw_ns, raw_key, sdig, raw_scope):
-        buf[pos : pos + len(part)] = part
-        pos += len(part)
-    struct.pack_into(">I", buf, _HCRC_AT, zlib.crc32(buf))
+    buf += var
+    _HCRC.pack_into(buf, _HCRC_AT, zlib.crc32(buf))
     return buf
 
 
 def set_end_of_batch(header: bytearray) -> None:
     """Mark an encoded header as the last of its batch (and re-seal its checksum)."""
     header[6] |= END_OF_BATCH
-    struct.pack_into(">I", header, _HCRC_AT, 0)
-    struct.pack_into(">I", header, _HCRC_AT, zlib.crc32(header))
+    _HCRC.pack_into(header, _HCRC_AT, 0)
+    _HCRC.pack_into(header, _HCRC_AT, zlib.crc32(header))
 
 
 def header_length(buf: bytes | bytearray | memoryview) -> int:

@@ -435,6 +435,11 @@ class LogWriter:
         return synced
 
     def _pwritev(self, fd: int, pieces: list[Buffer], offset: int) -> None:
+        if len(pieces) <= _IOV_MAX:  # the common case: one call writes it all
+            want = sum(len(p) for p in pieces)  # (payload views are byte-cast by _place)
+            if self.io.pwritev(fd, pieces, offset) == want:
+                return
+        # a short write (rare): write again from the top (the same bytes), then piecewise
         views = [memoryview(p).cast("B") for p in pieces]
         i = 0
         while i < len(views):
