@@ -8,6 +8,7 @@ segment files, and by reaching into the engine's warm tier.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import os
@@ -557,4 +558,69 @@ def test_a_late_quarantine_does_not_drop_a_rewritten_blob(tmp_path: Path) -> Non
     assert_reads(store, {"x-again": x})
     report = store.check(deep=True)
     assert report.ok, report
+    store.close()
+
+
+def test_an_unexpected_error_in_the_committer_is_a_loud_read_only_fault(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Never a hang: every waiting and every later write fails at once, reads go on,
+    readiness says why, the log says it once."""
+    from epistemic_kvcache.errors import StoreFaultError
+
+    store = open_durable(tmp_path)
+    store.put(NS, "before", block("before"))
+    real = store._decide
+
+    def broken(v: Any, op: Any) -> Any:
+        if op.key == "boom":
+            raise RuntimeError("a bug in the committer")
+        return real(v, op)
+
+    store._decide = broken  # type: ignore[method-assign]
+    with pytest.raises(StoreFaultError, match="a bug in the committer"):
+        store.put(NS, "boom", block("boom"))
+    t0 = time.monotonic()
+    for key in ("after", "other"):
+        with pytest.raises(StoreFaultError):
+            store.put(NS, key, block(key))
+    with pytest.raises(StoreFaultError):
+        store.delete(NS, "before")
+    assert time.monotonic() - t0 < 1  # at once, not after a timeout
+    assert bytes(store.get(NS, "before") or b"") == block("before")  # reads keep working
+    health = store.health()
+    assert not health.ready
+    assert not health.writable
+    assert not health.committer_alive
+    assert health.reason is not None
+    assert "a bug in the committer" in health.reason
+    assert store.stats(None).extra["store_fault"] == 1
+    faults = [r for r in caplog.records if "store fault" in r.getMessage()]
+    assert len(faults) == 1
+    store.close()
+    with open_durable(tmp_path) as again:  # a restart clears it; nothing was lost
+        assert bytes(again.get(NS, "before") or b"") == block("before")
+        assert not again.exists(NS, "boom")
+        assert again.health().ready
+
+
+def test_cancelled_writes_are_dropped_from_their_batch(tmp_path: Path) -> None:
+    """A future cancelled before its batch commits (its caller went away) writes nothing
+    and never disturbs the committer."""
+    io = GatedIO()
+    store = open_durable(tmp_path, io)
+    io.hold()
+    stall = threading.Thread(target=store.put, args=(NS, "stall", block("stall")))
+    stall.start()
+    assert io.waiting.wait(timeout=30)
+    queued = [store.put_nowait(NS, f"gone-{i}", block(f"gone-{i}")[:1000]) for i in range(50)]
+    for fut in queued:
+        assert isinstance(fut, concurrent.futures.Future)
+        assert fut.cancel()
+    io.release()
+    stall.join(30)
+    assert store.put(NS, "next", block("next")).outcome is PutOutcome.NEW
+    for i in range(50):
+        assert not store.exists(NS, f"gone-{i}")
+    assert store.health().ready
     store.close()
