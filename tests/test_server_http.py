@@ -887,13 +887,13 @@ def test_metrics_parse_and_count(srv: Server) -> None:
     assert r.headers["Content-Type"].startswith("text/plain")
     fams = {f.name: f for f in text_string_to_metric_families(r.data.decode())}
     requests = {
-        (s.labels["wire"], s.labels["route"], s.labels["status"]): s.value
+        (s.labels["wire"], s.labels["route"], s.labels["status"], s.labels["code"]): s.value
         for s in fams["kvcache_requests"].samples
         if s.name == "kvcache_requests_total"
     }
-    assert requests[("http", "/kv/{key}", "200")] >= 1
-    assert requests[("http", "/kv/{key}", "404")] >= 1
-    assert requests[("http", "/kv/{key}", "201")] >= 1
+    assert requests[("http", "/kv/{key}", "ok", "200")] >= 1
+    assert requests[("http", "/kv/{key}", "ok", "404")] >= 1  # a miss is not an error
+    assert requests[("http", "/kv/{key}", "ok", "201")] >= 1
     hist = fams["kvcache_request_duration_seconds"]
     assert any(s.name.endswith("_count") for s in hist.samples)
     store_stats = srv.ctx.store.stats(None)

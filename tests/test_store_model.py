@@ -12,6 +12,7 @@ restart at zero, the data and pins do not).
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections import Counter
@@ -60,7 +61,7 @@ class StoreModel(RuleBasedStateMachine):
         self.counters: dict[str, Counter[str]] = {ns: Counter() for ns in NAMESPACES}
 
     # -- helpers -------------------------------------------------------------------------
-    def open_store(self) -> SharedKvBackend:
+    def open_store(self, *, rebuild: bool = False) -> SharedKvBackend:
         raise NotImplementedError
 
     @property
@@ -211,10 +212,19 @@ class StoreModel(RuleBasedStateMachine):
             self.count(ns, "get_misses")
 
     @precondition(lambda self: self.durable)
-    @rule()
-    def reopen(self) -> None:
-        self.s.close()
-        self.store = self.open_store()
+    @rule(how=st.sampled_from(["close", "crash", "rebuild"]))
+    def reopen(self, how: str) -> None:
+        """Close and open again: cleanly; as after a crash with the index behind the log
+        (the tail is replayed); or with the index deleted and rebuilt from the log."""
+        assert isinstance(self.store, SharedKvStoreBackend)
+        if how == "crash":
+            self.store._close_without_checkpoint()
+        else:
+            self.s.close()
+        if how == "rebuild":
+            assert self.tmpdir is not None
+            shutil.rmtree(f"{self.tmpdir}/index")
+        self.store = self.open_store(rebuild=how == "rebuild")
         self.counters = {ns: Counter() for ns in NAMESPACES}
         self.hot.clear()
 
@@ -312,20 +322,22 @@ class StoreModel(RuleBasedStateMachine):
 class MemoryModel(StoreModel):
     durable = False
 
-    def open_store(self) -> SharedKvBackend:
+    def open_store(self, *, rebuild: bool = False) -> SharedKvBackend:
         return SharedKvIndex(dedup_scope=self.scope)  # type: ignore[arg-type]
 
 
 class DurableModel(StoreModel):
     durable = True
 
-    def open_store(self) -> SharedKvBackend:
+    def open_store(self, *, rebuild: bool = False) -> SharedKvBackend:
         assert self.tmpdir is not None
         return SharedKvStoreBackend(
             self.tmpdir,
             dedup_scope=self.scope,  # type: ignore[arg-type]
             map_size_bytes=64 << 20,
             segment_bytes=64 << 10,  # small segments: rollover and segment deletion happen
+            checkpoint_interval_s=0.05,  # checkpoints land between steps, or lag behind
+            rebuild_index=rebuild,
         )
 
 
@@ -335,7 +347,7 @@ class DurableUnderPressureModel(DurableModel):
 
     pressure = True
 
-    def open_store(self) -> SharedKvBackend:
+    def open_store(self, *, rebuild: bool = False) -> SharedKvBackend:
         assert self.tmpdir is not None
         return SharedKvStoreBackend(
             self.tmpdir,
@@ -344,11 +356,13 @@ class DurableUnderPressureModel(DurableModel):
             warm_capacity_bytes=6 << 10,
             map_size_bytes=64 << 20,
             segment_bytes=64 << 10,
+            checkpoint_interval_s=0.05,
+            rebuild_index=rebuild,
         )
 
 
 _SETTINGS = settings(
-    max_examples=30,
+    max_examples=int(os.environ.get("KVCACHE_MODEL_EXAMPLES", "30")),
     stateful_step_count=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

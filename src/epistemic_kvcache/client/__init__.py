@@ -1,8 +1,9 @@
 """The Python client of epistemic-kvcache: `KvCacheConfig` and `EpistemicGraphKVBackend`."""
 
 from epistemic_kvcache.client.backend import EpistemicGraphKVBackend, KvCacheUnavailableError
-from epistemic_kvcache.client.config import KvCacheConfig, is_loopback_host
+from epistemic_kvcache.client.config import KvCacheConfig
 from epistemic_kvcache.client.stats import ClientCounters, KvCacheStats, TierOccupancy
+from epistemic_kvcache.shared import is_loopback_host
 
 __all__ = [
     "ClientCounters",

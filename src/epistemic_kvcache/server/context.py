@@ -28,6 +28,7 @@ from epistemic_kvcache.server.budget import (
     SlotLimits,
 )
 from epistemic_kvcache.server.oplog import AccessLog, AuthFailureLog, RefusalLog
+from epistemic_kvcache.shared import ServerLimits
 from epistemic_kvcache.store.api import Buffer, PutCond, PutResult, SharedKvBackend
 from epistemic_kvcache.store.engine import WOULD_BLOCK, TieredEngine, WouldBlock
 
@@ -35,8 +36,6 @@ if TYPE_CHECKING:
     from epistemic_kvcache.server.metrics import Metrics
 
 T = TypeVar("T")
-
-MiB = 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,72 +55,6 @@ class Authenticator(Protocol):
     """
 
     def authenticate(self, credential: str) -> Identity: ...
-
-
-@dataclass(frozen=True, slots=True)
-class ServerLimits:
-    """Bounds on everything a client can make the server hold. Defaults say why."""
-
-    max_block_bytes: int = 128 * MiB
-    """Llama-3-70B 256-token chunks are ~80 MiB; leave headroom, refuse the absurd."""
-    max_header_bytes: int = 16 * 1024
-    """Total request head size (nginx default large_client_header_buffers is 4x8 KiB)."""
-    max_headers: int = 100
-    """Header count (node.js maxHeadersCount defaults to 2000; we need a handful)."""
-    request_timeout_s: float = 60.0
-    """Deadline to receive one whole request once its first byte arrived (slowloris)."""
-    idle_timeout_s: float = 300.0
-    """Keep-alive connections idle this long are closed."""
-    auth_timeout_s: float = 10.0
-    """A connection not authenticated this long after it opened is closed, so that
-    anonymous peers cannot hold every connection slot (HTTP: no request with valid
-    credentials yet; RESP: no successful AUTH/HELLO)."""
-    max_connections: int = 1024
-    """Open connections per listener. When full, the oldest connection that has not
-    authenticated yet is closed to make room; with none, the new one is refused."""
-    max_unauthenticated_connections: int = 256
-    """Connections per listener that have not authenticated yet (a small pool of its
-    own: when full, its oldest connection is closed to admit the new one, if that one
-    has had a second to authenticate; else the new one is refused)."""
-    max_unauthenticated_connections_per_peer: int = 64
-    """Unauthenticated connections one client address may hold (its oldest is closed,
-    the same way), so one host cannot fill the pool."""
-    max_connections_per_peer: int = 512
-    """Connections one client address may hold on one listener."""
-    max_connections_per_tenant: int = 512
-    """Authenticated connections one tenant may hold on one listener."""
-    subscriber_idle_timeout_s: float = 1800.0
-    """A RESP connection in subscribed mode that sends nothing this long is closed (a
-    subscriber is otherwise never idle); redis-py's `health_check_interval` keeps it."""
-    max_batch_keys: int = 1024
-    max_batch_bytes: int = 256 * MiB
-    """A batch is one request body (or answer, or MGET reply) held whole in RAM: 256 MiB
-    is 1024 keys of 256 KiB."""
-    max_inflight_body_bytes: int = 2048 * MiB
-    """Every byte buffered for clients, server-wide: request bodies and RESP bulks being
-    received, RESP commands not yet run, cold-read and batch answers until sent. A body
-    is allocated whole once its head is accepted, so without this a few header-only
-    requests could make the server allocate gigabytes."""
-    max_tenant_inflight_bytes: int = 512 * MiB
-    """One tenant's share of `max_inflight_body_bytes` (over it: HTTP 429, RESP -ERR),
-    so one tenant cannot make the server busy for the others."""
-    client_output_buffer_limit_bytes: int = 512 * MiB
-    """Replies queued for one connection that does not read them; over it the client is
-    disconnected (Redis' client-output-buffer-limit). A connection's next command waits
-    until its replies are sent, so only a slow reader of one huge answer reaches it."""
-    resp_max_query_buffer_bytes: int = 32 * MiB
-    """Bytes one RESP connection may buffer of commands not yet run (small arguments
-    with their overhead; bulks of 32 KiB and more are counted in the in-flight budget
-    only). A client over it is disconnected (Redis' client-query-buffer-limit)."""
-    resp_unauthenticated_max_args: int = 10
-    """Before AUTH: at most this many arguments, command name included (Redis'
-    CVE-2021-32675 limit; `HELLO 3 AUTH <user> <pass> SETNAME <name>` needs 7)."""
-    resp_unauthenticated_max_bulk_bytes: int = 4096
-    resp_unauthenticated_max_buffer_bytes: int = 64 * 1024
-    """Before AUTH: bytes read ahead of the command being run; reading pauses above it,
-    so an unauthenticated peer cannot queue a pipeline (one command at a time)."""
-    resp_max_args: int = 1024 * 1024
-    """Redis' own multibulk limit is 1024*1024 arguments."""
 
 
 EpochCallback = Callable[[str, int], None]

@@ -22,7 +22,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from epistemic_kvcache.errors import InvalidKeyError
+# Re-exported for the store's modules; shared.py defines them once (the client uses them).
+from epistemic_kvcache.shared import MAX_KEY_BYTES as MAX_KEY_BYTES  # noqa: PLC0414
+from epistemic_kvcache.shared import MAX_NAMESPACE_BYTES as MAX_NAMESPACE_BYTES  # noqa: PLC0414
+from epistemic_kvcache.shared import BranchInfo as BranchInfo  # noqa: PLC0414
+from epistemic_kvcache.shared import SnapshotInfo as SnapshotInfo  # noqa: PLC0414
+from epistemic_kvcache.shared import validate_key as validate_key  # noqa: PLC0414
+from epistemic_kvcache.shared import validate_namespace as validate_namespace  # noqa: PLC0414
 
 Buffer = bytes | bytearray | memoryview
 
@@ -37,36 +43,6 @@ def owned_buffer(data: Buffer) -> Buffer:
     if isinstance(data, memoryview) and not isinstance(data.obj, mmap.mmap):
         return bytes(data)
     return data
-
-
-MAX_KEY_BYTES = 1024
-MAX_NAMESPACE_BYTES = 256
-
-
-def validate_key(key: str) -> bytes:
-    """Return the key's UTF-8 bytes, or raise `InvalidKeyError`."""
-    try:
-        raw = key.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidKeyError(f"invalid key: not valid UTF-8 ({exc.reason})") from exc
-    if not raw:
-        raise InvalidKeyError("invalid key: empty")
-    if len(raw) > MAX_KEY_BYTES:
-        raise InvalidKeyError(f"invalid key: {len(raw)} bytes, limit is {MAX_KEY_BYTES}")
-    return raw
-
-
-def validate_namespace(ns: str) -> bytes:
-    """Return the namespace's UTF-8 bytes, or raise `InvalidKeyError`."""
-    try:
-        raw = ns.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidKeyError(f"invalid namespace: not valid UTF-8 ({exc.reason})") from exc
-    if not raw or len(raw) > MAX_NAMESPACE_BYTES or b"\x00" in raw:
-        raise InvalidKeyError(
-            f"invalid namespace {ns!r}: expected 1..{MAX_NAMESPACE_BYTES} bytes without NUL"
-        )
-    return raw
 
 
 PutCond = Literal["nx", "xx"] | None
@@ -222,6 +198,8 @@ class ConsistencyReport:
     refcount_mismatches: list[str] = field(default_factory=list)
     corrupt_blobs: list[str] = field(default_factory=list)
     """Blobs whose bytes no longer match their digest (only with `deep=True`)."""
+    lost_keys: list[str] = field(default_factory=list)
+    """Keys (`ns/key`) whose bytes were gone when the store opened (served as misses)."""
 
     @property
     def ok(self) -> bool:
@@ -230,44 +208,8 @@ class ConsistencyReport:
             or self.orphan_blobs
             or self.refcount_mismatches
             or self.corrupt_blobs
+            or self.lost_keys
         )
-
-
-@dataclass(frozen=True, slots=True)
-class SnapshotInfo:
-    """An immutable set of `key -> digest` references of one namespace.
-
-    It holds a reference (and a pin) on every block it names, so they stay while it lives.
-    """
-
-    id: str
-    ns: str
-    keys: int
-    logical_bytes: int
-    created_at: float
-    expires_at: float | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True, slots=True)
-class BranchInfo:
-    """A copy-on-write overlay over a snapshot: reads fall through, writes stay here."""
-
-    id: str
-    ns: str
-    snapshot_id: str
-    created_at: float
-    private_keys: int
-    """Keys written in the branch overlay."""
-    private_bytes: int
-    """Bytes of overlay blocks the snapshot does not also reference."""
-    shared_bytes: int
-    """Bytes of the snapshot's blocks, shared with it (never copied)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class SharedKvBackend(abc.ABC):

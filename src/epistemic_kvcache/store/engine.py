@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal, overload
 
 import blake3
+from sortedcontainers import SortedList
 
 from epistemic_kvcache.errors import (
     BlockTooLargeError,
@@ -49,8 +50,10 @@ from epistemic_kvcache.errors import (
     ConfigurationError,
     InvalidKeyError,
     NotFoundError,
+    QuotaExceededError,
     StoreClosedError,
 )
+from epistemic_kvcache.shared import MAX_SCOPE_BYTES
 from epistemic_kvcache.store.api import (
     BranchInfo,
     Buffer,
@@ -86,10 +89,6 @@ class WouldBlock(enum.Enum):
 
 
 WOULD_BLOCK: Final = WouldBlock.WOULD_BLOCK
-
-
-MAX_SCOPE_BYTES = 200
-"""Epoch scopes are short names; with a 256-byte tenant they fit one LMDB key (511)."""
 
 
 def validate_scope(scope: str) -> None:
@@ -315,8 +314,22 @@ class TieredEngine(SharedKvBackend):
         codec: WarmCodec | None,
         max_pinned_fraction: float = 0.5,
         max_snapshots_per_tenant: int = 256,
+        max_keys_per_tenant: int = 0,
         first_write_wins: bool | frozenset[str] = False,
+        max_epoch_scopes_per_tenant: int = 10_000,
     ) -> None:
+        if max_epoch_scopes_per_tenant < 1:
+            raise ConfigurationError(
+                "invalid max_epoch_scopes_per_tenant: expected a positive integer "
+                f"(got {max_epoch_scopes_per_tenant!r})"
+            )
+        self.max_epoch_scopes_per_tenant = max_epoch_scopes_per_tenant
+        if not isinstance(max_keys_per_tenant, int) or max_keys_per_tenant < 0:
+            raise ConfigurationError(
+                "invalid max_keys_per_tenant: expected 0 (no limit) or a positive integer "
+                f"(got {max_keys_per_tenant!r})"
+            )
+        self.max_keys_per_tenant = max_keys_per_tenant
         for name, value in (
             ("hot_capacity_bytes", hot_capacity_bytes),
             ("warm_capacity_bytes", warm_capacity_bytes),
@@ -360,6 +373,9 @@ class TieredEngine(SharedKvBackend):
         self._lock = threading.Lock()
         self._closed = False
         self._index: dict[str, dict[str, _Blob]] = {}
+        # the same keys in order, per namespace: listing (SCAN) walks a page of it under
+        # the lock in O(log n + page), never sorting a whole namespace
+        self._sorted: dict[str, SortedList] = {}
         self._blobs: dict[bytes, _Blob] = {}  # insertion order = least recently used first
         self._hot: OrderedDict[bytes, _Blob] = OrderedDict()
         self._warm: OrderedDict[bytes, _Blob] = OrderedDict()
@@ -488,7 +504,7 @@ class TieredEngine(SharedKvBackend):
             b.seg, b.off = e.seg, e.off
             b.owner = {} if self.dedup_scope == "global" else tenant
             self._blobs[e.sdig] = b
-            if e.data is not None and e.size <= self.hot_capacity_bytes:
+            if e.data is not None and self._admit_hot(e.size):
                 b.hot = e.data  # counted hot by the footprints below
                 self._hot[e.sdig] = b
             self._footprint(b, self._total, +1)
@@ -502,7 +518,13 @@ class TieredEngine(SharedKvBackend):
             b.owner[tenant] = n + 1
             if n == 0:
                 self._footprint(b, oc, +1)
-        self._index.setdefault(e.ns, {})[e.key] = b
+        idx = self._index.setdefault(e.ns, {})
+        if e.key not in idx:
+            sl = self._sorted.get(e.ns)
+            if sl is None:
+                sl = self._sorted[e.ns] = SortedList()
+            sl.add(e.key)
+        idx[e.key] = b
         if e.tag is not None:
             self._tags[(e.ns, e.key)] = e.tag
         c.total_refs += 1
@@ -515,6 +537,9 @@ class TieredEngine(SharedKvBackend):
         b = idx.pop(e.key, None) if idx is not None else None
         if b is None:
             return
+        sl = self._sorted.get(e.ns)
+        if sl is not None:
+            sl.discard(e.key)
         c = self._counters(e.ns)
         tenant = tenant_of(e.ns)
         oc = c if tenant == e.ns else self._counters(tenant)
@@ -570,6 +595,10 @@ class TieredEngine(SharedKvBackend):
         if was != (b.pins > 0):
             self._pinned_bytes += b.size if b.pins > 0 else -b.size
 
+    def _admit_hot(self, size: int) -> bool:
+        """Whether a new block's bytes go into the hot tier (lock held)."""
+        return size <= self.hot_capacity_bytes
+
     def _on_blob_created(self, b: _Blob) -> None:
         """Hook for the durable backend (segment accounting)."""
 
@@ -598,17 +627,19 @@ class TieredEngine(SharedKvBackend):
                 break
         return best
 
-    def _rebalance(self) -> None:
-        """Demote hot -> warm (-> out of RAM) until both tiers fit their capacity."""
+    def _rebalance(self, hot_target: int | None = None) -> None:
+        """Demote hot -> warm (-> out of RAM) until hot holds at most `hot_target` bytes
+        (default: its capacity) and warm fits its capacity."""
+        target = self.hot_capacity_bytes if hot_target is None else hot_target
         total = self._total
         if (
-            total.hot_bytes - self._hot_leaving <= self.hot_capacity_bytes
+            total.hot_bytes - self._hot_leaving <= target
             and total.warm_bytes <= self.warm_capacity_bytes
         ):
             return  # nothing to do (unlocked look: whoever adds bytes calls this after)
         while True:
             with self._lock:
-                over = self._total.hot_bytes - self._hot_leaving - self.hot_capacity_bytes
+                over = self._total.hot_bytes - self._hot_leaving - target
                 victim = self._pick_victim(self._hot) if over > 0 else None
                 if victim is None:
                     break
@@ -884,12 +915,11 @@ class TieredEngine(SharedKvBackend):
     def keys(self, ns: str, *, after: str | None = None, limit: int = 1000) -> list[str]:
         validate_namespace(ns)
         with self._lock:
-            names = sorted(self._index.get(ns) or ())
-        if after is not None:
-            import bisect
-
-            names = names[bisect.bisect_right(names, after) :]
-        return names[:limit]
+            sl = self._sorted.get(ns)
+            if sl is None or limit <= 0:
+                return []
+            it = sl.irange(minimum=after, inclusive=(False, True)) if after is not None else sl
+            return list(itertools.islice(it, limit))
 
     def count(self, ns: str) -> int:
         with self._lock:
@@ -908,9 +938,29 @@ class TieredEngine(SharedKvBackend):
 
     def _epoch_advance(self, tenant: str, scope: str) -> int:
         with self._lock:
+            if (tenant, scope) not in self._epochs:
+                self._epoch_room(tenant)
             n = self._epochs.get((tenant, scope), 0) + 1
             self._epochs[(tenant, scope)] = n
             return n
+
+    def _epoch_room(self, tenant: str) -> None:
+        """Memory backend: a tenant at its scope limit first loses the scopes no live
+        entry is tagged with (forgetting their epoch cannot make anything fresh)."""
+        mine = [s for (t, s) in self._epochs if t == tenant]
+        limit = self.max_epoch_scopes_per_tenant
+        if len(mine) < limit:
+            return
+        used = {tag[0] for (ns, _k), tag in self._tags.items() if tenant_of(ns) == tenant}
+        for scope in mine:
+            if scope not in used:
+                del self._epochs[(tenant, scope)]
+        if len(mine) - sum(1 for sc in mine if sc not in used) >= limit:
+            raise QuotaExceededError(
+                f"epoch scope quota exceeded: this tenant has {limit} scopes with live "
+                "entries (its limit)",
+                resource="epoch_scopes",
+            )
 
     def _tag_for(self, ns: str, epoch_scope: str | None) -> tuple[str, int] | None:
         if epoch_scope is None:
@@ -1001,22 +1051,8 @@ class TieredEngine(SharedKvBackend):
         if ttl_s is not None and not ttl_s > 0:
             raise ValueError(f"invalid ttl_s: expected a positive number (got {ttl_s!r})")
         self._check_open()
-        with self._lock:
-            if len(self._snapshots.get(ns, {})) >= self.max_snapshots_per_tenant:
-                raise CapacityError(
-                    f"snapshot quota exceeded: {self.max_snapshots_per_tenant} snapshots; "
-                    "delete one (or give them a ttl_s)"
-                )
-            idx = self._index.get(ns) or {}
-            names = keys if keys is not None else list(idx)
-            newly = {
-                b.sdig: b.size
-                for k in names
-                if (prefix is None or k.startswith(prefix))
-                and (b := idx.get(k)) is not None
-                and not b.pins
-            }
-            self._check_pin_quota(ns, sum(newly.values()))
+        # the quotas (snapshots, pinned bytes) are checked where the snapshot is committed,
+        # atomically with it: concurrent requests cannot both pass a check made before
         sid = secrets.token_hex(8)
         now = time.time()
         rec: dict[str, Any] = {
@@ -1230,6 +1266,7 @@ class TieredEngine(SharedKvBackend):
             ins = snapshot_ns(tenant, rid) if kind == "snap" else branch_ns(tenant, rid)
             if not self._index.get(ins):
                 self._index.pop(ins, None)
+                self._sorted.pop(ins, None)
                 self._ns.pop(ins, None)
 
     # -- stats ---------------------------------------------------------------------------
@@ -1295,9 +1332,29 @@ class TieredEngine(SharedKvBackend):
         limit = int(self._pin_capacity() * self.max_pinned_fraction)
         used = self._counters(tenant).pinned_bytes
         if extra > 0 and used + extra > limit:
-            raise CapacityError(
+            raise QuotaExceededError(
                 f"pin quota exceeded: {used + extra} bytes would be pinned by this tenant, "
-                f"its limit is {limit} ({self.max_pinned_fraction:.0%} of {self._pin_capacity()})"
+                f"its limit is {limit} ({self.max_pinned_fraction:.0%} of {self._pin_capacity()})",
+                resource="pins",
+            )
+
+    def _check_snapshot_quota(self, tenant: str, pending: int = 0) -> None:
+        """Refuse a snapshot past the tenant's count (lock held)."""
+        if len(self._snapshots.get(tenant, {})) + pending >= self.max_snapshots_per_tenant:
+            raise QuotaExceededError(
+                f"snapshot quota exceeded: {self.max_snapshots_per_tenant} snapshots; "
+                "delete one (or give them a ttl_s)",
+                resource="snapshots",
+            )
+
+    def _check_key_quota(self, ns: str, pending: int = 0) -> None:
+        """Refuse a new key past the tenant's count (lock held; 0 means no limit)."""
+        limit = self.max_keys_per_tenant
+        if limit and len(self._index.get(ns) or ()) + pending >= limit:
+            raise QuotaExceededError(
+                f"key quota exceeded: this tenant holds {limit} keys (its limit); "
+                "delete some first",
+                resource="keys",
             )
 
     def _check_ram_room(self, size: int) -> None:

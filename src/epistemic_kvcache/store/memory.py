@@ -51,9 +51,13 @@ class SharedKvIndex(TieredEngine):
         codec: WarmCodec | None = None,
         max_pinned_fraction: float = 0.5,
         max_snapshots_per_tenant: int = 256,
+        max_keys_per_tenant: int = 0,
         first_write_wins: bool | frozenset[str] = False,
+        max_epoch_scopes_per_tenant: int = 10_000,
     ) -> None:
         super().__init__(
+            max_keys_per_tenant=max_keys_per_tenant,
+            max_epoch_scopes_per_tenant=max_epoch_scopes_per_tenant,
             hot_capacity_bytes=hot_capacity_bytes,
             warm_capacity_bytes=warm_capacity_bytes,
             max_block_bytes=max_block_bytes,
@@ -124,6 +128,8 @@ class SharedKvIndex(TieredEngine):
             assert existing is not None  # nothing written
             self._count_put(ns, outcome, False)
             return PutResult(outcome, existing.digest, existing.size)
+        if existing is None and internal is None:
+            self._check_key_quota(ns)
         shared = sdig in self._blobs
         if not shared:
             self._check_ram_room(size)
@@ -175,7 +181,14 @@ class SharedKvIndex(TieredEngine):
         rec: dict[str, Any],
     ) -> None:
         with self._lock:
+            self._check_snapshot_quota(tenant)
             effects = self._snapshot_effects(tenant, sid, keys, prefix)
+            newly = {
+                e.sdig: e.size
+                for e in effects
+                if isinstance(e, AddKey) and not self._blobs[e.sdig].pins
+            }
+            self._check_pin_quota(tenant, sum(newly.values()))
             effects.append(MetaPut("snap", tenant, sid, rec))
             self._apply(effects)
 

@@ -18,7 +18,8 @@ from typing import Any, Final, Literal
 from epistemic_kvcache.errors import RemoteProtocolError
 from epistemic_kvcache.proto.http import JSON_CONTENT_TYPE, OCTET_CONTENT_TYPE, error_body
 from epistemic_kvcache.server.budget import Account
-from epistemic_kvcache.server.context import ServerContext, ServerLimits
+from epistemic_kvcache.server.context import ServerContext
+from epistemic_kvcache.shared import ServerLimits
 from epistemic_kvcache.store.api import Buffer, PutCond, PutOutcome, PutResult
 
 LARGE_JSON: Final = 64 * 1024

@@ -23,7 +23,8 @@ from epistemic_kvcache.server.http.api import (
     put_condition,
 )
 from epistemic_kvcache.server.http.engine import EPOCH_SCOPE_HEADER, scoped_put
-from epistemic_kvcache.store.api import MAX_KEY_BYTES, PutOutcome, validate_key
+from epistemic_kvcache.shared import MAX_KEY_BYTES, validate_key
+from epistemic_kvcache.store.api import PutOutcome
 
 NOT_FOUND: Final = HttpError(404, "not_found", "no such key")
 

@@ -39,8 +39,8 @@ from epistemic_kvcache.server.http.api import (
     put_answer,
     put_condition,
 )
-from epistemic_kvcache.store.api import SharedKvBackend, validate_key
-from epistemic_kvcache.store.engine import MAX_SCOPE_BYTES
+from epistemic_kvcache.shared import MAX_SCOPE_BYTES, validate_key
+from epistemic_kvcache.store.api import SharedKvBackend
 
 EPOCH_SCOPE_HEADER = b"x-kv-epoch-scope"
 """`PUT /kv/<key>` with this header tags the entry with the scope's current epoch."""

@@ -31,9 +31,9 @@ from epistemic_kvcache.proto.http import (
     ROUTE_SNAPSHOTS,
     ROUTE_STATS,
 )
-from epistemic_kvcache.server.context import ServerLimits
 from epistemic_kvcache.server.http import core, engine
 from epistemic_kvcache.server.http.api import BLOCK, BodyRule, Endpoint, Route
+from epistemic_kvcache.shared import ServerLimits
 
 
 def _batch_put_body(limits: ServerLimits, store_max: int) -> int:

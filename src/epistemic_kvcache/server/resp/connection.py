@@ -63,7 +63,7 @@ from epistemic_kvcache.server.resp.commands import EPOCH_CHANNEL
 from epistemic_kvcache.server.resp.common import WIRE, log, push
 from epistemic_kvcache.server.resp.dispatch import Dispatcher
 from epistemic_kvcache.server.resp.session import Session, Shared
-from epistemic_kvcache.store.api import MAX_KEY_BYTES
+from epistemic_kvcache.shared import MAX_KEY_BYTES
 
 READ_HIGH_WATER: Final = 4 * 1024 * 1024
 """Bytes of not-yet-executed commands above which reading pauses."""

@@ -23,7 +23,7 @@ from typing import Final, Protocol, TypeVar
 from epistemic_kvcache.errors import AuthError, StoreError
 from epistemic_kvcache.proto.resp import Buffer, ErrorReply
 from epistemic_kvcache.server.budget import Account
-from epistemic_kvcache.server.context import Identity, ServerContext, ServerLimits
+from epistemic_kvcache.server.context import Identity, ServerContext
 from epistemic_kvcache.server.resp.common import (
     NOAUTH,
     WIRE,
@@ -31,6 +31,7 @@ from epistemic_kvcache.server.resp.common import (
     Reply,
     store_error_reply,
 )
+from epistemic_kvcache.shared import ServerLimits
 from epistemic_kvcache.store.api import SharedKvBackend
 
 T = TypeVar("T")
