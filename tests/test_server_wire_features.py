@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -59,14 +59,20 @@ class Srv:
     thread: threading.Thread
     http_port: int
     resp_port: int
+    pools: list[urllib3.HTTPConnectionPool] = field(default_factory=list)
 
     def redis(self, token: str = "tok-a", **kw: Any) -> redis.Redis:
         return redis.Redis(port=self.resp_port, password=token, socket_timeout=30, **kw)
 
     def http(self) -> urllib3.HTTPConnectionPool:
-        return urllib3.HTTPConnectionPool("127.0.0.1", self.http_port, retries=False, timeout=30)
+        pool = urllib3.HTTPConnectionPool("127.0.0.1", self.http_port, retries=False, timeout=30)
+        self.pools.append(pool)
+        return pool
 
     def stop(self) -> None:
+        for pool in self.pools:  # an open keep-alive connection would keep the loop busy
+            pool.close()
+
         async def shutdown() -> None:
             for s in self.servers:
                 s.close()
@@ -412,4 +418,22 @@ def test_unread_replies_over_the_output_limit_disconnect() -> None:
             assert r.strlen("sixteen") == 16 * MiB
     finally:
         raw.close()
+        s.stop()
+
+
+def test_a_tenant_at_its_key_quota_gets_its_own_error() -> None:
+    s = start(max_keys_per_tenant=3)
+    try:
+        with s.redis("tok-a") as a, s.redis("tok-b") as b:
+            for i in range(3):
+                assert a.set(f"q{i}", b"v")
+            with pytest.raises(redis.ResponseError, match="quota exceeded"):
+                a.set("q3", b"v")
+            assert a.set("q0", b"replaced")  # replacing a key needs no new one
+            assert b.set("q3", b"v")  # the other tenant does not notice
+        r = s.http().request("PUT", "/kv/q4", body=b"v", headers=auth("tok-a"))
+        doc = json.loads(r.data)
+        assert (r.status, doc["error"]) == (507, "quota_exceeded")
+        assert "keys" in doc["message"]
+    finally:
         s.stop()
