@@ -437,3 +437,40 @@ def test_a_tenant_at_its_key_quota_gets_its_own_error() -> None:
         assert "keys" in doc["message"]
     finally:
         s.stop()
+
+
+def test_concurrent_snapshots_cannot_pass_the_quota() -> None:
+    s = start(max_snapshots_per_tenant=5)
+    try:
+        with s.redis("tok-a") as a:
+            a.mset({f"s{i}": b"v" * 100 for i in range(20)})
+        statuses: list[int] = []
+        lock = threading.Lock()
+
+        def create() -> None:
+            with urllib3.HTTPConnectionPool("127.0.0.1", s.http_port, retries=False) as pool:
+                r = pool.request("POST", "/kv/snapshot", body=b"{}", headers=auth("tok-a"))
+                with lock:
+                    statuses.append(r.status)
+
+        threads = [threading.Thread(target=create) for _ in range(24)]
+        latencies: list[float] = []
+        for t in threads:
+            t.start()
+        with s.redis("tok-b") as b:  # the other tenant meanwhile
+            b.set("probe", b"p" * 4096)
+            while any(t.is_alive() for t in threads):
+                t0 = time.perf_counter()
+                assert b.get("probe") == b"p" * 4096
+                latencies.append(time.perf_counter() - t0)
+        for t in threads:
+            t.join(30)
+        assert sorted(set(statuses)) == [201, 507]
+        assert statuses.count(201) == 5  # exactly the quota, never more
+        listed = json.loads(s.http().request("GET", "/kv/snapshot", headers=auth("tok-a")).data)
+        assert len(listed["snapshots"]) == 5
+        r = s.http().request("POST", "/kv/snapshot", body=b"{}", headers=auth("tok-b"))
+        assert r.status == 201  # tenant b has its own quota
+        assert max(latencies, default=0.0) < 1.0
+    finally:
+        s.stop()
