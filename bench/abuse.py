@@ -532,6 +532,19 @@ def attack_auth_pipeline_flood(ports: dict[str, int], stop: Any, conns: int = 4)
     pump.close()
 
 
+def attack_http_pipeline_flood(ports: dict[str, int], stop: Any, conns: int = 4) -> None:
+    """Unauthenticated HTTP connections pipelining `GET /healthz` as fast as they can."""
+    payload = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * (MiB // 38)
+    pump = _Pump()
+    while not stop.is_set():
+        while len(pump.out) < conns and not stop.is_set():
+            s = _connect(ports["http"])
+            if s is not None:
+                pump.add(s, payload)
+        pump.step(lambda s: payload)
+    pump.close()
+
+
 def attack_partial_multibulk(ports: dict[str, int], stop: Any) -> None:
     """`*1000000` and then small arguments forever: a command that never completes."""
     chunk = (b"$100\r\n" + b"x" * 100 + b"\r\n") * 1000
@@ -695,6 +708,7 @@ def _attack_main(name: str, ports: dict[str, int], stop: Any, params: dict[str, 
 ATTACKS: dict[str, Callable[..., None]] = {
     "unauth_ping_flood": attack_unauth_ping_flood,
     "auth_pipeline_flood": attack_auth_pipeline_flood,
+    "http_pipeline_flood": attack_http_pipeline_flood,
     "partial_multibulk": attack_partial_multibulk,
     "unread_replies": attack_unread_replies,
     "batch_get_unread": attack_batch_get_unread,
@@ -764,6 +778,10 @@ COLD = ("--hot-capacity-bytes", "16MiB", "--warm-capacity-bytes", "0")
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("unauth_ping_flood", "4 unauthenticated connections pipelining PINGs"),
     Scenario("auth_pipeline_flood", "4 authenticated connections pipelining PING + GET"),
+    Scenario(
+        "http_pipeline_flood",
+        "4 unauthenticated HTTP connections pipelining GET /healthz",
+    ),
     Scenario("partial_multibulk", "`*1000000` then 100-byte arguments, never completed"),
     Scenario(
         "unread_replies",

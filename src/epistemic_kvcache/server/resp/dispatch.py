@@ -160,11 +160,17 @@ def command_bytes(cmd: Command) -> int:
 
 
 def reply_bytes(reply: object) -> int:
-    """Approximate payload size of a reply (bulk strings, and arrays of them)."""
+    """Approximate payload size of a reply (bulk strings, arrays of them, SCAN's)."""
     if isinstance(reply, bytes | bytearray | memoryview):
         return len(reply)
     if isinstance(reply, list):
-        return sum(len(r) for r in reply if isinstance(r, bytes | bytearray | memoryview))
+        return sum(
+            len(r) if isinstance(r, bytes | bytearray | memoryview) else reply_bytes(r)
+            for r in reply
+            if isinstance(r, bytes | bytearray | memoryview | list)
+        )
+    if isinstance(reply, Frames):
+        return sum(len(b) for b in reply.buffers)
     return 0
 
 
@@ -315,8 +321,12 @@ class Dispatcher:
             except Exception:
                 log.exception("RESP %s failed", route)
                 reply = INTERNAL_ERROR
+            size = reply_bytes(reply)
+            if isinstance(reply, list | dict) and size >= SMALL_REPLY:
+                # a big array (SCAN, MGET) is serialized here, not on the event loop
+                reply = Frames(serialize(reply, self.session.protocol_version))
             out.append((reply, time.perf_counter() - started))
-            total += reply_bytes(reply)
+            total += size
             if total >= MAX_BATCH_REPLY_BYTES:
                 break
         return out
