@@ -558,7 +558,7 @@ def attack_partial_multibulk(ports: dict[str, int], stop: Any) -> None:
     pump.close()
 
 
-def attack_unread_replies(ports: dict[str, int], stop: Any, conns: int = 20) -> None:
+def attack_unread_replies(ports: dict[str, int], stop: Any, conns: int = 40) -> None:
     """Connections that ask for a 32 MiB block four times and never read a reply."""
     gets = resp_pack("GET", BIG_KEY) * 4
     pump = _Pump()
@@ -785,7 +785,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("partial_multibulk", "`*1000000` then 100-byte arguments, never completed"),
     Scenario(
         "unread_replies",
-        "20 connections x 4 GETs of a cold 32 MiB block, never read",
+        "40 connections x 4 GETs of a cold 32 MiB block, never read",
         setup_big,
         options=COLD,
     ),

@@ -68,7 +68,7 @@ FEED_SLICE: Final = 4096
 """Bytes fed to the HTTP parser at a time (between checks of the queue length)."""
 MAX_QUEUED: Final = 32
 """Complete requests waiting to be answered before parsing stops for this read."""
-SLICE_S: Final = 0.002
+SLICE_S: Final = 0.001
 """The answering task yields to the event loop after working this long."""
 LINGER_S: Final = 2.0
 """After a final answer with input still coming, keep reading (and dropping) this long."""

@@ -69,7 +69,7 @@ READ_HIGH_WATER: Final = 4 * 1024 * 1024
 """Bytes of not-yet-executed commands above which reading pauses."""
 MAX_FRAMED_AHEAD: Final = 256
 """Commands the parser frames ahead of the one running (the rest stays raw bytes)."""
-SLICE_S: Final = 0.002
+SLICE_S: Final = 0.001
 """A connection's task yields to the event loop after running commands this long."""
 READ_SLICE_S: Final = 0.001
 """A read whose parsing (and fast-path answers) took longer than this makes the
