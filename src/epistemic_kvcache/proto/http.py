@@ -21,6 +21,7 @@ import struct
 import time
 from collections.abc import Sequence
 from email.utils import formatdate
+from typing import Any
 from urllib.parse import quote, unquote_to_bytes
 
 from epistemic_kvcache.errors import RemoteProtocolError
@@ -198,6 +199,17 @@ def _frame(header: dict[str, object], blocks: Sequence[Buffer]) -> list[Buffer]:
     return [_U32.pack(len(head)) + head, *blocks]
 
 
+def parse_json(data: Buffer, what: str = "invalid JSON body") -> Any:
+    """`json.loads`, every failure a `RemoteProtocolError` (400) starting with `what`:
+    bad UTF-8, bad JSON, and documents nested too deeply to parse (RecursionError)."""
+    try:
+        return json.loads(bytes(data))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RemoteProtocolError(f"{what} ({exc})") from exc
+    except RecursionError:
+        raise RemoteProtocolError(f"{what} (nested too deeply)") from None
+
+
 def _split_frame(body: Buffer, max_header_bytes: int) -> tuple[dict[str, object], memoryview]:
     view = memoryview(body).cast("B")
     if len(view) < _U32.size:
@@ -211,12 +223,7 @@ def _split_frame(body: Buffer, max_header_bytes: int) -> tuple[dict[str, object]
     end = _U32.size + header_len
     if end > len(view):
         raise RemoteProtocolError("batch body: truncated JSON header")
-    try:
-        header = json.loads(bytes(view[_U32.size : end]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RemoteProtocolError(f"batch body: invalid JSON header ({exc})") from exc
-    except RecursionError:
-        raise RemoteProtocolError("batch body: JSON header nested too deeply") from None
+    header = parse_json(view[_U32.size : end], "batch body: invalid JSON header")
     if not isinstance(header, dict):
         raise RemoteProtocolError("batch body: JSON header is not an object")
     return header, view[end:]
@@ -295,12 +302,7 @@ def decode_batch_put_request(
 
 def decode_key_list(body: Buffer, *, max_keys: int) -> list[str]:
     """Parse a JSON `{"keys": [...]}` body (batch exists/get)."""
-    try:
-        doc = json.loads(bytes(body))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RemoteProtocolError(f"invalid JSON body ({exc})") from exc
-    except RecursionError:
-        raise RemoteProtocolError("invalid JSON body (nested too deeply)") from None
+    doc = parse_json(body)
     keys = doc.get("keys") if isinstance(doc, dict) else None
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise RemoteProtocolError('body must be {"keys": [<string>, ...]}')

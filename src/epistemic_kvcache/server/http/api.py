@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from epistemic_kvcache.errors import RemoteProtocolError
-from epistemic_kvcache.proto.http import JSON_CONTENT_TYPE, OCTET_CONTENT_TYPE, error_body
+from epistemic_kvcache.proto.http import (
+    JSON_CONTENT_TYPE,
+    OCTET_CONTENT_TYPE,
+    error_body,
+    parse_json,
+)
 from epistemic_kvcache.server.budget import Account
 from epistemic_kvcache.server.context import ServerContext
 from epistemic_kvcache.shared import ServerLimits
@@ -218,11 +223,9 @@ def load_json(body: Buffer | None, *, empty_ok: bool) -> dict[str, Any]:
             return {}
         raise bad_request("this route needs a JSON object body")
     try:
-        doc = json.loads(bytes(body))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad_request(f"invalid JSON body ({exc})") from exc
-    except RecursionError:
-        raise bad_request("invalid JSON body (nested too deeply)") from None
+        doc = parse_json(body)
+    except RemoteProtocolError as exc:
+        raise bad_request(str(exc)) from exc
     if not isinstance(doc, dict):
         raise bad_request("the body must be a JSON object")
     return doc
