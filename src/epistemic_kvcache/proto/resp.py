@@ -413,6 +413,22 @@ class RespParser:
             return 1 << 62
         return self.max_ready - len(self._ready)
 
+    def close(self) -> None:
+        """Drop everything buffered (the connection is gone) and the `reserve` hook, so
+        the memory goes at once rather than when the owner is garbage-collected."""
+        self._buf = bytearray()
+        self._pos = 0
+        self._args = []
+        self._args_bytes = self._args_held = self._args_cost = 0
+        self._big = bytearray()
+        self._big_filled = 0
+        self._ready.clear()
+        self._ready_bytes = self._ready_cost = 0
+        self.held_bytes = 0
+        self._state = _State.START
+        self._refused = False
+        self.reserve = None
+
     # -- output -----------------------------------------------------------------------
     def next_event(self) -> Event:
         """The next complete command, or `NEED_DATA`.

@@ -236,6 +236,8 @@ class RespConnection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
+        self._parser.close()  # buffered commands go now, not at the next full GC
+        self._queue.pending.clear()
         self._account.close()
         self.session.channels.clear()
         self.on_subscriptions()
