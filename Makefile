@@ -88,6 +88,7 @@ bench: setup-dev sysdeps
 	$(BIN)/python -m bench.bench_lmcache
 	$(BIN)/python -m bench.bench_engine
 	$(BIN)/python -m bench.bench_context
+	$(BIN)/python -m bench.bench_abuse
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis build dist

@@ -589,7 +589,7 @@ def attack_batch_get_unread(ports: dict[str, int], stop: Any, conns: int = 4) ->
 
 
 def attack_header_only_puts(
-    ports: dict[str, int], stop: Any, conns: int = 20, length: int = 120 * MiB
+    ports: dict[str, int], stop: Any, conns: int = 20, length: int = 128 * MiB
 ) -> None:
     """HTTP PUT heads announcing `length`-byte bodies that never come."""
     pump = _Pump()
@@ -797,7 +797,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "header_only_puts",
-        "20 HTTP PUT heads of 120 MiB, no body (side: tenant B 1 MiB SETs)",
+        "20 HTTP PUT heads of 128 MiB, no body (side: tenant B 1 MiB SETs)",
         side=side_set_1mib,
     ),
     Scenario(
