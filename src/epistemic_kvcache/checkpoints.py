@@ -70,7 +70,7 @@ class CheckpointClient(Protocol):
 
     def get(self, key: str) -> bytes | None: ...
 
-    def put(self, key: str, data: Any) -> bool: ...
+    def put(self, key: str, data: Any) -> object: ...  # truthy when stored (PutOutcome)
 
     def list_keys(
         self, prefix: str = "", *, after: str | None = None, limit: int | None = None
@@ -293,7 +293,9 @@ class KVCheckpointStore:
         if not self._client.put(record.blob_key, view):
             self._count(op, "blob_not_stored")
             raise CheckpointError(f"checkpoint {record.id}: the server did not store the blob")
-        if not self._client.put(RECORD_PREFIX + record.id, record.to_json()):
+        written = self._client.put(RECORD_PREFIX + record.id, record.to_json())
+        # A record that already exists (a CONFLICT outcome) is read back and checked below.
+        if not written and getattr(written, "value", None) != "conflict":
             self._count(op, "record_not_stored")
             raise CheckpointError(f"checkpoint {record.id}: the server did not store the record")
         stored = self._client.get(RECORD_PREFIX + record.id)

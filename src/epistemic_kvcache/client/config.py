@@ -3,7 +3,9 @@
 Trust rules are enforced when the object is built, so a bad setting fails at start-up
 rather than on the first cache miss:
 
-- plain `http://` is accepted only for loopback hosts (`localhost`, `127.0.0.0/8`, `::1`);
+- plain `http://` is accepted only for loopback hosts (`localhost`, `127.0.0.0/8`, `::1`),
+  or anywhere with the explicit `allow_insecure_http=True` (an isolated network; the
+  client-side match of the server's `--allow-insecure-bind`);
 - anything else needs `https://`, always with certificate and host-name verification
   (trust roots from `ca_file`/`ca_dir`, else `SSL_CERT_FILE`/`REQUESTS_CA_BUNDLE`/
   `SSL_CERT_DIR`, else the system store). There is deliberately no switch that turns
@@ -30,13 +32,25 @@ ENV_CLIENT_KEY = "EPISTEMIC_GRAPH_KVCACHE_CLIENT_KEY"
 ENV_CONNECT_TIMEOUT = "EPISTEMIC_GRAPH_KVCACHE_CONNECT_TIMEOUT_S"
 ENV_READ_TIMEOUT = "EPISTEMIC_GRAPH_KVCACHE_READ_TIMEOUT_S"
 ENV_MAX_CONNECTIONS = "EPISTEMIC_GRAPH_KVCACHE_MAX_CONNECTIONS"
+ENV_LOOKUP_TIMEOUT = "EPISTEMIC_GRAPH_KVCACHE_CLIENT_LOOKUP_TIMEOUT_S"
+ENV_BREAKER_MAX_BACKOFF = "EPISTEMIC_GRAPH_KVCACHE_CLIENT_BREAKER_MAX_BACKOFF_S"
+ENV_ALLOW_INSECURE_HTTP = "EPISTEMIC_GRAPH_KVCACHE_CLIENT_ALLOW_INSECURE_HTTP"
 
 DEFAULT_ADDR = "127.0.0.1:9130"
 DEFAULT_CONNECT_TIMEOUT_S = 2.0
 """Connecting on a LAN takes well under a millisecond; 2 s means the server is not there."""
-DEFAULT_READ_TIMEOUT_S = 30.0
-"""Per socket read. A durable PUT waits for a group-commit fsync; an 80 MiB GET on a busy
-server may take a few seconds. Past 30 s recomputing the KV is cheaper."""
+DEFAULT_READ_TIMEOUT_S = 2.0
+"""Transfers (GET, PUT, batches, deletes): the longest wait for the next byte (per socket
+send or receive, not for the whole body, so a large block that keeps flowing is never cut
+off). A durable PUT's group-commit fsync usually answers in milliseconds; a server silent
+for 2 s is stalled, and recomputing the KV is cheaper than waiting longer. Raise it for
+very slow disks."""
+DEFAULT_LOOKUP_TIMEOUT_S = 1.0
+"""Lookups (HEAD, batch exists, the breaker's probe): an index read in RAM on the server,
+answered in well under a millisecond; LMCache blocks a request on them."""
+DEFAULT_BREAKER_MAX_BACKOFF_S = 5.0
+"""After a timeout or a refused connection the client fails fast and probes the server
+in the background, at most this far apart (0 disables the breaker)."""
 DEFAULT_MAX_CONNECTIONS = 16
 """Keep-alive connections kept per client; one per concurrently requesting thread."""
 
@@ -87,6 +101,7 @@ class KvCacheConfig:
     """Bearer token (or JWT) sent with every request."""
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
+    """Transfers: the longest wait for the next byte (see `DEFAULT_READ_TIMEOUT_S`)."""
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     ca_file: str | None = None
     """PEM bundle of trusted CAs (https only)."""
@@ -96,6 +111,13 @@ class KvCacheConfig:
     """PEM client certificate for mTLS (may also hold the key)."""
     client_key: str | None = None
     """PEM private key for `client_cert`, when it is in a separate file."""
+    lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S
+    """Lookups (exists, size, the breaker's probe); also caps their connect timeout."""
+    breaker_max_backoff_s: float = DEFAULT_BREAKER_MAX_BACKOFF_S
+    """Longest pause between probes while failing fast; 0 turns the breaker off."""
+    allow_insecure_http: bool = False
+    """Allow plain `http://` to a non-loopback host (token and data unencrypted): only
+    on an isolated network, matching the server's `--allow-insecure-bind`."""
 
     def __post_init__(self) -> None:
         url = self.base_url.strip().rstrip("/")
@@ -117,10 +139,16 @@ class KvCacheConfig:
                 "invalid base_url: query, fragment and user-info are not allowed "
                 f"(got {self.base_url!r}); pass the token separately"
             )
-        if scheme == "http" and not is_loopback_host(host):
+        if not isinstance(self.allow_insecure_http, bool):
+            raise ConfigurationError(
+                f"invalid allow_insecure_http: expected true or false "
+                f"(got {self.allow_insecure_http!r})"
+            )
+        if scheme == "http" and not is_loopback_host(host) and not self.allow_insecure_http:
             raise ConfigurationError(
                 f"invalid base_url {self.base_url!r}: plain http is allowed only for loopback "
-                "hosts; use https:// (with a CA the client trusts) for remote servers"
+                "hosts; use https:// (with a CA the client trusts) for remote servers, or "
+                "set allow_insecure_http=True on an isolated network"
             )
         if scheme == "http" and (self.client_cert or self.client_key):
             raise ConfigurationError(
@@ -130,12 +158,18 @@ class KvCacheConfig:
         if port is not None and not 0 < port < 65536:
             raise ConfigurationError(f"invalid base_url: port out of range (got {port})")
         object.__setattr__(self, "base_url", url)
-        for name in ("connect_timeout_s", "read_timeout_s"):
+        for name in ("connect_timeout_s", "read_timeout_s", "lookup_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ConfigurationError(
                     f"invalid {name}: expected a positive number of seconds (got {value!r})"
                 )
+        backoff = self.breaker_max_backoff_s
+        if isinstance(backoff, bool) or not isinstance(backoff, int | float) or backoff < 0:
+            raise ConfigurationError(
+                "invalid breaker_max_backoff_s: expected seconds >= 0, 0 = no breaker "
+                f"(got {backoff!r})"
+            )
         if (
             isinstance(self.max_connections, bool)
             or not isinstance(self.max_connections, int)
@@ -215,6 +249,8 @@ class KvCacheConfig:
             (ENV_CONNECT_TIMEOUT, "connect_timeout_s", float),
             (ENV_READ_TIMEOUT, "read_timeout_s", float),
             (ENV_MAX_CONNECTIONS, "max_connections", int),
+            (ENV_LOOKUP_TIMEOUT, "lookup_timeout_s", float),
+            (ENV_BREAKER_MAX_BACKOFF, "breaker_max_backoff_s", float),
         ):
             raw = get(env_name)
             if raw is None:
@@ -225,6 +261,13 @@ class KvCacheConfig:
                 raise ConfigurationError(
                     f"invalid {env_name}: expected a number (got {raw!r})"
                 ) from exc
+        insecure = get(ENV_ALLOW_INSECURE_HTTP)
+        if insecure is not None:
+            if insecure.lower() not in ("1", "true", "yes", "0", "false", "no"):
+                raise ConfigurationError(
+                    f"invalid {ENV_ALLOW_INSECURE_HTTP}: expected true or false (got {insecure!r})"
+                )
+            kwargs["allow_insecure_http"] = insecure.lower() in ("1", "true", "yes")
         kwargs.update(overrides)
         if kwargs.get("base_url") is None:
             del kwargs["base_url"]
