@@ -57,19 +57,19 @@ def open_client(config: KvCacheConfig, *, what: str, check: bool) -> EpistemicGr
         raise ConfigurationError(
             f"{what}: {config.base_url} refused the token (401); check "
             "EPISTEMIC_GRAPH_KVCACHE_TOKEN / token_file"
-        ) from exc
+        ) from None  # the message says it all: one traceback in LMCache's log, not two
     except ForbiddenError as exc:
         client.close()
         raise ConfigurationError(
             f"{what}: {config.base_url} answered 403 forbidden to this token ({exc})"
-        ) from exc
+        ) from None
     except (KvCacheUnavailableError, LocalProtocolError, ConfigurationError) as exc:
         client.close()
         raise ConfigurationError(
             f"{what}: cannot use the kv-cache server at {config.base_url}: {exc}. "
             "Start the server, fix base_url / addr, or pass check_on_start=false to "
             "start without it (lookups then miss until it answers)"
-        ) from exc
+        ) from None
     return client
 
 
