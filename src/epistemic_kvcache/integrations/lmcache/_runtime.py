@@ -52,7 +52,7 @@ def open_client(config: KvCacheConfig, *, what: str, check: bool) -> EpistemicGr
         return client
     try:
         client.check_connection()
-    except AuthError as exc:
+    except AuthError:
         client.close()
         raise ConfigurationError(
             f"{what}: {config.base_url} refused the token (401); check "

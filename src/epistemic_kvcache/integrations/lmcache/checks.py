@@ -504,18 +504,22 @@ def check_redis_url(
                 report.check("bytes identical", bytes(got.byte_array) == block)
                 got.ref_count_down()
         finally:
-            _close_redis_connector(conn, run)
+            close_remote_connector(conn, run)
 
 
-def _close_redis_connector(conn: Any, run: Callable[[Any], Any]) -> None:
-    """Close LMCache's redis-py connector without its own `close()`, which deadlocks in
-    0.5.6 (it blocks the event loop on a future scheduled on that same loop)."""
+def close_remote_connector(conn: Any, run: Callable[[Any], Any]) -> None:
+    """Close one of LMCache's v1 remote connectors (redis-py or RESP) without its own
+    `close()`, which deadlocks in 0.5.6: it blocks the event loop on a future scheduled
+    on that same loop. `run(coro)` runs a coroutine on the connector's loop."""
     inner = conn.getWrappedConnector() if hasattr(conn, "getWrappedConnector") else conn
-    for step in (
-        lambda: inner.pq_executor.shutdown_async(wait=False),
-        inner.connection.close,
-    ):
+    steps: list[Callable[[], Any]] = [lambda: run(inner.pq_executor.shutdown_async(wait=False))]
+    if hasattr(inner, "connection"):  # redis-py: connections in use after an error too
+        steps.append(lambda: run(inner.connection.connection_pool.disconnect()))
+        steps.append(lambda: run(inner.connection.aclose()))
+    if hasattr(inner, "client"):  # the C++ RESP client's asyncio wrapper
+        steps.append(inner.client.close)
+    for step in steps:
         try:
-            run(step())
+            step()
         except Exception:  # best effort: the process is about to drop it anyway
             return
