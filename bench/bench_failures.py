@@ -201,10 +201,23 @@ class Driver:
         raise NotImplementedError
 
 
+# This benchmark also runs against older checkouts (PYTHONPATH=<checkout>/src, for the
+# "before" numbers), so it builds LMCache objects itself instead of importing helpers
+# that only newer versions of the package have.
 def _metadata() -> Any:
-    from epistemic_kvcache.integrations.lmcache.checks import cpu_metadata
+    import torch
+    from lmcache.v1.metadata import LMCacheMetadata
 
-    return cpu_metadata(MODEL, KV_SHAPE)
+    return LMCacheMetadata(
+        model_name=MODEL,
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=torch.float16,
+        kv_shape=KV_SHAPE,
+        chunk_size=CHUNK_TOKENS,
+    )
 
 
 class _V1Driver(Driver):
@@ -340,9 +353,18 @@ class MPDriver(Driver):
 
     @staticmethod
     def _obj(data: bytes) -> Any:
-        from epistemic_kvcache.integrations.lmcache.checks import tensor_obj
+        import torch
+        from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
 
-        return tensor_obj(data)
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        meta = MemoryObjMetadata(
+            shape=torch.Size([len(data)]),
+            dtype=torch.uint8,
+            address=0,
+            phy_size=len(data),
+            ref_count=1,
+        )
+        return TensorMemoryObj(raw_data=raw, metadata=meta, parent_allocator=None)
 
     @staticmethod
     def _poll(get: Callable[[], Any]) -> Any:
@@ -355,7 +377,8 @@ class MPDriver(Driver):
     def store(self, ident: int) -> None:
         data = os.urandom(64 * 1024)
         self.blocks[ident] = data
-        task = self.adapter.submit_store_task([self.key(ident)], [self._obj(data)])
+        source = self._obj(data)  # must outlive the store (the connector reads it later)
+        task = self.adapter.submit_store_task([self.key(ident)], [source])
         done: dict[int, Any] = {}
 
         def get() -> Any:
@@ -363,6 +386,7 @@ class MPDriver(Driver):
             return done.get(task)
 
         result = self._poll(get)
+        del source
         if not result.is_successful():
             raise RuntimeError("store failed")
 

@@ -111,3 +111,17 @@ def test_timeout_and_breaker_settings() -> None:
     with EpistemicGraphKVBackend() as c:
         assert c.breaker is not None
         assert not c.breaker.is_open
+
+
+def test_conditional_puts(kv: EpistemicGraphKVBackend) -> None:
+    key = f"cond-{os.urandom(4).hex()}"
+    if kv.put(key, b"first", cond="xx") is not PutOutcome.MISSING:
+        pytest.xfail("server without conditional PUT (If-Match / If-None-Match)")
+    assert kv.exists(key) is False
+    assert kv.put(key, b"first", cond="nx") is PutOutcome.NEW
+    assert kv.put(key, b"second", cond="nx") is PutOutcome.CONFLICT
+    assert kv.get(key) == b"first"
+    assert kv.put(key, b"second", cond="xx") is PutOutcome.REPLACED
+    assert kv.get(key) == b"second"
+    with pytest.raises(ValueError, match="invalid cond"):
+        kv.put(key, b"x", cond="maybe")  # type: ignore[arg-type]

@@ -40,7 +40,7 @@ import urllib.parse
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import fields
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 import urllib3
 import urllib3.exceptions
@@ -445,8 +445,10 @@ class EpistemicGraphKVBackend:
         preload: bool = True,
         what: str,
         lookup: bool = False,
+        accept: tuple[int, ...] = (),
     ) -> urllib3.BaseHTTPResponse:
-        """Send one request (`lookup`: with the short lookup timeout).
+        """Send one request (`lookup`: with the short lookup timeout; `accept`: error
+        statuses the caller handles itself).
 
         Raises `_TransportFailure` (counted) or auth/config errors; fails at once while
         the circuit breaker is open.
@@ -520,7 +522,8 @@ class EpistemicGraphKVBackend:
             self._count(requests=1, bytes_sent=sent)
             if breaker is not None:
                 breaker.record_success()
-            self._check_status(resp, what)
+            if resp.status not in accept:
+                self._check_status(resp, what)
             return resp
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -663,13 +666,22 @@ class EpistemicGraphKVBackend:
         self._count(hits=1, bytes_received=size)
         return size
 
-    def put(self, key: str, data: Any, *, epoch_scope: str | None = None) -> PutOutcome:
+    def put(
+        self,
+        key: str,
+        data: Any,
+        *,
+        epoch_scope: str | None = None,
+        cond: Literal["nx", "xx"] | None = None,
+    ) -> PutOutcome:
         """Store `data` (any bytes-like object) under `key`; what happened as a
         `PutOutcome`, truthy when the server holds these bytes under the key.
 
         `NEW` (created), `DUPLICATE` (it held exactly these bytes: nothing written),
-        `REPLACED` (it held other bytes), `CONFLICT` (refused: the server keeps the first
-        write for this tenant), `FAILED` (unreachable, refused block). `None` and other
+        `REPLACED` (it held other bytes), `CONFLICT` (refused: the key exists and `cond`
+        is "nx", or the tenant keeps first writes), `MISSING` (refused: `cond` "xx" and
+        no such key), `FAILED` (unreachable, refused block). `cond`: "nx" creates only
+        (`If-None-Match: *`), "xx" replaces only (`If-Match: *`). `None` and other
         non-buffers raise `TypeError`. With `epoch_scope` the entry is tagged with the
         scope's current epoch and reads miss once `epoch_bump(scope)` ran (header
         `X-Kv-Epoch-Scope`; needs a server with the engine routes).
@@ -677,31 +689,41 @@ class EpistemicGraphKVBackend:
         validate_key(key)
         view = _block_view(key, data)
         headers = {"Content-Type": "application/octet-stream"}
+        if cond == "nx":
+            headers["If-None-Match"] = "*"
+        elif cond == "xx":
+            headers["If-Match"] = "*"
+        elif cond is not None:
+            raise ValueError(f"invalid cond: expected 'nx', 'xx' or None (got {cond!r})")
         path = self._key_path(key)
         if epoch_scope is not None:
             headers["X-Kv-Epoch-Scope"] = self._scope_header(epoch_scope)
             path = f"{self._prefix}/kv/{quote_key(key)}"
-        elif key in RESERVED_SEGMENTS:
+        elif key in RESERVED_SEGMENTS and cond is None:
             return self.put_many([(key, view)])[0]
         try:
-            resp = self._request("PUT", path, body=view, headers=headers, what="PUT")
+            resp = self._request(
+                "PUT", path, body=view, headers=headers, what="PUT", accept=(409, 412)
+            )
         except _TransportFailure:
             self._count(puts_failed=1)
             return PutOutcome.FAILED
         resp.release_conn()
-        outcome = self._put_outcome(resp)
+        outcome = self._put_outcome(resp, cond)
         self._count(**({"puts_ok": 1} if outcome.stored else {"puts_failed": 1}))
         return outcome
 
     @staticmethod
-    def _put_outcome(resp: urllib3.BaseHTTPResponse) -> PutOutcome:
+    def _put_outcome(resp: urllib3.BaseHTTPResponse, cond: str | None) -> PutOutcome:
         word = resp.headers.get("X-Kv-Outcome")
         if word is not None:
             return PutOutcome.from_word(word.strip().lower())
         if resp.status == 201:
             return PutOutcome.NEW
-        if resp.status == 409:
+        if resp.status == 409 or (resp.status == 412 and cond == "nx"):
             return PutOutcome.CONFLICT
+        if resp.status == 412:
+            return PutOutcome.MISSING
         if resp.status in (200, 204):  # a server that does not say: it holds the bytes
             return PutOutcome.DUPLICATE
         return PutOutcome.FAILED
