@@ -5,34 +5,43 @@ BIN := $(VENV)/bin
 RUN_STAMP := $(VENV)/.stamp-run
 DEV_STAMP := $(VENV)/.stamp-dev
 
-.PHONY: setup setup-dev sysdeps serve check test lint fmt types bench clean
+.PHONY: setup setup-dev sysdeps serve check test lint fmt types bench clean dist dist-check crash-test
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# Runtime only: what `make serve` needs.
-$(RUN_STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e .
+CONSTRAINTS := constraints/test.txt
+
+# Runtime only: what `make serve` needs (the package with its `server` extra).
+$(RUN_STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[server]'
 	touch $(RUN_STAMP)
 
-# Everything the checks need: dev tools, and lmcache + torch (CPU build) for the
-# LMCache integration tests.
-$(DEV_STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev,lmcache]'
+# Everything the checks need: dev tools (server, mcp and deploy validators included), and
+# lmcache + torch (CPU build) for the LMCache integration tests, at the tested versions.
+$(DEV_STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[dev,lmcache]'
 	touch $(RUN_STAMP) $(DEV_STAMP)
 
 setup: $(RUN_STAMP)
 setup-dev: $(DEV_STAMP)
 
-# Debian packages the test-suite talks to (real redis-server, redis-cli, redis-benchmark).
+# Debian packages the test-suite talks to (real redis-server, redis-cli, redis-benchmark),
+# the daemonless image builder (buildah, podman, debootstrap: tests/test_image.py) and
+# systemd-analyze for the unit file.
+SYSDEPS := redis-server redis-tools buildah podman debootstrap crun systemd
 sysdeps:
-	@command -v redis-server >/dev/null && command -v redis-benchmark >/dev/null || \
-	  { (apt-get update -qq || true) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools; }
+	@command -v redis-server >/dev/null && command -v redis-benchmark >/dev/null && \
+	  command -v buildah >/dev/null && command -v debootstrap >/dev/null && \
+	  command -v systemd-analyze >/dev/null || \
+	  { (apt-get update -qq || true) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SYSDEPS); }
 
 # Quick start: run the server on embedded defaults (loopback, durable store in ./kvcache-data).
+# Extra flags: make serve ARGS="--backend memory --hot-capacity-bytes 4GiB"
+ARGS ?=
 serve: setup
-	$(BIN)/epistemic-kvcache serve
+	$(BIN)/epistemic-kvcache serve $(ARGS)
 
 lint: setup-dev
 	$(BIN)/ruff format --check src tests bench scripts
@@ -48,8 +57,29 @@ types: setup-dev
 test: setup-dev sysdeps
 	$(BIN)/pytest
 
+# The wheel and sdist, installed into a fresh venv: the client alone (no server extra)
+# must import without the store, and the command must run.
+DIST_VENV := build/dist-venv
+dist: setup-dev
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
+dist-check: dist
+	rm -rf $(DIST_VENV)
+	$(PY) -m venv $(DIST_VENV)
+	$(DIST_VENV)/bin/pip install -q dist/epistemic_kvcache-*.whl
+	$(DIST_VENV)/bin/epistemic-kvcache --version
+	$(DIST_VENV)/bin/python scripts/check_client_install.py
+	tar tzf dist/epistemic_kvcache-*.tar.gz | grep -q '/LICENSE$$'
+	unzip -l dist/epistemic_kvcache-*.whl | grep -q 'licenses/LICENSE'
+
 # Quick start: set up from nothing and pass every check.
-check: lint types test
+check: lint types test dist-check
+
+# The crash harness at length: a real server SIGKILLed under load 200 times, every
+# acknowledged write checked byte for byte after each restart (tests/server_crash.py).
+CRASH_CYCLES ?= 200
+crash-test: setup-dev
+	KVCACHE_CRASH_CYCLES=$(CRASH_CYCLES) $(BIN)/python tests/server_crash.py build/crash-test
 
 bench: setup-dev sysdeps
 	@command -v iperf3 >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iperf3
@@ -60,4 +90,4 @@ bench: setup-dev sysdeps
 	$(BIN)/python -m bench.bench_context
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis build dist

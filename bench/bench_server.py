@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench import loadgen
+from bench.plots import plot_ratios
 
 KiB, MiB = 1024, 1024 * 1024
 SIZES = [4 * KiB, 256 * KiB, 4 * MiB, 32 * MiB]
@@ -237,6 +238,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument(
+        "--plot",
+        type=Path,
+        default=Path(__file__).resolve().parent.parent / "docs" / "bench-ratios-vs-redis.png",
+        help="write the ratios against redis-server as a PNG here",
+    )
     args = ap.parse_args()
     budget = (96 if args.quick else 256) * MiB
     tmp = Path(tempfile.mkdtemp(prefix="kvbench-srv-"))
@@ -283,6 +290,21 @@ def main() -> None:
         for size in SIZES:
             r, o = results[("redis-aof", size)][0], results[("ours-dur", size)][0]
             print(f"| {human(size)} | {fmt(r)} | {fmt(o)} | **{o.gbps / r.gbps:.2f}x** |")
+        ratio = {
+            name: [results[(ours, s)][i].gbps / results[(peer, s)][i].gbps for s in SIZES]
+            for name, ours, peer, i in (
+                ("SET, memory vs redis", "ours-mem", "redis", 0),
+                ("GET, memory vs redis", "ours-mem", "redis", 1),
+                ("SET, durable vs redis appendfsync always", "ours-dur", "redis-aof", 0),
+            )
+        }
+        png = plot_ratios(
+            ratio,
+            [human(s) for s in SIZES],
+            args.plot,
+            title=f"RESP wire, {c} clients: throughput ratio to redis-server in the same run",
+        )
+        print(f"\nPlot: `{png.name}`")
         print("\n## HTTP vs RESP on our server (memory backend)\n")
         print(
             "| block | op | RESP GB/s | HTTP GB/s | HTTP p50/p99 ms | HTTP/RESP | HTTP GET / loopback |"

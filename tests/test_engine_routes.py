@@ -214,14 +214,15 @@ def test_branch_writes_stay_in_their_branch(a: EpistemicGraphKVBackend) -> None:
     assert a.snapshot_get(snap.id, "k3") == b"base-3" * 100
     assert a.branch_get(b1.id, "k3") == b"base-3" * 100
     assert a.branch_get(b1.id, "late") is None
-    # First write wins inside the overlay, like everywhere else.
+    # A write replaces inside the overlay, like everywhere else; the snapshot keeps its bytes.
     assert a.branch_put(b1.id, "k1", b"second")
-    assert a.branch_get(b1.id, "k1") == b"branch-one" * 100
+    assert a.branch_get(b1.id, "k1") == b"second"
+    assert a.snapshot_get(snap.id, "k1") == b"base-1" * 100
 
     info = a.branch_info(b1.id)
     assert info is not None
     assert info.private_keys == 2
-    assert info.private_bytes == len(b"branch-one" * 100) + len(b"fresh")
+    assert info.private_bytes == len(b"second") + len(b"fresh")
     assert info.shared_bytes == snap.logical_bytes
     assert [x.id for x in a.list_branches()] == [b1.id, b2.id]
 
@@ -457,9 +458,8 @@ def test_keys_named_like_routes_stay_reachable(
     assert branch is not None
     assert a.branch_get(branch.id, key) == key.encode()
     assert a.branch_put(branch.id, key + "2", b"x")
-    # The PUT reaches the key, not the route (a CONFLICT under first-write-wins).
-    assert a.put(key, b"ignored", epoch_scope="s") is not PutOutcome.FAILED
-    assert a.get(key) == key.encode()
+    assert a.put(key, b"replaced", epoch_scope="s")  # replaced; still reachable
+    assert a.get(key) == b"replaced"
 
 
 # -- refusals ---------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from epistemic_kvcache.graph import (
     pagerank,
     rank_order,
 )
-from epistemic_kvcache.store.engine import SharedKvIndex
+from epistemic_kvcache.store.memory import SharedKvIndex
 
 NS = "tenant-graph"
 KiB = 1024

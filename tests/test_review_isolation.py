@@ -20,13 +20,10 @@ import urllib3
 from epistemic_kvcache.config import load_config
 from epistemic_kvcache.proto.http import quote_key
 from epistemic_kvcache.server.app import ServerHandle, ServerThread
-from epistemic_kvcache.store.durable import (
-    SharedKvStoreBackend,
-    _key_row,
-    _longkey,
-    _split_key_row,
-)
+from epistemic_kvcache.store.durable import SharedKvStoreBackend
 from epistemic_kvcache.store.engine import branch_ns, snapshot_ns
+from epistemic_kvcache.store.index import _longkey, split_key_row
+from epistemic_kvcache.store.index import key_row as _key_row
 
 TOKEN_A = "review-token-tenant-a-0123456789"
 TOKEN_B = "review-token-tenant-b-0123456789"
@@ -176,7 +173,7 @@ def test_key_rows_with_nul_round_trip_and_never_collide() -> None:
     }
     assert len(rows) == 7
     for row, pair in rows.items():
-        assert _split_key_row(row, _longkey(*pair)) == pair
+        assert split_key_row(row, _longkey(*pair)) == pair
 
 
 def test_durable_nul_keys_stay_apart_across_reopen(tmp_path: Path) -> None:

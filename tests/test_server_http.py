@@ -74,11 +74,11 @@ class FaultyIndex(SharedKvIndex):
         "fault-closed": StoreClosedError,
     }
 
-    def put(self, ns: str, key: str, data: Buffer) -> PutResult:
+    def put(self, ns: str, key: str, data: Buffer, **kw: Any) -> PutResult:
         for prefix, exc in self.FAULTS.items():
             if key.startswith(prefix):
                 raise exc(f"injected {prefix} under /srv/kv-secret-dir")
-        return super().put(ns, key, data)
+        return super().put(ns, key, data, **kw)
 
 
 @dataclass
@@ -257,9 +257,12 @@ def test_put_get_head_delete_roundtrip(srv: Server) -> None:
     r = pool.request("PUT", url, body=b"block-one", headers=A)
     assert (r.status, r.headers["X-Kv-Outcome"]) == (200, "duplicate")
     r = pool.request("PUT", url, body=b"other bytes", headers=A)
+    assert (r.status, r.headers["X-Kv-Outcome"]) == (200, "replaced")
+    assert r.headers["X-Kv-Digest"] != digest
+    r = pool.request("PUT", url, body=b"block-one", headers=A)
     assert (r.status, r.headers["X-Kv-Outcome"], r.headers["X-Kv-Digest"]) == (
         200,
-        "conflict",
+        "replaced",
         digest,
     )
 
@@ -508,7 +511,7 @@ def test_batch_routes(srv: Server) -> None:
         headers={**A, "Content-Type": "application/x-kvcache-batch"},
     )
     assert r.status == 200, r.data
-    assert json.loads(r.data) == {"results": ["created", "created", "created", "conflict"]}
+    assert json.loads(r.data) == {"results": ["created", "created", "created", "replaced"]}
 
     probe = [*keys[:3], "absent"]
     r = pool.request("POST", "/kv/batch/exists", body=json.dumps({"keys": probe}), headers=A)
@@ -518,7 +521,8 @@ def test_batch_routes(srv: Server) -> None:
     assert r.status == 200
     assert r.headers["Content-Type"] == "application/x-kvcache-batch"
     got = decode_batch_get_response(r.data)
-    assert [None if g is None else bytes(g) for g in got] == [*blocks[:3], None]
+    # the key given twice holds the second block (the later write replaced the first)
+    assert [None if g is None else bytes(g) for g in got] == [blocks[3], *blocks[1:3], None]
 
     # Per-key failures do not fail the others.
     body = b"".join(
@@ -883,13 +887,13 @@ def test_metrics_parse_and_count(srv: Server) -> None:
     assert r.headers["Content-Type"].startswith("text/plain")
     fams = {f.name: f for f in text_string_to_metric_families(r.data.decode())}
     requests = {
-        (s.labels["wire"], s.labels["route"], s.labels["status"]): s.value
+        (s.labels["wire"], s.labels["route"], s.labels["status"], s.labels["code"]): s.value
         for s in fams["kvcache_requests"].samples
         if s.name == "kvcache_requests_total"
     }
-    assert requests[("http", "/kv/{key}", "200")] >= 1
-    assert requests[("http", "/kv/{key}", "404")] >= 1
-    assert requests[("http", "/kv/{key}", "201")] >= 1
+    assert requests[("http", "/kv/{key}", "ok", "200")] >= 1
+    assert requests[("http", "/kv/{key}", "ok", "404")] >= 1  # a miss is not an error
+    assert requests[("http", "/kv/{key}", "ok", "201")] >= 1
     hist = fams["kvcache_request_duration_seconds"]
     assert any(s.name.endswith("_count") for s in hist.samples)
     store_stats = srv.ctx.store.stats(None)

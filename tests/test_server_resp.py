@@ -12,6 +12,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -205,14 +206,16 @@ def test_basic_commands(r: redis.Redis) -> None:
         r.execute_command("SELECT", 1)
 
 
-def test_first_write_wins_and_delete_replaces(r: redis.Redis, server: ServerThread) -> None:
+def test_set_replaces_like_redis(r: redis.Redis, server: ServerThread) -> None:
     assert r.set("fw", b"first") is True
-    assert r.set("fw", b"second") is True  # a cache: +OK, but the store keeps the first
-    assert r.get("fw") == b"first"
-    assert server.store.stats("alpha").put_conflicts >= 1
-    assert r.delete("fw") == 1
     assert r.set("fw", b"second") is True
     assert r.get("fw") == b"second"
+    assert r.set("fw", b"bb") is True  # another size: replaced as well
+    assert r.get("fw") == b"bb"
+    assert server.store.stats("alpha").put_replaced >= 2
+    assert r.delete("fw") == 1
+    assert r.set("fw", b"third") is True
+    assert r.get("fw") == b"third"
 
 
 def test_set_options(r: redis.Redis) -> None:
@@ -761,7 +764,9 @@ def test_metrics_observed(server: ServerThread, r: redis.Redis) -> None:
     get_line = re.search(
         r'kvcache_requests_total\{[^}]*route="get"[^}]*status="ok"[^}]*wire="resp"[^}]*\} (\S+)',
         text,
-    ) or re.search(r'kvcache_requests_total\{wire="resp",route="get",status="ok"\} (\S+)', text)
+    ) or re.search(
+        r'kvcache_requests_total\{wire="resp",route="get",status="ok"[^}]*\} (\S+)', text
+    )
     assert get_line, text
     assert float(get_line.group(1)) >= 2
     assert 'route="unknown"' in text
@@ -786,12 +791,12 @@ def test_glob_semantics() -> None:
 class FailingDiskStore(SharedKvIndex):
     """PUTs of keys starting `full` / `eio` fail like a broken disk (messages with paths)."""
 
-    def put(self, ns: str, key: str, data: Buffer) -> PutResult:
+    def put(self, ns: str, key: str, data: Buffer, **kw: Any) -> PutResult:
         if key.startswith("full"):
             raise DiskFullError("disk full under /srv/kv-secret-dir: nothing was stored")
         if key.startswith("eio"):
             raise StorageIOError("write to /srv/kv-secret-dir failed: [Errno 5] EIO")
-        return super().put(ns, key, data)
+        return super().put(ns, key, data, **kw)
 
 
 def test_disk_errors_reach_clients_without_server_paths(
@@ -822,10 +827,10 @@ class GatedStore(SharedKvIndex):
         self.gate = threading.Event()
         self.entered = threading.Event()
 
-    def put(self, ns: str, key: str, data: bytes | bytearray | memoryview) -> PutResult:
+    def put(self, ns: str, key: str, data: Buffer, **kw: Any) -> PutResult:
         self.entered.set()
         self.gate.wait(30)
-        return super().put(ns, key, data)
+        return super().put(ns, key, data, **kw)
 
 
 def test_reading_pauses_while_a_slow_command_runs() -> None:

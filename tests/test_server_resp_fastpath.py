@@ -87,14 +87,14 @@ def test_pipelined_mix_keeps_order_across_inline_pool_and_commit_paths(server: _
     p.get("a")
     p.set("big", big)
     p.get("cold")
-    p.set("a", b"2")  # first write wins: still b"1"
+    p.set("a", b"2")  # replaces b"1"
     p.ping()
     p.get("a")
     p.get("missing")
     p.set("b", b"3", nx=True)  # not a plain SET: the general path
     p.get("big")
     p.execute_command("GeT", "b")  # type: ignore[no-untyped-call]  # mixed case
-    assert p.execute() == [True, b"1", True, b"c" * 5000, True, True, b"1", None, True, big, b"3"]
+    assert p.execute() == [True, b"1", True, b"c" * 5000, True, True, b"2", None, True, big, b"3"]
 
 
 def test_pipelined_plain_sets_share_group_commits(server: _Server) -> None:

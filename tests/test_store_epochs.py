@@ -90,9 +90,15 @@ def test_a_bump_makes_tagged_entries_stale_at_once(store: SharedKvBackend) -> No
 
 def test_a_put_over_a_stale_entry_replaces_it(store: SharedKvBackend) -> None:
     assert store.put(NS, "k", blob("v1"), epoch_scope=SCOPE).created
-    # within one epoch, first write wins as for any key
-    assert store.put(NS, "k", blob("v1b"), epoch_scope=SCOPE).outcome is PutOutcome.CONFLICT
+    # within one epoch, a PUT of other bytes replaces the entry as for any key
+    assert store.put(NS, "k", blob("v1b"), epoch_scope=SCOPE).outcome is PutOutcome.REPLACED
+    assert read(store, "k") == blob("v1b")
+    # create-only refuses over a live entry, but a stale entry counts as absent
+    assert store.put(NS, "k", blob("v1c"), epoch_scope=SCOPE, cond="nx").outcome is (
+        PutOutcome.CONFLICT
+    )
     store.epoch_bump(NS, SCOPE)
+    assert store.put(NS, "k", blob("v1c"), cond="xx").outcome is PutOutcome.MISSING
     blocks = store.stats(NS).unique_blocks
     assert store.put(NS, "k", blob("v2"), epoch_scope=SCOPE).outcome is PutOutcome.NEW
     assert read(store, "k") == blob("v2")

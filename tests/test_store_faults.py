@@ -8,6 +8,7 @@ segment files, and by reaching into the engine's warm tier.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import os
@@ -83,6 +84,16 @@ class FaultyIO(DiskIO):
             raise OSError(err, os.strerror(err))
         return super().pwrite(fd, data, offset)
 
+    def pwritev(self, fd: int, bufs: list[Buffer], offset: int) -> int:
+        err = self._check("pwrite")
+        if err is not None:
+            joined = b"".join(bytes(b) for b in bufs)
+            half = joined[: len(joined) // 2]
+            if half:
+                os.pwrite(fd, half, offset)
+            raise OSError(err, os.strerror(err))
+        return super().pwritev(fd, bufs, offset)
+
     def fdatasync(self, fd: int) -> None:
         err = self._check("fdatasync")
         if err is not None:
@@ -145,9 +156,15 @@ def test_failed_write_or_sync_is_not_acked_and_never_served(
         assert store.put(NS, "transient-over", block("t")).outcome is PutOutcome.NEW
         good["transient-over"] = block("t")
     assert io.failed[call] == (times or io.failed[call]) >= 2
-    # a PUT of bytes already stored needs no data write: only the index commit
-    assert store.put(NS, "dup-of-old-0", good["old-0"]).outcome is PutOutcome.NEW
-    good["dup-of-old-0"] = good["old-0"]
+    # a PUT of bytes already stored writes no block, but its key record is in the log
+    # too: while the fault lasts it fails like any write, and nothing is half done
+    if times is None:
+        with pytest.raises(ERRORS[err]):
+            store.put(NS, "dup-of-old-0", good["old-0"])
+        assert not store.exists(NS, "dup-of-old-0")
+    else:
+        assert store.put(NS, "dup-of-old-0", good["old-0"]).outcome is PutOutcome.NEW
+        good["dup-of-old-0"] = good["old-0"]
     for key in bad:
         assert store.get(NS, key) is None
         assert not store.exists(NS, key)
@@ -158,6 +175,9 @@ def test_failed_write_or_sync_is_not_acked_and_never_served(
     io.clear()
     assert store.put(NS, "after", block("after")).outcome is PutOutcome.NEW
     good["after"] = block("after")
+    if times is None:
+        assert store.put(NS, "dup-of-old-0", good["old-0"]).outcome is PutOutcome.NEW
+        good["dup-of-old-0"] = good["old-0"]
     report = store.check(deep=True)
     assert report.ok, report
     assert report.keys == len(good)
@@ -465,10 +485,10 @@ def _queue_behind_a_stalled_commit(
         t.start()
         threads.append(t)
         for _ in range(3000):  # wait until it is queued
-            if len(store._queue) >= n:
+            if store._committer.queued() >= n:
                 break
             time.sleep(0.001)
-        assert len(store._queue) == n
+        assert store._committer.queued() == n
     io.release()
     for t in threads:
         t.join(timeout=30)
@@ -538,4 +558,69 @@ def test_a_late_quarantine_does_not_drop_a_rewritten_blob(tmp_path: Path) -> Non
     assert_reads(store, {"x-again": x})
     report = store.check(deep=True)
     assert report.ok, report
+    store.close()
+
+
+def test_an_unexpected_error_in_the_committer_is_a_loud_read_only_fault(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Never a hang: every waiting and every later write fails at once, reads go on,
+    readiness says why, the log says it once."""
+    from epistemic_kvcache.errors import StoreFaultError
+
+    store = open_durable(tmp_path)
+    store.put(NS, "before", block("before"))
+    real = store._decide
+
+    def broken(v: Any, op: Any) -> Any:
+        if op.key == "boom":
+            raise RuntimeError("a bug in the committer")
+        return real(v, op)
+
+    store._decide = broken  # type: ignore[method-assign]
+    with pytest.raises(StoreFaultError, match="a bug in the committer"):
+        store.put(NS, "boom", block("boom"))
+    t0 = time.monotonic()
+    for key in ("after", "other"):
+        with pytest.raises(StoreFaultError):
+            store.put(NS, key, block(key))
+    with pytest.raises(StoreFaultError):
+        store.delete(NS, "before")
+    assert time.monotonic() - t0 < 1  # at once, not after a timeout
+    assert bytes(store.get(NS, "before") or b"") == block("before")  # reads keep working
+    health = store.health()
+    assert not health.ready
+    assert not health.writable
+    assert not health.committer_alive
+    assert health.reason is not None
+    assert "a bug in the committer" in health.reason
+    assert store.stats(None).extra["store_fault"] == 1
+    faults = [r for r in caplog.records if "store fault" in r.getMessage()]
+    assert len(faults) == 1
+    store.close()
+    with open_durable(tmp_path) as again:  # a restart clears it; nothing was lost
+        assert bytes(again.get(NS, "before") or b"") == block("before")
+        assert not again.exists(NS, "boom")
+        assert again.health().ready
+
+
+def test_cancelled_writes_are_dropped_from_their_batch(tmp_path: Path) -> None:
+    """A future cancelled before its batch commits (its caller went away) writes nothing
+    and never disturbs the committer."""
+    io = GatedIO()
+    store = open_durable(tmp_path, io)
+    io.hold()
+    stall = threading.Thread(target=store.put, args=(NS, "stall", block("stall")))
+    stall.start()
+    assert io.waiting.wait(timeout=30)
+    queued = [store.put_nowait(NS, f"gone-{i}", block(f"gone-{i}")[:1000]) for i in range(50)]
+    for fut in queued:
+        assert isinstance(fut, concurrent.futures.Future)
+        assert fut.cancel()
+    io.release()
+    stall.join(30)
+    assert store.put(NS, "next", block("next")).outcome is PutOutcome.NEW
+    for i in range(50):
+        assert not store.exists(NS, f"gone-{i}")
+    assert store.health().ready
     store.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import threading
 import time
@@ -124,7 +125,11 @@ def test_branch_put_racing_branch_delete_leaves_no_orphan(tmp_path: Path, backen
 
 
 def _segment_bytes_on_disk(path: Path) -> int:
-    return sum(p.stat().st_size for p in (path / "segments").iterdir())
+    total = 0
+    for p in (path / "segments").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # compaction deleted it meanwhile
+            total += p.stat().st_size
+    return total
 
 
 def test_compaction_bounds_disk_use_and_keeps_every_block(tmp_path: Path) -> None:
@@ -211,7 +216,13 @@ def test_one_tenant_cannot_pin_the_store_full(tmp_path: Path, backend: str) -> N
     store = (
         SharedKvIndex(**caps, max_snapshots_per_tenant=3)
         if backend == "memory"
-        else _durable(tmp_path, **caps, cold_capacity_bytes=1 << 20, max_snapshots_per_tenant=3)
+        else _durable(
+            tmp_path,
+            **caps,
+            cold_capacity_bytes=(1 << 20) + (288 << 10),  # ~1 MiB live + the log's reserve
+            segment_bytes=64 << 10,
+            max_snapshots_per_tenant=3,
+        )
     )
     block = 100 << 10
     for i in range(8):
@@ -229,9 +240,103 @@ def test_one_tenant_cannot_pin_the_store_full(tmp_path: Path, backend: str) -> N
     with pytest.raises(CapacityError, match="snapshot quota"):
         store.snapshot_create("greedy", keys=["nothing"])
     # another tenant still has room to write (the greedy tenant's unpinned blocks go)
-    for i in range(5):
+    # (three blocks: the live capacity is 1 MiB less the log's compaction reserve)
+    for i in range(3):
         store.put("other", f"o{i}", os.urandom(block))
-    assert all(store.exists("other", f"o{i}") for i in range(5))
+    assert all(store.exists("other", f"o{i}") for i in range(3))
     assert store.stats("greedy").pinned_blocks == 5
     assert store.check(deep=True).ok
+    store.close()
+
+
+@pytest.mark.parametrize("backend", ["memory", "durable"])
+def test_per_tenant_key_and_epoch_scope_quotas(tmp_path: Path, backend: str) -> None:
+    """A tenant at its own limit gets its own error; other tenants do not notice."""
+    from epistemic_kvcache.errors import QuotaExceededError
+
+    opts = {"max_keys_per_tenant": 5, "max_epoch_scopes_per_tenant": 3}
+    store = (
+        SharedKvIndex(**opts)
+        if backend == "memory"
+        else _durable(tmp_path, map_size_bytes=64 << 20, **opts)
+    )
+    for i in range(5):
+        store.put("greedy", f"k{i}", b"x%d" % i)
+    with pytest.raises(QuotaExceededError, match="key quota") as exc:
+        store.put("greedy", "k5", b"y")
+    assert exc.value.resource == "keys"
+    assert store.put("greedy", "k0", b"replaced").outcome.value == "replaced"  # no new key
+    store.put("other", "k0", b"fine")  # another tenant is not affected
+    assert store.delete("greedy", "k1")
+    store.put("greedy", "k5", b"now it fits")
+    # epoch scopes: three per tenant; at the limit, scopes no live entry uses are pruned
+    assert store.delete("greedy", "k4")
+    store.put("greedy", "tagged", b"t", epoch_scope="s0")
+    for scope in ("s0", "s1", "s2"):
+        store.epoch_bump("greedy", scope)
+    store.epoch_bump("greedy", "s3")  # s1 and s2 tag nothing: pruned to make room
+    assert store.epoch_get("greedy", "s3") == 1
+    store.put("greedy", "k2", b"in s3", epoch_scope="s3")
+    store.put("greedy", "k3", b"in s4", epoch_scope="s4")
+    store.epoch_bump("greedy", "s4")  # s0, s3, s4: each tags a live entry
+    with pytest.raises(QuotaExceededError, match="epoch scope") as exc:
+        store.epoch_bump("greedy", "s5")
+    assert exc.value.resource == "epoch_scopes"
+    assert store.epoch_bump("other", "s5") == 1  # the other tenant's own share
+    store.close()
+
+
+@pytest.mark.parametrize("backend", ["memory", "durable"])
+def test_quotas_hold_under_concurrent_requests(tmp_path: Path, backend: str) -> None:
+    """Snapshot and pin quotas are checked atomically with the commit: concurrent
+    requests cannot all pass a check made before any of them is committed."""
+    from epistemic_kvcache.errors import CapacityError
+
+    store = (
+        SharedKvIndex(
+            hot_capacity_bytes=64 << 20, warm_capacity_bytes=0, max_snapshots_per_tenant=5
+        )
+        if backend == "memory"
+        else _durable(
+            tmp_path,
+            hot_capacity_bytes=64 << 20,
+            cold_capacity_bytes=(64 << 20) + (16 << 20),
+            segment_bytes=4 << 20,
+            max_snapshots_per_tenant=5,
+            map_size_bytes=64 << 20,
+        )
+    )
+    block = 1 << 20
+    for i in range(48):
+        store.put("t", f"k{i}", os.urandom(block))
+    barrier = threading.Barrier(20)
+
+    def snap(i: int) -> bool:
+        barrier.wait()
+        try:
+            store.snapshot_create("t", keys=[f"k{i}"])
+            return True
+        except CapacityError:
+            return False
+
+    with concurrent.futures.ThreadPoolExecutor(20) as ex:
+        made = sum(ex.map(snap, range(20)))
+    assert made == 5
+    assert len(store.snapshot_list("t")) == 5
+    for s in store.snapshot_list("t"):
+        store.snapshot_delete("t", s.id)
+    limit = int(store._pin_capacity() * store.max_pinned_fraction)  # type: ignore[attr-defined]
+    barrier = threading.Barrier(40)
+
+    def pin(i: int) -> bool:
+        barrier.wait()
+        try:
+            return store.pin("t", f"k{i}")
+        except CapacityError:
+            return False
+
+    with concurrent.futures.ThreadPoolExecutor(40) as ex:
+        pinned = sum(ex.map(pin, range(40)))
+    assert pinned == limit // block
+    assert store.stats("t").pinned_blocks * block <= limit
     store.close()

@@ -1,16 +1,18 @@
 """Both store backends against a dict model (Hypothesis state machine).
 
 The model is `(ns, key) -> bytes` plus pin counts and the PUT counters. Keys and contents
-come from small pools, so repeat PUTs (duplicates), first-write-wins conflicts and
-cross-key dedup happen all the time. Capacities are large, so nothing moves between tiers
-on its own; only the `evict` rule pushes blocks out of RAM. After every step the store's
-own deep consistency check must pass and every stat must match a recount from the model.
+come from small pools, so repeat PUTs (duplicates), replacements, create-only (`nx`) and
+replace-only (`xx`) refusals and cross-key dedup happen all the time. Capacities are
+large, so nothing moves between tiers on its own; only the `evict` rule pushes blocks out
+of RAM. After every step the store's own deep consistency check must pass and every stat
+must match a recount from the model.
 The durable machine also closes and reopens the store (counters are per process: they
 restart at zero, the data and pins do not).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections import Counter
@@ -59,7 +61,7 @@ class StoreModel(RuleBasedStateMachine):
         self.counters: dict[str, Counter[str]] = {ns: Counter() for ns in NAMESPACES}
 
     # -- helpers -------------------------------------------------------------------------
-    def open_store(self) -> SharedKvBackend:
+    def open_store(self, *, rebuild: bool = False) -> SharedKvBackend:
         raise NotImplementedError
 
     @property
@@ -109,27 +111,41 @@ class StoreModel(RuleBasedStateMachine):
         ns=st.sampled_from(NAMESPACES),
         key=st.sampled_from(KEYS),
         content=st.sampled_from(CONTENTS),
+        cond=st.sampled_from([None, None, None, "nx", "xx"]),
     )
-    def put(self, ns: str, key: str, content: bytes) -> None:
+    def put(self, ns: str, key: str, content: bytes, cond: str | None) -> None:
         ref = (ns, key)
-        res = self.s.put(ns, key, content)
+        res = self.s.put(ns, key, content, cond=cond)  # type: ignore[arg-type]
         old = self.data.get(ref)
-        if old is not None:
-            expected = PutOutcome.DUPLICATE if old == content else PutOutcome.CONFLICT
+        if old is None and cond == "xx":
+            assert res.outcome is PutOutcome.MISSING
+            assert not self.s.exists(ns, key)
+            return
+        if old is not None and (cond == "nx" or old == content):
+            expected = PutOutcome.CONFLICT if cond == "nx" else PutOutcome.DUPLICATE
             assert res.outcome is expected
             assert res.digest == blake3.blake3(old).digest()
             assert res.size == len(old)
-            self.count(ns, "dedup_hits" if old == content else "put_conflicts")
+            self.count(ns, "put_conflicts" if cond == "nx" else "dedup_hits")
             return
-        assert res.outcome is PutOutcome.NEW
+        assert res.outcome is (PutOutcome.NEW if old is None else PutOutcome.REPLACED)
         assert res.digest == blake3.blake3(content).digest()
         assert res.size == len(content)
         self.data[ref] = content
-        self.count(ns, "put_new")
+        self.count(ns, "put_new" if old is None else "put_replaced")
         if len(self.same_blob(ref)) > 1:
             self.count(ns, "dedup_hits")
         else:
             self.hot.add(self.scope_of(ref))
+
+    @rule(ns=st.sampled_from(NAMESPACES))
+    def flush(self, ns: str) -> None:
+        mine = [r for r in self.data if r[0] == ns]
+        assert self.s.flush(ns) == len(mine)
+        for r in mine:
+            del self.data[r]
+            self.pins.pop(r, None)
+        assert self.s.count(ns) == 0
 
     @rule(ns=st.sampled_from(NAMESPACES), key=st.sampled_from(KEYS))
     def get(self, ns: str, key: str) -> None:
@@ -196,10 +212,19 @@ class StoreModel(RuleBasedStateMachine):
             self.count(ns, "get_misses")
 
     @precondition(lambda self: self.durable)
-    @rule()
-    def reopen(self) -> None:
-        self.s.close()
-        self.store = self.open_store()
+    @rule(how=st.sampled_from(["close", "crash", "rebuild"]))
+    def reopen(self, how: str) -> None:
+        """Close and open again: cleanly; as after a crash with the index behind the log
+        (the tail is replayed); or with the index deleted and rebuilt from the log."""
+        assert isinstance(self.store, SharedKvStoreBackend)
+        if how == "crash":
+            self.store._close_without_checkpoint()
+        else:
+            self.s.close()
+        if how == "rebuild":
+            assert self.tmpdir is not None
+            shutil.rmtree(f"{self.tmpdir}/index")
+        self.store = self.open_store(rebuild=how == "rebuild")
         self.counters = {ns: Counter() for ns in NAMESPACES}
         self.hot.clear()
 
@@ -243,6 +268,7 @@ class StoreModel(RuleBasedStateMachine):
                         "put_new",
                         "dedup_hits",
                         "put_conflicts",
+                        "put_replaced",
                         "get_hits",
                         "get_misses",
                         "evictions",
@@ -275,7 +301,14 @@ class StoreModel(RuleBasedStateMachine):
         assert total.unique_blocks == len(total_blobs)
         assert total.resident_bytes == sum(len(b[1]) for b in total_blobs)
         assert total.pinned_blocks == len(total_pinned)
-        for name in ("put_new", "dedup_hits", "put_conflicts", "get_hits", "get_misses"):
+        for name in (
+            "put_new",
+            "dedup_hits",
+            "put_conflicts",
+            "put_replaced",
+            "get_hits",
+            "get_misses",
+        ):
             assert getattr(total, name) == sums[name], name
         if not self.pressure:
             assert total.tiers["hot"].blocks == len(total_blobs & self.hot)
@@ -289,20 +322,22 @@ class StoreModel(RuleBasedStateMachine):
 class MemoryModel(StoreModel):
     durable = False
 
-    def open_store(self) -> SharedKvBackend:
+    def open_store(self, *, rebuild: bool = False) -> SharedKvBackend:
         return SharedKvIndex(dedup_scope=self.scope)  # type: ignore[arg-type]
 
 
 class DurableModel(StoreModel):
     durable = True
 
-    def open_store(self) -> SharedKvBackend:
+    def open_store(self, *, rebuild: bool = False) -> SharedKvBackend:
         assert self.tmpdir is not None
         return SharedKvStoreBackend(
             self.tmpdir,
             dedup_scope=self.scope,  # type: ignore[arg-type]
             map_size_bytes=64 << 20,
             segment_bytes=64 << 10,  # small segments: rollover and segment deletion happen
+            checkpoint_interval_s=0.05,  # checkpoints land between steps, or lag behind
+            rebuild_index=rebuild,
         )
 
 
@@ -312,7 +347,7 @@ class DurableUnderPressureModel(DurableModel):
 
     pressure = True
 
-    def open_store(self) -> SharedKvBackend:
+    def open_store(self, *, rebuild: bool = False) -> SharedKvBackend:
         assert self.tmpdir is not None
         return SharedKvStoreBackend(
             self.tmpdir,
@@ -321,11 +356,13 @@ class DurableUnderPressureModel(DurableModel):
             warm_capacity_bytes=6 << 10,
             map_size_bytes=64 << 20,
             segment_bytes=64 << 10,
+            checkpoint_interval_s=0.05,
+            rebuild_index=rebuild,
         )
 
 
 _SETTINGS = settings(
-    max_examples=30,
+    max_examples=int(os.environ.get("KVCACHE_MODEL_EXAMPLES", "30")),
     stateful_step_count=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

@@ -256,12 +256,10 @@ def test_durable_tiers_hot_warm_cold_and_promotion(tmp_path: Path) -> None:
 
 
 def test_durable_cold_full_deletes_least_valuable_unpinned(tmp_path: Path) -> None:
-    store = durable(
-        tmp_path,
-        hot_capacity_bytes=256 * KiB,
-        warm_capacity_bytes=256 * KiB,
-        cold_capacity_bytes=4 * MiB,
-    )
+    # 4 MiB of live blocks, plus the reserve the log keeps for compaction (two segments)
+    opts = {"cold_capacity_bytes": 4 * MiB + 768 * KiB, "segment_bytes": 256 * KiB}
+    store = durable(tmp_path, hot_capacity_bytes=256 * KiB, warm_capacity_bytes=256 * KiB, **opts)
+    assert store.live_capacity_bytes == 4 * MiB
     for i in range(16):  # exactly fills cold
         store.put(NS, f"k{i}", rnd(i))
     assert store.stats(NS).evictions == 0
@@ -280,7 +278,7 @@ def test_durable_cold_full_deletes_least_valuable_unpinned(tmp_path: Path) -> No
     assert_within_capacity(store)
     assert_exact(store, [NS])
     store.close()
-    store = durable(tmp_path, cold_capacity_bytes=4 * MiB)
+    store = durable(tmp_path, **opts)
     try:
         assert store.count(NS) == 13
         assert_exact(store, [NS])
@@ -293,9 +291,11 @@ def test_durable_cold_full_of_pinned_blocks_refuses_puts(tmp_path: Path) -> None
         tmp_path,
         hot_capacity_bytes=256 * KiB,
         warm_capacity_bytes=0,
-        cold_capacity_bytes=2 * MiB,
+        cold_capacity_bytes=2 * MiB + 512 * KiB,  # 2 MiB live + the log's reserve
+        segment_bytes=128 * KiB,
         max_pinned_fraction=1.0,  # one tenant may pin it all: the store must still refuse
     )
+    assert store.live_capacity_bytes == 2 * MiB
     for i in range(8):
         store.put(NS, f"p{i}", rnd(i))
         assert store.pin(NS, f"p{i}")
@@ -368,9 +368,12 @@ def test_stats_exact_under_concurrency(tmp_path: Path, backend: str, scope: str)
     for ns in namespaces:
         s = store.stats(ns)
         assert s.put_new == total[f"{ns}:new"]
-        assert s.put_conflicts == total[f"{ns}:conflict"]
+        assert s.put_replaced == total[f"{ns}:replaced"]
+        assert s.put_conflicts == total[f"{ns}:conflict"] == 0
         assert total[f"{ns}:duplicate"] <= s.dedup_hits
-        assert s.dedup_hits <= total[f"{ns}:duplicate"] + total[f"{ns}:new"]
+        assert s.dedup_hits <= (
+            total[f"{ns}:duplicate"] + total[f"{ns}:new"] + total[f"{ns}:replaced"]
+        )
         assert s.get_hits + s.get_misses == total[f"{ns}:get"]
     s = store.stats(None)
     assert s.put_new == sum(v for k, v in total.items() if k.endswith(":new"))

@@ -72,6 +72,8 @@ class CheckpointClient(Protocol):
 
     def put(self, key: str, data: Any) -> object: ...  # truthy when stored (PutOutcome)
 
+    def exists(self, key: str) -> bool: ...
+
     def list_keys(
         self, prefix: str = "", *, after: str | None = None, limit: int | None = None
     ) -> list[str]: ...
@@ -293,9 +295,11 @@ class KVCheckpointStore:
         if not self._client.put(record.blob_key, view):
             self._count(op, "blob_not_stored")
             raise CheckpointError(f"checkpoint {record.id}: the server did not store the blob")
-        written = self._client.put(RECORD_PREFIX + record.id, record.to_json())
-        # A record that already exists (a CONFLICT outcome) is read back and checked below.
-        if not written and getattr(written, "value", None) != "conflict":
+        # First write wins for records: an existing record is kept, not replaced.
+        # TODO(client cond): a create-only PUT closes the race between these two calls.
+        if not self._client.exists(RECORD_PREFIX + record.id) and not self._client.put(
+            RECORD_PREFIX + record.id, record.to_json()
+        ):
             self._count(op, "record_not_stored")
             raise CheckpointError(f"checkpoint {record.id}: the server did not store the record")
         stored = self._client.get(RECORD_PREFIX + record.id)

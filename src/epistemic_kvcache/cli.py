@@ -3,7 +3,12 @@
 Add a subcommand by adding an entry to `SUBCOMMANDS` (or calling `register`): a help
 line, a function adding its arguments to an `argparse` parser, and a function running
 it that returns the exit code. Exit codes: 0 success, 1 runtime failure, 2 usage or
-configuration error.
+configuration error. Every error is one line on stderr in argparse's format,
+`epistemic-kvcache <command>: error: <message>` (a usage error also prints the usage
+of the command it is about).
+
+The command itself needs only the client's dependencies (`--version`, `validate-adapter`
+with the lmcache extra); `serve` needs the `server` extra and says so when it is missing.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from epistemic_kvcache._version import __version__
 from epistemic_kvcache.errors import ConfigurationError, KvCacheError
 
 EXIT_OK = 0
@@ -44,12 +50,34 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_arguments(parser)
 
 
+class MissingExtraError(KvCacheError):
+    """A subcommand needs an optional dependency group that is not installed."""
+
+
+def require_extra(extra: str, *modules: str) -> None:
+    """Raise `MissingExtraError` naming `pip install 'epistemic-kvcache[extra]'`."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MissingExtraError(
+            f"this command needs the '{extra}' extra ({', '.join(missing)} not installed): "
+            f"pip install 'epistemic-kvcache[{extra}]'"
+        )
+
+
+SERVER_MODULES = ("lmdb", "blosc2", "uvloop", "httptools", "jwt", "prometheus_client", "numpy")
+
+
 def _serve(args: argparse.Namespace) -> int:
-    from epistemic_kvcache.config import load_config
+    from epistemic_kvcache.config import check_listeners, load_config
+
+    values = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "command"}
+    config = load_config(values, os.environ)
+    check_listeners(config)  # before anything (data dir, generated token) is created
+    require_extra("server", *SERVER_MODULES)
     from epistemic_kvcache.server.app import run
 
-    values = {k: v for k, v in vars(args).items() if k not in ("command", "_run")}
-    config = load_config(values, os.environ)
     setup_logging(config.log_level)
     return run(config)
 
@@ -66,6 +94,122 @@ def _validate(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _healthcheck_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--url",
+        default=None,
+        help="base URL to probe (default: this machine's server from its settings: "
+        "--addr / EPISTEMIC_GRAPH_KVCACHE_ADDR, https when TLS is configured)",
+    )
+    parser.add_argument(
+        "--ready", action="store_true", help="probe /readyz (serving and writable), not /healthz"
+    )
+    parser.add_argument("--timeout-s", type=float, default=3.0, help="default 3")
+
+
+def _healthcheck(args: argparse.Namespace) -> int:
+    """Exit 0 when the server answers 200 (container HEALTHCHECK, systemd, scripts)."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    url = args.url
+    context = None
+    if url is None:
+        from epistemic_kvcache.config import load_config
+
+        config = load_config({}, os.environ)
+        host = config.addr.host
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1" if host != "::" else "::1"
+        scheme = "https" if config.tls_enabled else "http"
+        netloc = f"[{host}]:{config.addr.port}" if ":" in host else f"{host}:{config.addr.port}"
+        url = f"{scheme}://{netloc}"
+        if config.tls_enabled:  # our own listener on loopback: the name will not match
+            context = ssl.create_default_context()
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+    path = "/readyz" if args.ready else "/healthz"
+    try:
+        with urllib.request.urlopen(  # noqa: S310 - http(s) URL built above or given
+            url.rstrip("/") + path, timeout=args.timeout_s, context=context
+        ) as resp:
+            ok = resp.status == 200
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"{PROG} healthcheck: {url}{path}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    return EXIT_OK if ok else EXIT_FAILURE
+
+
+def _mcp_arguments(parser: argparse.ArgumentParser) -> None:
+    from epistemic_kvcache.mcp_tools import add_arguments
+
+    add_arguments(parser)
+
+
+def _mcp(args: argparse.Namespace) -> int:
+    from epistemic_kvcache.mcp_tools import run
+
+    setup_logging("INFO")
+    return run(args)
+
+
+def _store_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="store_action", metavar="ACTION", required=True)
+    check = actions.add_parser(
+        "check",
+        help="replay the whole log, verify every block, compare the index with the log",
+        description="Check a durable store offline (the server must be stopped). Exit 0 "
+        "when nothing is damaged, lost or inconsistent, 1 otherwise.",
+    )
+    rebuild = actions.add_parser(
+        "rebuild-index",
+        help="set the index aside and build a new one from the log",
+        description="Rebuild the durable store's index from its log (the server must be "
+        "stopped). The old index is moved aside, never deleted.",
+    )
+    for sub in (check, rebuild):
+        sub.add_argument(
+            "--persist-dir",
+            default=None,
+            help="the store (default: --persist-dir / GRAPH_SERVICE_PERSIST_DIR / "
+            "./kvcache-data, as for serve)",
+        )
+    check.add_argument(
+        "--quick", action="store_true", help="do not re-hash blocks (headers and index only)"
+    )
+
+
+def _store(args: argparse.Namespace) -> int:
+    require_extra("server", "lmdb", "blosc2")
+    from pathlib import Path
+
+    from epistemic_kvcache.store import tools
+
+    if args.persist_dir is not None:
+        path = Path(args.persist_dir)
+    else:
+        from epistemic_kvcache.config import load_config
+
+        path = load_config({}, os.environ).persist_dir
+    if not (path / "segments").is_dir() and not (path / "index").is_dir():
+        raise ConfigurationError(f"invalid persist_dir: no store in {str(path)!r}")
+
+    def progress(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    if args.store_action == "check":
+        summary = tools.check(path, deep=not args.quick, progress=progress)
+        for line in summary.lines():
+            print(line)
+        return EXIT_OK if summary.ok else EXIT_FAILURE
+    setup_logging("WARNING")
+    rebuilt = tools.rebuild_index(path, progress=progress)
+    for line in rebuilt.lines():
+        print(line)
+    return EXIT_OK
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "serve": Subcommand(
         help="run the cache server (HTTP /kv and Redis RESP listeners)",
@@ -77,6 +221,21 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         add_arguments=_validate_arguments,
         run=_validate,
     ),
+    "healthcheck": Subcommand(
+        help="exit 0 if the local server answers /healthz (or /readyz with --ready)",
+        add_arguments=_healthcheck_arguments,
+        run=_healthcheck,
+    ),
+    "store": Subcommand(
+        help="offline tools on a durable store: check, rebuild-index (server stopped)",
+        add_arguments=_store_arguments,
+        run=_store,
+    ),
+    "mcp": Subcommand(
+        help="serve the MCP tools graph_kvcache, graph_fork, graph_kv_checkpoint (needs [mcp])",
+        add_arguments=_mcp_arguments,
+        run=_mcp,
+    ),
 }
 
 
@@ -87,46 +246,48 @@ def register(name: str, subcommand: Subcommand) -> None:
     SUBCOMMANDS[name] = subcommand
 
 
+PROG = "epistemic-kvcache"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one sub-parser per registered subcommand."""
     parser = argparse.ArgumentParser(
-        prog="epistemic-kvcache",
+        prog=PROG,
         description="Shared, durable, deduplicating L2 KV-cache server for vLLM / LMCache.",
     )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, command in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=command.help, description=command.help)
         command.add_arguments(sub_parser)
-        sub_parser.set_defaults(_run=command.run)
+        sub_parser.set_defaults(_run=command.run, _parser=sub_parser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `epistemic-kvcache` command; returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    sub_parser: argparse.ArgumentParser = args._parser
+    if extra:
+        # Unknown flags after a subcommand: that subcommand's usage, not the top level's.
+        sub_parser.error(f"unrecognized arguments: {' '.join(extra)}")
     run: Callable[[argparse.Namespace], int] = args._run
     try:
         return run(args)
     except ConfigurationError as exc:
-        _report(f"configuration error: {exc}")
+        _report(sub_parser.prog, str(exc))
         return EXIT_USAGE
-    except KvCacheError as exc:
-        _report(f"error: {exc}")
-        return EXIT_FAILURE
-    except OSError as exc:
-        _report(f"error: {exc}")
+    except (KvCacheError, OSError) as exc:
+        _report(sub_parser.prog, str(exc))
         return EXIT_FAILURE
     except KeyboardInterrupt:
         return EXIT_FAILURE
 
 
-def _report(message: str) -> None:
-    logger = logging.getLogger("epistemic_kvcache")
-    if logging.getLogger().handlers:
-        logger.error("%s", message)
-    else:
-        print(f"epistemic-kvcache: {message}", file=sys.stderr)
+def _report(prog: str, message: str) -> None:
+    """One error format for every failure: argparse's `prog: error: message`."""
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ import ipaddress
 import math
 import os
 import re
+import shutil
+import ssl
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +28,17 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from epistemic_kvcache.errors import ConfigurationError
-from epistemic_kvcache.server.context import ServerLimits
+from epistemic_kvcache.shared import (
+    DEFAULT_HOST,
+    DEFAULT_HTTP_PORT,
+    DEFAULT_RESP_PORT,
+    GiB,
+    KiB,
+    MiB,
+    ServerLimits,
+    TiB,
+    is_loopback_host,
+)
 
 ENV_PREFIX = "EPISTEMIC_GRAPH_KVCACHE_"
 """Every server setting `some_name` is also read from `EPISTEMIC_GRAPH_KVCACHE_SOME_NAME`."""
@@ -36,17 +48,24 @@ PERSIST_DIR_ENV_ALIAS = "GRAPH_SERVICE_PERSIST_DIR"
 
 CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
 
-CLIENT_ENV_SUFFIXES = frozenset(
-    {"URL", "CLIENT_CERT", "CLIENT_KEY", "CA_CERT", "CA_BUNDLE", "TIMEOUT_S"}
+CLIENT_ENV_PREFIX = ENV_PREFIX + "CLIENT_"
+"""Client-only variables (`EPISTEMIC_GRAPH_KVCACHE_CLIENT_*`): the server never reads them."""
+
+CLIENT_ENV_NAMES = frozenset(
+    {
+        ENV_PREFIX + "URL",
+        # Deprecated client names (still read by the client, with a warning); no server
+        # setting has them.
+        ENV_PREFIX + "CONNECT_TIMEOUT_S",
+        ENV_PREFIX + "READ_TIMEOUT_S",
+    }
 )
-"""Client-side variables sharing the prefix; the server ignores them without a warning."""
+"""Variables under the server's prefix that belong to the client: ignored without a warning.
+`EPISTEMIC_GRAPH_KVCACHE_ADDR` and `_TOKEN` are read by both on purpose (the address the
+server listens on / the client connects to; a token the server accepts / the client sends)."""
 
 DEFAULT_TENANT = "default"
 """Tenant of `--token` tokens, of one-column token-file lines and of the generated token."""
-
-KiB = 1024
-MiB = 1024 * KiB
-GiB = 1024 * MiB
 
 JWT_ALGORITHMS = (
     "HS256",
@@ -85,18 +104,8 @@ class Address(NamedTuple):
         return is_loopback_host(self.host)
 
 
-def is_loopback_host(host: str) -> bool:
-    """Whether binding `host` keeps the listener on this machine only."""
-    if host.lower() in ("localhost", "localhost.", "ip6-localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-DEFAULT_ADDR = Address("127.0.0.1", 9130)
-DEFAULT_RESP_ADDR = Address("127.0.0.1", 6379)
+DEFAULT_ADDR = Address(DEFAULT_HOST, DEFAULT_HTTP_PORT)
+DEFAULT_RESP_ADDR = Address(DEFAULT_HOST, DEFAULT_RESP_PORT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +145,15 @@ class ServerConfig:
     dedup_scope: str = "namespace"
     max_pinned_fraction: float = 0.5
     max_snapshots_per_tenant: int = 256
+    max_keys_per_tenant: int = 0
+    """Keys one tenant may hold (0: no limit)."""
+    max_epoch_scopes_per_tenant: int = 10_000
+    rebuild_index: bool = False
+    """Rebuild the durable store's index from its log at start (when it is missing or
+    damaged the server otherwise refuses to start)."""
+    first_write_wins_tenants: tuple[str, ...] = ()
+    """Tenants whose plain PUT of an existing key with other bytes is refused (conflict)
+    instead of replacing it; `*` means every tenant."""
     metrics_tenants: tuple[str, ...] = ("default",)
     """Tenants allowed to read `/metrics` (empty: nobody)."""
     limits: ServerLimits = field(default_factory=ServerLimits)
@@ -176,7 +194,23 @@ class ServerConfig:
             "dedup_scope": self.dedup_scope,
             "max_pinned_fraction": self.max_pinned_fraction,
             "max_snapshots_per_tenant": self.max_snapshots_per_tenant,
+            "max_keys_per_tenant": self.max_keys_per_tenant,
+            "max_epoch_scopes_per_tenant": self.max_epoch_scopes_per_tenant,
+            **self._first_write_wins_option(),
         }
+
+    def durable_options(self) -> dict[str, Any]:
+        """Keyword arguments only the durable backend takes."""
+        return {
+            "rebuild_index": self.rebuild_index,
+            "shutdown_timeout_s": self.shutdown_timeout_s,
+        }
+
+    def _first_write_wins_option(self) -> dict[str, bool | frozenset[str]]:
+        tenants = self.first_write_wins_tenants
+        if "*" in tenants:
+            return {"first_write_wins": True}
+        return {"first_write_wins": frozenset(tenants) if tenants else False}
 
 
 # -- parsers: (setting name, raw value) -> value; raise ConfigurationError ----------------
@@ -209,8 +243,8 @@ _SIZE_UNITS = {
     "gi": GiB,
     "t": 1000**4,
     "tb": 1000**4,
-    "tib": 1024 * GiB,
-    "ti": 1024 * GiB,
+    "tib": TiB,
+    "ti": TiB,
 }
 
 
@@ -242,8 +276,7 @@ def parse_size_or_zero(raw: object) -> int:
         raise _Invalid("a size like 4GiB, or 0 to turn the tier off") from None
 
 
-def _parse_positive_int(raw: object) -> int:
-    expected = "a positive integer"
+def _parse_int(raw: object, *, minimum: int, expected: str) -> int:
     if isinstance(raw, bool):
         raise _Invalid(expected)
     if isinstance(raw, int):
@@ -253,9 +286,17 @@ def _parse_positive_int(raw: object) -> int:
             value = int(str(raw).strip().replace("_", ""))
         except ValueError:
             raise _Invalid(expected) from None
-    if value <= 0:
+    if value < minimum:
         raise _Invalid(expected)
     return value
+
+
+def _parse_positive_int(raw: object) -> int:
+    return _parse_int(raw, minimum=1, expected="a positive integer")
+
+
+def _parse_nonneg_int(raw: object) -> int:
+    return _parse_int(raw, minimum=0, expected="a non-negative integer")
 
 
 def _parse_seconds(raw: object, *, allow_zero: bool) -> float:
@@ -682,6 +723,36 @@ SETTINGS: tuple[Setting, ...] = (
         "N",
     ),
     Setting(
+        "max_keys_per_tenant",
+        _parse_nonneg_int,
+        _D.max_keys_per_tenant,
+        "keys one tenant may hold (0: no limit); a tenant at its limit gets its own error",
+        "N",
+    ),
+    Setting(
+        "max_epoch_scopes_per_tenant",
+        _parse_positive_int,
+        _D.max_epoch_scopes_per_tenant,
+        "epoch scopes one tenant may register (scopes without live entries are pruned first)",
+        "N",
+    ),
+    Setting(
+        "rebuild_index",
+        parse_bool,
+        _D.rebuild_index,
+        "rebuild the durable store's index from its log at start (instead of refusing to "
+        "start when the index is missing or damaged)",
+        kind="bool",
+    ),
+    Setting(
+        "first_write_wins_tenants",
+        _parse_list,
+        _D.first_write_wins_tenants,
+        "tenants for which a PUT of an existing key with other bytes is refused (conflict) "
+        "instead of replacing it, comma-separated; * for every tenant",
+        "TENANTS",
+    ),
+    Setting(
         "metrics_tenants",
         _parse_list,
         _D.metrics_tenants,
@@ -782,7 +853,7 @@ def _format_default(s: Setting) -> str:
 
 def format_size(n: int) -> str:
     """Bytes as the largest exact binary unit: 1073741824 -> `1GiB`."""
-    for unit, factor in (("TiB", 1024 * GiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+    for unit, factor in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
         if n >= factor and n % factor == 0:
             return f"{n // factor}{unit}"
     return str(n)
@@ -820,7 +891,7 @@ def load_config(
     for name in sorted(env):
         if not name.startswith(ENV_PREFIX) or name in known_env:
             continue
-        if name[len(ENV_PREFIX) :] in CLIENT_ENV_SUFFIXES or name == ENV_PREFIX + "TOKEN":
+        if name.startswith(CLIENT_ENV_PREFIX) or name in CLIENT_ENV_NAMES:
             continue
         hint = difflib.get_close_matches(name, all_names, n=1)
         warnings.append(
@@ -829,6 +900,7 @@ def load_config(
         )
 
     values: dict[str, Any] = {}
+    explicit: set[str] = set()
     for s in SETTINGS:
         raw: Any
         if s.name in cli:
@@ -850,6 +922,7 @@ def load_config(
         if s.path_like and from_toml and toml_path is not None and not value.is_absolute():
             value = toml_path.parent / value
         values[s.name] = value
+        explicit.add(s.name)
 
     limits = ServerLimits(**{name: values.pop(name) for name in _LIMIT_NAMES})
     fields = {_RENAMED.get(k, k): v for k, v in values.items()}
@@ -860,7 +933,8 @@ def load_config(
         warnings=tuple(warnings),
     )
     _validate(config)
-    return config
+    warnings.extend(_resource_warnings(config, explicit))
+    return dataclasses.replace(config, warnings=tuple(warnings))
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -891,6 +965,10 @@ def _validate(c: ServerConfig) -> None:
 
     if c.resp_addr is not None and c.resp_addr.port != 0 and c.resp_addr == c.addr:
         fail("resp_addr", f"same address as addr (got '{c.resp_addr}')")
+    for name in ("persist_dir", "epoch_dir"):
+        path = getattr(c, name)
+        if path is not None and path.exists() and not path.is_dir():
+            fail(name, f"not a directory (got '{path}')")
 
     # TLS
     if (c.tls_cert is None) != (c.tls_key is None):
@@ -911,6 +989,10 @@ def _validate(c: ServerConfig) -> None:
         path = getattr(c, name)
         if path is not None and not path.is_file():
             fail(name, f"file not found (got '{path}')")
+        if path is not None and not os.access(path, os.R_OK):
+            fail(name, f"file not readable by this user (got '{path}')")
+    if c.tls_cert is not None and c.tls_key is not None:
+        _check_tls_files(c.tls_cert, c.tls_key, c.tls_client_ca)
 
     # JWT
     if c.jwt_secret is not None and c.jwt_secret_file is not None:
@@ -947,6 +1029,117 @@ def _validate(c: ServerConfig) -> None:
 
     if c.store_threads > 1024:
         fail("store_threads", f"expected at most 1024 (got {c.store_threads})")
+
+
+def check_listeners(c: ServerConfig) -> None:
+    """The bind rule for both listeners (`serve` runs it before creating any file)."""
+    check_bind(c.addr, flag="--addr", tls=c.tls_enabled, allow_insecure_bind=c.allow_insecure_bind)
+    if c.resp_addr is not None:
+        check_bind(
+            c.resp_addr,
+            flag="--resp-addr",
+            tls=c.tls_enabled,
+            allow_insecure_bind=c.allow_insecure_bind,
+        )
+
+
+def check_bind(addr: Address, *, flag: str, tls: bool, allow_insecure_bind: bool) -> None:
+    """Refuse a plaintext listener on a non-loopback address unless explicitly allowed."""
+    if tls or allow_insecure_bind or addr.is_loopback:
+        return
+    raise ConfigurationError(
+        f"invalid {flag.removeprefix('--').replace('-', '_')}: refusing to listen on {addr} "
+        f"({flag}) without TLS; set --tls-cert and --tls-key, bind a loopback address, "
+        "or pass --allow-insecure-bind"
+    )
+
+
+_PEM_CERT = b"-----BEGIN CERTIFICATE-----"
+_PEM_KEY = re.compile(rb"-----BEGIN (?:[A-Z]+ )?PRIVATE KEY-----")
+
+
+def _check_tls_files(cert: Path, key: Path, client_ca: Path | None) -> None:
+    """Load the certificate and key the way the listeners will; name the setting at fault."""
+    cert_pem, key_pem = cert.read_bytes(), key.read_bytes()
+    cert_has_cert, key_has_key = _PEM_CERT in cert_pem, bool(_PEM_KEY.search(key_pem))
+    if not cert_has_cert and not key_has_key and _PEM_KEY.search(cert_pem) and _PEM_CERT in key_pem:
+        raise ConfigurationError(
+            f"invalid tls_cert/tls_key: swapped: tls_cert '{cert}' holds a private key and "
+            f"tls_key '{key}' a certificate"
+        )
+    if not cert_has_cert:
+        raise ConfigurationError(f"invalid tls_cert: no PEM certificate in '{cert}'")
+    if not key_has_key and not _PEM_KEY.search(cert_pem):
+        raise ConfigurationError(f"invalid tls_key: no PEM private key in '{key}'")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(certfile=str(cert), keyfile=str(key))
+    except ssl.SSLError as exc:
+        why = (
+            "the key does not belong to the certificate"
+            if "KEY_VALUES_MISMATCH" in str(exc)
+            else f"cannot be loaded ({exc.reason or exc})"
+        )
+        raise ConfigurationError(
+            f"invalid tls_key: '{key}' with tls_cert '{cert}': {why}"
+        ) from None
+    if client_ca is not None:
+        try:
+            ctx.load_verify_locations(cafile=str(client_ca))
+        except ssl.SSLError as exc:
+            raise ConfigurationError(
+                f"invalid tls_client_ca: no usable CA certificate in '{client_ca}' "
+                f"({exc.reason or exc})"
+            ) from None
+
+
+def _memory_limit_bytes() -> int | None:
+    """RAM this process may use: the cgroup limit when there is one, else physical RAM."""
+    try:
+        raw = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if raw.isdigit():
+            return int(raw)
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError):
+        return None
+
+
+def _disk_size_bytes(path: Path) -> int | None:
+    """Size of the file system that holds `path` (or its nearest existing parent)."""
+    probe = path.absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return shutil.disk_usage(probe).total
+    except OSError:
+        return None
+
+
+def _resource_warnings(c: ServerConfig, explicit: set[str]) -> list[str]:
+    """Settings that are valid but cannot work as written on this machine."""
+    out: list[str] = []
+    ram = _memory_limit_bytes()
+    tiers = c.hot_capacity_bytes + c.warm_capacity_bytes
+    if ram is not None and tiers > ram:
+        out.append(
+            f"hot_capacity_bytes + warm_capacity_bytes = {format_size(tiers)} exceed this "
+            f"machine's memory ({format_size(ram)}): the tiers will never fill, the kernel "
+            "will kill the server first"
+        )
+    if c.backend == "durable":
+        disk = _disk_size_bytes(c.persist_dir)
+        if disk is not None and c.cold_capacity_bytes > disk:
+            out.append(
+                f"cold_capacity_bytes = {format_size(c.cold_capacity_bytes)} exceeds the file "
+                f"system of persist_dir '{c.persist_dir}' ({format_size(disk)}): writes will "
+                "fail with disk full before the cold tier evicts"
+            )
+    elif "cold_capacity_bytes" in explicit:
+        out.append("cold_capacity_bytes is ignored with backend 'memory' (there is no disk tier)")
+    return out
 
 
 def check_hmac_secret(secret: bytes, algorithms: Sequence[str]) -> None:

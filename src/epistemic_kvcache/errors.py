@@ -56,12 +56,28 @@ class CapacityError(StoreError):
     """The block cannot fit: every block that could make room is pinned (HTTP 507)."""
 
 
+class QuotaExceededError(CapacityError):
+    """A tenant reached one of its own limits (`resource`: "keys", "pins", "snapshots",
+    "epoch_scopes"). Other tenants are unaffected; free some of that resource and retry."""
+
+    def __init__(self, message: str, *, resource: str) -> None:
+        super().__init__(message)
+        self.resource = resource
+
+
 class DiskFullError(StoreError):
     """The disk has no space (ENOSPC). Nothing was acknowledged; retry once space returns."""
 
 
 class StorageIOError(StoreError):
     """A write or sync to disk failed (EIO, ...). Nothing was acknowledged."""
+
+
+class StoreFaultError(StoreError):
+    """The store hit an unexpected internal fault and turned read-only until restarted.
+
+    Reads keep working; every write fails at once with this error (HTTP 503, RESP -ERR).
+    The log says why, once."""
 
 
 class StoreClosedError(StoreError):

@@ -6,8 +6,9 @@ from epistemic_kvcache.client.backend import (
     PutOutcome,
 )
 from epistemic_kvcache.client.breaker import CircuitBreaker
-from epistemic_kvcache.client.config import KvCacheConfig, is_loopback_host
+from epistemic_kvcache.client.config import KvCacheConfig
 from epistemic_kvcache.client.stats import ClientCounters, KvCacheStats, TierOccupancy
+from epistemic_kvcache.shared import is_loopback_host
 
 __all__ = [
     "CircuitBreaker",

@@ -59,20 +59,24 @@ from epistemic_kvcache.errors import (
 )
 from epistemic_kvcache.graph import Edge, PageInResult
 from epistemic_kvcache.proto.http import encode_batch_put_request, quote_key
-from epistemic_kvcache.store.api import BranchInfo, SnapshotInfo, validate_key
+from epistemic_kvcache.shared import (
+    DEFAULT_LIMITS,
+    RESERVED_SEGMENTS,
+    BranchInfo,
+    SnapshotInfo,
+    validate_key,
+)
 
 log = logging.getLogger(__name__)
 
 Buffer = bytes | bytearray | memoryview
 
 BATCH_CONTENT_TYPE = "application/x-kvcache-batch"
-MAX_BATCH_KEYS = 1024
+MAX_BATCH_KEYS = DEFAULT_LIMITS.max_batch_keys
 """Server default `max_batch_keys`; larger batches are split."""
-MAX_BATCH_PUT_BYTES = 256 * 1024 * 1024
+MAX_BATCH_PUT_BYTES = DEFAULT_LIMITS.max_batch_bytes
 """Split batch PUT bodies, and batch GETs into caller buffers, at this many block bytes
 (the server's default `max_batch_bytes`; a larger batch is refused with 413)."""
-RESERVED_SEGMENTS = frozenset({"stats", "batch", "snapshot", "branch", "epoch", "page-in", "keys"})
-"""`/kv/<segment>` route names; such keys are sent through the batch routes."""
 _SKIP_CHUNK = 1024 * 1024
 _LOG_INTERVAL_S = 10.0
 _U32 = struct.Struct(">I")

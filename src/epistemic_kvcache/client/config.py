@@ -15,7 +15,8 @@ rather than on the first cache miss:
 
 from __future__ import annotations
 
-import ipaddress
+import difflib
+import logging
 import os
 import urllib.parse
 from collections.abc import Mapping
@@ -23,20 +24,56 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from epistemic_kvcache.errors import ConfigurationError
+from epistemic_kvcache.shared import DEFAULT_HOST, DEFAULT_HTTP_PORT, is_loopback_host
 
-ENV_URL = "EPISTEMIC_GRAPH_KVCACHE_URL"
-ENV_ADDR = "EPISTEMIC_GRAPH_KVCACHE_ADDR"
-ENV_TOKEN = "EPISTEMIC_GRAPH_KVCACHE_TOKEN"  # noqa: S105 - a variable name
-ENV_CLIENT_CERT = "EPISTEMIC_GRAPH_KVCACHE_CLIENT_CERT"
-ENV_CLIENT_KEY = "EPISTEMIC_GRAPH_KVCACHE_CLIENT_KEY"
-ENV_CONNECT_TIMEOUT = "EPISTEMIC_GRAPH_KVCACHE_CONNECT_TIMEOUT_S"
-ENV_READ_TIMEOUT = "EPISTEMIC_GRAPH_KVCACHE_READ_TIMEOUT_S"
-ENV_MAX_CONNECTIONS = "EPISTEMIC_GRAPH_KVCACHE_MAX_CONNECTIONS"
-ENV_LOOKUP_TIMEOUT = "EPISTEMIC_GRAPH_KVCACHE_CLIENT_LOOKUP_TIMEOUT_S"
-ENV_BREAKER_MAX_BACKOFF = "EPISTEMIC_GRAPH_KVCACHE_CLIENT_BREAKER_MAX_BACKOFF_S"
-ENV_ALLOW_INSECURE_HTTP = "EPISTEMIC_GRAPH_KVCACHE_CLIENT_ALLOW_INSECURE_HTTP"
+log = logging.getLogger(__name__)
 
-DEFAULT_ADDR = "127.0.0.1:9130"
+ENV_PREFIX = "EPISTEMIC_GRAPH_KVCACHE_"
+CLIENT_ENV_PREFIX = ENV_PREFIX + "CLIENT_"
+"""Client-only variables live under this prefix; the server never reads them."""
+
+# Shared on purpose with the server: where the server is, and the token.
+ENV_URL = ENV_PREFIX + "URL"
+ENV_ADDR = ENV_PREFIX + "ADDR"
+ENV_TOKEN = ENV_PREFIX + "TOKEN"
+# Client only.
+ENV_TOKEN_FILE = CLIENT_ENV_PREFIX + "TOKEN_FILE"
+ENV_CLIENT_CERT = CLIENT_ENV_PREFIX + "CERT"
+ENV_CLIENT_KEY = CLIENT_ENV_PREFIX + "KEY"
+ENV_CONNECT_TIMEOUT = CLIENT_ENV_PREFIX + "CONNECT_TIMEOUT_S"
+ENV_READ_TIMEOUT = CLIENT_ENV_PREFIX + "READ_TIMEOUT_S"
+ENV_MAX_CONNECTIONS = CLIENT_ENV_PREFIX + "MAX_CONNECTIONS"
+ENV_LOOKUP_TIMEOUT = CLIENT_ENV_PREFIX + "LOOKUP_TIMEOUT_S"
+ENV_BREAKER_MAX_BACKOFF = CLIENT_ENV_PREFIX + "BREAKER_MAX_BACKOFF_S"
+ENV_ALLOW_INSECURE_HTTP = CLIENT_ENV_PREFIX + "ALLOW_INSECURE_HTTP"
+
+DEPRECATED_ENV = {
+    ENV_PREFIX + "CONNECT_TIMEOUT_S": ENV_CONNECT_TIMEOUT,
+    ENV_PREFIX + "READ_TIMEOUT_S": ENV_READ_TIMEOUT,
+    ENV_PREFIX + "MAX_CONNECTIONS": ENV_MAX_CONNECTIONS,
+}
+"""Old client names -> new ones. Still read (when the new one is unset), with a warning;
+`EPISTEMIC_GRAPH_KVCACHE_MAX_CONNECTIONS` is also the server's connection limit."""
+
+CLIENT_ENV_NAMES = (
+    ENV_URL,
+    ENV_ADDR,
+    ENV_TOKEN,
+    ENV_TOKEN_FILE,
+    ENV_CLIENT_CERT,
+    ENV_CLIENT_KEY,
+    ENV_CONNECT_TIMEOUT,
+    ENV_READ_TIMEOUT,
+    ENV_MAX_CONNECTIONS,
+    ENV_LOOKUP_TIMEOUT,
+    ENV_BREAKER_MAX_BACKOFF,
+    ENV_ALLOW_INSECURE_HTTP,
+)
+"""Every `EPISTEMIC_GRAPH_KVCACHE_*` variable `KvCacheConfig.from_env` reads
+(docs/configuration.md lists them); plus `SSL_CERT_FILE`, `REQUESTS_CA_BUNDLE`,
+`SSL_CERT_DIR` for trust roots."""
+
+DEFAULT_ADDR = f"{DEFAULT_HOST}:{DEFAULT_HTTP_PORT}"
 DEFAULT_CONNECT_TIMEOUT_S = 2.0
 """Connecting on a LAN takes well under a millisecond; 2 s means the server is not there."""
 DEFAULT_READ_TIMEOUT_S = 2.0
@@ -55,19 +92,19 @@ DEFAULT_MAX_CONNECTIONS = 16
 """Keep-alive connections kept per client; one per concurrently requesting thread."""
 
 
-def is_loopback_host(host: str) -> bool:
-    """True for exactly `localhost` and loopback IP literals (IPv4 127/8, IPv6 ::1).
-
-    Not `*.localhost`: glibc resolves such names through DNS like any other, so a plain
-    http:// request (and its bearer token) could leave the machine.
-    """
-    h = host.strip("[]").lower()
-    if h == "localhost":
-        return True
+def read_token_file(path: str, setting: str) -> str:
+    """The token in `path`: its first non-empty, non-comment line (a mounted secret)."""
     try:
-        return ipaddress.ip_address(h).is_loopback
-    except ValueError:
-        return False
+        with open(path, encoding="utf-8") as f:
+            lines = [line.strip() for line in f]
+    except OSError as exc:
+        raise ConfigurationError(
+            f"invalid {setting}: cannot read {path!r} ({exc.strerror})"
+        ) from None
+    for line in lines:
+        if line and not line.startswith("#"):
+            return line.split()[0]
+    raise ConfigurationError(f"invalid {setting}: no token in {path!r}")
 
 
 def url_from_addr(addr: str) -> str:
@@ -221,7 +258,7 @@ class KvCacheConfig:
     # -- construction -------------------------------------------------------------------
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> KvCacheConfig:
-        """Build from the environment (DESIGN.md §1); keyword arguments win over it.
+        """Build from the environment (docs/configuration.md); keyword arguments win over it.
 
         `EPISTEMIC_GRAPH_KVCACHE_URL` wins over `_ADDR` (`host:port`; loopback hosts get
         `http://`, others `https://`). Trust roots: `SSL_CERT_FILE`, else
@@ -241,6 +278,9 @@ class KvCacheConfig:
         else:
             kwargs["base_url"] = url_from_addr(addr or DEFAULT_ADDR)
         kwargs["token"] = get(ENV_TOKEN)
+        token_file = get(ENV_TOKEN_FILE)
+        if kwargs["token"] is None and token_file is not None:
+            kwargs["token"] = read_token_file(token_file, ENV_TOKEN_FILE)
         kwargs["client_cert"] = get(ENV_CLIENT_CERT)
         kwargs["client_key"] = get(ENV_CLIENT_KEY)
         kwargs["ca_file"] = get("SSL_CERT_FILE") or get("REQUESTS_CA_BUNDLE")
@@ -252,14 +292,22 @@ class KvCacheConfig:
             (ENV_LOOKUP_TIMEOUT, "lookup_timeout_s", float),
             (ENV_BREAKER_MAX_BACKOFF, "breaker_max_backoff_s", float),
         ):
+            source = env_name
             raw = get(env_name)
             if raw is None:
-                continue
+                old = next((o for o, n in DEPRECATED_ENV.items() if n == env_name), None)
+                if old is None:
+                    continue
+                raw = get(old)
+                if raw is None:
+                    continue
+                log.warning("%s is deprecated for the client: set %s instead", old, env_name)
+                source = old
             try:
                 kwargs[key] = conv(raw)
             except ValueError as exc:
                 raise ConfigurationError(
-                    f"invalid {env_name}: expected a number (got {raw!r})"
+                    f"invalid {source}: expected a number (got {raw!r})"
                 ) from exc
         insecure = get(ENV_ALLOW_INSECURE_HTTP)
         if insecure is not None:
@@ -268,6 +316,15 @@ class KvCacheConfig:
                     f"invalid {ENV_ALLOW_INSECURE_HTTP}: expected true or false (got {insecure!r})"
                 )
             kwargs["allow_insecure_http"] = insecure.lower() in ("1", "true", "yes")
+        known = set(CLIENT_ENV_NAMES)
+        for name in sorted(env):
+            if name.startswith(CLIENT_ENV_PREFIX) and name not in known:
+                hint = difflib.get_close_matches(name, CLIENT_ENV_NAMES, n=1)
+                log.warning(
+                    "unknown environment variable %s ignored%s",
+                    name,
+                    f" (did you mean {hint[0]}?)" if hint else "",
+                )
         kwargs.update(overrides)
         if kwargs.get("base_url") is None:
             del kwargs["base_url"]

@@ -1,10 +1,16 @@
-"""Typed views of `/kv/stats` and of the client's own counters."""
+"""Typed views of `/kv/stats` and of the client's own counters.
+
+The field lists are `shared.STATS_FIELDS` / `shared.TIER_FIELDS` (the server writes the
+same ones); a test keeps these dataclasses in step with them.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from epistemic_kvcache.shared import STATS_FIELDS, TIER_FIELDS
 
 
 def _int(d: Mapping[str, Any], name: str) -> int:
@@ -33,10 +39,7 @@ class TierOccupancy:
         """Parse one entry of the `tiers` object (missing fields read as 0)."""
         ratio = d.get("compression_ratio", 1.0)
         return cls(
-            blocks=_int(d, "blocks"),
-            bytes=_int(d, "bytes"),
-            capacity_bytes=_int(d, "capacity_bytes"),
-            logical_bytes=_int(d, "logical_bytes"),
+            **{f.name: _int(d, f.name) for f in TIER_FIELDS},
             compression_ratio=float(ratio) if isinstance(ratio, int | float) else 1.0,
         )
 
@@ -54,6 +57,7 @@ class KvCacheStats:
     dedup_hits: int = 0
     put_new: int = 0
     put_conflicts: int = 0
+    put_replaced: int = 0
     get_hits: int = 0
     get_misses: int = 0
     stale_missed: int = 0
@@ -76,24 +80,10 @@ class KvCacheStats:
             if isinstance(t, Mapping)
         }
         ns = d.get("namespace", "")
+        counts = {f.name: _int(d, f.name) for f in STATS_FIELDS}
         return cls(
             namespace=ns if isinstance(ns, str) else str(ns),
-            unique_blocks=_int(d, "unique_blocks"),
-            total_refs=_int(d, "total_refs"),
-            logical_bytes=_int(d, "logical_bytes"),
-            resident_bytes=_int(d, "resident_bytes"),
-            dedup_savings_bytes=_int(d, "dedup_savings_bytes"),
-            dedup_hits=_int(d, "dedup_hits"),
-            put_new=_int(d, "put_new"),
-            put_conflicts=_int(d, "put_conflicts"),
-            get_hits=_int(d, "get_hits"),
-            get_misses=_int(d, "get_misses"),
-            stale_missed=_int(d, "stale_missed"),
-            integrity_failures=_int(d, "integrity_failures"),
-            evictions=_int(d, "evictions"),
-            promotions=_int(d, "promotions"),
-            demotions=_int(d, "demotions"),
-            pinned_blocks=_int(d, "pinned_blocks"),
+            **counts,
             tiers=tiers,
             raw=dict(d),
         )

@@ -24,11 +24,10 @@ from email.utils import formatdate
 from urllib.parse import quote, unquote_to_bytes
 
 from epistemic_kvcache.errors import RemoteProtocolError
+from epistemic_kvcache.shared import MAX_KEY_BYTES, RESERVED_SEGMENTS
 
 Buffer = bytes | bytearray | memoryview
 
-MAX_KEY_BYTES = 1024
-"""Same bound as the store (`store.api.MAX_KEY_BYTES`)."""
 
 BATCH_CONTENT_TYPE = "application/x-kvcache-batch"
 JSON_CONTENT_TYPE = "application/json"
@@ -95,7 +94,7 @@ _FIXED_ROUTES = {
     b"/kv/batch/get": ROUTE_BATCH_GET,
     b"/kv/batch/put": ROUTE_BATCH_PUT,
 }
-_RESERVED_SEGMENTS = (b"stats", b"batch", b"snapshot", b"branch", b"epoch", b"page-in", b"keys")
+_RESERVED_SEGMENTS = tuple(sorted(s.encode() for s in RESERVED_SEGMENTS))
 """First segments under `/kv/` that name routes, not keys."""
 _ESCAPED_KEYS = (*_RESERVED_SEGMENTS, b"fork")
 """Keys `quote_key` sends with a letter encoded (`fork`: `/kv/snapshot/<id>/fork`)."""

@@ -211,7 +211,9 @@ def build_store(config: ServerConfig) -> SharedKvBackend:
         options.pop("cold_capacity_bytes")
         return SharedKvIndex(**options)
     epoch_dir = config.epoch_dir if config.epoch_dir is not None else config.persist_dir / "epochs"
-    return SharedKvStoreBackend(config.persist_dir, epoch_dir=epoch_dir, **options)
+    return SharedKvStoreBackend(
+        config.persist_dir, epoch_dir=epoch_dir, **options, **config.durable_options()
+    )
 
 
 def human_size(n: int) -> str:

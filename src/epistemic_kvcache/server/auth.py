@@ -49,7 +49,7 @@ from epistemic_kvcache.config import (
 )
 from epistemic_kvcache.errors import AuthError, ConfigurationError, InvalidKeyError
 from epistemic_kvcache.server.context import Identity
-from epistemic_kvcache.store.api import validate_namespace
+from epistemic_kvcache.shared import validate_namespace
 
 log = logging.getLogger(__name__)
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
+from epistemic_kvcache.shared import ServerLimits
 from epistemic_kvcache.store.api import Buffer, PutResult, SharedKvBackend
 from epistemic_kvcache.store.engine import WOULD_BLOCK, TieredEngine, WouldBlock
 
@@ -25,8 +26,6 @@ if TYPE_CHECKING:
     from epistemic_kvcache.server.metrics import Metrics
 
 T = TypeVar("T")
-
-MiB = 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,41 +45,6 @@ class Authenticator(Protocol):
     """
 
     def authenticate(self, credential: str) -> Identity: ...
-
-
-@dataclass(frozen=True, slots=True)
-class ServerLimits:
-    """Bounds on everything a client can make the server hold. Defaults say why."""
-
-    max_block_bytes: int = 128 * MiB
-    """Llama-3-70B 256-token chunks are ~80 MiB; leave headroom, refuse the absurd."""
-    max_header_bytes: int = 16 * 1024
-    """Total request head size (nginx default large_client_header_buffers is 4x8 KiB)."""
-    max_headers: int = 100
-    """Header count (node.js maxHeadersCount defaults to 2000; we need a handful)."""
-    request_timeout_s: float = 60.0
-    """Deadline to receive one whole request once its first byte arrived (slowloris)."""
-    idle_timeout_s: float = 300.0
-    """Keep-alive connections idle this long are closed."""
-    auth_timeout_s: float = 10.0
-    """A connection not authenticated this long after it opened is closed, so that
-    anonymous peers cannot hold every connection slot (HTTP: no request with valid
-    credentials yet; RESP: no successful AUTH/HELLO)."""
-    max_connections: int = 1024
-    """Open connections per listener; more are accepted and closed at once."""
-    max_batch_keys: int = 1024
-    max_batch_bytes: int = 256 * MiB
-    """A batch is one request body held whole in RAM: 256 MiB is 1024 keys of 256 KiB."""
-    max_inflight_body_bytes: int = 2048 * MiB
-    """Bytes all request bodies (HTTP) and large bulks (RESP) being received may hold
-    together, server-wide. Each is allocated whole once its head is accepted, so without
-    this a few header-only requests could make the server allocate gigabytes."""
-    resp_unauthenticated_max_args: int = 10
-    """Before AUTH: at most this many arguments, command name included (Redis'
-    CVE-2021-32675 limit; `HELLO 3 AUTH <user> <pass> SETNAME <name>` needs 7)."""
-    resp_unauthenticated_max_bulk_bytes: int = 4096
-    resp_max_args: int = 1024 * 1024
-    """Redis' own multibulk limit is 1024*1024 arguments."""
 
 
 EpochCallback = Callable[[str, int], None]

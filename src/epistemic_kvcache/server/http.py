@@ -78,7 +78,8 @@ from epistemic_kvcache.proto.http import (
 )
 from epistemic_kvcache.server import routes_engine
 from epistemic_kvcache.server.context import Identity, ServerContext
-from epistemic_kvcache.store.api import MAX_KEY_BYTES, Buffer, PutOutcome, validate_key
+from epistemic_kvcache.shared import MAX_KEY_BYTES, validate_key
+from epistemic_kvcache.store.api import Buffer, PutOutcome
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,9 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _OUTCOME_WORD = {
     PutOutcome.NEW: "created",
     PutOutcome.DUPLICATE: "duplicate",
+    PutOutcome.REPLACED: "replaced",
     PutOutcome.CONFLICT: "conflict",
+    PutOutcome.MISSING: "missing",
 }
 
 

@@ -10,15 +10,26 @@ path pays nothing for them. `render()` calls the store: run it off the event loo
 from __future__ import annotations
 
 import logging
+import platform
 import re
 import threading
 from collections.abc import Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+)
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from epistemic_kvcache._version import __version__
+from epistemic_kvcache.shared import STATS_FIELDS, TIER_FIELDS
 from epistemic_kvcache.store.api import SharedKvBackend, StoreStats
 
 log = logging.getLogger(__name__)
@@ -47,34 +58,41 @@ LATENCY_BUCKETS_S = (
 )
 """Cache hits take well under a millisecond; a 80 MiB block over a slow link, seconds."""
 
-# StoreStats field -> (metric name without _total, help)
-_COUNTERS: tuple[tuple[str, str, str], ...] = (
-    ("get_hits", "kvcache_get_hits", "GETs that found their block."),
-    ("get_misses", "kvcache_get_misses", "GETs that found nothing."),
-    ("stale_missed", "kvcache_stale_missed", "GETs that found only a stale-epoch entry."),
-    ("dedup_hits", "kvcache_dedup_hits", "PUTs whose bytes were already stored."),
-    ("put_new", "kvcache_put_new", "PUTs that created a key."),
-    ("put_conflicts", "kvcache_put_conflicts", "PUTs of existing keys with other bytes."),
-    ("integrity_failures", "kvcache_integrity_failures", "Blocks failing their digest."),
-    ("evictions", "kvcache_evictions", "Blocks evicted."),
-    ("promotions", "kvcache_promotions", "Blocks promoted to a faster tier."),
-    ("demotions", "kvcache_demotions", "Blocks demoted to a slower tier."),
-)
-_GAUGES: tuple[tuple[str, str, str], ...] = (
-    ("unique_blocks", "kvcache_unique_blocks", "Distinct blobs stored."),
-    ("total_refs", "kvcache_total_refs", "Keys referencing blobs."),
-    ("logical_bytes", "kvcache_logical_bytes", "Bytes as seen by clients (sum over keys)."),
-    ("resident_bytes", "kvcache_resident_bytes", "Bytes physically held."),
-    ("dedup_savings_bytes", "kvcache_dedup_savings_bytes", "Bytes not stored thanks to dedup."),
-    ("pinned_blocks", "kvcache_pinned_blocks", "Blocks protected from eviction."),
-)
-_TIER_GAUGES: tuple[tuple[str, str, str], ...] = (
-    ("blocks", "kvcache_tier_blocks", "Blocks in the tier."),
-    ("bytes", "kvcache_tier_bytes", "Physical bytes in the tier."),
-    ("capacity_bytes", "kvcache_tier_capacity_bytes", "Configured capacity of the tier."),
-    ("logical_bytes", "kvcache_tier_logical_bytes", "Uncompressed bytes in the tier."),
+_STORE_INTERNAL: dict[str, tuple[str, str]] = {
+    "fsyncs": ("counter", "fsync/fdatasync calls made by the group committer."),
+    "commit_batches": ("counter", "Group commits (one sync each)."),
+    "committed_ops": ("counter", "Operations made durable by group commits."),
+    "write_failures": ("counter", "Segment writes or syncs that failed (never acknowledged)."),
+    "compactions": ("counter", "Segments compacted."),
+    "compacted_bytes": ("counter", "Bytes rewritten by compaction."),
+    "segments": ("gauge", "Segment files on disk."),
+    "segment_bytes": ("gauge", "Bytes in segment files on disk."),
+    "namespaces": ("gauge", "Namespaces holding at least one key."),
+}
+"""`StoreStats.extra` keys -> (type, help): exported as `kvcache_store_<key>` (counters with
+`_total`). Keys not listed here are exported as `kvcache_store_internal{name=...}`."""
+
+_HEALTH_GAUGES: tuple[tuple[str, str], ...] = (
+    ("ready", "1 when the store serves reads and writes (what /readyz reports)."),
+    ("writable", "0 when the store refuses writes (disk full, fault, recovering)."),
+    ("committer_alive", "0 when the durable store's group committer has died (store fault)."),
+    ("disk_full", "1 while the persist dir's file system is full."),
+    ("recovering", "1 while the store rebuilds its index at start-up."),
 )
 _NAME_OK = re.compile(r"[^a-zA-Z0-9_]")
+
+
+HTTP_OK_CODES = frozenset({"404", "409", "412"})
+"""HTTP answers that are outcomes, not failures: a miss (404), a refused conditional or
+first-write-wins PUT (409/412). RESP answers them without an error too (nil, 0)."""
+
+
+def status_label(status: str) -> str:
+    """`ok` or `error`, the same on both wires: HTTP < 400 (and the outcomes in
+    `HTTP_OK_CODES`) are `ok`; RESP passes `ok` / `error` through."""
+    if status.isdigit():
+        return "ok" if int(status) < 400 or status in HTTP_OK_CODES else "error"
+    return "ok" if status == "ok" else "error"
 
 
 class _StoreCollector(Collector):
@@ -97,6 +115,7 @@ class _StoreCollector(Collector):
         up.add_metric([], 1)
         yield up
         yield from self._stats_metrics(stats)
+        yield from self._health_metrics()
         yield from self._connection_metrics()
 
     def describe(self) -> Iterator[Metric]:
@@ -105,14 +124,16 @@ class _StoreCollector(Collector):
 
     @staticmethod
     def _stats_metrics(stats: StoreStats) -> Iterator[Metric]:
-        for attr, name, doc in _COUNTERS:
-            yield CounterMetricFamily(name, doc, value=getattr(stats, attr))
-        for attr, name, doc in _GAUGES:
-            yield GaugeMetricFamily(name, doc, value=getattr(stats, attr))
-        for attr, name, doc in _TIER_GAUGES:
-            fam = GaugeMetricFamily(name, doc, labels=["tier"])
+        for f in STATS_FIELDS:
+            value = getattr(stats, f.name)
+            if f.kind == "counter":
+                yield CounterMetricFamily(f"kvcache_{f.name}", f.help, value=value)
+            else:
+                yield GaugeMetricFamily(f"kvcache_{f.name}", f.help, value=value)
+        for f in TIER_FIELDS:
+            fam = GaugeMetricFamily(f"kvcache_tier_{f.name}", f.help, labels=["tier"])
             for tier, ts in sorted(stats.tiers.items()):
-                fam.add_metric([tier], getattr(ts, attr))
+                fam.add_metric([tier], getattr(ts, f.name))
             yield fam
         ratio = GaugeMetricFamily(
             "kvcache_tier_compression_ratio", "Physical / logical bytes.", labels=["tier"]
@@ -120,13 +141,34 @@ class _StoreCollector(Collector):
         for tier, ts in sorted(stats.tiers.items()):
             ratio.add_metric([tier], ts.compression_ratio)
         yield ratio
-        if stats.extra:
-            extra = GaugeMetricFamily(
-                "kvcache_store_internal", "Store-wide internal counters.", labels=["name"]
-            )
-            for key, value in sorted(stats.extra.items()):
-                extra.add_metric([_NAME_OK.sub("_", key)], value)
-            yield extra
+        unknown = GaugeMetricFamily(
+            "kvcache_store_internal", "Other store-wide internal values.", labels=["name"]
+        )
+        for key, value in sorted(stats.extra.items()):
+            known = _STORE_INTERNAL.get(key)
+            if known is None:
+                unknown.add_metric([_NAME_OK.sub("_", key)], value)
+            elif known[0] == "counter":
+                yield CounterMetricFamily(f"kvcache_store_{key}", known[1], value=value)
+            else:
+                yield GaugeMetricFamily(f"kvcache_store_{key}", known[1], value=value)
+        if unknown.samples:
+            yield unknown
+
+    def _health_metrics(self) -> Iterator[Metric]:
+        """`store.health()` as 0/1 gauges (stores that offer it)."""
+        health_of = getattr(self._store, "health", None)
+        if health_of is None:
+            return
+        try:
+            health = health_of()
+        except Exception as exc:
+            log.warning("store health unavailable for /metrics: %s", exc)
+            return
+        for attr, doc in _HEALTH_GAUGES:
+            value = getattr(health, attr, None)
+            if isinstance(value, bool):
+                yield GaugeMetricFamily(f"kvcache_store_{attr}", doc, value=int(value))
 
     def _connection_metrics(self) -> Iterator[Metric]:
         conns = self.connections
@@ -145,14 +187,14 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self._requests = Counter(
             "kvcache_requests",
-            "Requests answered, by wire, route and status.",
-            ["wire", "route", "status"],
+            "Requests answered, by wire, route, status (ok/error) and HTTP code.",
+            ["wire", "route", "status", "code"],
             registry=self.registry,
         )
         self._latency = Histogram(
             "kvcache_request_duration_seconds",
             "Time from a request's first byte to its response being queued for sending.",
-            ["wire", "route", "status"],
+            ["wire", "route", "status", "code"],
             buckets=LATENCY_BUCKETS_S,
             registry=self.registry,
         )
@@ -160,17 +202,27 @@ class Metrics:
         self._children: dict[tuple[str, str, str], tuple[Counter, Histogram]] = {}
         self._store_collector = _StoreCollector(store)
         self.registry.register(self._store_collector)
+        build = Info("kvcache_build", "The running server's version.", registry=self.registry)
+        build.info({"version": __version__, "python": platform.python_version()})
+        # process_* (CPU, RSS, open fds, start time), python_info, python_gc_*.
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
         self._lock = threading.Lock()
 
     def observe_request(self, wire: str, route: str, status: str, seconds: float) -> None:
-        """Count one answered request. `route` is a template (`/kv/{key}`, `GET`, ...)."""
-        children = self._children.get((wire, route, status))
+        """Count one answered request. `route` is a template (`/kv/{key}`, `GET`, ...).
+
+        `status` is what the wire reports: an HTTP status code (`"201"`) or a RESP
+        outcome (`"ok"` / `"error"`); the exported label is `status_label(status)`, the
+        same two values on both wires, and HTTP keeps its code in the `code` label.
+        """
+        key = (wire, route, status)
+        children = self._children.get(key)
         if children is None:
-            children = (
-                self._requests.labels(wire, route, status),
-                self._latency.labels(wire, route, status),
-            )
-            self._children[(wire, route, status)] = children
+            labels = (wire, route, status_label(status), status if status.isdigit() else "")
+            children = (self._requests.labels(*labels), self._latency.labels(*labels))
+            self._children[key] = children
         children[0].inc()
         children[1].observe(max(seconds, 0.0))
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import re
 import secrets
@@ -80,7 +81,8 @@ from epistemic_kvcache.proto.resp import (
     serialize,
 )
 from epistemic_kvcache.server.context import Identity, ServerContext
-from epistemic_kvcache.store.api import MAX_KEY_BYTES, PutResult, SharedKvBackend
+from epistemic_kvcache.shared import MAX_KEY_BYTES
+from epistemic_kvcache.store.api import PutCond, PutResult, SharedKvBackend
 from epistemic_kvcache.store.engine import WOULD_BLOCK
 
 log = logging.getLogger(__name__)
@@ -1209,14 +1211,11 @@ def _set(c: RespConnection, cmd: Command) -> object:
     if get:
         old = c._call(store.get, ns, key)
     ok_reply: object = old if get else OK
-    if nx:
-        if get and old is not None:
-            return old
-        result = c._call(store.put, ns, key, cmd[2])
-        return ok_reply if result.created else None
-    if xx and not (old is not None or c._call(store.exists, ns, key)):
-        return None
-    c._call(store.put, ns, key, cmd[2])
+    cond: PutCond = "nx" if nx else "xx" if xx else None
+    put = store.put if cond is None else functools.partial(store.put, cond=cond)
+    result = c._call(put, ns, key, cmd[2])
+    if not result.applied:
+        return old if get else None
     return ok_reply
 
 

@@ -48,8 +48,8 @@ from epistemic_kvcache.proto.http import (
     route_id_segment,
 )
 from epistemic_kvcache.server.context import ServerContext
-from epistemic_kvcache.store.api import Buffer, PutOutcome, PutResult, SharedKvBackend, validate_key
-from epistemic_kvcache.store.engine import MAX_SCOPE_BYTES
+from epistemic_kvcache.shared import MAX_SCOPE_BYTES, validate_key
+from epistemic_kvcache.store.api import Buffer, PutOutcome, PutResult, SharedKvBackend
 
 EPOCH_SCOPE_HEADER = b"x-kv-epoch-scope"
 """`PUT /kv/<key>` with this header tags the entry with the scope's current epoch."""
@@ -73,7 +73,9 @@ DEFAULT_LIST_KEYS = 1000
 _OUTCOME_WORD = {
     PutOutcome.NEW: "created",
     PutOutcome.DUPLICATE: "duplicate",
+    PutOutcome.REPLACED: "replaced",
     PutOutcome.CONFLICT: "conflict",
+    PutOutcome.MISSING: "missing",
 }
 
 

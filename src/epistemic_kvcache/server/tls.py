@@ -12,7 +12,8 @@ from __future__ import annotations
 import ssl
 from pathlib import Path
 
-from epistemic_kvcache.config import Address, ServerConfig
+from epistemic_kvcache.config import ServerConfig
+from epistemic_kvcache.config import check_bind as check_bind  # noqa: PLC0414 - re-exported
 from epistemic_kvcache.errors import ConfigurationError
 
 
@@ -53,14 +54,3 @@ def ssl_context_from_config(config: ServerConfig) -> ssl.SSLContext | None:
     if config.tls_cert is None or config.tls_key is None:
         return None
     return server_ssl_context(config.tls_cert, config.tls_key, config.tls_client_ca)
-
-
-def check_bind(addr: Address, *, flag: str, tls: bool, allow_insecure_bind: bool) -> None:
-    """Refuse a plaintext listener on a non-loopback address unless explicitly allowed."""
-    if tls or allow_insecure_bind or addr.is_loopback:
-        return
-    raise ConfigurationError(
-        f"invalid {flag.removeprefix('--').replace('-', '_')}: refusing to listen on {addr} "
-        f"({flag}) without TLS; set --tls-cert and --tls-key, bind a loopback address, "
-        "or pass --allow-insecure-bind"
-    )

@@ -7,25 +7,30 @@ durable cold tier under a persist directory. Both implement `SharedKvBackend`.
 from epistemic_kvcache.store.api import (
     Buffer,
     ConsistencyReport,
+    PutCond,
     PutOutcome,
     PutResult,
     SharedKvBackend,
+    StoreHealth,
     StoreStats,
     TierStats,
 )
 from epistemic_kvcache.store.codec import WarmCodec
 from epistemic_kvcache.store.durable import DiskIO, SharedKvStoreBackend
-from epistemic_kvcache.store.engine import SharedKvIndex, digest_of
+from epistemic_kvcache.store.engine import digest_of
+from epistemic_kvcache.store.memory import SharedKvIndex
 
 __all__ = [
     "Buffer",
     "ConsistencyReport",
     "DiskIO",
+    "PutCond",
     "PutOutcome",
     "PutResult",
     "SharedKvBackend",
     "SharedKvIndex",
     "SharedKvStoreBackend",
+    "StoreHealth",
     "StoreStats",
     "TierStats",
     "WarmCodec",

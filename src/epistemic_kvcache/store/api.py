@@ -20,9 +20,15 @@ import enum
 import mmap
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from epistemic_kvcache.errors import InvalidKeyError
+# Re-exported for the store's modules; shared.py defines them once (the client uses them).
+from epistemic_kvcache.shared import MAX_KEY_BYTES as MAX_KEY_BYTES  # noqa: PLC0414
+from epistemic_kvcache.shared import MAX_NAMESPACE_BYTES as MAX_NAMESPACE_BYTES  # noqa: PLC0414
+from epistemic_kvcache.shared import BranchInfo as BranchInfo  # noqa: PLC0414
+from epistemic_kvcache.shared import SnapshotInfo as SnapshotInfo  # noqa: PLC0414
+from epistemic_kvcache.shared import validate_key as validate_key  # noqa: PLC0414
+from epistemic_kvcache.shared import validate_namespace as validate_namespace  # noqa: PLC0414
 
 Buffer = bytes | bytearray | memoryview
 
@@ -39,50 +45,32 @@ def owned_buffer(data: Buffer) -> Buffer:
     return data
 
 
-MAX_KEY_BYTES = 1024
-MAX_NAMESPACE_BYTES = 256
-
-
-def validate_key(key: str) -> bytes:
-    """Return the key's UTF-8 bytes, or raise `InvalidKeyError`."""
-    try:
-        raw = key.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidKeyError(f"invalid key: not valid UTF-8 ({exc.reason})") from exc
-    if not raw:
-        raise InvalidKeyError("invalid key: empty")
-    if len(raw) > MAX_KEY_BYTES:
-        raise InvalidKeyError(f"invalid key: {len(raw)} bytes, limit is {MAX_KEY_BYTES}")
-    return raw
-
-
-def validate_namespace(ns: str) -> bytes:
-    """Return the namespace's UTF-8 bytes, or raise `InvalidKeyError`."""
-    try:
-        raw = ns.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidKeyError(f"invalid namespace: not valid UTF-8 ({exc.reason})") from exc
-    if not raw or len(raw) > MAX_NAMESPACE_BYTES or b"\x00" in raw:
-        raise InvalidKeyError(
-            f"invalid namespace {ns!r}: expected 1..{MAX_NAMESPACE_BYTES} bytes without NUL"
-        )
-    return raw
+PutCond = Literal["nx", "xx"] | None
+"""A PUT's condition: `"nx"` create only (Redis `SET NX`, HTTP `If-None-Match: *`),
+`"xx"` replace only (Redis `SET XX`), None: create or replace."""
 
 
 class PutOutcome(enum.Enum):
-    """What a PUT did."""
+    """What a PUT did. A plain PUT of an existing key replaces it (Redis semantics)."""
 
     NEW = "new"
-    """The key was stored (its bytes may still have been deduplicated against another key)."""
+    """The key was created (its bytes may still have been deduplicated against another key)."""
     DUPLICATE = "duplicate"
-    """The key already held these exact bytes; nothing was stored."""
+    """The key already held these exact bytes; nothing was written."""
+    REPLACED = "replaced"
+    """The key held other bytes and now holds these (the old block's reference dropped;
+    snapshots keep the old bytes)."""
     CONFLICT = "conflict"
-    """The key already held different bytes; first write wins, the new bytes were dropped."""
+    """Refused: the key exists and the PUT was create-only (`nx`), or the tenant is
+    configured first-write-wins and the bytes differ. Nothing was written."""
+    MISSING = "missing"
+    """Refused: the PUT was replace-only (`xx`) and the key does not exist."""
 
 
 @dataclass(frozen=True, slots=True)
 class PutResult:
-    """Outcome of one PUT. `digest` is the BLAKE3 digest of the bytes now stored."""
+    """Outcome of one PUT. `digest` is the BLAKE3 digest of the bytes the key now holds
+    (the existing bytes when refused with CONFLICT; the offered bytes for MISSING)."""
 
     outcome: PutOutcome
     digest: bytes
@@ -92,6 +80,52 @@ class PutResult:
     def created(self) -> bool:
         """True when the key did not exist before (HTTP 201)."""
         return self.outcome is PutOutcome.NEW
+
+    @property
+    def applied(self) -> bool:
+        """True unless the PUT was refused (CONFLICT, MISSING): the key holds these bytes."""
+        return self.outcome not in (PutOutcome.CONFLICT, PutOutcome.MISSING)
+
+
+def decide_put(
+    existing: bytes | None, sdig: bytes, cond: PutCond, first_write_wins: bool
+) -> PutOutcome:
+    """The write rule, in one place: what a PUT of `sdig` does to a key holding
+    `existing` (None: absent, or stale under its epoch)."""
+    if existing is None:
+        return PutOutcome.MISSING if cond == "xx" else PutOutcome.NEW
+    if cond == "nx":
+        return PutOutcome.CONFLICT
+    if existing == sdig:
+        return PutOutcome.DUPLICATE
+    if first_write_wins and cond is None:
+        return PutOutcome.CONFLICT
+    return PutOutcome.REPLACED
+
+
+def validate_cond(cond: object) -> PutCond:
+    """`cond` if it is a valid `PutCond`, else ValueError."""
+    if cond not in (None, "nx", "xx"):
+        raise ValueError(f"invalid put condition: expected 'nx', 'xx' or None (got {cond!r})")
+    return cond
+
+
+@dataclass(frozen=True, slots=True)
+class StoreHealth:
+    """What a readiness probe needs to know (HTTP `/readyz`, RESP `INFO`)."""
+
+    ready: bool = True
+    """Serving reads and writes: recovery finished, writable."""
+    writable: bool = True
+    """Writes are accepted (false after a store fault, or while the disk is full)."""
+    committer_alive: bool = True
+    disk_full: bool = False
+    recovering: bool = False
+    reason: str | None = None
+    """Why not ready, in one line (None when ready)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass(slots=True)
@@ -122,6 +156,7 @@ class StoreStats:
     dedup_hits: int = 0
     put_new: int = 0
     put_conflicts: int = 0
+    put_replaced: int = 0
     get_hits: int = 0
     get_misses: int = 0
     stale_missed: int = 0
@@ -163,6 +198,8 @@ class ConsistencyReport:
     refcount_mismatches: list[str] = field(default_factory=list)
     corrupt_blobs: list[str] = field(default_factory=list)
     """Blobs whose bytes no longer match their digest (only with `deep=True`)."""
+    lost_keys: list[str] = field(default_factory=list)
+    """Keys (`ns/key`) whose bytes were gone when the store opened (served as misses)."""
 
     @property
     def ok(self) -> bool:
@@ -171,44 +208,8 @@ class ConsistencyReport:
             or self.orphan_blobs
             or self.refcount_mismatches
             or self.corrupt_blobs
+            or self.lost_keys
         )
-
-
-@dataclass(frozen=True, slots=True)
-class SnapshotInfo:
-    """An immutable set of `key -> digest` references of one namespace.
-
-    It holds a reference (and a pin) on every block it names, so they stay while it lives.
-    """
-
-    id: str
-    ns: str
-    keys: int
-    logical_bytes: int
-    created_at: float
-    expires_at: float | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True, slots=True)
-class BranchInfo:
-    """A copy-on-write overlay over a snapshot: reads fall through, writes stay here."""
-
-    id: str
-    ns: str
-    snapshot_id: str
-    created_at: float
-    private_keys: int
-    """Keys written in the branch overlay."""
-    private_bytes: int
-    """Bytes of overlay blocks the snapshot does not also reference."""
-    shared_bytes: int
-    """Bytes of the snapshot's blocks, shared with it (never copied)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class SharedKvBackend(abc.ABC):
@@ -218,8 +219,18 @@ class SharedKvBackend(abc.ABC):
 
     # -- single-key operations ---------------------------------------------------------
     @abc.abstractmethod
-    def put(self, ns: str, key: str, data: Buffer, *, epoch_scope: str | None = None) -> PutResult:
-        """Store `data` under `key`. Durable before it returns (durable backend).
+    def put(
+        self,
+        ns: str,
+        key: str,
+        data: Buffer,
+        *,
+        epoch_scope: str | None = None,
+        cond: PutCond = None,
+    ) -> PutResult:
+        """Store `data` under `key`, replacing what the key held (see `decide_put` and
+        `PutOutcome`; `cond` makes it create-only or replace-only). Durable before it
+        returns (durable backend).
 
         With `epoch_scope`, the entry is tagged with the scope's current epoch and goes
         stale (reads miss, `stale_missed` counts) once `epoch_bump(ns, scope)` runs; a
@@ -289,6 +300,15 @@ class SharedKvBackend(abc.ABC):
     def close(self) -> None:
         """Flush and release everything. Idempotent."""
 
+    @abc.abstractmethod
+    def flush(self, ns: str) -> int:
+        """Delete every key of the tenant namespace `ns` (per-tenant FLUSHDB); returns how
+        many went. Snapshots and branches keep their references (and so their bytes)."""
+
+    def health(self) -> StoreHealth:
+        """Readiness: recovered, writable, committer alive, disk not full."""
+        return StoreHealth()
+
     # -- snapshots and branches (DESIGN.md §2) --------------------------------------------
     @abc.abstractmethod
     def snapshot_create(
@@ -344,7 +364,7 @@ class SharedKvBackend(abc.ABC):
 
     @abc.abstractmethod
     def branch_put(self, ns: str, branch_id: str, key: str, data: Buffer) -> PutResult:
-        """Write into the overlay only (first write wins within the overlay).
+        """Write into the overlay only (a key written twice in the overlay is replaced).
 
         Raises `NotFoundError` when the branch does not exist."""
 
@@ -367,9 +387,11 @@ class SharedKvBackend(abc.ABC):
         has run."""
 
     # -- batch forms (one lock acquisition / one group commit where it matters) ---------
-    def put_many(self, ns: str, items: Sequence[tuple[str, Buffer]]) -> list[PutResult]:
+    def put_many(
+        self, ns: str, items: Sequence[tuple[str, Buffer]], *, cond: PutCond = None
+    ) -> list[PutResult]:
         """PUT each item; raises on the first failure (earlier items stay stored)."""
-        return [self.put(ns, key, data) for key, data in items]
+        return [self.put(ns, key, data, cond=cond) for key, data in items]
 
     def get_many(self, ns: str, keys: Sequence[str]) -> list[Buffer | None]:
         """GET each key."""

@@ -1,48 +1,45 @@
-"""The durable backend: LMDB index + append-only segment files + group commit.
+"""The durable backend: a log of self-describing records, an LMDB checkpoint, RAM tiers.
 
-How a PUT becomes durable
--------------------------
-1. The caller's thread validates, hashes (BLAKE3) and, if the key already holds these
-   bytes, answers at once (a dedup hit costs no I/O). Otherwise it queues an operation
-   for the committer thread and waits for its future.
-2. The committer takes *every* queued operation (group commit), opens one LMDB write
-   transaction, and decides each operation inside it (the transaction sees its own
-   writes, so two PUTs of one key in one batch are ordered correctly). New blocks are
-   appended to the active segment file with `pwrite`.
-3. One `fdatasync` of the segment (of each segment, when the batch rolled over into a
-   new one) makes all the batch's bytes stable (data first), then the LMDB commit (which
-   fsyncs) makes the index entries, refcounts and the segments' new committed lengths
-   stable (index second). Only then are the effects applied to RAM
-   and the futures resolved: an acknowledged PUT is on disk, an unacknowledged one is
-   invisible. fsyncs per PUT = 2 / batch size.
-4. Any failed write or sync fails the whole batch (nothing acked, nothing visible), and
-   the segment is abandoned: its unsynced tail is never trusted again (the "fsyncgate"
-   lesson: a failed fsync may have dropped the dirty pages, retrying it would lie).
-   The next batch starts a fresh segment, so service resumes once the fault clears.
+How a write becomes durable
+---------------------------
+1. The caller's thread validates, hashes (BLAKE3) and, when the PUT writes nothing (the
+   key already holds these bytes, or a condition refuses it), answers at once. Otherwise
+   it queues an operation for the committer (`store/committer.py`) and waits.
+2. The committer takes every queued operation (group commit) and decides each one
+   against RAM as the earlier operations of the same batch left it (`_View`), emitting
+   log records (`store/records.py`) into the batch: a BLOB record for new bytes, a KEY
+   record with the key's whole new state, DEL tombstones, snapshot/branch records.
+3. The batch is written to the active segment and `fdatasync`ed once
+   (`store/segments.py`): then, and only then, its effects are applied to RAM and the
+   callers answered. An acknowledged write is in the log; an unacknowledged one is
+   invisible. One sync per batch.
+4. The row changes of the batch go to the checkpointer thread, which writes them to the
+   LMDB index (`store/index.py`) in the background, a few times a second, and moves the
+   checkpoint position. Opening loads the index and replays the log after the checkpoint
+   (`store/recovery.py`): O(index + tail), never O(data).
 
-Why this layout (DESIGN.md §4)
-------------------------------
-LMDB is an excellent index, but multi-MiB values live in overflow pages whose free-list
-search degrades as the store churns, and every value is rewritten on update. KV blocks
-are 4-80 MiB, so blocks go to append-only segment files (one sequential write + one sync
-per batch, whatever its size or count), and LMDB only holds small rows:
+The log is the truth: an index that is missing, empty, damaged or from another store is
+never taken as "the store is empty" (the store refuses to open and names the command to
+rebuild it, or rebuilds it when asked); nothing deletes a segment it cannot account for.
 
-- ``keys``:  u16 len(ns), ns, key -> u32 pins, u16 len(sdig), scoped digest
-                                       [, u64 epoch, epoch scope]  (epoch-tagged entries)
-- ``blobs``: scoped digest         -> u64 size, u64 offset, u32 segment, u32 refs
-- ``meta``:  ``seg:%08d``          -> u64 committed length; ``format`` -> version;
-             ``snap:``/``branch:`` + u16 len(tenant), tenant, id -> JSON record
+Failures
+--------
+- A failed write (ENOSPC, EIO) fails the batch (`DiskFullError`, `StorageIOError`):
+  nothing is acknowledged or visible, the write position is rolled back. A failed sync
+  abandons the segment (never retried: "fsyncgate"); the next batch starts a new one.
+- Anything unexpected in the committer is a store fault: the store turns read-only
+  (`StoreFaultError` for every write, `health()` not ready), reads keep working.
+- A read whose bytes fail verification quarantines the blob (QUAR record, keys dropped,
+  `integrity_failures`); keys whose bytes are gone at open (segment deleted or cut
+  short by hand) are misses from the start, counted (`lost_keys`) and listed by `check`.
 
-Snapshot entries and branch overlays are ordinary key rows in internal namespaces
-(``tenant NUL s NUL id``), so they hold refcounts, survive restarts and are checked like
-any other entry. Epochs live in a separate small LMDB environment (``epochs/``, or
-``epoch_dir``) that several server processes may share: a bump is one synced write there,
-and a read of an epoch-tagged entry compares the entry's epoch with the registry's.
-
-Crash recovery never reads blob bytes: open = read the rows (O(index), not O(data)) and
-truncate each segment to its committed length (bytes past it were never acknowledged).
-Reads `pread` the block and verify BLAKE3 before serving. Segments whose blocks are all
-gone are deleted; space inside partly-dead segments is reclaimed by compaction.
+Space
+-----
+Dead records (replaced, deleted, evicted) are reclaimed by compaction
+(`store/compaction.py`), which keeps the segments within ~1.5x the live bytes plus the
+active segment, and greedily within `cold_capacity_bytes` when near it. Deletes keep
+working on a full disk (the allocated, zeroed space after the active segment's end is
+kept for them), and space freed by deletes is usable again without a restart.
 """
 
 from __future__ import annotations
@@ -55,17 +52,13 @@ import gc
 import json
 import logging
 import os
-import struct
+import secrets
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import blake3
-import lmdb
 
 from epistemic_kvcache.errors import (
     CapacityError,
@@ -76,15 +69,21 @@ from epistemic_kvcache.errors import (
     StoreClosedError,
     StoreError,
 )
+from epistemic_kvcache.store import compaction, records
 from epistemic_kvcache.store.api import (
     Buffer,
     ConsistencyReport,
+    PutCond,
     PutOutcome,
     PutResult,
+    StoreHealth,
+    decide_put,
     owned_buffer,
+    validate_cond,
     validate_namespace,
 )
 from epistemic_kvcache.store.codec import WarmCodec
+from epistemic_kvcache.store.committer import Committer, settle
 from epistemic_kvcache.store.engine import (
     AddKey,
     DedupScope,
@@ -92,7 +91,6 @@ from epistemic_kvcache.store.engine import (
     Effect,
     MetaDel,
     MetaPut,
-    Move,
     PinDelta,
     TieredEngine,
     _Blob,
@@ -102,93 +100,59 @@ from epistemic_kvcache.store.engine import (
     snapshot_ns,
     tenant_of,
 )
+from epistemic_kvcache.store.epochs import DEFAULT_MAX_SCOPES_PER_TENANT, EpochRegistry
+from epistemic_kvcache.store.index import (
+    Changes,
+    Index,
+    IndexError_,
+    KeyState,
+    create_index,
+    open_index,
+    pack_loc,
+    unpack_loc,
+)
+from epistemic_kvcache.store.records import Op
+from epistemic_kvcache.store.recovery import (
+    META_CODES,
+    LogState,
+    StoreMismatchError,
+    finish,
+    load_index,
+    read_seals,
+    replay,
+    valid_ends,
+)
+from epistemic_kvcache.store.segments import (
+    DELETE_RESERVE_BYTES,
+    DiskIO,
+    LogWriter,
+    Segment,
+    SyncFailed,
+    seg_id_of,
+)
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = b"3"
-_BLOB_ROW = struct.Struct(">QQII")  # size, offset, segment, refs
-_PINS = struct.Struct(">I")
-_SEG_LEN = struct.Struct(">Q")
-_U16 = struct.Struct(">H")
-_U64 = struct.Struct(">Q")
-_PREZERO_BYTES = 4 << 20
-"""Zeroed space kept ahead of the active segment's end (see `_prezero`)."""
-_PREZERO_MAX_BATCH = 64 << 10
-"""Batches writing more than this append without pre-zeroing."""
-_ZEROS = bytes(_PREZERO_BYTES)
-_COMPACT_STEP_BYTES = 64 << 20
-"""Live bytes one compaction step copies (bounds how long it holds the committer)."""
+__all__ = ["DiskIO", "SharedKvStoreBackend"]
+
+DEFAULT_SEGMENT_BYTES = 256 << 20
+_CHECKPOINT_TRIGGER_BYTES = 32 << 20
+"""Log bytes after which the checkpointer runs without waiting for its interval."""
+_HOT_LOW_WATER = 0.8
+"""When a PUT from an event loop found no room in hot, the tier thread demotes to here."""
 
 
-def _pack_entry(pins: int, sdig: bytes, tag: tuple[str, int] | None, longkey: bytes = b"") -> bytes:
-    """A key row's value: pins, scoped digest, the full key when the row key is hashed
-    (see `_key_row`), and the epoch tag if any."""
-    row = _PINS.pack(pins) + _U16.pack(len(sdig)) + sdig + _U16.pack(len(longkey)) + longkey
-    if tag is not None:
-        row += _U64.pack(tag[1]) + tag[0].encode()
-    return row
-
-
-def _unpack_entry(row: bytes) -> tuple[int, bytes, tuple[str, int] | None, bytes]:
-    """(pins, scoped digest, epoch tag, full key if the row key is hashed else b"")."""
-    pins = _PINS.unpack_from(row, 0)[0]
-    n = _U16.unpack_from(row, 4)[0]
-    sdig = bytes(row[6 : 6 + n])
-    k = _U16.unpack_from(row, 6 + n)[0]
-    longkey = bytes(row[8 + n : 8 + n + k])
-    rest = row[8 + n + k :]
-    tag = (bytes(rest[8:]).decode(), _U64.unpack_from(rest, 0)[0]) if rest else None
-    return pins, sdig, tag, longkey
-
-
-def _ns_prefix(ns: str) -> bytes:
-    raw = ns.encode()
-    return _U16.pack(len(raw)) + raw
-
-
-class DiskIO:
-    """The system calls that make bytes durable. A seam for fault-injection tests."""
-
-    def pwrite(self, fd: int, data: Buffer, offset: int) -> int:
-        return os.pwrite(fd, data, offset)
-
-    def fdatasync(self, fd: int) -> None:
-        os.fdatasync(fd)
-
-
-class _Segment:
-    """An append-only file of blocks. The fd closes when the last reader lets go."""
-
-    __slots__ = ("fd", "id", "path")
-
-    def __init__(self, seg_id: int, path: Path, *, create: bool) -> None:
-        self.id = seg_id
-        self.path = path
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        self.fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o600)
-
-    def read(self, offset: int, size: int) -> bytearray:
-        # A plain bytearray: a read buffer is often transient (served, then freed), and
-        # malloc reuses freed heap memory without new page faults (measured: 4 MiB cold
-        # GETs at 4.4 GB/s this way vs 0.5 GB/s with a fresh mmap per read).
-        buf = bytearray(size)
-        view = memoryview(buf)
-        done = 0
-        while done < size:
-            n = os.preadv(self.fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise OSError(errno.EIO, f"short read in {self.path.name} at {offset + done}")
-            done += n
-        return buf
-
-    def __del__(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+def _rebuild_hint(path: Path) -> str:
+    return (
+        f"run `epistemic-kvcache store rebuild-index --persist-dir {path}` "
+        "(or start the server with --rebuild-index)"
+    )
 
 
 @dataclass(slots=True)
 class _Op:
-    kind: str  # put | delete | pin | unpin | quarantine | evict_ram
+    kind: str  # put | delete | pin | unpin | quarantine | snapshot | drop | meta_put |
+    #            retire | flush
     ns: str
     key: str
     sdig: bytes = b""
@@ -198,52 +162,124 @@ class _Op:
     loc: tuple[int, int] = (-1, 0)  # quarantine: (segment, offset) of the copy that failed
     tag: tuple[str, int] | None = None  # put: the epoch tag to write with the entry
     payload: Any = None  # snapshot / drop / meta_put arguments
+    cond: PutCond = None
+    nowait: bool = False  # put from an event loop: nobody rebalances the hot tier after it
     future: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
 
-
-# LMDB keys are at most 511 bytes; keys may be 1024. A row whose key would not fit is
-# stored under `ns prefix + 0xFF + BLAKE3(key)` (0xFF never occurs in UTF-8, so it cannot
-# collide with a plain key) with the full key in the row's value.
-_MAX_ROW_KEY = 511
-_HASHED = b"\xff"
+    @property
+    def nbytes(self) -> int:
+        return len(self.data) if self.data is not None else 0
 
 
-def _key_row(ns: str, key: str) -> bytes:
-    base = _ns_prefix(ns)
-    raw = key.encode()
-    if len(base) + len(raw) <= _MAX_ROW_KEY:
-        return base + raw
-    return base + _HASHED + blake3.blake3(raw).digest()
+@dataclass(slots=True)
+class _KS:
+    """A key's state while a batch is decided."""
+
+    sdig: bytes
+    size: int
+    pins: int
+    tag: tuple[str, int] | None
 
 
-def _longkey(ns: str, key: str) -> bytes:
-    """The full key to keep in the row value when `_key_row` hashes it, else b""."""
-    raw = key.encode()
-    return raw if len(_ns_prefix(ns)) + len(raw) > _MAX_ROW_KEY else b""
+class _View:
+    """RAM as the earlier operations of this batch left it (nothing applied yet)."""
+
+    def __init__(self, store: SharedKvStoreBackend) -> None:
+        self.s = store
+        self.keys: dict[tuple[str, str], _KS | None] = {}
+        self.ref_delta: dict[bytes, int] = {}
+        self.placed: dict[bytes, tuple[int, int, int]] = {}  # size, segment, payload offset
+        self.added: dict[bytes, list[tuple[str, str]]] = {}
+        self.metas: dict[tuple[str, str, str], dict[str, Any] | None] = {}
+        self.effects: list[Effect] = []
+        self.key_recs: dict[tuple[str, str], tuple[int, int] | None] = {}
+        self.meta_recs: dict[tuple[str, str, str], tuple[int, int] | None] = {}
+        self.tomb: dict[int, int] = {}
+        self.quarantine: dict[bytes, float] = {}
+        self.new_bytes = 0
+        self.freed = 0
+        self.dropped: set[bytes] = set()
+        self.touched: set[bytes] = set()
+        self.pinned_extra: dict[str, int] = {}
+        self.new_data = False
+        self.hot_bytes = 0
+        self.hot_refused = False
+        self.segdel: list[int] = []
+
+    def key(self, ns: str, key: str) -> _KS | None:
+        ref = (ns, key)
+        if ref in self.keys:
+            return self.keys[ref]
+        s = self.s
+        with s._lock:
+            b = s._lookup(ns, key)
+            if b is None:
+                return None
+            return _KS(b.sdig, b.size, s._pins.get(ref, 0), s._tags.get(ref))
+
+    def refs(self, sdig: bytes) -> int:
+        b = self.s._blobs.get(sdig)
+        return (b.refs if b is not None else 0) + self.ref_delta.get(sdig, 0)
+
+    def blob_loc(self, sdig: bytes) -> tuple[int, int, int] | None:
+        """(size, segment, payload offset) of a blob that exists after the batch so far."""
+        if self.refs(sdig) <= 0:
+            return None
+        if sdig in self.placed:
+            return self.placed[sdig]
+        b = self.s._blobs.get(sdig)
+        if b is None:
+            return None
+        return b.size, b.seg, b.off
+
+    def incref(self, sdig: bytes, ref: tuple[str, str]) -> None:
+        self.ref_delta[sdig] = self.ref_delta.get(sdig, 0) + 1
+        self.added.setdefault(sdig, []).append(ref)
+        self.touched.add(sdig)
+
+    def decref(self, sdig: bytes) -> None:
+        self.ref_delta[sdig] = self.ref_delta.get(sdig, 0) - 1
+
+    def meta(self, kind: str, tenant: str, rid: str) -> dict[str, Any] | None:
+        k = (kind, tenant, rid)
+        if k in self.metas:
+            return self.metas[k]
+        return self.s._meta(kind).get(tenant, {}).get(rid)
+
+    def ns_keys(self, ns: str) -> list[str]:
+        """Keys of `ns` as this batch sees them (RAM's, plus this batch's additions)."""
+        with self.s._lock:
+            names = list(self.s._index.get(ns) or ())
+        extra = [k for (n, k), st in self.keys.items() if n == ns and st is not None]
+        return list(dict.fromkeys([*names, *extra]))
 
 
-def _split_key_row(row: bytes, longkey: bytes) -> tuple[str, str]:
-    n = _U16.unpack_from(row, 0)[0]
-    rest = row[2 + n :]
-    key = longkey if rest[:1] == _HASHED else rest
-    return row[2 : 2 + n].decode(), key.decode()
+@dataclass(slots=True)
+class _Dirty:
+    """What changed since the last checkpoint: the index rows to rewrite from RAM."""
 
+    keys: set[tuple[str, str]] = field(default_factory=set)
+    blobs: set[bytes] = field(default_factory=set)
+    metas: set[tuple[str, str, str]] = field(default_factory=set)
+    segs: set[int] = field(default_factory=set)
+    quarantine: dict[bytes, float] = field(default_factory=dict)
 
-def _meta_row(kind: str, tenant: str, rid: str) -> bytes:
-    return kind.encode() + b":" + _ns_prefix(tenant) + rid.encode()
+    def __bool__(self) -> bool:
+        return bool(self.keys or self.blobs or self.metas or self.segs or self.quarantine)
 
-
-def internal_meta(internal: tuple[str, str, str]) -> tuple[str, str, str]:
-    """(kind, tenant, id) of `parse_internal_ns`'s (tenant, kind, id): a meta row's parts."""
-    tenant, kind, rid = internal
-    return kind, tenant, rid
+    def merge(self, later: _Dirty) -> None:
+        self.keys |= later.keys
+        self.blobs |= later.blobs
+        self.metas |= later.metas
+        self.segs |= later.segs
+        self.quarantine.update(later.quarantine)
 
 
 class SharedKvStoreBackend(TieredEngine):
-    """Durable backend (`--backend durable`): hot + warm in RAM, cold on disk.
+    """Durable backend (`--backend durable`): hot + warm in RAM, the log on disk.
 
-    Every acknowledged PUT is on stable storage; `close()` then reopen finds every block.
-    Only one process may open a persist directory at a time (an exclusive lock file).
+    Every acknowledged write is on stable storage; `close()` then reopen finds it. Only
+    one process may open a persist directory at a time (an exclusive lock file).
     """
 
     def __init__(
@@ -258,11 +294,19 @@ class SharedKvStoreBackend(TieredEngine):
         codec: WarmCodec | None = None,
         max_pinned_fraction: float = 0.5,
         max_snapshots_per_tenant: int = 256,
-        segment_bytes: int = 1 << 30,
+        max_keys_per_tenant: int = 0,
+        max_epoch_scopes_per_tenant: int = DEFAULT_MAX_SCOPES_PER_TENANT,
+        segment_bytes: int | None = None,
         map_size_bytes: int = 64 << 30,
         max_batch_bytes: int = 512 << 20,
+        checkpoint_interval_s: float = 1.0,
+        max_checkpoint_lag_bytes: int = 512 << 20,
+        shutdown_timeout_s: float = 30.0,
+        rebuild_index: bool = False,
         io: DiskIO | None = None,
         epoch_dir: str | os.PathLike[str] | None = None,
+        first_write_wins: bool | frozenset[str] = False,
+        progress: Any = None,
     ) -> None:
         super().__init__(
             hot_capacity_bytes=hot_capacity_bytes,
@@ -272,6 +316,9 @@ class SharedKvStoreBackend(TieredEngine):
             codec=codec,
             max_pinned_fraction=max_pinned_fraction,
             max_snapshots_per_tenant=max_snapshots_per_tenant,
+            max_keys_per_tenant=max_keys_per_tenant,
+            first_write_wins=first_write_wins,
+            max_epoch_scopes_per_tenant=max_epoch_scopes_per_tenant,
         )
         if not isinstance(cold_capacity_bytes, int) or cold_capacity_bytes <= 0:
             raise ConfigurationError(
@@ -279,13 +326,31 @@ class SharedKvStoreBackend(TieredEngine):
                 f"(got {cold_capacity_bytes!r})"
             )
         self.cold_capacity_bytes = cold_capacity_bytes
+        if segment_bytes is None:
+            segment_bytes = min(DEFAULT_SEGMENT_BYTES, max(1 << 20, cold_capacity_bytes // 16))
         self._segment_bytes = segment_bytes
+        # room kept free inside the cold capacity for compaction and deletes
+        # room kept free inside the cold capacity: two segments (at most an eighth) for
+        # compaction to copy into, and the allocated space deletes write into
+        self._delete_reserve = min(DELETE_RESERVE_BYTES, cold_capacity_bytes // 8)
+        self._reserve = min(2 * segment_bytes, cold_capacity_bytes // 8) + self._delete_reserve
+        self.live_capacity_bytes = cold_capacity_bytes - self._reserve
+        """Live block bytes the cold tier holds before it evicts: the capacity less the
+        reserve that compaction and deletes work in."""
         self._max_batch_bytes = max_batch_bytes
+        self._ckpt_interval = checkpoint_interval_s
+        self._max_lag = max_checkpoint_lag_bytes
+        self._shutdown_timeout_s = shutdown_timeout_s
         self._io = io or DiskIO()
+        self._progress = progress
         self.path = Path(persist_dir)
         self._seg_dir = self.path / "segments"
+        self._index_dir = self.path / "index"
+        if self.path.exists() and not self.path.is_dir():
+            raise ConfigurationError(f"invalid persist_dir: {str(self.path)!r} is not a directory")
         try:
-            self._seg_dir.mkdir(parents=True, exist_ok=True)
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._seg_dir.mkdir(mode=0o700, exist_ok=True)
         except OSError as exc:
             raise ConfigurationError(
                 f"invalid persist_dir: cannot create {str(self.path)!r} ({exc.strerror})"
@@ -298,171 +363,360 @@ class SharedKvStoreBackend(TieredEngine):
             raise ConfigurationError(
                 f"invalid persist_dir: {str(self.path)!r} is in use by another process"
             ) from exc
-        self._env = lmdb.open(
-            str(self.path / "index"),
-            map_size=map_size_bytes,
-            max_dbs=8,
-            subdir=True,
-            sync=True,
-            metasync=True,
-            readahead=False,
-            lock=True,
-        )
-        self._db_keys = self._env.open_db(b"keys")
-        self._db_blobs = self._env.open_db(b"blobs")
-        self._db_meta = self._env.open_db(b"meta")
-        self._db_quarantine = self._env.open_db(b"quarantine")
-        # the epoch registry: its own small LMDB environment, shareable between processes
-        self.epoch_dir = Path(epoch_dir) if epoch_dir is not None else self.path / "epochs"
-        try:
-            self._epoch_env = lmdb.open(
-                str(self.epoch_dir), map_size=64 << 20, subdir=True, sync=True, max_dbs=1
-            )
-        except lmdb.Error as exc:
-            self._env.close()
-            os.close(self._lock_fd)
-            raise ConfigurationError(
-                f"invalid epoch_dir: cannot open {str(self.epoch_dir)!r} ({exc})"
-            ) from exc
-        self._segments: dict[int, _Segment] = {}
-        self._seg_len: dict[int, int] = {}  # committed length per segment
-        self._seg_live: dict[int, int] = {}  # live block bytes per segment
-        # live blocks per segment: a segment is dead when this is 0 (bytes can be 0 while
-        # empty blocks still live in it)
-        self._seg_blocks: dict[int, int] = {}
-        self._active: _Segment | None = None
-        self._active_pos = 0
-        self._zeroed_to = 0  # the active segment's file is allocated and zeroed up to here
-        self._next_seg = 1
+        # state filled by _open
+        self._segs: dict[int, Segment] = {}
+        self._seg_len: dict[int, int] = {}  # valid end of each segment
+        self._seg_live: dict[int, int] = {}  # bytes of live records per segment
+        self._seg_tomb: dict[int, int] = {}  # bytes of tombstones per segment
+        self._kloc: dict[str, dict[str, int]] = {}  # record location of each key's state
+        self._mloc: dict[tuple[str, str, str], tuple[int, int]] = {}  # (location, bytes)
+        self._quarantined: dict[bytes, float] = {}
+        self._lost: list[tuple[str, str, bytes]] = []
+        self._damage: list[tuple[int, int, int, str]] = []
+        self._missing_segments: list[int] = []
         self._inflight: dict[tuple[str, str], int] = {}
-        self._queue: deque[_Op] = deque()
-        self._cv = threading.Condition()
-        self._stopping = False
-        self._fsyncs = 0
         self._batches = 0
         self._committed_ops = 0
         self._write_failures = 0
         self._compactions = 0
-        # held while segments are removed or blocks moved, and by check(), so a check's
-        # view of the index and of the segment files is one consistent picture
-        self._maint_lock = threading.Lock()
         self._compacted_bytes = 0
-        self._compact_backoff_until = 0.0
-        self._compact_idle_s = 1.0
-        t0 = time.perf_counter()
-        # Loading N rows makes ~3N long-lived objects; the cyclic GC would rescan the
-        # growing heap over and over (measured 6x slower opens in a busy process).
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
+        self._segments_deleted = 0
+        self._checkpoints = 0
+        self._checkpoint_failures = 0
+        self._recovering = True
+        self._compact: compaction.Compactor | None = None
+        self._maint_lock = threading.Lock()
+        epoch_path = Path(epoch_dir) if epoch_dir is not None else self.path / "epochs"
+        self.epoch_dir = epoch_path
+        self._ix: Index | None = None
+        self._epochs: EpochRegistry | None = None  # type: ignore[assignment]
         try:
-            self._recover()
-        finally:
-            if gc_was_enabled:
-                gc.enable()
-        self.open_seconds = time.perf_counter() - t0
-        self._committer = threading.Thread(
-            target=self._commit_loop, name="kvcache-committer", daemon=True
+            private = self.path / "epochs"
+            self._epochs = EpochRegistry(
+                epoch_path,
+                shared=epoch_path.resolve() != private.resolve(),
+                max_scopes_per_tenant=max_epoch_scopes_per_tenant,
+            )
+            t0 = time.perf_counter()
+            gc_was_enabled = gc.isenabled()
+            gc.disable()  # loading N rows makes ~3N long-lived objects: no GC rescans
+            try:
+                self._open(map_size_bytes, rebuild_index)
+            finally:
+                if gc_was_enabled:
+                    gc.enable()
+            self.open_seconds = time.perf_counter() - t0
+        except BaseException:
+            self._release_files()
+            raise
+        self._recovering = False
+        self._compact = compaction.Compactor(self)
+        self._ckpt_cv = threading.Condition()
+        self._dirty = _Dirty()  # rows the next checkpoint writes (under self._lock)
+        self._ckpt_lag = 0
+        self._ckpt_stop = False
+        self._ckpt_error: str | None = None
+        self._ckpt_thread = threading.Thread(
+            target=self._checkpoint_loop, name="kvcache-checkpoint", daemon=True
         )
+        self._tier_event = threading.Event()
+        self._tier_stop = False
+        self._tier_thread = threading.Thread(
+            target=self._tier_loop, name="kvcache-tiers", daemon=True
+        )
+        self._committer = Committer(
+            commit=self._commit,
+            idle=self._idle,
+            release=self._release,
+            max_batch_bytes=max_batch_bytes,
+        )
+        self._ckpt_thread.start()
+        self._tier_thread.start()
         self._committer.start()
+        log.info(
+            "opened %d blocks, %d keys, %d segments in %.2f s (%s)",
+            len(self._blobs),
+            sum(len(v) for v in self._index.values()),
+            len(self._segs),
+            self.open_seconds,
+            self.path,
+        )
+
+    def _release_files(self) -> None:
+        for res in (self._ix, self._epochs):
+            if res is not None:
+                with contextlib.suppress(Exception):
+                    res.close()
+        self._segs.clear()
+        with contextlib.suppress(OSError):
+            os.close(self._lock_fd)
 
     # -- open / recovery -----------------------------------------------------------------
-    def _recover(self) -> None:
-        with self._env.begin(write=True) as txn:
-            fmt = txn.get(b"format", db=self._db_meta)
-            if fmt is None:
-                txn.put(b"format", FORMAT_VERSION, db=self._db_meta)
-            elif fmt != FORMAT_VERSION:
-                raise ConfigurationError(
-                    f"invalid persist_dir: store format {fmt!r}, this version reads "
-                    f"{FORMAT_VERSION!r}"
+    def _say(self, msg: str) -> None:
+        log.info("%s", msg)
+        if self._progress is not None:
+            self._progress(msg)
+
+    def _open(self, map_size: int, rebuild: bool) -> None:
+        for p in sorted(self._seg_dir.iterdir()):
+            sid = seg_id_of(p)
+            if sid is not None:
+                self._segs[sid] = Segment(sid, p, create=False)
+        log_nonempty = any(seg.size() > 0 for seg in self._segs.values())
+        why: str | None = None
+        ix: Index | None = None
+        if rebuild:
+            why = "rebuild requested"
+        else:
+            try:
+                ix = open_index(self._index_dir, map_size)
+                if ix.is_empty():
+                    why = "index is empty"
+                else:
+                    fmt = ix.meta(b"format")
+                    if fmt != b"4":
+                        raise ConfigurationError(
+                            f"invalid persist_dir: {self.path} holds a store of format "
+                            f"{(fmt or b'?').decode()}; this version reads format 4 "
+                            f"(move it aside or run `epistemic-kvcache store upgrade "
+                            f"--persist-dir {self.path}`)"
+                        )
+                    if ix.checkpoint() is None:
+                        why = "index has no checkpoint"
+            except IndexError_ as exc:
+                why = str(exc)
+                ix = None
+            if why is not None and ix is not None:
+                ix.close()
+                ix = None
+        if why is not None and log_nonempty and not rebuild:
+            raise ConfigurationError(
+                f"the store in {self.path} has segment files but its index cannot be used "
+                f"({why}); refusing to start empty over existing data: {_rebuild_hint(self.path)}"
+            )
+        st: LogState
+        try:
+            if why is None and ix is not None:
+                self._ix = ix
+                self._say(f"loading the index of {self.path}")
+                st = load_index(ix, self._say)
+                read_seals(self._segs, st)
+                start = ix.checkpoint()
+                assert start is not None
+                replay(self._segs, st, start, progress=self._say)
+                if st.end is None:
+                    st.end = start
+            elif log_nonempty:
+                self._say(f"rebuilding the index of {self.path} from its log ({why})")
+                st = LogState()
+                read_seals(self._segs, st)
+                replay(self._segs, st, None, progress=self._say)
+                self._set_index_aside()
+                self._ix = create_index(
+                    self._index_dir, map_size, st.store_id or secrets.token_hex(8)
                 )
-            for k, v in txn.cursor(db=self._db_meta):
-                if k.startswith(b"seg:"):
-                    self._seg_len[int(k[4:])] = _SEG_LEN.unpack(v)[0]
-        for p in self._seg_dir.iterdir():
-            if not p.name.endswith(".seg"):
+            else:
+                st = LogState(store_id=secrets.token_hex(8))
+                self._set_index_aside()
+                self._ix = create_index(self._index_dir, map_size, st.store_id or "")
+        except StoreMismatchError as exc:
+            raise ConfigurationError(f"invalid persist_dir: {exc}") from exc
+        if self._ix is not None:
+            ix_id = self._ix.meta(b"store_id")
+            if st.store_id and ix_id and ix_id.decode() != st.store_id:
+                raise ConfigurationError(
+                    f"invalid persist_dir: its index belongs to store {ix_id.decode()}, its "
+                    f"segments to {st.store_id}: {_rebuild_hint(self.path)}"
+                )
+        self._store_id = st.store_id or secrets.token_hex(8)
+        self._finish_open(st)
+
+    def _set_index_aside(self) -> None:
+        """Move an unusable index out of the way (kept for inspection, never deleted)."""
+        if self._index_dir.exists() and any(self._index_dir.iterdir()):
+            aside = self.path / f"index.unusable-{time.strftime('%Y%m%d-%H%M%S')}"
+            self._index_dir.rename(aside)
+            log.warning("moved the unusable index to %s", aside)
+
+    def _finish_open(self, st: LogState) -> None:
+        assert self._ix is not None
+        ckpt = self._ix.checkpoint() or (0, 0)
+        last = max(self._segs, default=0)
+        valid = valid_ends(st, self._segs, ckpt)  # where each segment's trusted bytes end
+        if ckpt[0] > 0:
+            for sid in range(ckpt[0], last + 1):
+                if sid not in self._segs and sid not in st.segdel:
+                    self._missing_segments.append(sid)
+        for sid in list(self._segs):
+            if sid in st.segdel:  # deleted on purpose; the unlink did not happen before a crash
+                with contextlib.suppress(OSError):
+                    self._segs.pop(sid).path.unlink()
+                valid.pop(sid, None)
+        finish(st, self._segs, valid)
+        self._damage = st.damage
+        for sid, off, dend, reason in st.damage:
+            log.error("damaged log bytes in segment %08d at %d..%d: %s", sid, off, dend, reason)
+        for sid, off, hexd in st.bad_blobs:
+            log.error("block %s in segment %08d at %d fails verification", hexd, sid, off)
+        if self._missing_segments:
+            log.error(
+                "segment files missing from %s: %s (deleted by hand?); their records are lost",
+                self._seg_dir,
+                ", ".join(f"{s:08d}" for s in self._missing_segments),
+            )
+        self._lost = st.lost_keys
+        if self._lost:
+            log.error(
+                "%d keys (%d blocks) have lost their bytes (segment deleted, truncated or "
+                "damaged): they read as misses; `epistemic-kvcache store check` lists them",
+                len(self._lost),
+                len(st.lost_blobs),
+            )
+        self._seg_len = valid
+        self._seg_tomb = {sid: n for sid, n in st.tomb.items() if sid in self._segs}
+        self._quarantined = dict(st.quarantine)
+        failures = max(st.counters.get("integrity_failures", 0), len(st.quarantine))
+        self._total.integrity_failures = failures + len(st.bad_blobs)
+        # RAM: keys whose bytes are here
+        effects: list[Effect] = []
+        pins: list[Effect] = []
+        for (ns, key), ks in st.keys.items():
+            bl = st.blobs.get(ks.sdig)
+            if bl is None or ks.sdig in st.lost_blobs:
                 continue
-            seg_id = int(p.stem)
-            committed = self._seg_len.get(seg_id)
-            if committed is None:
-                p.unlink()  # created but never committed: nothing acknowledged lives here
-                continue
-            if p.stat().st_size > committed:
-                with p.open("r+b") as f:  # drop the unacknowledged tail
-                    f.truncate(committed)
-                    os.fsync(f.fileno())
-            elif p.stat().st_size < committed:
-                log.error("segment %s is shorter than its committed length", p.name)
-            self._segments[seg_id] = _Segment(seg_id, p, create=False)
-        for seg_id in self._seg_len:
-            if seg_id not in self._segments:
-                log.error("segment %08d is missing from %s", seg_id, self._seg_dir)
-        self._next_seg = max(self._seg_len, default=0) + 1
-        blobs: dict[bytes, tuple[int, int, int]] = {}
-        with self._env.begin() as txn:
-            for sdig, row in txn.cursor(db=self._db_blobs):
-                size, off, seg, _refs = _BLOB_ROW.unpack(row)
-                blobs[bytes(sdig)] = (size, seg, off)
-            effects: list[Effect] = []
-            pins: list[Effect] = []
-            for krow, v in txn.cursor(db=self._db_keys):
-                n, sdig, tag, longkey = _unpack_entry(v)
-                ns, key = _split_key_row(bytes(krow), longkey)
-                loc = blobs.get(sdig)
-                if loc is None:
-                    log.error("index entry %r/%r has no blob; ignoring it", ns, key)
-                    continue
-                effects.append(AddKey(ns, key, sdig, loc[0], None, loc[1], loc[2], tag))
-                if n:
-                    pins.append(PinDelta(ns, key, n))
-            for kind in ("snap", "branch"):
-                prefix = kind.encode() + b":"
-                cur = txn.cursor(db=self._db_meta)
-                if cur.set_range(prefix):
-                    for k, v in cur:
-                        if not k.startswith(prefix):
-                            break
-                        n = _U16.unpack_from(k, len(prefix))[0]
-                        tenant = bytes(k[len(prefix) + 2 : len(prefix) + 2 + n]).decode()
-                        rid = bytes(k[len(prefix) + 2 + n :]).decode()
-                        pins.append(MetaPut(kind, tenant, rid, json.loads(bytes(v))))
+            size, off, sid = bl
+            effects.append(AddKey(ns, key, ks.sdig, size, None, sid, off, ks.tag))
+            if ks.pins:
+                pins.append(PinDelta(ns, key, ks.pins))
+            self._kloc.setdefault(ns, {})[key] = ks.loc
+        for (kind, tenant, rid), (mloc, nbytes, rec) in st.metas.items():
+            pins.append(MetaPut(kind, tenant, rid, rec))
+            self._mloc[(kind, tenant, rid)] = (mloc, nbytes)
         with self._lock:
             self._apply(effects)
             self._apply(pins)
+            for ns, keys in self._kloc.items():
+                idx = self._index.get(ns) or {}
+                for key, kl in keys.items():
+                    b = idx.get(key)
+                    if b is not None:
+                        self._count_key_rec(kl, ns, key, b.sdig, self._tags.get((ns, key)), +1)
+            for ml, nbytes in self._mloc.values():
+                sid = unpack_loc(ml)[0]
+                self._seg_live[sid] = self._seg_live.get(sid, 0) + nbytes
+        # bring the index up to date with what the tail replay found, then resume writing
+        end = st.end or (last, valid.get(last, 0))
+        for sid in self._segs:
+            st.changes.segs[sid] = (self._seg_tomb.get(sid, 0), valid[sid])
+        for sid in st.seg_rows:
+            if sid not in self._segs:
+                st.changes.segs[sid] = None
+        self._ix.apply(st.changes, end, self._persisted_counters())
+        self._writer = LogWriter(
+            self._seg_dir,
+            self._store_id,
+            self._segment_bytes,
+            self._io,
+            self._segs,
+            next_id=max([last, ckpt[0], *st.segdel]) + 1,
+            delete_reserve=self._delete_reserve,
+        )
+        if last in self._segs and last not in st.seals and end[0] == last:
+            seg = self._segs[last]
+            if seg.size() > end[1]:  # bytes past the last complete batch: never acknowledged
+                with open(seg.path, "r+b") as f:
+                    f.truncate(end[1])
+                    os.fsync(f.fileno())
+            self._writer.resume(seg, end[1])
+        else:
+            self._writer.seal_active(prev_id=last)
+        self._log_end: tuple[int, int] = end
+        self._ckpt_pos: tuple[int, int] = end
+
+    def _count_key_rec(
+        self,
+        loc: int,
+        ns: str,
+        key: str,
+        sdig: bytes,
+        tag: tuple[str, int] | None,
+        sign: int,
+    ) -> None:
+        """Add (or remove) a key record's bytes to its segment's live bytes (lock held)."""
+        sid = unpack_loc(loc)[0]
+        n = records.record_length(Op.KEY, ns, key, sdig, tag[0] if tag else "")
+        self._seg_live[sid] = self._seg_live.get(sid, 0) + sign * n
 
     # -- hooks from the engine -----------------------------------------------------------
     def _has_lower_tier(self) -> bool:
         return True
 
     def _on_blob_created(self, b: _Blob) -> None:
-        self._seg_live[b.seg] = self._seg_live.get(b.seg, 0) + b.size
-        self._seg_blocks[b.seg] = self._seg_blocks.get(b.seg, 0) + 1
+        n = records.blob_header_length(b.sdig) + b.size
+        self._seg_live[b.seg] = self._seg_live.get(b.seg, 0) + n
 
     def _on_blob_destroyed(self, b: _Blob) -> None:
-        self._seg_live[b.seg] = self._seg_live.get(b.seg, 0) - b.size
-        self._seg_blocks[b.seg] = self._seg_blocks.get(b.seg, 0) - 1
+        n = records.blob_header_length(b.sdig) + b.size
+        self._seg_live[b.seg] = self._seg_live.get(b.seg, 0) - n
 
     def _tier_caps(self) -> dict[str, int]:
         caps = super()._tier_caps()
         caps["cold"] = self.cold_capacity_bytes
         return caps
 
+    def _pin_capacity(self) -> int:
+        return self.live_capacity_bytes
+
+    def disk_bytes(self) -> int:
+        """Bytes of the segment files (what the cold capacity bounds)."""
+        return sum(self._seg_len.values()) + max(0, self._writer.zeroed_to - self._writer.pos)
+
     def _extra_stats(self) -> dict[str, int | float]:
         out = super()._extra_stats()
+        w = self._writer
         out.update(
-            fsyncs=self._fsyncs,
+            fsyncs=w.fsyncs,
             commit_batches=self._batches,
             committed_ops=self._committed_ops,
             write_failures=self._write_failures,
-            segments=len(self._segments),
+            segments=len(self._segs),
             segment_bytes=sum(self._seg_len.values()),
+            live_log_bytes=sum(self._seg_live.values()),
+            disk_bytes=self.disk_bytes(),
             compactions=self._compactions,
             compacted_bytes=self._compacted_bytes,
+            segments_deleted=self._segments_deleted,
+            checkpoints=self._checkpoints,
+            checkpoint_failures=self._checkpoint_failures,
+            checkpoint_lag_bytes=self._ckpt_lag,
+            lost_keys=len(self._lost),
+            quarantined_blocks=len(self._quarantined),
+            damaged_log_regions=len(self._damage),
+            missing_segments=len(self._missing_segments),
+            store_fault=int(self._committer.fault is not None),
+            disk_full=int(w.disk_full),
         )
         return out
 
+    def health(self) -> StoreHealth:
+        fault = self._committer.fault
+        if fault is not None or not self._committer.alive:
+            return StoreHealth(
+                ready=False,
+                writable=False,
+                committer_alive=False,
+                reason=f"store fault: {fault or 'the committer stopped'}",
+            )
+        if self._closed:
+            return StoreHealth(ready=False, writable=False, reason="the store is closed")
+        if self._writer.refresh_disk_full():
+            return StoreHealth(
+                ready=False, writable=False, disk_full=True, reason=f"disk full under {self.path}"
+            )
+        return StoreHealth()
+
     def _read_lower(self, b: _Blob, loc: tuple[int, int]) -> Buffer | None:
-        seg = self._segments.get(loc[0])
+        seg = self._segs.get(loc[0])
         if seg is None:
             return None
         try:
@@ -478,95 +732,144 @@ class SharedKvStoreBackend(TieredEngine):
             for ns in b.owners():
                 self._counters(ns).integrity_failures += 1
         op = _Op("quarantine", "", "", sdig=b.sdig, loc=loc)
-        self._submit(op)
         with contextlib.suppress(StoreError):
+            self._submit(op)
             op.future.result()
 
+    def _quarantine_async(self, sdig: bytes, loc: tuple[int, int]) -> None:
+        """Queue a quarantine without waiting for it (from the committer thread itself)."""
+        with self._lock:
+            self._total.integrity_failures += 1
+            b = self._blobs.get(sdig)
+            for ns in b.owners() if b is not None else ():
+                self._counters(ns).integrity_failures += 1
+        self._committer.submit(_Op("quarantine", "", "", sdig=sdig, loc=loc))
+
     # -- the public operations -----------------------------------------------------------
-    def put(self, ns: str, key: str, data: Buffer, *, epoch_scope: str | None = None) -> PutResult:
+    def put(
+        self,
+        ns: str,
+        key: str,
+        data: Buffer,
+        *,
+        epoch_scope: str | None = None,
+        cond: PutCond = None,
+    ) -> PutResult:
         ns_raw = self._validate(ns, key)
         self._check_size(data)
+        validate_cond(cond)
         self._check_open()
-        return self._put_into(ns, ns_raw, key, data, self._tag_for(ns, epoch_scope))
+        return self._put_into(ns, ns_raw, key, data, self._tag_for(ns, epoch_scope), cond)
 
     def _put_into(
-        self, ns: str, scope_raw: bytes, key: str, data: Buffer, tag: tuple[str, int] | None
+        self,
+        ns: str,
+        scope_raw: bytes,
+        key: str,
+        data: Buffer,
+        tag: tuple[str, int] | None,
+        cond: PutCond,
     ) -> PutResult:
-        started = self._put_submit(ns, scope_raw, key, data, tag)
+        started = self._put_submit(ns, scope_raw, key, data, tag, cond)
         if isinstance(started, PutResult):
             return started
         result: PutResult = started.result()
-        if result.outcome is PutOutcome.NEW:
+        if result.outcome is PutOutcome.NEW or result.outcome is PutOutcome.REPLACED:
             self._rebalance()
         return result
 
     def _put_start(
-        self, ns: str, key: str, data: Buffer, epoch_scope: str | None
+        self, ns: str, key: str, data: Buffer, epoch_scope: str | None, cond: PutCond
     ) -> PutResult | concurrent.futures.Future[PutResult]:
         ns_raw = self._validate(ns, key)
         self._check_size(data)
+        validate_cond(cond)
         self._check_open()
-        return self._put_submit(ns, ns_raw, key, data, self._tag_for(ns, epoch_scope))
+        tag = self._tag_for(ns, epoch_scope)
+        return self._put_submit(ns, ns_raw, key, data, tag, cond, nowait=True)
 
     def _put_submit(
-        self, ns: str, scope_raw: bytes, key: str, data: Buffer, tag: tuple[str, int] | None
+        self,
+        ns: str,
+        scope_raw: bytes,
+        key: str,
+        data: Buffer,
+        tag: tuple[str, int] | None,
+        cond: PutCond,
+        *,
+        nowait: bool = False,
     ) -> PutResult | concurrent.futures.Future[PutResult]:
-        """Hash, answer a repeated PUT at once, else queue it for the committer."""
+        """Hash, answer a PUT that writes nothing at once, else queue it for the committer."""
         data = owned_buffer(data)  # the hot tier keeps it
         digest = digest_of(data)
         sdig = self._scoped(scope_raw, digest)
         ref = (ns, key)
         with self._lock:
-            existing = self._lookup(ns, key)
-            if (
-                existing is not None
-                and not self._inflight.get(ref)
-                and not (self._tags and self._stale(ns, key))
-            ):
-                outcome = PutOutcome.DUPLICATE if existing.sdig == sdig else PutOutcome.CONFLICT
-                self._count_put(ns, outcome, False)
-                return PutResult(outcome, existing.digest, existing.size)
-        op = _Op("put", ns, key, sdig=sdig, digest=digest, data=data, tag=tag)
+            if not self._inflight.get(ref):
+                existing = self._lookup(ns, key)
+                if existing is not None and self._tags and self._stale(ns, key):
+                    existing = None
+                outcome = decide_put(
+                    existing.sdig if existing is not None else None, sdig, cond, self._fww(ns)
+                )
+                if outcome is PutOutcome.MISSING:
+                    self._count_put(ns, outcome, False)
+                    return PutResult(outcome, digest, len(data))
+                if outcome is PutOutcome.DUPLICATE or outcome is PutOutcome.CONFLICT:
+                    assert existing is not None
+                    self._count_put(ns, outcome, False)
+                    return PutResult(outcome, existing.digest, existing.size)
+        op = _Op("put", ns, key, sdig=sdig, digest=digest, data=data, tag=tag, cond=cond)
+        op.nowait = nowait
         self._submit(op)
         return op.future
 
-    def put_many(self, ns: str, items: Sequence[tuple[str, Buffer]]) -> list[PutResult]:
+    def put_many(
+        self, ns: str, items: Sequence[tuple[str, Buffer]], *, cond: PutCond = None
+    ) -> list[PutResult]:
         """Queue every item before waiting, so the batch shares one group commit.
 
         Every item is settled (stored or failed) before this returns or raises the first
         failure; items after a failed one may have been stored.
         """
         ns_raw = validate_namespace(ns)
-        ops = []
+        validate_cond(cond)
         for key, data in items:
             self._validate(ns, key)
             self._check_size(data)
         self._check_open()
+        ops = []
         for key, data in items:  # hash everything first: then the committer sees them all
             data = owned_buffer(data)  # noqa: PLW2901 (the hot tier keeps it)
             digest = digest_of(data)
-            ops.append(
-                _Op("put", ns, key, sdig=self._scoped(ns_raw, digest), digest=digest, data=data)
-            )
-        for op in ops:
-            self._submit(op)
+            sdig = self._scoped(ns_raw, digest)
+            ops.append(_Op("put", ns, key, sdig=sdig, digest=digest, data=data, cond=cond))
+        self._submit_many(ops)
         concurrent.futures.wait([op.future for op in ops])
-        results = [op.future.result() for op in ops]
-        self._rebalance()
-        return results
+        return [op.future.result() for op in ops]
 
     def delete(self, ns: str, key: str) -> bool:
         self._validate(ns, key)
         self._check_open()
         return bool(self._call(_Op("delete", ns, key)))
 
+    def delete_many(self, ns: str, keys: Sequence[str]) -> list[bool]:
+        for key in keys:
+            self._validate(ns, key)
+        self._check_open()
+        ops = [_Op("delete", ns, key) for key in keys]
+        self._submit_many(ops)
+        concurrent.futures.wait([op.future for op in ops])
+        return [bool(op.future.result()) for op in ops]
+
+    def flush(self, ns: str) -> int:
+        validate_namespace(ns)
+        self._check_open()
+        return int(self._call(_Op("flush", ns, "")))
+
     def pin(self, ns: str, key: str) -> bool:
         self._validate(ns, key)
         self._check_open()
-        with self._lock:
-            b = self._lookup(ns, key)
-            if b is not None:
-                self._check_pin_quota(ns, 0 if b.pins else b.size)
         return bool(self._call(_Op("pin", ns, key)))
 
     def unpin(self, ns: str, key: str) -> bool:
@@ -596,289 +899,465 @@ class SharedKvStoreBackend(TieredEngine):
         return op.future.result()
 
     def _submit(self, op: _Op) -> None:
-        with self._cv:
-            if self._stopping:
-                raise StoreClosedError("the store is closed")
-            if op.key:
-                ref = (op.ns, op.key)
-                with self._lock:
-                    self._inflight[ref] = self._inflight.get(ref, 0) + 1
-            self._queue.append(op)
-            self._cv.notify()
+        self._submit_many([op])
 
-    # -- the committer -------------------------------------------------------------------
-    def _commit_loop(self) -> None:
-        """Commit queued operations in batches; between batches, compact segments."""
-        while True:
-            batch: list[_Op] = []
-            with self._cv:
-                while not self._queue and not self._stopping and not self._compaction_due():
-                    self._cv.wait(timeout=self._compact_idle_s)
-                if self._queue:
-                    batch.append(self._queue.popleft())
-                    size = len(batch[0].data or b"")
-                    while self._queue and size < self._max_batch_bytes:
-                        op = self._queue.popleft()
-                        size += len(op.data or b"")
-                        batch.append(op)
-                elif self._stopping:
-                    return
-            if not batch:
-                try:
-                    self._compact_step()
-                except Exception:  # never let the committer die
-                    log.exception("compaction step failed")
-                    self._compact_backoff_until = time.monotonic() + 5.0
-                continue
-            try:
-                self._commit(batch)
-            except BaseException as exc:  # never let the committer die silently
-                log.exception("commit failed unexpectedly")
-                err = StorageIOError(f"commit failed: {exc}")
-                self._finish(batch, [err] * len(batch), [])
-
-    def _commit(self, batch: list[_Op]) -> None:
-        results: list[Any] = [None] * len(batch)
-        effects: list[Effect] = []
-        # (segment, bytes, offset): a batch may roll over into a new segment midway
-        writes: list[tuple[_Segment, Buffer, int]] = []
-        touched: set[bytes] = set()
-        txn = self._env.begin(write=True)
-        try:
-            state = _BatchState()
-            for i, op in enumerate(batch):
-                try:
-                    results[i] = self._decide(txn, op, effects, writes, touched, state)
-                except StoreError as exc:
-                    results[i] = exc
-            if writes:
-                self._write_and_sync(writes, txn)
-            txn.commit()
-        except (OSError, lmdb.Error) as exc:
-            txn.abort()
-            self._write_failures += 1
-            self._abandon_segments({seg for seg, _, _ in writes})
-            err: StoreError
-            if (isinstance(exc, OSError) and exc.errno == errno.ENOSPC) or "No space" in str(exc):
-                err = DiskFullError(f"disk full under {self.path}: nothing was stored")
-            else:
-                err = StorageIOError(f"write to {self.path} failed: {exc}; nothing was stored")
-            log.error("group commit of %d operations failed: %s", len(batch), exc)
-            self._finish(batch, [err] * len(batch), [])
-            return
-        for seg, data, off in writes:
-            self._seg_len[seg.id] = max(self._seg_len.get(seg.id, 0), off + len(data))
-        self._batches += 1
-        self._committed_ops += len(batch)
-        self._finish(batch, results, effects)
-        self._drop_dead_segments()
-
-    def _finish(self, batch: list[_Op], results: list[Any], effects: list[Effect]) -> None:
+    def _submit_many(self, ops: list[_Op]) -> None:
+        if self._closed:
+            raise StoreClosedError("the store is closed")
         with self._lock:
-            self._apply(effects)
-            for op, res in zip(batch, results, strict=True):
+            for op in ops:
                 if op.key:
                     ref = (op.ns, op.key)
-                    n = self._inflight.get(ref, 1) - 1
-                    if n:
-                        self._inflight[ref] = n
-                    else:
-                        self._inflight.pop(ref, None)
+                    self._inflight[ref] = self._inflight.get(ref, 0) + 1
+        try:
+            self._committer.submit_many(ops)
+        except StoreError:
+            self._release(ops)
+            raise
+
+    def _release(self, ops: list[_Op]) -> None:
+        """Ops that will not be committed (dropped, failed): no longer in flight."""
+        with self._lock:
+            self._release_locked(ops)
+
+    def _release_locked(self, ops: list[_Op]) -> None:
+        for op in ops:
+            if op.key:
+                ref = (op.ns, op.key)
+                n = self._inflight.get(ref, 1) - 1
+                if n > 0:
+                    self._inflight[ref] = n
+                else:
+                    self._inflight.pop(ref, None)
+
+    # -- the committer -------------------------------------------------------------------
+    def _commit(self, batch: list[_Op]) -> None:
+        """Decide, write + sync once, apply, answer (committer thread)."""
+        incoming = sum(op.nbytes for op in batch if op.kind == "put")
+        if incoming and self._compact is not None:
+            # Room first, so the files never outgrow the cold capacity: evict what the new
+            # blocks displace (a batch of its own), then compact the space it frees.
+            self._pre_evict(incoming)
+            self._compact.make_disk_room(incoming)
+        self._wait_for_checkpoint_lag()
+        w = self._writer
+        w.begin()
+        v = _View(self)
+        results: list[Any] = []
+        for op in batch:
+            try:
+                results.append(self._decide(v, op))
+            except StoreError as exc:
+                results.append(exc)
+        written: list[tuple[int, int]] = []
+        if not w.empty:
+            res = self._write(v)
+            if isinstance(res, StoreError):
+                for op in batch:
+                    settle(op.future, res)
+                self._release(batch)
+                return
+            written = res
+        self._finish(v, batch, results, written)
+
+    def _pre_evict(self, incoming: int) -> None:
+        """Commit the evictions `incoming` new bytes will need, before their batch."""
+        with self._lock:
+            over = self._total.cold_bytes + incoming - self.live_capacity_bytes
+        if over <= 0:
+            return
+        w = self._writer
+        w.begin()
+        v = _View(self)
+        try:
+            self._make_room(v, incoming)
+        except CapacityError:
+            return  # the batch itself will say so, per PUT
+        if w.empty:
+            return
+        res = self._write(v)
+        if not isinstance(res, StoreError):
+            self._finish(v, [], [], res)
+
+    def _evict_segment(self, sid: int) -> bool:
+        """Evict every unpinned block stored in segment `sid` (a batch of its own), so
+        the segment can be deleted without copying them (committer thread)."""
+        with self._lock:
+            victims = [b.sdig for b in self._blobs.values() if b.seg == sid and not b.pins]
+        if not victims:
+            return True
+        w = self._writer
+        w.begin()
+        v = _View(self)
+        for sdig in victims:
+            v.dropped.add(sdig)
+            for ns, key in self._keys_of_blob(v, sdig):
+                self._emit_del(v, ns, key, evicted=True)
+        if w.empty:
+            return True
+        res = self._write(v)
+        if isinstance(res, StoreError):
+            return False
+        self._finish(v, [], [], res)
+        return True
+
+    def _write(self, v: _View) -> list[tuple[int, int]] | StoreError:
+        """Write and sync the batch: (segment, new end) of each written, or the error to
+        answer (the batch undone)."""
+        w = self._writer
+        try:
+            return w.write(reserve_ok=not v.new_data)
+        except SyncFailed as exc:
+            for sid, end in w.abandon():
+                self._seg_len[sid] = min(self._seg_len.get(sid, end), end)
+            return self._io_error(exc.cause, "sync")
+        except OSError as exc:
+            w.rollback()
+            return self._io_error(exc, "write")
+
+    def _io_error(self, exc: OSError, what: str) -> StoreError:
+        self._write_failures += 1
+        log.error("log %s under %s failed: %s", what, self.path, exc)
+        if exc.errno == errno.ENOSPC:
+            return DiskFullError(f"disk full under {self.path}: nothing was stored")
+        return StorageIOError(f"write to {self.path} failed: {exc}; nothing was stored")
+
+    def _finish(
+        self,
+        v: _View,
+        batch: list[_Op],
+        results: list[Any],
+        written: list[tuple[int, int]],
+    ) -> None:
+        """The batch is durable: apply it to RAM, answer, mark the rows for the checkpointer."""
+        w = self._writer
+        with self._lock:
+            dirty = self._dirty  # (swapped by the checkpointer under this lock)
+            for ns, key in v.key_recs:  # the old record of each rewritten key goes dead
+                old = self._kloc.get(ns, {}).get(key)
+                b = self._lookup(ns, key)
+                if old is not None and b is not None:
+                    self._count_key_rec(old, ns, key, b.sdig, self._tags.get((ns, key)), -1)
+            for mk in v.meta_recs:
+                om = self._mloc.pop(mk, None)
+                if om is not None:
+                    sid = unpack_loc(om[0])[0]
+                    self._seg_live[sid] = self._seg_live.get(sid, 0) - om[1]
+            self._apply(v.effects)
+            for (ns, key), rec in v.key_recs.items():
+                locs = self._kloc.get(ns)
+                b = self._lookup(ns, key)
+                if rec is None or b is None:
+                    if locs is not None:
+                        locs.pop(key, None)
+                        if not locs:
+                            del self._kloc[ns]
+                    continue
+                self._kloc.setdefault(ns, {})[key] = rec[0]
+                tag = self._tags.get((ns, key))
+                self._count_key_rec(rec[0], ns, key, b.sdig, tag, +1)
+            dirty.keys.update(v.key_recs)
+            for mk, mrec in v.meta_recs.items():
+                if mrec is not None:
+                    self._mloc[mk] = mrec
+                    sid = unpack_loc(mrec[0])[0]
+                    self._seg_live[sid] = self._seg_live.get(sid, 0) + mrec[1]
+            dirty.metas.update(v.meta_recs)
+            dirty.blobs.update(v.placed, v.ref_delta, v.dropped)
+            for sid, n in v.tomb.items():
+                self._seg_tomb[sid] = self._seg_tomb.get(sid, 0) + n
+            for sid, end in written:
+                self._seg_len[sid] = end
+            dirty.segs.update(v.tomb, (sid for sid, _e in written))
+            self._quarantined.update(v.quarantine)
+            dirty.quarantine.update(v.quarantine)
+            for op, res in zip(batch, results, strict=True):
                 if op.kind == "put" and isinstance(res, PutResult):
                     self._count_put(op.ns, res.outcome, op.deduped)
+            self._release_locked(batch)
+            self._batches += 1
+            self._committed_ops += len(batch)
+            if w.active is not None:
+                self._log_end = (w.active.id, w.pos)
         for op, res in zip(batch, results, strict=True):
-            if isinstance(res, BaseException):
-                op.future.set_exception(res)
-            else:
-                op.future.set_result(res)
+            settle(op.future, res)
+        self._checkpoint_due(w.last_batch_bytes)
+        if v.hot_refused:
+            self._tier_event.set()  # make room in hot for the next blocks
 
-    def _decide(
-        self,
-        txn: Any,
-        op: _Op,
-        effects: list[Effect],
-        writes: list[tuple[_Segment, Buffer, int]],
-        touched: set[bytes],
-        state: _BatchState,
-    ) -> Any:
-        if op.kind == "quarantine":
-            brow = txn.get(op.sdig, db=self._db_blobs)
-            if brow is None:
-                return None  # already dropped
-            _size, off, seg, _refs = _BLOB_ROW.unpack(brow)
-            if (seg, off) != op.loc:
-                return None  # stored again since: a fresh copy, not the one that failed
-            self._decide_drop_blob(txn, op.sdig, effects, state, evicted=False)
-            txn.put(op.sdig, str(time.time()).encode(), db=self._db_quarantine)
-            return None
-        if op.kind == "snapshot":
-            return self._decide_snapshot(txn, op, effects, state)
-        if op.kind == "drop":
-            return self._decide_drop(txn, op, effects)
-        if op.kind == "meta_put":
+    def _emit(self, v: _View, header: bytearray, payload: Buffer | None = None) -> tuple[int, int]:
+        return self._writer.alloc(header, payload)
+
+    def _emit_key(self, v: _View, ns: str, key: str, ks: _KS) -> None:
+        hdr = records.encode(Op.KEY, ns=ns, key=key, sdig=ks.sdig, pins=ks.pins, tag=ks.tag)
+        sid, off = self._emit(v, hdr)
+        v.key_recs[(ns, key)] = (pack_loc(sid, off), len(hdr))
+        v.keys[(ns, key)] = ks
+
+    def _emit_del(self, v: _View, ns: str, key: str, *, evicted: bool = False) -> None:
+        cur = v.key(ns, key)
+        hdr = records.encode(Op.DEL, ns=ns, key=key, aux=1 if evicted else 0)
+        sid, _off = self._emit(v, hdr)
+        v.tomb[sid] = v.tomb.get(sid, 0) + len(hdr)
+        v.key_recs[(ns, key)] = None
+        v.keys[(ns, key)] = None
+        v.effects.append(DelKey(ns, key, evicted=evicted))
+        if cur is not None:
+            v.decref(cur.sdig)
+
+    def _emit_meta(self, v: _View, kind: str, tenant: str, rid: str, rec: dict[str, Any]) -> None:
+        body = json.dumps(rec).encode()
+        hdr = records.encode(
+            Op.META,
+            ns=tenant,
+            key=rid,
+            aux=META_CODES[kind],
+            plen=len(body),
+            pcrc=records.payload_crc(body),
+        )
+        sid, off = self._emit(v, hdr, body)
+        v.meta_recs[(kind, tenant, rid)] = (pack_loc(sid, off), len(hdr) + len(body))
+        v.metas[(kind, tenant, rid)] = rec
+        v.effects.append(MetaPut(kind, tenant, rid, rec))
+
+    def _emit_mdel(self, v: _View, kind: str, tenant: str, rid: str) -> None:
+        hdr = records.encode(Op.MDEL, ns=tenant, key=rid, aux=META_CODES[kind])
+        sid, _off = self._emit(v, hdr)
+        v.tomb[sid] = v.tomb.get(sid, 0) + len(hdr)
+        v.meta_recs[(kind, tenant, rid)] = None
+        v.metas[(kind, tenant, rid)] = None
+        v.effects.append(MetaDel(kind, tenant, rid))
+
+    def _is_stale(self, ns: str, ks: _KS) -> bool:
+        return ks.tag is not None and ks.tag[1] < self._epoch_current(tenant_of(ns), ks.tag[0])
+
+    def _decide(self, v: _View, op: _Op) -> Any:
+        kind = op.kind
+        if kind == "put":
+            return self._decide_put(v, op)
+        if kind == "delete":
+            if v.key(op.ns, op.key) is None:
+                return False
+            self._emit_del(v, op.ns, op.key)
+            return True
+        if kind in ("pin", "unpin"):
+            return self._decide_pin(v, op)
+        if kind == "quarantine":
+            return self._decide_quarantine(v, op)
+        if kind == "snapshot":
+            return self._decide_snapshot(v, op)
+        if kind == "drop":
+            return self._decide_drop(v, op)
+        if kind == "meta_put":
             e: MetaPut = op.payload
-            txn.put(
-                _meta_row(e.kind, e.tenant, e.id), json.dumps(e.record).encode(), db=self._db_meta
-            )
-            effects.append(e)
+            if e.kind == "branch" and v.meta("snap", e.tenant, e.record["snapshot_id"]) is None:
+                raise NotFoundError(f"no snapshot {e.record['snapshot_id']!r}")
+            self._emit_meta(v, e.kind, e.tenant, e.id, e.record)
             return None
-        krow = _key_row(op.ns, op.key)
-        row = txn.get(krow, db=self._db_keys)
-        if op.kind == "retire":
-            if row is None:
+        if kind == "retire":
+            cur = v.key(op.ns, op.key)
+            if cur is None or not self._is_stale(op.ns, cur):
                 return False
-            _p, sdig, tag, _k = _unpack_entry(row)
-            if tag is None or tag[1] >= self._epoch_current(tenant_of(op.ns), tag[0]):
-                return False
-            txn.delete(krow, db=self._db_keys)
-            self._decref(txn, sdig)
-            effects.append(DelKey(op.ns, op.key))
+            self._emit_del(v, op.ns, op.key)
             return True
-        if op.kind == "put":
-            assert op.data is not None
-            internal = parse_internal_ns(op.ns)
-            if (
-                internal is not None
-                and txn.get(_meta_row(*internal_meta(internal)), db=self._db_meta) is None
-            ):
-                # the branch was deleted while this PUT was being hashed or queued
-                raise NotFoundError(f"no {internal[1]} {internal[2]!r}")
-            if row is not None:
-                _p, old_sdig, old_tag, _k = _unpack_entry(row)
-                if old_tag is not None and old_tag[1] < self._epoch_current(
-                    tenant_of(op.ns), old_tag[0]
-                ):
-                    # a stale entry is replaced, not kept (first write wins per epoch)
-                    txn.delete(krow, db=self._db_keys)
-                    self._decref(txn, old_sdig)
-                    effects.append(DelKey(op.ns, op.key))
-                    row = None
-            if row is not None:
-                old = old_sdig
-                outcome = PutOutcome.DUPLICATE if old == op.sdig else PutOutcome.CONFLICT
-                brow = txn.get(old, db=self._db_blobs)
-                size = _BLOB_ROW.unpack(brow)[0] if brow else len(op.data)
-                return PutResult(outcome, old[-32:], size)
-            size = len(op.data)
-            brow = txn.get(op.sdig, db=self._db_blobs)
-            if brow is not None:
-                bsize, off, seg, refs = _BLOB_ROW.unpack(brow)
-                txn.put(op.sdig, _BLOB_ROW.pack(bsize, off, seg, refs + 1), db=self._db_blobs)
-                txn.put(
-                    krow,
-                    _pack_entry(0, op.sdig, op.tag, _longkey(op.ns, op.key)),
-                    db=self._db_keys,
-                )
-                effects.append(AddKey(op.ns, op.key, op.sdig, bsize, None, seg, off, op.tag))
-                touched.add(op.sdig)
-                state.added.setdefault(op.sdig, []).append((op.ns, op.key))
-                op.deduped = True
-                return PutResult(PutOutcome.NEW, op.digest, bsize)
-            self._make_room(txn, size, effects, touched, state)
-            seg_id, off = self._allocate(txn, size)
-            writes.append((self._segments[seg_id], op.data, off))
-            state.new_bytes += size
-            txn.put(op.sdig, _BLOB_ROW.pack(size, off, seg_id, 1), db=self._db_blobs)
-            txn.put(
-                krow, _pack_entry(0, op.sdig, op.tag, _longkey(op.ns, op.key)), db=self._db_keys
-            )
-            effects.append(AddKey(op.ns, op.key, op.sdig, size, op.data, seg_id, off, op.tag))
-            touched.add(op.sdig)
-            state.added.setdefault(op.sdig, []).append((op.ns, op.key))
-            return PutResult(PutOutcome.NEW, op.digest, size)
-        if row is None:
-            return False
-        pins, sdig, tag, longkey = _unpack_entry(row)
-        if op.kind == "delete":
-            txn.delete(krow, db=self._db_keys)
-            self._decref(txn, sdig)
-            effects.append(DelKey(op.ns, op.key))
-            return True
-        if op.kind == "pin":
-            txn.put(krow, _pack_entry(pins + 1, sdig, tag, longkey), db=self._db_keys)
-            effects.append(PinDelta(op.ns, op.key, +1))
-            return True
-        if op.kind == "unpin":
-            if pins == 0:
-                return False
-            txn.put(krow, _pack_entry(pins - 1, sdig, tag, longkey), db=self._db_keys)
-            effects.append(PinDelta(op.ns, op.key, -1))
-            return True
-        raise StoreError(f"unknown operation {op.kind!r}")
+        if kind == "flush":
+            names = v.ns_keys(op.ns)
+            n = 0
+            for key in names:
+                if v.key(op.ns, key) is not None:
+                    self._emit_del(v, op.ns, key)
+                    n += 1
+            return n
+        raise StoreError(f"unknown operation {kind!r}")
 
-    def _decide_snapshot(self, txn: Any, op: _Op, effects: list[Effect], state: _BatchState) -> int:
+    def _decide_put(self, v: _View, op: _Op) -> PutResult:
+        assert op.data is not None
+        ns, key = op.ns, op.key
+        internal = parse_internal_ns(ns)
+        if internal is not None and v.meta(internal[1], internal[0], internal[2]) is None:
+            # the branch was deleted while this PUT was being hashed or queued
+            raise NotFoundError(f"no {internal[1]} {internal[2]!r}")
+        cur = v.key(ns, key)
+        stale = cur is not None and self._is_stale(ns, cur)
+        live = None if cur is None or stale else cur
+        outcome = decide_put(live.sdig if live else None, op.sdig, op.cond, self._fww(ns))
+        if outcome is PutOutcome.MISSING:
+            return PutResult(outcome, op.digest, len(op.data))
+        if outcome is PutOutcome.DUPLICATE or outcome is PutOutcome.CONFLICT:
+            assert live is not None
+            return PutResult(outcome, live.sdig[-32:], live.size)
+        if cur is None and self.max_keys_per_tenant and internal is None:
+            self._key_quota(v, ns)
+        pins = live.pins if live is not None else 0
+        loc = v.blob_loc(op.sdig)
+        data: Buffer | None = None
+        if loc is None:
+            size = len(op.data)
+            self._make_room(v, size)
+            hdr = records.encode(Op.BLOB, sdig=op.sdig, plen=size)
+            sid, off = self._emit(v, hdr, op.data)
+            loc = (size, sid, off + len(hdr))
+            v.placed[op.sdig] = loc
+            v.new_bytes += size
+            v.new_data = True
+            data = op.data
+            if op.nowait:
+                # nobody rebalances after a put from an event loop: its block enters hot
+                # only if it fits now (it is on disk either way; the tier thread keeps room)
+                room = self.hot_capacity_bytes - self._total.hot_bytes - v.hot_bytes
+                data = op.data if size <= room else None
+                v.hot_bytes += size if data is not None else 0
+                v.hot_refused |= data is None
+        else:
+            op.deduped = True
+        size, sid, data_off = loc
+        if cur is not None:
+            v.effects.append(DelKey(ns, key))
+            v.decref(cur.sdig)
+        self._emit_key(v, ns, key, _KS(op.sdig, size, pins, op.tag))
+        v.incref(op.sdig, (ns, key))
+        v.effects.append(AddKey(ns, key, op.sdig, size, data, sid, data_off, op.tag))
+        if pins:
+            v.effects.append(PinDelta(ns, key, pins))  # pins belong to the key: they stay
+        return PutResult(outcome, op.digest, size)
+
+    def _key_quota(self, v: _View, ns: str) -> None:
+        """The tenant's key count as RAM and this batch have it, against its quota."""
+        with self._lock:
+            idx = self._index.get(ns) or {}
+            added = sum(
+                1 for (n, k), st in v.keys.items() if n == ns and st is not None and k not in idx
+            )
+            self._check_key_quota(ns, added)
+
+    def _pin_room(self, v: _View, tenant: str, extra: int) -> None:
+        """Atomic pin quota: RAM's pinned bytes plus what this batch pins (committer)."""
+        if extra <= 0:
+            return
+        pending = v.pinned_extra.get(tenant, 0)
+        with self._lock:
+            self._check_pin_quota(tenant, pending + extra)
+        v.pinned_extra[tenant] = pending + extra
+
+    def _blob_pinned(self, v: _View, sdig: bytes) -> bool:
+        b = self._blobs.get(sdig)
+        if b is not None and b.pins:
+            return True
+        return any(st is not None and st.sdig == sdig and st.pins for st in v.keys.values())
+
+    def _decide_pin(self, v: _View, op: _Op) -> bool:
+        cur = v.key(op.ns, op.key)
+        if cur is None:
+            return False
+        if op.kind == "pin":
+            if not self._blob_pinned(v, cur.sdig):
+                self._pin_room(v, tenant_of(op.ns), cur.size)
+            new = _KS(cur.sdig, cur.size, cur.pins + 1, cur.tag)
+            delta = 1
+        else:
+            if cur.pins == 0:
+                return False
+            new = _KS(cur.sdig, cur.size, cur.pins - 1, cur.tag)
+            delta = -1
+        self._emit_key(v, op.ns, op.key, new)
+        v.effects.append(PinDelta(op.ns, op.key, delta))
+        return True
+
+    def _keys_of_blob(self, v: _View, sdig: bytes) -> list[tuple[str, str]]:
+        """Keys that reference `sdig` after the batch so far."""
+        with self._lock:
+            b = self._blobs.get(sdig)
+            refs = b.key_refs() if b is not None else []
+        out = []
+        for ns, key in dict.fromkeys([*refs, *v.added.get(sdig, ())]):
+            st = v.key(ns, key)
+            if st is not None and st.sdig == sdig:
+                out.append((ns, key))
+        return out
+
+    def _decide_quarantine(self, v: _View, op: _Op) -> None:
+        b = self._blobs.get(op.sdig)
+        if b is None or (b.seg, b.off) != op.loc or op.sdig in v.placed:
+            return  # gone, or stored again since: a fresh copy, not the one that failed
+        now = time.time()
+        hdr = records.encode(Op.QUAR, sdig=op.sdig, aux=int(now * 1000))
+        sid, _off = self._emit(v, hdr)
+        v.tomb[sid] = v.tomb.get(sid, 0) + len(hdr)
+        v.quarantine[op.sdig] = now
+        for ns, key in self._keys_of_blob(v, op.sdig):
+            self._emit_del(v, ns, key)
+        v.dropped.add(op.sdig)
+
+    def _make_room(self, v: _View, size: int) -> None:
+        """Evict the least valuable unpinned blocks until `size` more live bytes fit."""
+        budget = self.live_capacity_bytes
+        with self._lock:
+            used = self._total.cold_bytes
+        need = used - v.freed + v.new_bytes + size - budget
+        if need <= 0:
+            return
+        victims: list[_Blob] = []
+        with self._lock:
+            for b in self._blobs.values():  # least recently used first
+                if need <= 0:
+                    break
+                if b.pins or b.sdig in v.touched or b.sdig in v.dropped:
+                    continue
+                victims.append(b)
+                need -= b.size
+        if need > 0:
+            raise CapacityError(
+                f"no room for a {size}-byte block: the cold tier ({self.cold_capacity_bytes} "
+                f"bytes) is full of pinned or in-flight blocks"
+            )
+        for b in victims:
+            v.dropped.add(b.sdig)
+            for ns, key in self._keys_of_blob(v, b.sdig):
+                self._emit_del(v, ns, key, evicted=True)
+            v.freed += b.size
+
+    def _decide_snapshot(self, v: _View, op: _Op) -> int:
         """Reference and pin the tenant's live entries under the snapshot namespace."""
         keys, prefix, rec = op.payload
         tenant, sid = op.ns, op.key
-        sns = snapshot_ns(tenant, sid)
-        base = _ns_prefix(tenant)
-        rows: list[tuple[str, bytes]] = []
-        if keys is not None:
-            for key in dict.fromkeys(keys):
-                if prefix is not None and not key.startswith(prefix):
-                    continue
-                v = txn.get(_key_row(tenant, key), db=self._db_keys)
-                if v is not None:
-                    rows.append((key, bytes(v)))
-        else:
-            # plain rows sort by key (a prefix is a range); hashed long-key rows sit
-            # together under 0xFF and are filtered by their stored key
-            ranges = [base + (prefix or "").encode()]
-            if prefix:
-                ranges.append(base + _HASHED)
-            for start in ranges:
-                cur = txn.cursor(db=self._db_keys)
-                if not cur.set_range(start):
-                    continue
-                for k, v in cur:
-                    if not k.startswith(start):
-                        break
-                    key = _split_key_row(bytes(k), _unpack_entry(v)[3])[1]
-                    if prefix is None or key.startswith(prefix):
-                        rows.append((key, bytes(v)))
-        n = 0
-        for key, v in dict(rows).items():
-            _pins, sdig, tag, _k = _unpack_entry(v)
-            if tag is not None and tag[1] < self._epoch_current(tenant, tag[0]):
-                continue  # stale entries are not captured
-            brow = txn.get(sdig, db=self._db_blobs)
-            if brow is None:
+        pending = sum(1 for (k, t, _r), m in v.metas.items() if k == "snap" and t == tenant and m)
+        with self._lock:
+            self._check_snapshot_quota(tenant, pending)
+        names = list(dict.fromkeys(keys)) if keys is not None else v.ns_keys(tenant)
+        entries: list[tuple[str, _KS]] = []
+        for key in names:
+            if prefix is not None and not key.startswith(prefix):
                 continue
-            size, off, seg, refs = _BLOB_ROW.unpack(brow)
-            txn.put(sdig, _BLOB_ROW.pack(size, off, seg, refs + 1), db=self._db_blobs)
-            txn.put(
-                _key_row(sns, key), _pack_entry(1, sdig, None, _longkey(sns, key)), db=self._db_keys
-            )
-            effects.append(AddKey(sns, key, sdig, size, None, seg, off))
-            effects.append(PinDelta(sns, key, +1))
-            state.added.setdefault(sdig, []).append((sns, key))
-            n += 1
-        txn.put(_meta_row("snap", tenant, sid), json.dumps(rec).encode(), db=self._db_meta)
-        effects.append(MetaPut("snap", tenant, sid, rec))
-        return n
+            cur = v.key(tenant, key)
+            if cur is None or self._is_stale(tenant, cur):
+                continue  # stale entries are not captured
+            entries.append((key, cur))
+        newly = {st.sdig: st.size for _k, st in entries if not self._blob_pinned(v, st.sdig)}
+        self._pin_room(v, tenant, sum(newly.values()))
+        sns = snapshot_ns(tenant, sid)
+        for key, cur in entries:
+            loc = v.blob_loc(cur.sdig)
+            assert loc is not None
+            self._emit_key(v, sns, key, _KS(cur.sdig, cur.size, 1, None))
+            v.incref(cur.sdig, (sns, key))
+            v.effects.append(AddKey(sns, key, cur.sdig, cur.size, None, loc[1], loc[2]))
+            v.effects.append(PinDelta(sns, key, +1))
+        self._emit_meta(v, "snap", tenant, sid, rec)
+        return len(entries)
 
-    def _decide_drop(self, txn: Any, op: _Op, effects: list[Effect]) -> int:
+    def _decide_drop(self, v: _View, op: _Op) -> int:
         """Delete every entry of the named snapshots / branches, and their records."""
         tenant = op.ns
         n = 0
         for kind, rid in op.payload:
+            if v.meta(kind, tenant, rid) is None:
+                continue
             ins = snapshot_ns(tenant, rid) if kind == "snap" else branch_ns(tenant, rid)
-            start = _ns_prefix(ins)
-            cur = txn.cursor(db=self._db_keys)
-            doomed: list[tuple[bytes, bytes]] = []
-            if cur.set_range(start):
-                for k, v in cur:
-                    if not k.startswith(start):
-                        break
-                    doomed.append((bytes(k), bytes(v)))
-            for k, v in doomed:
-                txn.delete(k, db=self._db_keys)
-                _p, sdig, _t, longkey = _unpack_entry(v)
-                self._decref(txn, sdig)
-                effects.append(DelKey(ins, _split_key_row(k, longkey)[1]))
-                n += 1
-            txn.delete(_meta_row(kind, tenant, rid), db=self._db_meta)
-            effects.append(MetaDel(kind, tenant, rid))
+            for key in v.ns_keys(ins):
+                if v.key(ins, key) is not None:
+                    self._emit_del(v, ins, key)
+                    n += 1
+            self._emit_mdel(v, kind, tenant, rid)
         return n
 
     def _snapshot_commit(
@@ -901,359 +1380,211 @@ class SharedKvStoreBackend(TieredEngine):
 
     def _retire(self, pairs: list[tuple[str, str]]) -> int:
         ops = [_Op("retire", ns, key) for ns, key in pairs]
-        for op in ops:
-            self._submit(op)
+        self._submit_many(ops)
         return sum(1 for op in ops if op.future.result())
 
     # -- the epoch registry ----------------------------------------------------------------
     def _epoch_current(self, tenant: str, scope: str) -> int:
-        with self._epoch_env.begin() as txn:
-            v = txn.get(_ns_prefix(tenant) + scope.encode())
-        return _U64.unpack(v)[0] if v is not None else 0
+        assert self._epochs is not None
+        return self._epochs.current(tenant, scope)
 
     def _epoch_advance(self, tenant: str, scope: str) -> int:
-        k = _ns_prefix(tenant) + scope.encode()
-        try:
-            with self._epoch_env.begin(write=True) as txn:
-                v = txn.get(k)
-                n = (_U64.unpack(v)[0] if v is not None else 0) + 1
-                txn.put(k, _U64.pack(n))
-        except lmdb.Error as exc:
-            raise StorageIOError(f"epoch bump failed in {self.epoch_dir}: {exc}") from exc
-        return n
+        assert self._epochs is not None
+        return self._epochs.advance(tenant, scope, self._live_tagged)
 
-    def _decref(self, txn: Any, sdig: bytes) -> None:
-        brow = txn.get(sdig, db=self._db_blobs)
-        if brow is None:
-            return
-        size, off, seg, refs = _BLOB_ROW.unpack(brow)
-        if refs <= 1:
-            txn.delete(sdig, db=self._db_blobs)
-        else:
-            txn.put(sdig, _BLOB_ROW.pack(size, off, seg, refs - 1), db=self._db_blobs)
-
-    def _decide_drop_blob(
-        self,
-        txn: Any,
-        sdig: bytes,
-        effects: list[Effect],
-        state: _BatchState,
-        *,
-        evicted: bool,
-    ) -> None:
-        """Delete a blob and every key referencing it (cold eviction, quarantine).
-
-        The keys are those RAM knows (committed before this batch) plus those this batch
-        added; a key is only dropped if its row (as this batch left it) names the blob.
-        """
+    def _live_tagged(self, tenant: str, scope: str) -> int:
         with self._lock:
-            b = self._blobs.get(sdig)
-            refs = b.key_refs() if b is not None else []
-        for ns, key in dict.fromkeys([*refs, *state.added.get(sdig, ())]):
-            krow = _key_row(ns, key)
-            row = txn.get(krow, db=self._db_keys)
-            if row is not None and _unpack_entry(row)[1] == sdig:
-                txn.delete(krow, db=self._db_keys)
-                effects.append(DelKey(ns, key, evicted=evicted))
-        txn.delete(sdig, db=self._db_blobs)
-
-    def _make_room(
-        self,
-        txn: Any,
-        size: int,
-        effects: list[Effect],
-        touched: set[bytes],
-        state: _BatchState,
-    ) -> None:
-        """Evict the least valuable unpinned blocks until `size` more fits in cold."""
-        with self._lock:
-            used = self._total.cold_bytes
-        need = used - state.freed + state.new_bytes + size - self.cold_capacity_bytes
-        if need <= 0:
-            return
-        victims: list[_Blob] = []
-        with self._lock:
-            for b in self._blobs.values():  # least recently used first
-                if need <= 0:
-                    break
-                if b.pins or b.sdig in touched or b.sdig in state.dropped:
-                    continue
-                victims.append(b)
-                need -= b.size
-        if need > 0:
-            raise CapacityError(
-                f"no room for a {size}-byte block: the cold tier ({self.cold_capacity_bytes} "
-                f"bytes) is full of pinned or in-flight blocks"
+            return sum(
+                1
+                for (ns, _k), tag in self._tags.items()
+                if tag[0] == scope and tenant_of(ns) == tenant
             )
-        for b in victims:
-            state.dropped.add(b.sdig)
-            self._decide_drop_blob(txn, b.sdig, effects, state, evicted=True)
-            state.freed += b.size
 
-    def _allocate(self, txn: Any, size: int) -> tuple[int, int]:
-        if self._active is None or (
-            self._active_pos > 0 and self._active_pos + size > self._segment_bytes
-        ):
-            self._open_segment()
-        assert self._active is not None
-        off = self._active_pos
-        self._active_pos += size
-        txn.put(b"seg:%08d" % self._active.id, _SEG_LEN.pack(self._active_pos), db=self._db_meta)
-        return self._active.id, off
-
-    def _open_segment(self) -> None:
-        seg_id = self._next_seg
-        self._next_seg += 1
-        path = self._seg_dir / f"{seg_id:08d}.seg"
-        seg = _Segment(seg_id, path, create=True)
-        self._segments[seg_id] = seg
-        self._seg_live.setdefault(seg_id, 0)
-        self._seg_blocks.setdefault(seg_id, 0)
-        self._active = seg
-        self._active_pos = 0
-        self._zeroed_to = 0
-        # make the new file's directory entry durable before any index row names it
-        dfd = os.open(self._seg_dir, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-            self._fsyncs += 1
-        finally:
-            os.close(dfd)
-
-    def _write_and_sync(self, writes: list[tuple[_Segment, Buffer, int]], txn: Any) -> None:
-        synced: dict[int, _Segment] = {}
-        for seg, data, off in writes:
-            view = memoryview(data).cast("B")
-            done = 0
-            while done < len(view):
-                n = self._io.pwrite(seg.fd, view[done:], off + done)
-                if n <= 0:
-                    raise OSError(errno.EIO, "short write")
-                done += n
-            synced[seg.id] = seg
-        active = self._active
-        if active is not None and active.id in synced:
-            self._prezero(active, sum(len(data) for _, data, _ in writes))
-        for seg in synced.values():
-            self._io.fdatasync(seg.fd)
-        self._fsyncs += len(synced) + 1  # the segments', and LMDB's commit
-
-    def _prezero(self, seg: _Segment, batch_bytes: int) -> None:
-        """Keep zeroed, allocated space after the active segment's end (small batches).
-
-        An `fdatasync` after an append must also commit the file's new size and block
-        allocation through the file-system journal; after an overwrite of allocated
-        blocks it only flushes data (measured on ext4 here: ~250-330 us vs ~130 us). So
-        when a small batch grows the file, the same sync also makes `_PREZERO_BYTES` of
-        zeros past it durable, and the next small batches are overwrites. Bytes past the
-        committed length are never trusted: recovery truncates them like any torn tail.
-        Large batches skip this (the journal cost is noise next to their data).
-        """
-        end = self._active_pos
-        if batch_bytes > _PREZERO_MAX_BATCH or end <= self._zeroed_to:
-            return
-        stop = min(end + _PREZERO_BYTES, max(self._segment_bytes, end))
-        view = memoryview(_ZEROS)[: stop - end]
-        done = 0
-        while done < len(view):
-            n = self._io.pwrite(seg.fd, view[done:], end + done)
-            if n <= 0:
-                raise OSError(errno.EIO, "short write")
-            done += n
-        self._zeroed_to = stop
-
-    def _abandon_segments(self, written: set[_Segment]) -> None:
-        """After a failed write/sync the segments' tails are untrusted: seal them.
-
-        The active segment is always sealed; a segment with nothing committed in it
-        (opened by the failed batch) is removed.
-        """
-        if self._active is not None:
-            written.add(self._active)
-        self._active = None
-        for seg in written:
-            if self._seg_len.get(seg.id) is None:
-                self._segments.pop(seg.id, None)
-                self._seg_live.pop(seg.id, None)
-                self._seg_blocks.pop(seg.id, None)
-                with contextlib.suppress(OSError):
-                    seg.path.unlink()
-
-    def _drop_dead_segments(self) -> None:
-        """Delete sealed segments whose blocks are all gone (skipped while a check runs;
-        the next commit retries)."""
-        if not self._maint_lock.acquire(blocking=False):
-            return
-        try:
-            self._drop_dead_segments_locked()
-        finally:
-            self._maint_lock.release()
-
-    def _drop_dead_segments_locked(self) -> None:
-        with self._lock:
-            dead = [
-                s
-                for s, live in self._seg_blocks.items()
-                if live <= 0
-                and (self._active is None or s != self._active.id)
-                and s in self._segments
-            ]
-        if not dead:
-            return
-        with self._env.begin(write=True) as txn:
-            for s in dead:
-                txn.delete(b"seg:%08d" % s, db=self._db_meta)
-        for s in dead:
-            seg = self._segments.pop(s)
-            self._seg_len.pop(s, None)
-            self._seg_live.pop(s, None)
-            self._seg_blocks.pop(s, None)
-            with contextlib.suppress(OSError):
-                seg.path.unlink()
-
-    # -- compaction ----------------------------------------------------------------------
-    def _compaction_candidate(self) -> int | None:
-        """The sealed segment with the most dead bytes, if it is worth rewriting.
-
-        Worth it: at least half of it is dead and the dead part is at least a quarter of
-        a full segment (so small stores are not churned). Lock held by the caller.
-        """
-        best, best_dead = None, 0
-        active = self._active.id if self._active is not None else None
-        min_dead = max(1, min(self._segment_bytes // 4, 64 << 20))
-        for sid, length in self._seg_len.items():
-            if sid == active or sid not in self._segments:
-                continue
-            dead = length - self._seg_live.get(sid, 0)
-            if dead >= min_dead and dead * 2 >= length and dead > best_dead:
-                best, best_dead = sid, dead
-        return best
-
-    def _compaction_due(self) -> bool:
-        if self._closed or time.monotonic() < self._compact_backoff_until:
+    # -- background threads ----------------------------------------------------------------
+    def _idle(self) -> bool:
+        """Maintenance between batches (committer thread): compaction, in small steps."""
+        if self._compact is None or self._closed:
             return False
-        with self._lock:
-            return self._compaction_candidate() is not None
+        return self._compact.step()
 
-    def _compact_step(self) -> None:
-        """Copy up to `_COMPACT_STEP_BYTES` of one segment's live blocks to the active
-        segment, through the same write-sync-commit path as PUTs (the old copies stay
-        valid until the index names the new ones); a segment left with no live block is
-        then deleted by `_drop_dead_segments`. Runs on the committer thread."""
-        with self._maint_lock:
-            self._compact_step_locked()
-
-    def _compact_step_locked(self) -> None:
-        with self._lock:
-            sid = self._compaction_candidate()
-            if sid is None:
+    def _tier_loop(self) -> None:
+        """Keep room in the hot tier for new blocks (demotion runs off the committer)."""
+        while not self._tier_stop:
+            if not self._tier_event.wait(1.0):
+                continue
+            self._tier_event.clear()
+            if self._tier_stop:
                 return
-            movers: list[tuple[bytes, int, int]] = []
-            budget = _COMPACT_STEP_BYTES
-            for b in self._blobs.values():
-                if b.seg == sid:
-                    movers.append((b.sdig, b.off, b.size))
-                    budget -= b.size
-                    if budget <= 0:
-                        break
-        seg = self._segments[sid]
-        effects: list[Effect] = []
-        writes: list[tuple[_Segment, Buffer, int]] = []
-        txn = self._env.begin(write=True)
-        try:
-            state = _BatchState()
-            for sdig, off, size in movers:
-                brow = txn.get(sdig, db=self._db_blobs)
-                if brow is None:
-                    continue
-                bsize, boff, bseg, refs = _BLOB_ROW.unpack(brow)
-                if (bseg, boff) != (sid, off):
-                    continue  # moved or rewritten since
-                data = seg.read(off, size)
-                if digest_of(data) != sdig[-32:]:
-                    log.error("integrity failure during compaction: %s", sdig[-32:].hex())
-                    with self._lock:
-                        self._total.integrity_failures += 1
-                    self._decide_drop_blob(txn, sdig, effects, state, evicted=False)
-                    txn.put(sdig, str(time.time()).encode(), db=self._db_quarantine)
-                    continue
-                new_seg, new_off = self._allocate(txn, size)
-                writes.append((self._segments[new_seg], data, new_off))
-                txn.put(sdig, _BLOB_ROW.pack(bsize, new_off, new_seg, refs), db=self._db_blobs)
-                effects.append(Move(sdig, new_seg, new_off))
-            if writes:
-                self._write_and_sync(writes, txn)
-            txn.commit()
-        except (OSError, lmdb.Error) as exc:
-            txn.abort()
-            self._abandon_segments({s for s, _, _ in writes})
-            self._compact_backoff_until = time.monotonic() + 5.0
-            log.error("compaction of segment %08d failed (nothing lost): %s", sid, exc)
-            return
-        for wseg, wdata, woff in writes:
-            self._seg_len[wseg.id] = max(self._seg_len.get(wseg.id, 0), woff + len(wdata))
-        self._compactions += 1
-        self._compacted_bytes += sum(len(d) for _, d, _ in writes)
+            try:
+                self._rebalance(int(_HOT_LOW_WATER * self.hot_capacity_bytes))
+            except Exception:  # a tier move never takes the store down
+                log.exception("tier rebalance failed")
+
+    def _persisted_counters(self) -> dict[str, int]:
+        return {"integrity_failures": self._total.integrity_failures}
+
+    def _checkpoint_due(self, nbytes: int) -> None:
+        """`nbytes` more of log the index does not cover yet (the rows are marked dirty)."""
+        with self._ckpt_cv:
+            self._ckpt_lag += nbytes
+            if self._ckpt_lag >= _CHECKPOINT_TRIGGER_BYTES:
+                self._ckpt_cv.notify_all()
+
+    def _rows(self, dirty: _Dirty) -> Changes:
+        """The index rows of `dirty`, read from RAM in chunks (the lock is released
+        between chunks, so readers never wait long)."""
+        ch = Changes.empty()
+        keys = list(dirty.keys)
+        for i in range(0, len(keys), 2000):
+            with self._lock:
+                for ns, key in keys[i : i + 2000]:
+                    b = self._lookup(ns, key)
+                    loc = self._kloc.get(ns, {}).get(key)
+                    if b is None or loc is None:
+                        ch.keys[(ns, key)] = None
+                    else:
+                        pins = self._pins.get((ns, key), 0)
+                        ch.keys[(ns, key)] = KeyState(b.sdig, pins, self._tags.get((ns, key)), loc)
+        sdigs = list(dirty.blobs)
+        for i in range(0, len(sdigs), 2000):
+            with self._lock:
+                for sdig in sdigs[i : i + 2000]:
+                    blob = self._blobs.get(sdig)
+                    ch.blobs[sdig] = (blob.size, blob.off, blob.seg) if blob is not None else None
         with self._lock:
-            self._apply(effects)
-        self._drop_dead_segments_locked()
+            for mk in dirty.metas:
+                body = self._meta(mk[0]).get(mk[1], {}).get(mk[2])
+                ml = self._mloc.get(mk)
+                ch.metas[mk] = (ml[0], body) if body is not None and ml is not None else None
+            for sid in dirty.segs:
+                ch.segs[sid] = (
+                    (self._seg_tomb.get(sid, 0), self._seg_len.get(sid, 0))
+                    if sid in self._segs
+                    else None
+                )
+            ch.quarantine.update(dirty.quarantine)
+        return ch
+
+    def _wait_for_checkpoint_lag(self) -> None:
+        """Back-pressure: the log may run ahead of the index by `max_checkpoint_lag_bytes`
+        (bounding the replay at the next open), unless checkpoints are failing."""
+        with self._ckpt_cv:
+            deadline = time.monotonic() + 5.0
+            while (
+                self._ckpt_lag > self._max_lag
+                and self._ckpt_error is None
+                and not self._ckpt_stop
+                and time.monotonic() < deadline
+            ):
+                self._ckpt_cv.notify_all()
+                self._ckpt_cv.wait(0.1)
+
+    def _checkpoint_loop(self) -> None:
+        next_at = time.monotonic() + self._ckpt_interval
+        while True:
+            with self._ckpt_cv:
+                while (
+                    not self._ckpt_stop
+                    and self._ckpt_lag < _CHECKPOINT_TRIGGER_BYTES
+                    and time.monotonic() < next_at
+                ):
+                    self._ckpt_cv.wait(max(0.01, next_at - time.monotonic()))
+                stopping = self._ckpt_stop
+            self.checkpoint()
+            next_at = time.monotonic() + self._ckpt_interval
+            if stopping:
+                return
+
+    def checkpoint(self) -> bool:
+        """Write the dirty rows to the index now (True when it is up to date).
+
+        The rows are read from RAM here, so they may be newer than the checkpoint position
+        they are written with: that is safe, since every record after the position is
+        replayed at open and each one sets a key's whole state (last writer wins)."""
+        with self._lock:
+            dirty, self._dirty = self._dirty, _Dirty()
+            target = self._log_end
+        if not dirty and target == self._ckpt_pos:
+            return True
+        with self._ckpt_cv:
+            lag, self._ckpt_lag = self._ckpt_lag, 0
+        ch = self._rows(dirty)
+        assert self._ix is not None
+        try:
+            self._ix.apply(ch, target, self._persisted_counters())
+        except StorageIOError as exc:
+            with self._lock:
+                dirty.merge(self._dirty)
+                self._dirty = dirty
+            with self._ckpt_cv:
+                self._ckpt_lag += lag
+                if self._ckpt_error is None:
+                    log.error("index checkpoint failed (the log still has everything): %s", exc)
+                self._ckpt_error = str(exc)
+                self._checkpoint_failures += 1
+            time.sleep(0.5)
+            return False
+        with self._ckpt_cv:
+            if self._ckpt_error is not None:
+                log.info("index checkpoints work again")
+            self._ckpt_error = None
+            self._ckpt_pos = target
+            self._checkpoints += 1
+            self._ckpt_cv.notify_all()
+        return True
 
     # -- checks and shutdown -------------------------------------------------------------
-    def check(self, *, deep: bool = False) -> ConsistencyReport:
-        """Cross-check LMDB rows, RAM state and segment files (`deep`: re-hash blobs)."""
-        with self._maint_lock:
-            return self._check_locked(deep)
+    def lost_keys(self) -> list[tuple[str, str, str]]:
+        """Keys whose bytes were found missing at open: (namespace, key, digest hex)."""
+        return [(ns, key, d.hex()) for ns, key, d in self._lost]
 
-    def _check_locked(self, deep: bool) -> ConsistencyReport:
-        report = ConsistencyReport()
+    def check(self, *, deep: bool = False) -> ConsistencyReport:
+        """RAM invariants, every block inside a segment's trusted bytes (`deep`: re-hash)."""
+        with self._maint_lock:
+            report = ConsistencyReport()
+            with self._lock:
+                self._base_check(report)
+                blobs = [(b.sdig, b.size, b.seg, b.off) for b in self._blobs.values()]
+                segs = dict(self._segs)
+                ends = dict(self._seg_len)
+            report.lost_keys = [f"{ns}/{key}" for ns, key, _d in self._lost]
+            for sdig, size, sid, off in blobs:
+                name = sdig[-32:].hex()
+                seg = segs.get(sid)
+                if seg is None or off + size > ends.get(sid, -1) or off + size > seg.size():
+                    report.orphan_index_entries.append(f"blob {name} outside segment {sid}")
+                    continue
+                if deep and digest_of(seg.read(off, size)) != sdig[-32:]:
+                    report.corrupt_blobs.append(name)
+            return report
+
+    def _close_without_checkpoint(self) -> None:
+        """Stop as a crash right after the last acknowledged write would: every write is
+        in the log, the index is left wherever its last checkpoint put it (tests)."""
+        with self._ckpt_cv:
+            self._ckpt_stop = True
+            self._ckpt_cv.notify_all()
+        self._ckpt_thread.join(self._shutdown_timeout_s)
         with self._lock:
-            self._base_check(report)
-        refs: dict[bytes, int] = {}
-        rows: dict[bytes, tuple[int, int, int, int]] = {}
-        with self._env.begin() as txn:
-            for krow, v in txn.cursor(db=self._db_keys):
-                _p, sdig, _t, longkey = _unpack_entry(v)
-                refs[sdig] = refs.get(sdig, 0) + 1
-                if txn.get(sdig, db=self._db_blobs) is None:
-                    ns, key = _split_key_row(bytes(krow), longkey)
-                    report.orphan_index_entries.append(f"{ns}/{key}")
-            for sdig, row in txn.cursor(db=self._db_blobs):
-                rows[bytes(sdig)] = _BLOB_ROW.unpack(row)
-        for sdig, (size, off, seg, n) in rows.items():
-            name = sdig[-32:].hex()
-            if refs.get(sdig, 0) == 0:
-                report.orphan_blobs.append(name)
-            elif refs[sdig] != n:
-                report.refcount_mismatches.append(f"{name}: row {n} != keys {refs[sdig]}")
-            s = self._segments.get(seg)
-            committed = self._seg_len.get(seg, -1)
-            if s is None or off + size > committed or off + size > os.fstat(s.fd).st_size:
-                report.orphan_index_entries.append(f"blob {name} outside segment {seg}")
-                continue
-            if deep and digest_of(s.read(off, size)) != sdig[-32:]:
-                report.corrupt_blobs.append(name)
-        return report
+            self._dirty = _Dirty()
+            self._log_end = self._ckpt_pos
+        self.close()
 
     def close(self) -> None:
-        with self._cv:
-            if self._stopping:
-                return
-            self._stopping = True
-            self._cv.notify_all()
-        self._committer.join()
+        if self._closed:
+            return
+        done = self._committer.stop(self._shutdown_timeout_s)
+        if not done:
+            log.error("the committer did not stop within %.0f s", self._shutdown_timeout_s)
         with self._lock:
             self._closed = True
-        self._env.close()
-        self._epoch_env.close()
-        self._segments.clear()
-        self._active = None
-        with contextlib.suppress(OSError):
-            os.close(self._lock_fd)
-
-
-@dataclass(slots=True)
-class _BatchState:
-    new_bytes: int = 0
-    freed: int = 0
-    dropped: set[bytes] = field(default_factory=set)
-    added: dict[bytes, list[tuple[str, str]]] = field(default_factory=dict)  # keys per blob
+        self._tier_stop = True
+        self._tier_event.set()
+        with self._ckpt_cv:
+            self._ckpt_stop = True
+            self._ckpt_cv.notify_all()
+        self._ckpt_thread.join(self._shutdown_timeout_s)
+        if done:
+            self.checkpoint()  # the index is current: the next open replays nothing
+        self._tier_thread.join(5.0)
+        self._release_files()

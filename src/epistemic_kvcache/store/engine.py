@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal, overload
 
 import blake3
+from sortedcontainers import SortedList
 
 from epistemic_kvcache.errors import (
     BlockTooLargeError,
@@ -49,19 +50,21 @@ from epistemic_kvcache.errors import (
     ConfigurationError,
     InvalidKeyError,
     NotFoundError,
+    QuotaExceededError,
     StoreClosedError,
 )
+from epistemic_kvcache.shared import MAX_SCOPE_BYTES
 from epistemic_kvcache.store.api import (
     BranchInfo,
     Buffer,
     ConsistencyReport,
+    PutCond,
     PutOutcome,
     PutResult,
     SharedKvBackend,
     SnapshotInfo,
     StoreStats,
     TierStats,
-    owned_buffer,
     validate_key,
     validate_namespace,
 )
@@ -86,10 +89,6 @@ class WouldBlock(enum.Enum):
 
 
 WOULD_BLOCK: Final = WouldBlock.WOULD_BLOCK
-
-
-MAX_SCOPE_BYTES = 200
-"""Epoch scopes are short names; with a 256-byte tenant they fit one LMDB key (511)."""
 
 
 def validate_scope(scope: str) -> None:
@@ -202,6 +201,7 @@ class _Counters:
     promotions: int = 0
     put_conflicts: int = 0
     put_new: int = 0
+    put_replaced: int = 0
     resident_bytes: int = 0
     stale_missed: int = 0
     total_refs: int = 0
@@ -314,7 +314,22 @@ class TieredEngine(SharedKvBackend):
         codec: WarmCodec | None,
         max_pinned_fraction: float = 0.5,
         max_snapshots_per_tenant: int = 256,
+        max_keys_per_tenant: int = 0,
+        first_write_wins: bool | frozenset[str] = False,
+        max_epoch_scopes_per_tenant: int = 10_000,
     ) -> None:
+        if max_epoch_scopes_per_tenant < 1:
+            raise ConfigurationError(
+                "invalid max_epoch_scopes_per_tenant: expected a positive integer "
+                f"(got {max_epoch_scopes_per_tenant!r})"
+            )
+        self.max_epoch_scopes_per_tenant = max_epoch_scopes_per_tenant
+        if not isinstance(max_keys_per_tenant, int) or max_keys_per_tenant < 0:
+            raise ConfigurationError(
+                "invalid max_keys_per_tenant: expected 0 (no limit) or a positive integer "
+                f"(got {max_keys_per_tenant!r})"
+            )
+        self.max_keys_per_tenant = max_keys_per_tenant
         for name, value in (
             ("hot_capacity_bytes", hot_capacity_bytes),
             ("warm_capacity_bytes", warm_capacity_bytes),
@@ -348,10 +363,19 @@ class TieredEngine(SharedKvBackend):
         # leave every other tenant's PUTs without room.
         self.max_pinned_fraction = max_pinned_fraction
         self.max_snapshots_per_tenant = max_snapshots_per_tenant
+        if not isinstance(first_write_wins, bool | frozenset):
+            raise ConfigurationError(
+                "invalid first_write_wins: expected a bool or a frozenset of tenants "
+                f"(got {first_write_wins!r})"
+            )
+        self.first_write_wins = first_write_wins
         self._codec = codec if codec is not None else WarmCodec()
         self._lock = threading.Lock()
         self._closed = False
         self._index: dict[str, dict[str, _Blob]] = {}
+        # the same keys in order, per namespace: listing (SCAN) walks a page of it under
+        # the lock in O(log n + page), never sorting a whole namespace
+        self._sorted: dict[str, SortedList] = {}
         self._blobs: dict[bytes, _Blob] = {}  # insertion order = least recently used first
         self._hot: OrderedDict[bytes, _Blob] = OrderedDict()
         self._warm: OrderedDict[bytes, _Blob] = OrderedDict()
@@ -393,6 +417,11 @@ class TieredEngine(SharedKvBackend):
             raise BlockTooLargeError(
                 f"block of {len(data)} bytes exceeds max_block_bytes={self.max_block_bytes}"
             )
+
+    def _fww(self, ns: str) -> bool:
+        """Whether `ns`'s tenant keeps first-write-wins (a plain PUT never replaces)."""
+        f = self.first_write_wins
+        return f if isinstance(f, bool) else tenant_of(ns) in f
 
     def _lookup(self, ns: str, key: str) -> _Blob | None:
         idx = self._index.get(ns)
@@ -475,7 +504,7 @@ class TieredEngine(SharedKvBackend):
             b.seg, b.off = e.seg, e.off
             b.owner = {} if self.dedup_scope == "global" else tenant
             self._blobs[e.sdig] = b
-            if e.data is not None and e.size <= self.hot_capacity_bytes:
+            if e.data is not None and self._admit_hot(e.size):
                 b.hot = e.data  # counted hot by the footprints below
                 self._hot[e.sdig] = b
             self._footprint(b, self._total, +1)
@@ -489,7 +518,13 @@ class TieredEngine(SharedKvBackend):
             b.owner[tenant] = n + 1
             if n == 0:
                 self._footprint(b, oc, +1)
-        self._index.setdefault(e.ns, {})[e.key] = b
+        idx = self._index.setdefault(e.ns, {})
+        if e.key not in idx:
+            sl = self._sorted.get(e.ns)
+            if sl is None:
+                sl = self._sorted[e.ns] = SortedList()
+            sl.add(e.key)
+        idx[e.key] = b
         if e.tag is not None:
             self._tags[(e.ns, e.key)] = e.tag
         c.total_refs += 1
@@ -502,6 +537,9 @@ class TieredEngine(SharedKvBackend):
         b = idx.pop(e.key, None) if idx is not None else None
         if b is None:
             return
+        sl = self._sorted.get(e.ns)
+        if sl is not None:
+            sl.discard(e.key)
         c = self._counters(e.ns)
         tenant = tenant_of(e.ns)
         oc = c if tenant == e.ns else self._counters(tenant)
@@ -557,6 +595,10 @@ class TieredEngine(SharedKvBackend):
         if was != (b.pins > 0):
             self._pinned_bytes += b.size if b.pins > 0 else -b.size
 
+    def _admit_hot(self, size: int) -> bool:
+        """Whether a new block's bytes go into the hot tier (lock held)."""
+        return size <= self.hot_capacity_bytes
+
     def _on_blob_created(self, b: _Blob) -> None:
         """Hook for the durable backend (segment accounting)."""
 
@@ -585,17 +627,19 @@ class TieredEngine(SharedKvBackend):
                 break
         return best
 
-    def _rebalance(self) -> None:
-        """Demote hot -> warm (-> out of RAM) until both tiers fit their capacity."""
+    def _rebalance(self, hot_target: int | None = None) -> None:
+        """Demote hot -> warm (-> out of RAM) until hot holds at most `hot_target` bytes
+        (default: its capacity) and warm fits its capacity."""
+        target = self.hot_capacity_bytes if hot_target is None else hot_target
         total = self._total
         if (
-            total.hot_bytes - self._hot_leaving <= self.hot_capacity_bytes
+            total.hot_bytes - self._hot_leaving <= target
             and total.warm_bytes <= self.warm_capacity_bytes
         ):
             return  # nothing to do (unlocked look: whoever adds bytes calls this after)
         while True:
             with self._lock:
-                over = self._total.hot_bytes - self._hot_leaving - self.hot_capacity_bytes
+                over = self._total.hot_bytes - self._hot_leaving - target
                 victim = self._pick_victim(self._hot) if over > 0 else None
                 if victim is None:
                     break
@@ -707,7 +751,13 @@ class TieredEngine(SharedKvBackend):
         return self._read(ns, key, nowait=True)
 
     def put_nowait(
-        self, ns: str, key: str, data: Buffer, *, epoch_scope: str | None = None
+        self,
+        ns: str,
+        key: str,
+        data: Buffer,
+        *,
+        epoch_scope: str | None = None,
+        cond: PutCond = None,
     ) -> PutResult | concurrent.futures.Future[PutResult] | WouldBlock:
         """`put` when it is cheap to start from an event loop; else `WOULD_BLOCK`.
 
@@ -721,16 +771,16 @@ class TieredEngine(SharedKvBackend):
             self._total.hot_bytes + len(data) > self.hot_capacity_bytes
         ):
             return WOULD_BLOCK
-        return self._put_start(ns, key, data, epoch_scope)
+        return self._put_start(ns, key, data, epoch_scope, cond)
 
     def _put_start(
-        self, ns: str, key: str, data: Buffer, epoch_scope: str | None
+        self, ns: str, key: str, data: Buffer, epoch_scope: str | None, cond: PutCond
     ) -> PutResult | concurrent.futures.Future[PutResult]:
         """A PUT up to (not including) waiting for durability; the memory backend's is
         the whole PUT."""
-        if epoch_scope is None:  # the plain call, for subclasses overriding `put`
+        if epoch_scope is None and cond is None:  # the plain call, for overriding subclasses
             return self.put(ns, key, data)
-        return self.put(ns, key, data, epoch_scope=epoch_scope)
+        return self.put(ns, key, data, epoch_scope=epoch_scope, cond=cond)
 
     @overload
     def _read(self, ns: str, key: str) -> Buffer | None: ...
@@ -865,12 +915,11 @@ class TieredEngine(SharedKvBackend):
     def keys(self, ns: str, *, after: str | None = None, limit: int = 1000) -> list[str]:
         validate_namespace(ns)
         with self._lock:
-            names = sorted(self._index.get(ns) or ())
-        if after is not None:
-            import bisect
-
-            names = names[bisect.bisect_right(names, after) :]
-        return names[:limit]
+            sl = self._sorted.get(ns)
+            if sl is None or limit <= 0:
+                return []
+            it = sl.irange(minimum=after, inclusive=(False, True)) if after is not None else sl
+            return list(itertools.islice(it, limit))
 
     def count(self, ns: str) -> int:
         with self._lock:
@@ -889,9 +938,29 @@ class TieredEngine(SharedKvBackend):
 
     def _epoch_advance(self, tenant: str, scope: str) -> int:
         with self._lock:
+            if (tenant, scope) not in self._epochs:
+                self._epoch_room(tenant)
             n = self._epochs.get((tenant, scope), 0) + 1
             self._epochs[(tenant, scope)] = n
             return n
+
+    def _epoch_room(self, tenant: str) -> None:
+        """Memory backend: a tenant at its scope limit first loses the scopes no live
+        entry is tagged with (forgetting their epoch cannot make anything fresh)."""
+        mine = [s for (t, s) in self._epochs if t == tenant]
+        limit = self.max_epoch_scopes_per_tenant
+        if len(mine) < limit:
+            return
+        used = {tag[0] for (ns, _k), tag in self._tags.items() if tenant_of(ns) == tenant}
+        for scope in mine:
+            if scope not in used:
+                del self._epochs[(tenant, scope)]
+        if len(mine) - sum(1 for sc in mine if sc not in used) >= limit:
+            raise QuotaExceededError(
+                f"epoch scope quota exceeded: this tenant has {limit} scopes with live "
+                "entries (its limit)",
+                resource="epoch_scopes",
+            )
 
     def _tag_for(self, ns: str, epoch_scope: str | None) -> tuple[str, int] | None:
         if epoch_scope is None:
@@ -982,22 +1051,8 @@ class TieredEngine(SharedKvBackend):
         if ttl_s is not None and not ttl_s > 0:
             raise ValueError(f"invalid ttl_s: expected a positive number (got {ttl_s!r})")
         self._check_open()
-        with self._lock:
-            if len(self._snapshots.get(ns, {})) >= self.max_snapshots_per_tenant:
-                raise CapacityError(
-                    f"snapshot quota exceeded: {self.max_snapshots_per_tenant} snapshots; "
-                    "delete one (or give them a ttl_s)"
-                )
-            idx = self._index.get(ns) or {}
-            names = keys if keys is not None else list(idx)
-            newly = {
-                b.sdig: b.size
-                for k in names
-                if (prefix is None or k.startswith(prefix))
-                and (b := idx.get(k)) is not None
-                and not b.pins
-            }
-            self._check_pin_quota(ns, sum(newly.values()))
+        # the quotas (snapshots, pinned bytes) are checked where the snapshot is committed,
+        # atomically with it: concurrent requests cannot both pass a check made before
         sid = secrets.token_hex(8)
         now = time.time()
         rec: dict[str, Any] = {
@@ -1141,12 +1196,18 @@ class TieredEngine(SharedKvBackend):
         with self._lock:
             if self._branch_rec(ns, branch_id) is None:
                 raise NotFoundError(f"no branch {branch_id!r}")
-        return self._put_into(branch_ns(ns, branch_id), ns_raw, key, data, None)
+        return self._put_into(branch_ns(ns, branch_id), ns_raw, key, data, None, None)
 
     # -- backend primitives --------------------------------------------------------------
     @abc.abstractmethod
     def _put_into(
-        self, ns: str, scope_raw: bytes, key: str, data: Buffer, tag: tuple[str, int] | None
+        self,
+        ns: str,
+        scope_raw: bytes,
+        key: str,
+        data: Buffer,
+        tag: tuple[str, int] | None,
+        cond: PutCond,
     ) -> PutResult:
         """PUT into a (possibly internal) namespace; blobs are scoped by `scope_raw`."""
 
@@ -1205,6 +1266,7 @@ class TieredEngine(SharedKvBackend):
             ins = snapshot_ns(tenant, rid) if kind == "snap" else branch_ns(tenant, rid)
             if not self._index.get(ins):
                 self._index.pop(ins, None)
+                self._sorted.pop(ins, None)
                 self._ns.pop(ins, None)
 
     # -- stats ---------------------------------------------------------------------------
@@ -1223,6 +1285,7 @@ class TieredEngine(SharedKvBackend):
                 dedup_hits=c.dedup_hits,
                 put_new=c.put_new,
                 put_conflicts=c.put_conflicts,
+                put_replaced=c.put_replaced,
                 get_hits=c.get_hits,
                 get_misses=c.get_misses,
                 stale_missed=c.stale_missed,
@@ -1248,13 +1311,16 @@ class TieredEngine(SharedKvBackend):
     def _count_put(self, ns: str, outcome: PutOutcome, deduped: bool) -> None:
         c = self._counters(ns)
         for cc in (c, self._total):
-            if outcome is PutOutcome.NEW:
-                cc.put_new += 1
+            if outcome is PutOutcome.NEW or outcome is PutOutcome.REPLACED:
+                if outcome is PutOutcome.NEW:
+                    cc.put_new += 1
+                else:
+                    cc.put_replaced += 1
                 if deduped:
                     cc.dedup_hits += 1
             elif outcome is PutOutcome.DUPLICATE:
                 cc.dedup_hits += 1
-            else:
+            elif outcome is PutOutcome.CONFLICT:
                 cc.put_conflicts += 1
 
     def _pin_capacity(self) -> int:
@@ -1266,9 +1332,29 @@ class TieredEngine(SharedKvBackend):
         limit = int(self._pin_capacity() * self.max_pinned_fraction)
         used = self._counters(tenant).pinned_bytes
         if extra > 0 and used + extra > limit:
-            raise CapacityError(
+            raise QuotaExceededError(
                 f"pin quota exceeded: {used + extra} bytes would be pinned by this tenant, "
-                f"its limit is {limit} ({self.max_pinned_fraction:.0%} of {self._pin_capacity()})"
+                f"its limit is {limit} ({self.max_pinned_fraction:.0%} of {self._pin_capacity()})",
+                resource="pins",
+            )
+
+    def _check_snapshot_quota(self, tenant: str, pending: int = 0) -> None:
+        """Refuse a snapshot past the tenant's count (lock held)."""
+        if len(self._snapshots.get(tenant, {})) + pending >= self.max_snapshots_per_tenant:
+            raise QuotaExceededError(
+                f"snapshot quota exceeded: {self.max_snapshots_per_tenant} snapshots; "
+                "delete one (or give them a ttl_s)",
+                resource="snapshots",
+            )
+
+    def _check_key_quota(self, ns: str, pending: int = 0) -> None:
+        """Refuse a new key past the tenant's count (lock held; 0 means no limit)."""
+        limit = self.max_keys_per_tenant
+        if limit and len(self._index.get(ns) or ()) + pending >= limit:
+            raise QuotaExceededError(
+                f"key quota exceeded: this tenant holds {limit} keys (its limit); "
+                "delete some first",
+                resource="keys",
             )
 
     def _check_ram_room(self, size: int) -> None:
@@ -1300,176 +1386,3 @@ class TieredEngine(SharedKvBackend):
                 report.orphan_blobs.append(b.digest.hex())
             elif n != b.refs or n != len(b.key_refs()):
                 report.refcount_mismatches.append(f"{b.digest.hex()}: {b.refs} != {n}")
-
-
-class SharedKvIndex(TieredEngine):
-    """In-process, RAM-only backend (`--backend memory`): hot + warm tiers, no disk.
-
-    Eviction from warm drops blocks (it is a cache). Thread-safe.
-    """
-
-    def __init__(
-        self,
-        *,
-        hot_capacity_bytes: int = 1 << 30,
-        warm_capacity_bytes: int = 1 << 30,
-        max_block_bytes: int = 128 << 20,
-        dedup_scope: DedupScope = "namespace",
-        codec: WarmCodec | None = None,
-        max_pinned_fraction: float = 0.5,
-        max_snapshots_per_tenant: int = 256,
-    ) -> None:
-        super().__init__(
-            hot_capacity_bytes=hot_capacity_bytes,
-            warm_capacity_bytes=warm_capacity_bytes,
-            max_block_bytes=max_block_bytes,
-            dedup_scope=dedup_scope,
-            codec=codec,
-            max_pinned_fraction=max_pinned_fraction,
-            max_snapshots_per_tenant=max_snapshots_per_tenant,
-        )
-
-    def put(self, ns: str, key: str, data: Buffer, *, epoch_scope: str | None = None) -> PutResult:
-        ns_raw = self._validate(ns, key)
-        self._check_size(data)
-        self._check_open()
-        return self._put_into(ns, ns_raw, key, data, self._tag_for(ns, epoch_scope))
-
-    def _put_into(
-        self, ns: str, scope_raw: bytes, key: str, data: Buffer, tag: tuple[str, int] | None
-    ) -> PutResult:
-        data = owned_buffer(data)  # the hot tier keeps it
-        digest = digest_of(data)
-        sdig = self._scoped(scope_raw, digest)
-        with self._lock:
-            result = self._put_locked(ns, key, sdig, digest, data, tag)
-        if result.outcome is PutOutcome.NEW:
-            self._rebalance()
-        return result
-
-    def _put_locked(
-        self,
-        ns: str,
-        key: str,
-        sdig: bytes,
-        digest: bytes,
-        data: Buffer,
-        tag: tuple[str, int] | None = None,
-    ) -> PutResult:
-        size = len(data)
-        internal = parse_internal_ns(ns)
-        if internal is not None and internal[2] not in self._meta(internal[1]).get(internal[0], {}):
-            # the branch was deleted while this PUT was being hashed
-            raise NotFoundError(f"no {internal[1]} {internal[2]!r}")
-        existing = self._lookup(ns, key)
-        if existing is not None and self._tags and self._stale(ns, key):
-            self._apply([DelKey(ns, key)])  # a stale entry is replaced, not kept
-            existing = None
-        if existing is not None:
-            outcome = PutOutcome.DUPLICATE if existing.sdig == sdig else PutOutcome.CONFLICT
-            self._count_put(ns, outcome, False)
-            return PutResult(outcome, existing.digest, existing.size)
-        shared = sdig in self._blobs
-        if not shared:
-            self._check_ram_room(size)
-        self._apply([AddKey(ns, key, sdig, size, None if shared else data, tag=tag)])
-        b = self._blobs[sdig]
-        if b.hot is None and b.warm is None:
-            # larger than the hot tier: straight to warm (compressed when worth it)
-            comp = self._codec.compress(data) or bytes(data)
-            self._set_warm(b, comp)
-        self._count_put(ns, PutOutcome.NEW, shared)
-        return PutResult(PutOutcome.NEW, digest, size)
-
-    def put_many(self, ns: str, items: Sequence[tuple[str, Buffer]]) -> list[PutResult]:
-        return [self.put(ns, key, data) for key, data in items]
-
-    def delete(self, ns: str, key: str) -> bool:
-        self._validate(ns, key)
-        self._check_open()
-        with self._lock:
-            if self._lookup(ns, key) is None:
-                return False
-            self._apply([DelKey(ns, key)])
-            return True
-
-    def _snapshot_commit(
-        self,
-        tenant: str,
-        sid: str,
-        keys: list[str] | None,
-        prefix: str | None,
-        rec: dict[str, Any],
-    ) -> None:
-        with self._lock:
-            effects = self._snapshot_effects(tenant, sid, keys, prefix)
-            effects.append(MetaPut("snap", tenant, sid, rec))
-            self._apply(effects)
-
-    def _drop(self, tenant: str, items: list[tuple[str, str]]) -> None:
-        with self._lock:
-            self._apply(self._drop_effects(tenant, items))
-            self._forget_internal(tenant, items)
-
-    def _commit_meta(self, effect: MetaPut) -> None:
-        with self._lock:
-            self._apply([effect])
-
-    def _retire(self, pairs: list[tuple[str, str]]) -> int:
-        n = 0
-        with self._lock:
-            for ns, key in pairs:
-                if self._lookup(ns, key) is not None and self._stale(ns, key):
-                    self._apply([DelKey(ns, key)])
-                    n += 1
-        return n
-
-    def pin(self, ns: str, key: str) -> bool:
-        self._validate(ns, key)
-        self._check_open()
-        with self._lock:
-            b = self._lookup(ns, key)
-            if b is None:
-                return False
-            self._check_pin_quota(ns, 0 if b.pins else b.size)
-            self._apply([PinDelta(ns, key, +1)])
-            return True
-
-    def unpin(self, ns: str, key: str) -> bool:
-        self._validate(ns, key)
-        self._check_open()
-        with self._lock:
-            if self._pins.get((ns, key), 0) <= 0:
-                return False
-            self._apply([PinDelta(ns, key, -1)])
-            return True
-
-    def evict(self, ns: str, key: str) -> bool:
-        self._validate(ns, key)
-        self._check_open()
-        with self._lock:
-            b = self._lookup(ns, key)
-            if b is None or b.pins:
-                return False
-            self._evict_blob(b)
-            return True
-
-    def check(self, *, deep: bool = False) -> ConsistencyReport:
-        report = ConsistencyReport()
-        with self._lock:
-            self._base_check(report)
-            blobs = list(self._blobs.values()) if deep else []
-        for b in blobs:
-            data: Buffer | None = b.hot
-            if data is None and b.warm is not None:
-                try:
-                    data = b.warm if len(b.warm) == b.size else self._codec.decompress(b.warm)
-                except ValueError:
-                    data = None
-            if data is None or digest_of(data) != b.digest:
-                report.corrupt_blobs.append(b.digest.hex())
-        return report
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True

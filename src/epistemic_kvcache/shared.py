@@ -1,0 +1,203 @@
+"""Facts the client and the server must agree on, defined once.
+
+Key and namespace limits, size units, the server's request limits (`ServerLimits`, whose
+defaults the client uses to split batches), the `/kv/stats` fields, and the snapshot and
+branch records. Standard library only: the client, `config` and the wire code import it
+without pulling in the store (lmdb, blosc2, numpy) or the server (uvloop, prometheus).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from epistemic_kvcache.errors import InvalidKeyError
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+TiB = 1024 * GiB
+
+DEFAULT_HTTP_PORT = 9130
+DEFAULT_RESP_PORT = 6379
+DEFAULT_HOST = "127.0.0.1"
+
+MAX_KEY_BYTES = 1024
+"""A key is 1..1024 bytes of UTF-8 (LMCache keys are ~100-300 bytes)."""
+MAX_NAMESPACE_BYTES = 256
+MAX_SCOPE_BYTES = 200
+"""Epoch scopes are short names; with a 256-byte tenant they fit one LMDB key (511)."""
+
+RESERVED_SEGMENTS = frozenset({"stats", "batch", "snapshot", "branch", "epoch", "page-in", "keys"})
+"""`/kv/<segment>` route names: a key spelled like one is reachable through the batch
+routes only."""
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for exactly `localhost` and loopback IP literals (IPv4 127/8, IPv6 ::1).
+
+    Not `*.localhost`: glibc resolves such names through DNS like any other, so a plain
+    http:// request (and its bearer token) could leave the machine.
+    """
+    h = host.strip("[]").lower()
+    if h == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
+
+
+def validate_key(key: str) -> bytes:
+    """Return the key's UTF-8 bytes, or raise `InvalidKeyError`."""
+    try:
+        raw = key.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidKeyError(f"invalid key: not valid UTF-8 ({exc.reason})") from exc
+    if not raw:
+        raise InvalidKeyError("invalid key: empty")
+    if len(raw) > MAX_KEY_BYTES:
+        raise InvalidKeyError(f"invalid key: {len(raw)} bytes, limit is {MAX_KEY_BYTES}")
+    return raw
+
+
+def validate_namespace(ns: str) -> bytes:
+    """Return the namespace's UTF-8 bytes, or raise `InvalidKeyError`."""
+    try:
+        raw = ns.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidKeyError(f"invalid namespace: not valid UTF-8 ({exc.reason})") from exc
+    if not raw or len(raw) > MAX_NAMESPACE_BYTES or b"\x00" in raw:
+        raise InvalidKeyError(
+            f"invalid namespace {ns!r}: expected 1..{MAX_NAMESPACE_BYTES} bytes without NUL"
+        )
+    return raw
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """Bounds on everything a client can make the server hold. Defaults say why."""
+
+    max_block_bytes: int = 128 * MiB
+    """Llama-3-70B 256-token chunks are ~80 MiB; leave headroom, refuse the absurd."""
+    max_header_bytes: int = 16 * KiB
+    """Total request head size (nginx default large_client_header_buffers is 4x8 KiB)."""
+    max_headers: int = 100
+    """Header count (node.js maxHeadersCount defaults to 2000; we need a handful)."""
+    request_timeout_s: float = 60.0
+    """Deadline to receive one whole request once its first byte arrived (slowloris)."""
+    idle_timeout_s: float = 300.0
+    """Keep-alive connections idle this long are closed."""
+    auth_timeout_s: float = 10.0
+    """A connection not authenticated this long after it opened is closed, so that
+    anonymous peers cannot hold every connection slot (HTTP: no request with valid
+    credentials yet; RESP: no successful AUTH/HELLO)."""
+    max_connections: int = 1024
+    """Open connections per listener; more are accepted and closed at once."""
+    max_batch_keys: int = 1024
+    max_batch_bytes: int = 256 * MiB
+    """A batch is one request body held whole in RAM: 256 MiB is 1024 keys of 256 KiB."""
+    max_inflight_body_bytes: int = 2048 * MiB
+    """Bytes all request bodies (HTTP) and large bulks (RESP) being received may hold
+    together, server-wide. Each is allocated whole once its head is accepted, so without
+    this a few header-only requests could make the server allocate gigabytes."""
+    resp_unauthenticated_max_args: int = 10
+    """Before AUTH: at most this many arguments, command name included (Redis'
+    CVE-2021-32675 limit; `HELLO 3 AUTH <user> <pass> SETNAME <name>` needs 7)."""
+    resp_unauthenticated_max_bulk_bytes: int = 4 * KiB
+    resp_max_args: int = 1024 * 1024
+    """Redis' own multibulk limit is 1024*1024 arguments."""
+
+
+DEFAULT_LIMITS = ServerLimits()
+"""The server's defaults; a client splits its batches at these."""
+
+
+# -- /kv/stats ------------------------------------------------------------------------
+
+StatKind = Literal["counter", "gauge"]
+
+
+@dataclass(frozen=True, slots=True)
+class StatField:
+    """One integer field of `/kv/stats` (and of the store's `StoreStats`)."""
+
+    name: str
+    kind: StatKind
+    """`counter`: only grows while the server runs; `gauge`: goes up and down."""
+    help: str
+    unit: str = ""
+    """`bytes` for sizes, empty for counts."""
+
+
+STATS_FIELDS: tuple[StatField, ...] = (
+    StatField("unique_blocks", "gauge", "Distinct blobs stored."),
+    StatField("total_refs", "gauge", "Keys referencing blobs."),
+    StatField("logical_bytes", "gauge", "Bytes as seen by clients (sum over keys).", "bytes"),
+    StatField("resident_bytes", "gauge", "Bytes physically held.", "bytes"),
+    StatField("dedup_savings_bytes", "gauge", "Bytes not stored thanks to dedup.", "bytes"),
+    StatField("dedup_hits", "counter", "PUTs whose bytes were already stored."),
+    StatField("put_new", "counter", "PUTs that created a key."),
+    StatField("put_conflicts", "counter", "PUTs refused because the key already existed."),
+    StatField("put_replaced", "counter", "PUTs that replaced a key's bytes with other bytes."),
+    StatField("get_hits", "counter", "GETs that found their block."),
+    StatField("get_misses", "counter", "GETs that found nothing."),
+    StatField("stale_missed", "counter", "GETs that found only a stale-epoch entry."),
+    StatField("integrity_failures", "counter", "Blocks failing their digest (never served)."),
+    StatField("evictions", "counter", "Blocks evicted."),
+    StatField("promotions", "counter", "Blocks promoted to a faster tier."),
+    StatField("demotions", "counter", "Blocks demoted to a slower tier."),
+    StatField("pinned_blocks", "gauge", "Blocks protected from eviction."),
+)
+"""Every integer field of `/kv/stats`, in the order the server writes them."""
+
+TIER_FIELDS: tuple[StatField, ...] = (
+    StatField("blocks", "gauge", "Blocks in the tier."),
+    StatField("bytes", "gauge", "Physical bytes in the tier (compressed in warm).", "bytes"),
+    StatField("capacity_bytes", "gauge", "Configured capacity of the tier.", "bytes"),
+    StatField("logical_bytes", "gauge", "Uncompressed bytes in the tier.", "bytes"),
+)
+"""Per-tier integer fields (`tiers.<name>.<field>`); each tier also has `compression_ratio`."""
+
+TIERS = ("hot", "warm", "cold")
+
+
+# -- snapshot and branch records ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotInfo:
+    """An immutable set of `key -> digest` references of one namespace.
+
+    It holds a reference (and a pin) on every block it names, so they stay while it lives.
+    """
+
+    id: str
+    ns: str
+    keys: int
+    logical_bytes: int
+    created_at: float
+    expires_at: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class BranchInfo:
+    """A copy-on-write overlay over a snapshot: reads fall through, writes stay here."""
+
+    id: str
+    ns: str
+    snapshot_id: str
+    created_at: float
+    private_keys: int
+    """Keys written in the branch overlay."""
+    private_bytes: int
+    """Bytes of overlay blocks the snapshot does not also reference."""
+    shared_bytes: int
+    """Bytes of the snapshot's blocks, shared with it (never copied)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

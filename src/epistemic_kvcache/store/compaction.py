@@ -1,0 +1,405 @@
+"""Compaction: reclaim the space of dead records, and keep the log within its bounds.
+
+How it works
+------------
+Records go dead when a later record supersedes them (a key replaced or deleted, a blob
+whose last key went, a snapshot dropped). Each segment's *live* bytes are known exactly
+(`_seg_live`: the blobs, key records and snapshot/branch records RAM points at),
+tombstone bytes are counted apart (`_seg_tomb`); the rest of a sealed segment is dead.
+
+Between batches, on the committer thread, `Compactor.step` picks a sealed segment and
+copies its live records to the head of the log, in steps of `STEP_BYTES`, through the
+same write-and-sync path as any batch. A copy is always the record's *current* state,
+so replaying the log in order still gives the right answer with the copy placed later.
+Once a segment holds nothing live it is deleted: a SEGDEL record first (so a missing
+file is known to be intended), then the unlink. A copy is made durable before RAM (and,
+later, the index) points at it, so a crash at any moment leaves either copy valid.
+
+Tombstones (DEL/MDEL) must outlive every older record they shadow: one is copied
+forward while a segment older than its own exists, or while its segment is not yet
+covered by the index checkpoint (replay starts there). QUAR records (the quarantine
+list) are always kept; SEGDEL records only while the index may still need them. A SEAL
+(an abandoned segment's trusted end) is made unnecessary by cutting that segment short.
+
+Which segment:
+- a segment with nothing live and no tombstones is deleted without reading it;
+- normally the sealed segment with the most dead bytes, once at least a third of it is
+  dead: the log then stays within ~1.5x the live bytes plus the active segment;
+- near `cold_capacity_bytes`, or after ENOSPC, any segment with dead bytes whose live
+  part fits in the room left (most dead first): space comes back without a restart;
+- when tombstones add up (more than a tenth of the live bytes), the oldest segment,
+  whose tombstones can then be dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from typing import TYPE_CHECKING
+
+from epistemic_kvcache.errors import StoreError
+from epistemic_kvcache.store import records
+from epistemic_kvcache.store.engine import Move
+from epistemic_kvcache.store.index import pack_loc, unpack_loc
+from epistemic_kvcache.store.records import Op
+from epistemic_kvcache.store.recovery import META_CODES, META_KINDS
+from epistemic_kvcache.store.segments import Damage, SyncFailed, scan
+
+if TYPE_CHECKING:
+    from epistemic_kvcache.store.durable import SharedKvStoreBackend
+
+log = logging.getLogger(__name__)
+
+STEP_BYTES = 32 << 20
+"""Bytes of a segment one step reads (bounds how long it delays the next batch)."""
+_BACKOFF_S = 5.0
+
+
+class Compactor:
+    """Compaction of one store (runs on its committer thread)."""
+
+    def __init__(self, store: SharedKvStoreBackend) -> None:
+        self.s = store
+        self.cursor: tuple[int, int] | None = None
+        self.backoff_until = 0.0
+        self._bad: set[bytes] = set()
+
+    # -- policy --------------------------------------------------------------------------
+    def _dead(self, sid: int) -> int:
+        s = self.s
+        return max(0, s._seg_len.get(sid, 0) - s._seg_live.get(sid, 0) - s._seg_tomb.get(sid, 0))
+
+    def _sealed(self) -> list[int]:
+        w = self.s._writer
+        active = w.active.id if w.active is not None else -1
+        return [sid for sid in self.s._segs if sid != active]
+
+    def pressure(self) -> bool:
+        s = self.s
+        return s._writer.disk_full or s.disk_bytes() + s._reserve > s.cold_capacity_bytes
+
+    def candidate(self, *, room: int | None = None) -> int | None:
+        """The segment to work on next, if any is worth it."""
+        s = self.s
+        if self.cursor is not None and self.cursor[0] in s._segs:
+            return self.cursor[0]
+        sealed = self._sealed()
+        if not sealed:
+            return None
+        with s._lock:
+            for sid in sealed:  # nothing live, nothing to carry: just delete it
+                if s._seg_live.get(sid, 0) <= 0 and s._seg_tomb.get(sid, 0) <= 0:
+                    return sid
+            pressure = room is not None or self.pressure()
+            best, best_dead = None, 0
+            for sid in sealed:
+                length = s._seg_len.get(sid, 0)
+                dead = self._dead(sid)
+                if pressure:  # worth it when a fair share comes back, and the copy fits
+                    live_part = length - dead
+                    ok = dead >= max(64 << 10, length // 8) and (room is None or live_part <= room)
+                else:
+                    ok = dead * 3 >= length and dead >= min(1 << 20, s._segment_bytes // 64)
+                if ok and dead > best_dead:
+                    best, best_dead = sid, dead
+            if best is not None:
+                return best
+            live_total = sum(s._seg_live.values())
+            tomb_total = sum(s._seg_tomb.values())
+            if tomb_total > max(16 << 20, live_total // 10):
+                return min(sealed)
+        return None
+
+    # -- entry points --------------------------------------------------------------------
+    def step(self) -> bool:
+        """One step of idle maintenance; True when there is more to do soon."""
+        if time.monotonic() < self.backoff_until:
+            return False
+        sid = self.candidate()
+        if sid is None:
+            return False
+        return self._work(sid)
+
+    def make_disk_room(self, incoming: int) -> None:
+        """Before a batch: compact until `incoming` more bytes fit, both the cold capacity
+        and (after an ENOSPC) the file system's free space."""
+        s = self.s
+        w = s._writer
+        incoming += 64 << 10  # record headers and slack
+        for _ in range(256):
+            # the files may grow by the batch, and by the delete reserve zeroed after it
+            cap_room = s.cold_capacity_bytes - s.disk_bytes() - w.delete_reserve
+            room = cap_room
+            if w.disk_full:
+                w._free_checked = 0.0  # look again
+                room = min(room, w.free_bytes() - w.delete_reserve)
+            if incoming <= room:
+                return
+            sid = self.candidate(room=max(0, room))
+            if sid is not None:
+                if not self._work(sid):
+                    return
+                continue
+            if cap_room >= incoming:
+                return  # the file system is full, not the cold tier: no block is evicted
+            # nothing can be copied into the room left: empty a segment by evicting its
+            # blocks (the cache gives up some blocks; it never needs room to do so)
+            sid = self._eviction_victim(max(0, room))
+            if sid is None or not s._evict_segment(sid) or not self._work(sid):
+                return
+
+    def _eviction_victim(self, room: int) -> int | None:
+        """The sealed segment to empty: the one whose most recently used unpinned block
+        is the least recently used (LRU, by segment); a segment holding no block goes
+        first (it frees space without evicting anything). What stays (pinned blocks, key
+        records) must fit the room left."""
+        s = self.s
+        sealed = set(self._sealed())
+        with s._lock:
+            last_use: dict[int, int] = {}
+            pinned: dict[int, int] = {}
+            for rank, b in enumerate(s._blobs.values()):  # least recently used first
+                if b.pins:
+                    pinned[b.seg] = pinned.get(b.seg, 0) + b.size
+                else:
+                    last_use[b.seg] = rank
+            best, best_key = None, None
+            for sid in sealed:
+                if pinned.get(sid, 0) > room:
+                    continue
+                key = (last_use.get(sid, -1), sid)
+                if best_key is None or key < best_key:
+                    best, best_key = sid, key
+        return best
+
+    # -- one step ------------------------------------------------------------------------
+    def _work(self, sid: int) -> bool:
+        s = self.s
+        try:
+            with s._maint_lock:
+                return self._copy_step(sid)
+        except (OSError, StoreError) as exc:
+            log.error("compaction of segment %08d failed (nothing lost): %s", sid, exc)
+            self.backoff_until = time.monotonic() + _BACKOFF_S
+            self.cursor = None
+            return False
+
+    def _copy_step(self, sid: int) -> bool:
+        s = self.s
+        seg = s._segs[sid]
+        start = self.cursor[1] if self.cursor is not None and self.cursor[0] == sid else 0
+        end = s._seg_len.get(sid, 0)
+        with s._lock:
+            nothing_live = s._seg_live.get(sid, 0) <= 0 and s._seg_tomb.get(sid, 0) <= 0
+        if nothing_live or start >= end:
+            return self._delete_if_dead(sid)
+        w = s._writer
+        w.begin()
+        ckpt_seg = s._ckpt_pos[0]
+        older_exists = min(s._segs) < sid
+        keep_tombs = older_exists or sid >= ckpt_seg
+        blob_moves: list[tuple[bytes, int, int, int]] = []  # sdig, old off, new seg, new off
+        key_moves: list[tuple[str, str, int, int]] = []  # ns, key, old loc, new loc
+        meta_moves: list[tuple[tuple[str, str, str], int, int, int]] = []
+        tomb: dict[int, int] = {}
+        bad: list[tuple[bytes, tuple[int, int]]] = []
+        pos = start
+        budget = STEP_BYTES
+        for item in scan(seg, start, end, payloads=True, verify=True):
+            if budget <= 0:
+                break
+            if isinstance(item, Damage):
+                pos = item.end
+                continue
+            pos = item.end
+            budget -= item.end - item.off
+            rec = item.rec
+            op = rec.op
+            here = pack_loc(sid, item.off)
+            if op is Op.BLOB:
+                b = s._blobs.get(rec.sdig)
+                if b is None or (b.seg, b.off) != (sid, item.data_off):
+                    continue
+                if not item.ok or item.payload is None:
+                    bad.append((rec.sdig, (sid, item.data_off)))
+                    continue
+                hdr = records.encode(Op.BLOB, sdig=rec.sdig, plen=rec.plen)
+                nsid, noff = w.alloc(hdr, item.payload)
+                blob_moves.append((rec.sdig, item.data_off, nsid, noff + len(hdr)))
+            elif op is Op.KEY:
+                if s._kloc.get(rec.ns, {}).get(rec.key) != here:
+                    continue
+                with s._lock:
+                    b = s._lookup(rec.ns, rec.key)
+                    if b is None:
+                        continue
+                    pins = s._pins.get((rec.ns, rec.key), 0)
+                    tag = s._tags.get((rec.ns, rec.key))
+                hdr = records.encode(
+                    Op.KEY, ns=rec.ns, key=rec.key, sdig=b.sdig, pins=pins, tag=tag
+                )
+                nsid, noff = w.alloc(hdr)
+                key_moves.append((rec.ns, rec.key, here, pack_loc(nsid, noff)))
+            elif op is Op.META:
+                kind = META_KINDS.get(rec.aux, "")
+                mk = (kind, rec.ns, rec.key)
+                cur = s._mloc.get(mk)
+                body = s._meta(kind).get(rec.ns, {}).get(rec.key) if kind else None
+                if cur is None or cur[0] != here or body is None:
+                    continue
+                raw = json.dumps(body).encode()
+                hdr = records.encode(
+                    Op.META,
+                    ns=rec.ns,
+                    key=rec.key,
+                    aux=META_CODES[kind],
+                    plen=len(raw),
+                    pcrc=records.payload_crc(raw),
+                )
+                nsid, noff = w.alloc(hdr, raw)
+                meta_moves.append((mk, here, pack_loc(nsid, noff), len(hdr) + len(raw)))
+            elif op in (Op.DEL, Op.MDEL):
+                if not keep_tombs:
+                    continue
+                if op is Op.DEL:
+                    with s._lock:
+                        if s._lookup(rec.ns, rec.key) is not None:
+                            continue  # the key exists again: a later KEY record wins
+                else:
+                    kind = META_KINDS.get(rec.aux, "")
+                    if kind and s._meta(kind).get(rec.ns, {}).get(rec.key) is not None:
+                        continue
+                hdr = records.encode(op, ns=rec.ns, key=rec.key, aux=rec.aux)
+                nsid, _noff = w.alloc(hdr)
+                tomb[nsid] = tomb.get(nsid, 0) + len(hdr)
+            elif op is Op.QUAR or (op is Op.SEGDEL and rec.aux >= ckpt_seg):
+                hdr = records.encode(op, sdig=rec.sdig, aux=rec.aux)
+                nsid, _noff = w.alloc(hdr)
+                tomb[nsid] = tomb.get(nsid, 0) + len(hdr)
+            elif op is Op.SEAL:
+                self._cut_sealed(rec.aux, rec.epoch)
+        written: list[tuple[int, int]] = []
+        if not w.empty:
+            try:
+                written = w.write(reserve_ok=True)
+            except SyncFailed:
+                for asid, aend in w.abandon():
+                    s._seg_len[asid] = min(s._seg_len.get(asid, aend), aend)
+                raise
+            except OSError:
+                w.rollback()
+                raise
+        self._apply(sid, blob_moves, key_moves, meta_moves, tomb, written)
+        for sdig, loc in bad:
+            if sdig not in self._bad:
+                self._bad.add(sdig)
+                log.error("integrity failure during compaction: %s", sdig[-32:].hex())
+                with contextlib.suppress(StoreError):
+                    s._quarantine_async(sdig, loc)
+        self.cursor = (sid, pos) if pos < end else None
+        if pos >= end:
+            s._compactions += 1
+            self._delete_if_dead(sid)
+        return True
+
+    def _apply(
+        self,
+        sid: int,
+        blob_moves: list[tuple[bytes, int, int, int]],
+        key_moves: list[tuple[str, str, int, int]],
+        meta_moves: list[tuple[tuple[str, str, str], int, int, int]],
+        tomb: dict[int, int],
+        written: list[tuple[int, int]],
+    ) -> None:
+        s = self.s
+        moved = 0
+        w = s._writer
+        with s._lock:
+            dirty = s._dirty
+            for sdig, old_off, nsid, noff in blob_moves:
+                b = s._blobs.get(sdig)
+                if b is not None and (b.seg, b.off) == (sid, old_off):
+                    s._apply([Move(sdig, nsid, noff)])
+                    dirty.blobs.add(sdig)
+                    moved += b.size
+            for ns, key, old, new in key_moves:
+                locs = s._kloc.get(ns)
+                b = s._lookup(ns, key)
+                if locs is None or locs.get(key) != old or b is None:
+                    continue
+                locs[key] = new
+                tag = s._tags.get((ns, key))
+                s._count_key_rec(old, ns, key, b.sdig, tag, -1)
+                s._count_key_rec(new, ns, key, b.sdig, tag, +1)
+                dirty.keys.add((ns, key))
+            for mk, old, new, nbytes in meta_moves:
+                cur = s._mloc.get(mk)
+                if cur is None or cur[0] != old:
+                    continue
+                s._mloc[mk] = (new, nbytes)
+                osid, nsid = unpack_loc(old)[0], unpack_loc(new)[0]
+                s._seg_live[osid] = s._seg_live.get(osid, 0) - cur[1]
+                s._seg_live[nsid] = s._seg_live.get(nsid, 0) + nbytes
+                dirty.metas.add(mk)
+            for tsid, n in tomb.items():
+                s._seg_tomb[tsid] = s._seg_tomb.get(tsid, 0) + n
+            for wsid, wend in written:
+                s._seg_len[wsid] = wend
+            dirty.segs.update(tomb, (ws for ws, _e in written))
+            if written and w.active is not None:
+                s._log_end = (w.active.id, w.pos)
+        s._compacted_bytes += moved
+        if written:
+            s._checkpoint_due(w.last_batch_bytes)
+
+    def _cut_sealed(self, target: int, trusted_end: int) -> None:
+        """Cut an abandoned segment to its trusted end, so its SEAL is needed no more."""
+        seg = self.s._segs.get(target)
+        if seg is None or seg.size() <= trusted_end:
+            return
+        os.ftruncate(seg.fd, trusted_end)
+        os.fsync(seg.fd)
+
+    def _delete_if_dead(self, sid: int) -> bool:
+        """Delete a segment that holds nothing live (a SEGDEL record first, then unlink)."""
+        s = self.s
+        with s._lock:
+            if s._seg_live.get(sid, 0) > 0:
+                return False
+        w = s._writer
+        if w.active is not None and w.active.id == sid:
+            return False
+        w.begin()
+        hdr = records.encode(Op.SEGDEL, aux=sid)
+        tsid, _off = w.alloc(hdr)
+        try:
+            written = w.write(reserve_ok=True)
+        except SyncFailed:
+            for asid, aend in w.abandon():
+                s._seg_len[asid] = min(s._seg_len.get(asid, aend), aend)
+            raise
+        except OSError:
+            w.rollback()
+            raise
+        seg = s._segs.pop(sid, None)
+        with s._lock:
+            s._seg_len.pop(sid, None)
+            s._seg_live.pop(sid, None)
+            s._seg_tomb.pop(sid, None)
+            s._seg_tomb[tsid] = s._seg_tomb.get(tsid, 0) + len(hdr)
+            for wsid, wend in written:
+                s._seg_len[wsid] = wend
+            s._dirty.segs.update((sid, tsid))
+            if w.active is not None:
+                s._log_end = (w.active.id, w.pos)
+        if seg is not None:
+            with contextlib.suppress(OSError):
+                seg.path.unlink()
+        s._segments_deleted += 1
+        if self.cursor is not None and self.cursor[0] == sid:
+            self.cursor = None
+        s._checkpoint_due(w.last_batch_bytes)
+        return True

@@ -1,0 +1,256 @@
+"""Recovery: the store's state from the index checkpoint plus the log after it.
+
+How it works
+------------
+`LogState` is what replaying the log gives: keys, blob locations, snapshot and branch
+records, the quarantine, and per-segment tombstone bytes. Opening a store fills it from
+the LMDB checkpoint (`store/index.py`, O(index)) and then `replay`s the log after the
+checkpoint position (O(tail)). Rebuilding the index fills it by replaying every segment.
+
+Replay reads records in log order and applies them a batch at a time: records are
+held until the record that ends their group commit arrives, so a batch torn by a crash
+is dropped whole. Damaged bytes are skipped (the scanner resyncs on the next record),
+counted and listed. A segment abandoned after a failed sync is read only up to the end
+its SEAL record names (SEALs are always among the first records of a segment, so a
+short pre-pass finds them all). BLOB payloads are verified against their digest while
+replaying; a block that fails is never located, so its keys read as lost.
+
+After replay, `finish` drops blobs no key references, and sorts out what is *lost*: a
+key whose blob has no valid bytes any more (segment deleted or truncated by hand, or
+its record damaged) is not served; it is counted and listed by `store check`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from epistemic_kvcache.store import records
+from epistemic_kvcache.store.index import Changes, Index, KeyState, pack_loc
+from epistemic_kvcache.store.records import Op
+from epistemic_kvcache.store.segments import Damage, Scanned, Segment, scan
+
+log = logging.getLogger(__name__)
+
+META_KINDS = {1: "snap", 2: "branch"}
+META_CODES = {"snap": 1, "branch": 2}
+
+Progress = Callable[[str], None]
+
+
+class StoreMismatchError(ValueError):
+    """Segments (or index) of different stores in one persist dir."""
+
+
+@dataclass(slots=True)
+class LogState:
+    """The store as the log says (see the module docstring)."""
+
+    store_id: str | None = None
+    keys: dict[tuple[str, str], KeyState] = field(default_factory=dict)
+    blobs: dict[bytes, tuple[int, int, int]] = field(default_factory=dict)  # size, off, seg
+    metas: dict[tuple[str, str, str], tuple[int, int, dict[str, Any]]] = field(
+        default_factory=dict
+    )  # (kind, tenant, id) -> (location, record bytes, record)
+    quarantine: dict[bytes, float] = field(default_factory=dict)
+    tomb: dict[int, int] = field(default_factory=dict)
+    seg_rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # from the index
+    seals: dict[int, int] = field(default_factory=dict)
+    segdel: set[int] = field(default_factory=set)
+    damage: list[tuple[int, int, int, str]] = field(default_factory=list)
+    bad_blobs: list[tuple[int, int, str]] = field(default_factory=list)
+    ends: dict[int, int] = field(default_factory=dict)  # segment -> end of its last batch
+    end: tuple[int, int] | None = None
+    changes: Changes = field(default_factory=Changes.empty)
+    batches: int = 0
+    records: int = 0
+    replayed_bytes: int = 0
+    tail_bytes: int = 0  # after the last complete batch: a torn write or pre-zeroed space
+    lost_keys: list[tuple[str, str, bytes]] = field(default_factory=list)
+    lost_blobs: set[bytes] = field(default_factory=set)
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+def load_index(ix: Index, progress: Progress | None = None) -> LogState:
+    """The checkpoint's state (no log read)."""
+    st = LogState()
+    sid = ix.meta(b"store_id")
+    st.store_id = sid.decode() if sid else None
+    for n, (ns, key, ks) in enumerate(ix.iter_keys(), 1):
+        st.keys[(ns, key)] = ks
+        if progress is not None and n % 500_000 == 0:
+            progress(f"loaded {n} keys from the index")
+    for sdig, row in ix.iter_blobs():
+        st.blobs[sdig] = row
+    for kind, tenant, rid, loc, rec in ix.iter_metas():
+        st.metas[(kind, tenant, rid)] = (loc, _meta_bytes(tenant, rid, rec), rec)
+    st.quarantine = ix.quarantined()
+    st.seg_rows = dict(ix.iter_segs())
+    st.tomb = {sid: row[0] for sid, row in st.seg_rows.items()}
+    st.counters = ix.counters()
+    return st
+
+
+def _meta_bytes(tenant: str, rid: str, rec: dict[str, Any]) -> int:
+    return records.record_length(Op.META, tenant, rid) + len(json.dumps(rec).encode())
+
+
+def read_seals(segments: dict[int, Segment], st: LogState) -> None:
+    """Collect SEAL records (always right after a segment's SEGH) and check store ids."""
+    for sid in sorted(segments):
+        for item in scan(segments[sid], 0, None, payloads=False, verify=False):
+            if isinstance(item, Damage):
+                break
+            rec = item.rec
+            if rec.op is Op.SEGH:
+                _check_store(st, rec.ns, sid)
+                continue
+            if rec.op is not Op.SEAL:
+                break
+            st.seals[rec.aux] = min(rec.epoch, st.seals.get(rec.aux, rec.epoch))
+
+
+def _check_store(st: LogState, store_id: str, sid: int) -> None:
+    if st.store_id is None:
+        st.store_id = store_id
+    elif store_id != st.store_id:
+        raise StoreMismatchError(
+            f"segment {sid:08d} belongs to store {store_id}, not {st.store_id}"
+        )
+
+
+def replay(
+    segments: dict[int, Segment],
+    st: LogState,
+    start: tuple[int, int] | None,
+    *,
+    verify: bool = True,
+    progress: Progress | None = None,
+) -> None:
+    """Apply the log from `start` (None: from the beginning) to `st`, batch by batch."""
+    pending: list[tuple[int, Scanned]] = []
+    t_last = time.monotonic()
+    for sid in sorted(segments):
+        if start is not None and sid < start[0]:
+            continue
+        seg = segments[sid]
+        off = start[1] if start is not None and sid == start[0] else 0
+        stop = st.seals.get(sid)
+        if stop is not None and stop < off:
+            continue
+        for item in scan(seg, off, stop, payloads=False, verify=verify):
+            if isinstance(item, Damage):
+                st.damage.append((sid, item.off, item.end, item.reason))
+                continue
+            pending.append((sid, item))
+            st.replayed_bytes += item.end - item.off
+            if item.rec.end_of_batch:
+                for psid, pitem in pending:
+                    _apply(st, psid, pitem)
+                    if pitem.end > st.ends.get(psid, 0):
+                        st.ends[psid] = pitem.end  # a batch may span two segments
+                st.records += len(pending)
+                st.batches += 1
+                pending.clear()
+                st.ends[sid] = item.end
+                st.end = (sid, item.end)
+            if progress is not None and time.monotonic() - t_last > 2.0:
+                t_last = time.monotonic()
+                progress(
+                    f"replaying segment {sid:08d}: {st.records} records, "
+                    f"{st.replayed_bytes >> 20} MiB"
+                )
+    # Records after the last complete batch were never acknowledged: dropped. Bytes after
+    # it in the last segment are its torn tail or pre-zeroed space, not damage.
+    last = max(segments, default=None)
+    if last is not None:
+        tail_from = st.ends.get(last, 0)
+        tail = [d for d in st.damage if d[0] == last and d[1] >= tail_from]
+        st.damage = [d for d in st.damage if d not in tail]
+        st.tail_bytes = sum(d[2] - d[1] for d in tail)
+
+
+def _apply(st: LogState, sid: int, item: Scanned) -> None:
+    rec = item.rec
+    op = rec.op
+    ch = st.changes
+    size = item.end - item.off
+    if op is Op.BLOB:
+        if item.ok:
+            loc = (rec.plen, item.data_off, sid)
+            st.blobs[rec.sdig] = loc
+            ch.blobs[rec.sdig] = loc
+        else:
+            st.bad_blobs.append((sid, item.off, rec.sdig[-32:].hex()))
+    elif op is Op.KEY:
+        ks = KeyState(rec.sdig, rec.pins, rec.tag, pack_loc(sid, item.off))
+        st.keys[(rec.ns, rec.key)] = ks
+        ch.keys[(rec.ns, rec.key)] = ks
+    elif op is Op.DEL:
+        st.keys.pop((rec.ns, rec.key), None)
+        ch.keys[(rec.ns, rec.key)] = None
+        _tomb(st, sid, size)
+    elif op is Op.META:
+        kind = META_KINDS.get(rec.aux)
+        if kind is None or not item.ok or item.payload is None:
+            st.damage.append((sid, item.off, item.end, "bad snapshot/branch record"))
+            return
+        body = json.loads(bytes(item.payload))
+        m = (pack_loc(sid, item.off), size, body)
+        st.metas[(kind, rec.ns, rec.key)] = m
+        ch.metas[(kind, rec.ns, rec.key)] = (m[0], body)
+    elif op is Op.MDEL:
+        kind = META_KINDS.get(rec.aux, "")
+        st.metas.pop((kind, rec.ns, rec.key), None)
+        ch.metas[(kind, rec.ns, rec.key)] = None
+        _tomb(st, sid, size)
+    elif op is Op.QUAR:
+        st.quarantine[rec.sdig] = rec.aux / 1000
+        ch.quarantine[rec.sdig] = rec.aux / 1000
+        _tomb(st, sid, size)
+    elif op is Op.SEGH:
+        _check_store(st, rec.ns, sid)
+    elif op is Op.SEGDEL:
+        st.segdel.add(rec.aux)
+        _tomb(st, sid, size)
+
+
+def _tomb(st: LogState, sid: int, size: int) -> None:
+    st.tomb[sid] = st.tomb.get(sid, 0) + size
+
+
+def finish(st: LogState, segments: dict[int, Segment], valid_end: dict[int, int]) -> None:
+    """Drop unreferenced blobs; find lost blobs (bytes gone) and the keys that lose them."""
+    referenced = {ks.sdig for ks in st.keys.values()}
+    for sdig in [s for s in st.blobs if s not in referenced]:
+        del st.blobs[sdig]
+        st.changes.blobs[sdig] = None
+    for sdig, (size, off, sid) in st.blobs.items():
+        seg = segments.get(sid)
+        if seg is None or off + size > valid_end.get(sid, 0):
+            st.lost_blobs.add(sdig)
+    for (ns, key), ks in st.keys.items():
+        if ks.sdig not in st.blobs or ks.sdig in st.lost_blobs:
+            st.lost_keys.append((ns, key, ks.sdig[-32:]))
+
+
+def valid_ends(st: LogState, segments: dict[int, Segment], ckpt: tuple[int, int]) -> dict[int, int]:
+    """Where each segment's trusted bytes end, after replaying from `ckpt`.
+
+    Sealed (abandoned) segments end where their SEAL says; replayed segments at the end of
+    their last complete batch; older ones where the index last saw them."""
+    out = {}
+    for sid, seg in segments.items():
+        size = seg.size()
+        if sid in st.seals:
+            end = st.seals[sid]
+        elif sid >= ckpt[0]:
+            end = st.ends.get(sid, ckpt[1] if sid == ckpt[0] else 0)
+        else:
+            end = st.seg_rows.get(sid, (0, size))[1]
+        out[sid] = min(end, size)
+    return out

@@ -1,0 +1,234 @@
+"""Offline tools on a persist dir: `store check` and `store rebuild-index`.
+
+`check` replays the whole log (verifying every block against its digest when `deep`),
+reads the index checkpoint plus the log after it (what a server would open), and
+compares the two: damaged log regions, blocks that fail verification, keys whose bytes
+are gone, segments missing from the sequence, and any difference between the index and
+the log are reported. It changes nothing; it takes the persist dir's lock, so it refuses
+to run beside a server.
+
+`rebuild-index` moves the current index aside (never deletes it) and builds a new one
+from the log, exactly as a server started with `--rebuild-index` does.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from epistemic_kvcache.errors import ConfigurationError
+from epistemic_kvcache.store.index import IndexError_, open_index
+from epistemic_kvcache.store.recovery import (
+    LogState,
+    finish,
+    load_index,
+    read_seals,
+    replay,
+    valid_ends,
+)
+from epistemic_kvcache.store.segments import Segment, seg_id_of
+
+Progress = Callable[[str], None]
+
+
+@dataclass(slots=True)
+class CheckSummary:
+    """What `check` found. `ok` when nothing is damaged, lost or inconsistent."""
+
+    segments: int = 0
+    log_bytes: int = 0
+    records: int = 0
+    batches: int = 0
+    blocks: int = 0
+    keys: int = 0
+    block_bytes: int = 0
+    snapshots_and_branches: int = 0
+    quarantined: int = 0
+    damaged: list[str] = field(default_factory=list)
+    bad_blocks: list[str] = field(default_factory=list)
+    lost_keys: list[str] = field(default_factory=list)
+    missing_segments: list[int] = field(default_factory=list)
+    index: str = "ok"
+    index_mismatches: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not (
+            self.damaged
+            or self.bad_blocks
+            or self.lost_keys
+            or self.missing_segments
+            or self.index_mismatches
+            or self.index != "ok"
+        )
+
+    def lines(self) -> list[str]:
+        """A human summary, one finding per line."""
+        out = [
+            f"segments: {self.segments} ({self.log_bytes} bytes), {self.records} records "
+            f"in {self.batches} group commits",
+            f"blocks: {self.blocks} ({self.block_bytes} bytes), keys: {self.keys}, "
+            f"snapshots/branches: {self.snapshots_and_branches}, quarantined: {self.quarantined}",
+            f"index: {self.index}",
+        ]
+        out += [f"damaged log bytes: {d}" for d in self.damaged]
+        out += [f"block fails verification: {b}" for b in self.bad_blocks]
+        out += [f"key lost its bytes: {k}" for k in self.lost_keys]
+        out += [f"segment missing: {s:08d}" for s in self.missing_segments]
+        out += [f"index differs from the log: {m}" for m in self.index_mismatches]
+        out.append(f"{'OK' if self.ok else 'PROBLEMS FOUND'} ({self.seconds:.2f} s)")
+        return out
+
+
+def _lock(path: Path) -> int:
+    if not path.is_dir():
+        raise ConfigurationError(f"invalid persist_dir: {str(path)!r} is not a directory")
+    fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        raise ConfigurationError(
+            f"invalid persist_dir: {str(path)!r} is in use by another process (stop the server)"
+        ) from exc
+    return fd
+
+
+def _segments(path: Path) -> dict[int, Segment]:
+    segs: dict[int, Segment] = {}
+    seg_dir = path / "segments"
+    if seg_dir.is_dir():
+        for p in sorted(seg_dir.iterdir()):
+            sid = seg_id_of(p)
+            if sid is not None:
+                segs[sid] = Segment(sid, p, create=False)
+    return segs
+
+
+def check(
+    persist_dir: str | os.PathLike[str],
+    *,
+    deep: bool = True,
+    map_size_bytes: int = 64 << 30,
+    progress: Progress | None = None,
+) -> CheckSummary:
+    """Check a persist dir offline (see the module docstring)."""
+    t0 = time.perf_counter()
+    path = Path(persist_dir)
+    fd = _lock(path)
+    try:
+        segs = _segments(path)
+        out = CheckSummary(segments=len(segs), log_bytes=sum(s.size() for s in segs.values()))
+        full = LogState()
+        read_seals(segs, full)
+        if progress is not None:
+            progress(f"replaying the whole log of {path} ({out.log_bytes >> 20} MiB)")
+        replay(segs, full, None, verify=deep, progress=progress)
+        finish(full, segs, valid_ends(full, segs, (0, 0)))
+        out.records, out.batches = full.records, full.batches
+        out.keys = len(full.keys) - len(full.lost_keys)
+        out.blocks = len(full.blobs) - len(full.lost_blobs)
+        out.block_bytes = sum(
+            size for sdig, (size, _o, _s) in full.blobs.items() if sdig not in full.lost_blobs
+        )
+        out.snapshots_and_branches = len(full.metas)
+        out.quarantined = len(full.quarantine)
+        out.damaged = [f"segment {s:08d} at {a}..{b}: {why}" for s, a, b, why in full.damage]
+        out.bad_blocks = [f"{d} (segment {s:08d} at {o})" for s, o, d in full.bad_blobs]
+        out.lost_keys = [f"{ns}/{key} ({d.hex()})" for ns, key, d in full.lost_keys]
+        ids = sorted(segs)
+        if ids:
+            out.missing_segments = [
+                i for i in range(ids[0], ids[-1] + 1) if i not in segs and i not in full.segdel
+            ]
+        # the index, as a server would open it
+        try:
+            ix = open_index(path / "index", map_size_bytes)
+        except IndexError_ as exc:
+            out.index = f"unusable ({exc}): run `epistemic-kvcache store rebuild-index`"
+        else:
+            try:
+                start = ix.checkpoint()
+                if ix.is_empty() or start is None:
+                    out.index = "empty: run `epistemic-kvcache store rebuild-index`"
+                else:
+                    st = load_index(ix)
+                    read_seals(segs, st)
+                    replay(segs, st, start, verify=False)
+                    finish(st, segs, valid_ends(st, segs, start))
+                    behind = st.replayed_bytes
+                    if behind:
+                        out.index = f"ok ({behind} bytes of log after its checkpoint)"
+                    mine = {k: v.sdig for k, v in st.keys.items()}
+                    truth = {k: v.sdig for k, v in full.keys.items()}
+                    for k in sorted(set(mine) | set(truth)):
+                        if mine.get(k) != truth.get(k):
+                            out.index_mismatches.append(
+                                f"{k[0]}/{k[1]}: index {'has' if k in mine else 'lacks'} it"
+                                + (" (other bytes)" if k in mine and k in truth else "")
+                            )
+                        if len(out.index_mismatches) >= 100:
+                            out.index_mismatches.append("... (more)")
+                            break
+            finally:
+                ix.close()
+        out.seconds = time.perf_counter() - t0
+        return out
+    finally:
+        os.close(fd)
+
+
+@dataclass(slots=True)
+class RebuildSummary:
+    """What `rebuild_index` made."""
+
+    blocks: int
+    keys: int
+    segments: int
+    log_bytes: int
+    damaged: int
+    lost_keys: int
+    seconds: float
+
+    def lines(self) -> list[str]:
+        return [
+            f"rebuilt the index from {self.segments} segments ({self.log_bytes} bytes) in "
+            f"{self.seconds:.2f} s: {self.blocks} blocks, {self.keys} keys",
+            f"damaged log regions: {self.damaged}, keys whose bytes are gone: {self.lost_keys}",
+        ]
+
+
+def rebuild_index(
+    persist_dir: str | os.PathLike[str],
+    *,
+    progress: Progress | None = None,
+    **store_options: object,
+) -> RebuildSummary:
+    """Set the index aside and build a new one from the log (offline)."""
+    from epistemic_kvcache.store.durable import SharedKvStoreBackend
+
+    t0 = time.perf_counter()
+    store = SharedKvStoreBackend(
+        persist_dir,
+        rebuild_index=True,
+        progress=progress,
+        **store_options,  # type: ignore[arg-type]
+    )
+    try:
+        extra = store.stats(None).extra
+        return RebuildSummary(
+            blocks=len(store._blobs),
+            keys=sum(len(v) for v in store._index.values()),
+            segments=int(extra["segments"]),
+            log_bytes=int(extra["segment_bytes"]),
+            damaged=int(extra["damaged_log_regions"]),
+            lost_keys=int(extra["lost_keys"]),
+            seconds=time.perf_counter() - t0,
+        )
+    finally:
+        store.close()

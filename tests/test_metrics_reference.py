@@ -1,0 +1,107 @@
+"""docs/metrics.md lists exactly what a real server exports, with the right types, and the
+request labels use one vocabulary on both wires."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from epistemic_kvcache import __version__
+from epistemic_kvcache.config import load_config
+from epistemic_kvcache.server.app import ServerHandle, ServerThread
+from epistemic_kvcache.server.metrics import status_label
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+TOKEN = "m" * 32
+HEALTH = {
+    "kvcache_store_ready",
+    "kvcache_store_writable",
+    "kvcache_store_committer_alive",
+    "kvcache_store_disk_full",
+    "kvcache_store_recovering",
+}
+"""Exported by stores with a health report (documented ahead of it)."""
+
+
+def documented() -> dict[str, tuple[str, str]]:
+    text = DOC.read_text()
+    table = text.split("<!-- metrics-table", 1)[1].split("<!-- /metrics-table -->")[0]
+    rows = re.findall(r"^\| `([a-z_]+)` \| (\w+) \| ([^|]*) \|", table, flags=re.M)
+    return {name: (kind, labels.strip()) for name, kind, labels in rows}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
+    config = load_config(
+        {
+            "addr": "127.0.0.1:0",
+            "resp_addr": "127.0.0.1:0",
+            "persist_dir": str(tmp_path_factory.mktemp("m")),
+            "token": [TOKEN],
+            "stats_log_interval_s": "0",
+        },
+        {},
+    )
+    with ServerThread(config) as handle:
+        yield handle
+
+
+def scrape(server: ServerHandle) -> str:
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    put = urllib.request.Request(server.http_url + "/kv/a", data=b"x", method="PUT", headers=auth)
+    urllib.request.urlopen(put, timeout=10).read()
+    req = urllib.request.Request(server.http_url + "/metrics", headers=auth)
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return r.read().decode()
+
+
+def test_reference_matches_a_real_server(server: ServerHandle) -> None:
+    assert server.resp is not None
+    r = redis.Redis(host=server.resp.host, port=server.resp.port, password=TOKEN)
+    r.get("missing")
+    r.close()
+    families = {
+        f.name: f
+        for f in text_string_to_metric_families(scrape(server))
+        if f.name[-8:] != "_created"
+    }
+    docs = documented()
+    exported = {}
+    for name, fam in families.items():
+        wire_name = name + "_total" if fam.type == "counter" else name
+        exported[wire_name] = fam.type
+    assert set(exported) <= set(docs), f"undocumented: {set(exported) - set(docs)}"
+    missing = set(docs) - set(exported) - HEALTH - {"kvcache_store_internal"}
+    assert not missing, f"documented but not exported: {missing}"
+    for name, kind in exported.items():
+        expected = "gauge" if kind == "info" else kind
+        assert docs[name][0] == expected, name
+
+
+def test_labels_and_build_info(server: ServerHandle) -> None:
+    text = scrape(server)
+    statuses = set(re.findall(r'kvcache_requests_total\{[^}]*status="(\w+)"', text))
+    assert statuses <= {"ok", "error"}
+    assert re.search(r'kvcache_requests_total\{[^}]*code="201"[^}]*wire="http"', text) or re.search(
+        r'code="201"', text
+    )
+    assert 'kvcache_build_info{python="' in text
+    assert f'version="{__version__}"' in text
+    assert "process_resident_memory_bytes" in text
+    assert "# TYPE kvcache_store_fsyncs_total counter" in text
+    assert "# TYPE kvcache_get_hits_total counter" in text
+
+
+CASES = [("200", "ok"), ("201", "ok"), ("404", "ok"), ("409", "ok"), ("401", "error")]
+CASES += [("413", "error"), ("503", "error"), ("507", "error"), ("ok", "ok"), ("error", "error")]
+
+
+@pytest.mark.parametrize(("status", "label"), CASES)
+def test_status_label(status: str, label: str) -> None:
+    assert status_label(status) == label
