@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import urllib3
 
-from epistemic_kvcache.client import EpistemicGraphKVBackend, KvCacheUnavailableError, PutOutcome
+from epistemic_kvcache.client import EpistemicGraphKVBackend, KvCacheUnavailableError
 from epistemic_kvcache.config import load_config
 from epistemic_kvcache.graph import pagerank, rank_order
 from epistemic_kvcache.proto.http import quote_key
