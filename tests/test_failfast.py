@@ -241,3 +241,99 @@ def test_connector_close_is_bounded_with_requests_stuck(server: Server) -> None:
         elapsed, _ = timed(conn.close)
         # One second of grace for work in flight, then the connections are cut.
         assert elapsed <= 3.0
+
+
+# -- through LMCache's own objects -----------------------------------------------------------
+@pytest.mark.lmcache
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_lmcache_mp_native_adapter_on_stalled_server(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("lmcache")
+    import argparse
+    import json
+
+    from lmcache.v1.distributed.api import ObjectKey
+    from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+    from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
+
+    from epistemic_kvcache.integrations.lmcache.checks import tensor_obj
+    from test_lmcache import DEPLOY, wait_for
+
+    monkeypatch.setenv("EPISTEMIC_GRAPH_KVCACHE_URL", server.url())
+    monkeypatch.setenv("EPISTEMIC_GRAPH_KVCACHE_TOKEN", TOKEN)
+    spec = (DEPLOY / "mp-native-plugin.json").read_text()
+    args = argparse.Namespace(l2_adapter=[json.dumps(json.loads(spec))])
+    adapter = create_l2_adapter(parse_args_to_l2_adapters_config(args).adapters[0])
+    key = ObjectKey(chunk_hash=os.urandom(16), model_name="m/stall", kv_rank=0)
+    source = tensor_obj(os.urandom(8192))
+
+    def lookup() -> bool:
+        task = adapter.submit_lookup_and_lock_task([key], {})
+        bitmap = wait_for(
+            adapter.get_lookup_and_lock_event_fd(),
+            lambda: adapter.query_lookup_and_lock_result(task),
+        )
+        return bool(bitmap.test(0))
+
+    def load() -> bool:
+        target = tensor_obj(bytes(8192))
+        task = adapter.submit_load_task([key], [target])
+        bitmap = wait_for(adapter.get_load_event_fd(), lambda: adapter.query_load_result(task))
+        return bool(bitmap.test(0))
+
+    try:
+        task = adapter.submit_store_task([key], [source])
+        done: dict[int, object] = {}
+
+        def stored() -> object:
+            done.update(adapter.pop_completed_store_tasks())
+            return done.get(task)
+
+        wait_for(adapter.get_store_event_fd(), stored)
+        assert lookup()
+        adapter.submit_unlock([key])
+        with stopped(server):
+            first, hit = timed(lookup)
+            assert hit is False
+            assert first <= FIRST_TIMEOUT_MAX_S
+            for op in (lookup, load):
+                elapsed, ok = timed(op)
+                assert ok is False
+                assert elapsed <= FAST_MAX_S
+            elapsed, _ = timed(adapter.close)
+            assert elapsed <= FIRST_TIMEOUT_MAX_S
+    finally:
+        adapter.close()
+
+
+@pytest.mark.lmcache
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_lmcache_path_a_on_stalled_server(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("lmcache")
+    import torch
+    from lmcache.utils import CacheEngineKey
+
+    from test_lmcache import _filled, path_a_backend
+
+    monkeypatch.setenv("EPISTEMIC_GRAPH_KVCACHE_TOKEN", TOKEN)
+    with path_a_backend(server.url()) as (backend, local_cpu):
+        key = CacheEngineKey("test/model", 1, 0, 4242, torch.float16)
+        obj = _filled(local_cpu)
+        futures = backend.batched_submit_put_task([key], [obj])
+        assert futures is not None
+        assert futures[0].result(30) == [True]
+        obj.ref_count_down()
+        assert backend.batched_contains([key]) == 1
+        with stopped(server):
+            first, found = timed(lambda: backend.batched_contains([key]))
+            assert found == 0
+            assert first <= FIRST_TIMEOUT_MAX_S
+            elapsed, found = timed(lambda: backend.contains(key))
+            assert found is False
+            assert elapsed <= FAST_MAX_S
+            elapsed, got = timed(lambda: backend.get_blocking(key))
+            assert got is None
+            assert elapsed <= FAST_MAX_S
+            elapsed, _ = timed(backend.close)
+            assert elapsed <= FIRST_TIMEOUT_MAX_S

@@ -18,6 +18,7 @@ import select
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -219,15 +220,16 @@ CHUNK_TOKENS = 16
 KV_SHAPE = (2, 2, CHUNK_TOKENS, 2, 8)  # layers, k/v, tokens, heads, head size
 
 
-@pytest.fixture
-def path_a(server: Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any]]:
+@contextmanager
+def path_a_backend(url: str) -> Iterator[tuple[Any, Any]]:
+    """Our storage plugin as LMCache's `storage_plugin_launcher` loads it from
+    `path-a-storage-plugin.yaml` (the token from the environment), with its CPU backend."""
     from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.storage_backend import storage_plugin_launcher
     from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
-    monkeypatch.setenv("EPISTEMIC_GRAPH_KVCACHE_TOKEN", TOKEN)
     config = LMCacheEngineConfig.from_file(str(DEPLOY / "path-a-storage-plugin.yaml"))
-    config.extra_config["storage_plugin.epistemic_graph.base_url"] = server.url()
+    config.extra_config["storage_plugin.epistemic_graph.base_url"] = url
     config.chunk_size = CHUNK_TOKENS
     config.max_local_cpu_size = 0.02
     metadata = cpu_metadata("test/model", KV_SHAPE)
@@ -243,6 +245,13 @@ def path_a(server: Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[An
         backend.close()
         local_cpu.close()
         loop.close()
+
+
+@pytest.fixture
+def path_a(server: Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any]]:
+    monkeypatch.setenv("EPISTEMIC_GRAPH_KVCACHE_TOKEN", TOKEN)
+    with path_a_backend(server.url()) as pair:
+        yield pair
 
 
 def _filled(local_cpu: Any, tokens: int = CHUNK_TOKENS) -> Any:
