@@ -557,6 +557,9 @@ class HttpConnection(asyncio.BufferedProtocol):
         closing = True
         try:
             closing = await self._serve_all()
+        except asyncio.CancelledError:
+            self._abort()  # nobody would answer (or close) it any more
+            raise
         except Exception:
             log.exception("http: internal error while answering")
             self._abort()

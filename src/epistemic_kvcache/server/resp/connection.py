@@ -232,7 +232,8 @@ class RespConnection(asyncio.BufferedProtocol):
     def eof_received(self) -> bool:
         self._eof = True
         self._wakeup.set()
-        return True  # keep the write side open until the queued replies are sent
+        # keep the write side open until the queued replies are sent (the task closes)
+        return self._task is not None and not self._task.done()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
@@ -315,6 +316,7 @@ class RespConnection(asyncio.BufferedProtocol):
                     await asyncio.sleep(0)  # let other connections run
                     slice_start = loop_time()
         except asyncio.CancelledError:
+            self._close(abort=True)  # nobody would serve (or close) it any more
             raise
         except Exception:
             log.exception("RESP connection %d failed", self.session.client_id)
