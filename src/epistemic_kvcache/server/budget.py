@@ -155,6 +155,8 @@ class Account:
 
     def set(self, purpose: str, nbytes: int, *, force: bool = False) -> Limit | None:
         """Make `purpose` hold exactly `nbytes` (growing may be refused unless `force`)."""
+        if self._held.get(purpose, 0) == nbytes:  # the common case: nothing changes
+            return None
         with self._lock:
             if self.closed:
                 return None

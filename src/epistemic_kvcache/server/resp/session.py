@@ -177,6 +177,8 @@ class Session:
         self.client_id = secrets.randbits(62) + 1
         """Random per connection: a counter would tell one tenant the others' rate."""
         self.identity: Identity | None = None
+        self.activity: Activity | None = None
+        """The tenant's activity counters (INFO), once authenticated."""
         self.credential: str | None = None
         """Kept to re-check the session when the credentials are reloaded (SIGHUP)."""
         self.protocol_version = 2
@@ -229,6 +231,7 @@ class Session:
             return refused
         self.identity = identity
         self.credential = credential
+        self.activity = self.shared.activity(identity.tenant)
         self.hooks.on_subscriptions()
         return None
 
@@ -250,6 +253,7 @@ class Session:
         self.protocol_version = 2
         self.name = None
         self.identity = None
+        self.activity = None
         self.credential = None
         self.hooks.on_reset()
 
