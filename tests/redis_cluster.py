@@ -164,7 +164,12 @@ class LocalCluster:
     def _cli(self, *args: str, timeout: float = 120) -> str:
         cmd = ["redis-cli", "--no-auth-warning", "-a", self.password, *args]
         out = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, check=False, stdin=subprocess.DEVNULL
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            stdin=subprocess.DEVNULL,
         )
         if out.returncode != 0:
             raise RuntimeError(f"{' '.join(args)} failed: {out.stdout}\n{out.stderr}")
@@ -275,8 +280,12 @@ class LocalCluster:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                served = {int(nodes[0][1]) for node in self.nodes if node.alive
-                          for _lo, _hi, *nodes in self._slots(node)}
+                served = {
+                    int(nodes[0][1])
+                    for node in self.nodes
+                    if node.alive
+                    for _lo, _hi, *nodes in self._slots(node)
+                }
             except redis.RedisError:
                 served = {dead.port}
             if dead.port not in served:

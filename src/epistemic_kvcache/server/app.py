@@ -207,6 +207,11 @@ def build_store(config: ServerConfig) -> SharedKvBackend:
     from epistemic_kvcache.store import SharedKvIndex, SharedKvStoreBackend
 
     options = config.store_options()
+    if config.cluster_url is not None:
+        from epistemic_kvcache.store.cluster import ClusterBackend
+
+        options.pop("cold_capacity_bytes")
+        return ClusterBackend(config.cluster_url, **options, **config.cluster_options())
     if config.backend == "memory":
         options.pop("cold_capacity_bytes")
         return SharedKvIndex(**options)
@@ -409,6 +414,12 @@ async def serve(
             executor=executor,
             metrics_tenants=frozenset(config.metrics_tenants),
         )
+
+        # fleet-wide epoch notices (cluster mode): bumps made through other servers
+        def on_epoch(tenant: str, scope: str, epoch: int) -> None:
+            loop.call_soon_threadsafe(ctx.notify_epoch, tenant, scope, epoch)
+
+        store.set_epoch_listener(on_epoch)
         backlog = max(128, min(config.limits.max_connections, 4096))
         http_server, http_addrs = await _listen(
             loop,
@@ -459,8 +470,10 @@ async def serve(
         handle = ServerHandle(http_addrs, resp_addrs, tls is not None, loop, stop)
         log.info(
             "serving backend=%s persist_dir=%s dedup_scope=%s",
-            config.backend,
-            config.persist_dir.resolve() if config.backend == "durable" else "-",
+            "cluster" if config.cluster_mode else config.backend,
+            config.persist_dir.resolve()
+            if config.backend == "durable" and not config.cluster_mode
+            else "-",
             config.dedup_scope,
         )
         if ready is not None:
@@ -484,6 +497,7 @@ async def serve(
             if isinstance(conn.transport, asyncio.WriteTransport):
                 conn.transport.abort()
         await asyncio.sleep(0)
+        store.set_epoch_listener(None)
         await loop.run_in_executor(None, _close_store, executor, store)
     log.info("stopped")
 

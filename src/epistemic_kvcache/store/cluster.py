@@ -365,7 +365,7 @@ class ClusterBackend(SharedKvBackend):
                 raise ConfigurationError(
                     f"invalid cluster_url: the cluster refused the credentials ({exc})"
                 ) from exc
-            except (redis.RedisError, OSError) as exc:
+            except (redis.RedisError, redis.RedisClusterException, OSError) as exc:
                 if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
                     raise ConfigurationError(
                         f"invalid cluster_url: the cluster refused the credentials ({exc})"
@@ -410,7 +410,7 @@ class ClusterBackend(SharedKvBackend):
             self._last_reinit = time.monotonic()
             try:
                 self._rc.nodes_manager.initialize()
-            except (redis.RedisError, OSError) as exc:
+            except (redis.RedisError, redis.RedisClusterException, OSError) as exc:
                 log.debug("cluster topology refresh failed: %s", exc)
 
     def _exec(
