@@ -316,7 +316,9 @@ class LocalCluster:
                     nodes = r.execute_command("CLUSTER NODES")
                     known += any(v.get("node_id") == node.node_id for v in nodes.values())
             if known == sum(1 for n in self.nodes if n.alive):
-                break
+                with self.client(node) as r:
+                    if r.execute_command("CLUSTER INFO").get("cluster_state") == "ok":
+                        break
             time.sleep(0.1)
         return node
 

@@ -290,7 +290,8 @@ def test_a_damaged_value_in_the_cluster_is_never_served(
         assert rc.get("damaged") is None  # c never cached it: the damaged copy is refused
         assert rc.get("damaged") is None
         after = hc.stats()
-    assert before is not None and after is not None
+    assert before is not None
+    assert after is not None
     assert after.integrity_failures - before.integrity_failures >= 1
     with cluster.client(cluster.master_of_slot(_slot(cluster, bkey))) as r:
         assert not r.exists(bkey)  # the damaged block is deleted; its key with it
@@ -333,7 +334,9 @@ def store(cluster: LocalCluster) -> Iterator[ClusterBackend]:
     s.close()
 
 
-def test_write_rules_match_the_single_node_store(store: ClusterBackend, rand: random.Random) -> None:
+def test_write_rules_match_the_single_node_store(
+    store: ClusterBackend, rand: random.Random
+) -> None:
     """Random PUT/DELETE/GET sequences (with nx/xx conditions) give the same outcomes and
     bytes as the memory backend."""
     ref = SharedKvIndex()
@@ -414,7 +417,8 @@ def test_scrub_takes_back_leaked_references(store: ClusterBackend, cluster: Loca
     okey = L.blob_key("api", digest_of(orphan), "leak")
     store._script(L.BLOB_REF, [okey], [orphan, os.urandom(8), 0])
     report = store.check()
-    assert report.refcount_mismatches and report.orphan_blobs
+    assert report.refcount_mismatches
+    assert report.orphan_blobs
     store.scrub()  # too recent: in flight as far as the scrub can tell
     assert not store.check().ok
     for k in (bkey, okey):  # ... an hour later
@@ -449,3 +453,200 @@ def test_pins_make_a_block_unevictable(store: ClusterBackend, cluster: LocalClus
             assert r.pttl(nkey) > 0
     finally:
         s.close()
+
+
+# -- failures: failover, resharding, losing the cluster ------------------------------------
+class Ledger:
+    """Acknowledged writes and the errors seen, from several client threads."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.acked: dict[str, bytes] = {}
+        self.errors: list[tuple[float, str]] = []
+        self.wrong: list[str] = []
+        self.reads = 0
+
+    def error(self, what: str) -> None:
+        with self.lock:
+            self.errors.append((time.monotonic(), what))
+
+    def window_s(self) -> float:
+        if not self.errors:
+            return 0.0
+        return self.errors[-1][0] - self.errors[0][0]
+
+
+def writer(srv: Server, ledger: Ledger, stop: threading.Event, name: str, seed: int) -> None:
+    rnd = random.Random(seed)
+    with resp(srv) as r:
+        i = 0
+        while not stop.is_set():
+            key = f"{name}-{i}"
+            data = rnd.randbytes(rnd.randrange(1_000, 60_000))
+            try:
+                ok = r.set(key, data)
+            except redis.RedisError as exc:
+                ledger.error(f"SET {key}: {exc}")
+                time.sleep(0.05)
+            else:
+                if ok:
+                    with ledger.lock:
+                        ledger.acked[key] = data
+            i += 1
+
+
+def reader(srv: Server, ledger: Ledger, stop: threading.Event, seed: int) -> None:
+    rnd = random.Random(seed)
+    with resp(srv) as r:
+        while not stop.is_set():
+            with ledger.lock:
+                if not ledger.acked:
+                    continue
+                key = rnd.choice(list(ledger.acked))
+                want = ledger.acked[key]
+            try:
+                got = r.get(key)
+            except redis.RedisError as exc:
+                ledger.error(f"GET {key}: {exc}")
+                time.sleep(0.05)
+                continue
+            with ledger.lock:
+                ledger.reads += 1
+                if got != want:
+                    ledger.wrong.append(f"{key}: {None if got is None else len(got)} bytes")
+
+
+def verify_all(srv: Server, ledger: Ledger) -> None:
+    with resp(srv) as r:
+        keys = list(ledger.acked)
+        for i in range(0, len(keys), 50):
+            chunk = keys[i : i + 50]
+            got = r.mget(chunk)
+            for k, v in zip(chunk, got, strict=True):
+                assert v == ledger.acked[k], f"acknowledged {k} lost or wrong after the change"
+
+
+@pytest.mark.slow
+def test_sigkill_a_master_during_writes(tmp_path: Path) -> None:
+    with LocalCluster(tmp_path / "cluster", node_timeout_ms=1500) as cluster:
+        a = front_end(tmp_path / "a", cluster, "--cluster-wait-replicas", "1")
+        b = front_end(tmp_path / "b", cluster)
+        try:
+            ledger = Ledger()
+            stop = threading.Event()
+            threads = [
+                threading.Thread(target=writer, args=(a, ledger, stop, f"w{i}", i))
+                for i in range(3)
+            ] + [threading.Thread(target=reader, args=(b, ledger, stop, 99))]
+            for t in threads:
+                t.start()
+            time.sleep(2.0)
+            victim = cluster.master_of_slot(random.randrange(16384))
+            acked_before = len(ledger.acked)
+            t_kill = time.monotonic()
+            cluster.kill(victim)
+            cluster.wait_failover(victim)
+            failover_s = time.monotonic() - t_kill
+            # the old master comes back as a replica (so WAIT 1 can succeed again there)
+            cluster.restart(victim)
+            cluster.wait_healthy()
+            time.sleep(2.0)
+            stop.set()
+            for t in threads:
+                t.join(60)
+            print(
+                f"failover {failover_s:.1f} s; acked {acked_before} before the kill, "
+                f"{len(ledger.acked)} in all; {len(ledger.errors)} errors over "
+                f"{ledger.window_s():.1f} s; {ledger.reads} reads; first errors: "
+                f"{[e for _t, e in ledger.errors[:3]]}"
+            )
+            print("".join(ln for ln in a.output if "failed" in ln or "cluster" in ln)[:3000])
+            assert len(ledger.acked) > acked_before, "no write succeeded after the failover"
+            assert not ledger.wrong, ledger.wrong[:5]
+            # bounded: the failover itself plus the time the old master took to come back
+            assert ledger.window_s() < failover_s + 30, ledger.errors[:5]
+            verify_all(b, ledger)
+            fresh = front_end(tmp_path / "fresh", cluster)
+            try:
+                verify_all(fresh, ledger)
+            finally:
+                fresh.stop()
+        finally:
+            a.stop()
+            b.stop()
+
+
+@pytest.mark.slow
+def test_add_a_master_and_rebalance_while_clients_write_and_read(tmp_path: Path) -> None:
+    with LocalCluster(tmp_path / "cluster", masters=3, replicas=1) as cluster:
+        a = front_end(tmp_path / "a", cluster)
+        b = front_end(tmp_path / "b", cluster)
+        try:
+            ledger = Ledger()
+            stop = threading.Event()
+            threads = [
+                threading.Thread(target=writer, args=(a, ledger, stop, f"r{i}", i))
+                for i in range(2)
+            ] + [threading.Thread(target=reader, args=(b, ledger, stop, i)) for i in (7, 8)]
+            for t in threads:
+                t.start()
+            time.sleep(2.0)
+            cluster.add_master()
+            t0 = time.monotonic()
+            out = cluster.rebalance()
+            took = time.monotonic() - t0
+            time.sleep(1.0)
+            stop.set()
+            for t in threads:
+                t.join(60)
+            print(
+                f"rebalance {took:.1f} s ({out.count('Moving')} moves); "
+                f"{len(ledger.acked)} acked, {ledger.reads} reads, {len(ledger.errors)} errors"
+            )
+            assert "Moving" in out
+            assert not ledger.wrong, ledger.wrong[:5]
+            assert not ledger.errors, ledger.errors[:5]  # redirections cost retries only
+            verify_all(b, ledger)
+            verify_all(a, ledger)
+        finally:
+            a.stop()
+            b.stop()
+
+
+@pytest.mark.slow
+def test_a_front_end_that_loses_the_cluster_serves_ram_and_recovers(tmp_path: Path) -> None:
+    with LocalCluster(tmp_path / "cluster", masters=3, replicas=0) as cluster:
+        s = ClusterBackend(cluster.url, retry_window_s=2.0, scrub_interval_s=0)
+        try:
+            blocks = {f"k{i}": os.urandom(10_000) for i in range(10)}
+            for k, v in blocks.items():
+                s.put("t", k, v)
+            assert s.health().ready
+            for node in list(cluster.nodes):
+                cluster.kill(node)
+            deadline = time.monotonic() + 10
+            while s.health().ready and time.monotonic() < deadline:
+                time.sleep(0.2)
+            h = s.health()
+            assert not h.ready
+            assert not h.writable
+            assert "unreachable" in (h.reason or "")
+            t0 = time.monotonic()
+            for k, v in blocks.items():
+                assert bytes(s.get("t", k) or b"") == v  # answered from RAM
+            assert time.monotonic() - t0 < 5
+            with pytest.raises(ClusterUnavailableError):
+                s.put("t", "new", b"refused")
+            with pytest.raises(ClusterUnavailableError):
+                s.get("t", "never-seen")
+            for node in cluster.nodes:
+                cluster.restart(node)
+            cluster.wait_healthy()
+            deadline = time.monotonic() + 30
+            while not s.health().ready and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert s.health().ready, s.health()
+            assert s.put("t", "new", b"accepted").outcome is PutOutcome.NEW
+            assert bytes(s.get("t", "k3") or b"") == blocks["k3"]
+        finally:
+            s.close()
