@@ -412,10 +412,14 @@ def test_scrub_takes_back_leaked_references(store: ClusterBackend, cluster: Loca
     store.put("leak", "k", data)
     bkey = L.blob_key("api", digest, "leak")
     # a front-end that crashed between taking a reference and writing its entry
-    store._script(L.BLOB_REF, [bkey], [b"", os.urandom(8), 0])
+    store._script(L.BLOB_REF, [bkey], [os.urandom(8), 0])
     orphan = os.urandom(3000)
     okey = L.blob_key("api", digest_of(orphan), "leak")
-    store._script(L.BLOB_REF, [okey], [orphan, os.urandom(8), 0])
+    store._store_block(okey, orphan, os.urandom(8))
+    bare = os.urandom(2000)  # bytes whose writer died before the reference was taken
+    zkey = L.blob_key("api", digest_of(bare), "leak")
+    with cluster.client(cluster.master_of_slot(_slot(cluster, zkey))) as r:
+        r.hset(zkey, "d", bare)
     report = store.check()
     assert report.refcount_mismatches
     assert report.orphan_blobs
@@ -426,6 +430,12 @@ def test_scrub_takes_back_leaked_references(store: ClusterBackend, cluster: Loca
             r.hset(k, "t", int(time.time() * 1000) - 3_600_000)
     store.scrub()
     assert store.check().ok
+    with cluster.client(cluster.master_of_slot(_slot(cluster, zkey))) as r:
+        assert r.hget(zkey, "z") is not None  # marked by the first scrub
+        r.hset(zkey, "z", int(time.time() * 1000) - 3_600_000)
+    store.scrub()
+    with cluster.client(cluster.master_of_slot(_slot(cluster, zkey))) as r:
+        assert not r.exists(zkey)  # deleted by a later one
     with cluster.client(cluster.master_of_slot(_slot(cluster, bkey))) as r:
         assert int(r.hget(bkey, "r")) == 1
     with cluster.client(cluster.master_of_slot(_slot(cluster, okey))) as r:

@@ -466,6 +466,17 @@ class ClusterBackend(SharedKvBackend):
                     out = out[1:]
                     ask = None
                 err = next((r for r in out if isinstance(r, Exception)), None)
+                if err is None:  # a runtime error inside a MULTI's EXEC
+                    err = next(
+                        (
+                            x
+                            for r in out
+                            if isinstance(r, list)
+                            for x in r
+                            if isinstance(x, redis.exceptions.NoScriptError)
+                        ),
+                        None,
+                    )
                 if err is None:
                     if wait and int(out[-1]) < self.wait_replicas:
                         self._fe["unavailable_errors"] += 1
@@ -611,17 +622,32 @@ class ClusterBackend(SharedKvBackend):
         bkey = self._bkey(ns, digest)
         gen = secrets.token_bytes(L.GEN_LEN)
         ttl = self.block_ttl_ms
-        if self._cache.has(ns, digest):
-            r = self._script(L.BLOB_REF, [bkey], [b"", gen, ttl], durable=True)
+        if self._cache.has(ns, digest):  # probably stored already: no bytes on the wire
+            r = self._script(L.BLOB_REF, [bkey], [gen, ttl], durable=True)
             if r:
                 return bytes(r[0]), int(r[1]), False
-        payload = data if isinstance(data, bytes | memoryview) else memoryview(data)
-        r = self._script(L.BLOB_REF, [bkey], [payload, gen, ttl], durable=True)
+        r = self._store_block(bkey, data, gen)
         created = bool(int(r[2]))
         if created:
             self._count(ns, "unique_blocks")
             self._count(ns, "resident_bytes", len(data))
         return bytes(r[0]), int(r[1]), created
+
+    def _store_block(self, bkey: bytes, data: Buffer, gen: bytes) -> Any:
+        """HSETNX the bytes and take the reference in one MULTI (the bytes go to Redis as
+        a plain argument, never through Lua)."""
+        payload = data if isinstance(data, bytes | memoryview) else memoryview(data)
+        out = self._exec(
+            bkey,
+            [
+                ("MULTI",),
+                ("HSETNX", bkey, "d", payload),
+                ("EVALSHA", L.BLOB_REF.sha, 1, bkey, gen, self.block_ttl_ms),
+                ("EXEC",),
+            ],
+            durable=True,
+        )
+        return out[3][1]
 
     # -- single-key operations ---------------------------------------------------------
     def put(
@@ -1219,6 +1245,8 @@ class ClusterBackend(SharedKvBackend):
                 except StoreError:
                     continue
                 if g is None:
+                    if fix:  # bytes nobody initialised: marked now, deleted next time
+                        self._script(L.SCRUB_BARE, [bkey], [t0, SCRUB_GRACE_MS], safe=False)
                     continue
                 report.blocks += 1
                 seen.add((bkey, bytes(g)))

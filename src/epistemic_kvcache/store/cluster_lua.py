@@ -293,22 +293,25 @@ BLOB_REF = Script(
     "blob_ref",
     _NOW
     + b"""
--- KEYS: block; ARGV: data ('' : reference an existing block only), new generation, ttl ms
--- -> {generation, now ms, created (0|1)}, or false (absent and no data given)
+-- KEYS: block; ARGV: new generation, ttl ms
+-- -> {generation, now ms, created (0|1)}, or false when the block is absent.
+-- A new block's bytes are written by an HSETNX just before, in the same MULTI (so the
+-- bytes never pass through Lua): bytes without a generation are a block to initialise.
 local now = now_ms()
 local g = redis.call('HGET', KEYS[1], 'g')
 if g then
   redis.call('HINCRBY', KEYS[1], 'r', 1)
   redis.call('HSET', KEYS[1], 't', now)
-  if tonumber(ARGV[3]) > 0 and tonumber(redis.call('HGET', KEYS[1], 'p') or '0') == 0 then
-    redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  if tonumber(ARGV[2]) > 0 and tonumber(redis.call('HGET', KEYS[1], 'p') or '0') == 0 then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
   end
   return {g, now, 0}
 end
-if ARGV[1] == '' then return false end
-redis.call('HSET', KEYS[1], 'd', ARGV[1], 'r', 1, 'p', 0, 'g', ARGV[2], 't', now)
-if tonumber(ARGV[3]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
-return {ARGV[2], now, 1}
+if redis.call('HEXISTS', KEYS[1], 'd') == 0 then return false end
+redis.call('HSET', KEYS[1], 'r', 1, 'p', 0, 'g', ARGV[1], 't', now)
+redis.call('HDEL', KEYS[1], 'z')
+if tonumber(ARGV[2]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return {ARGV[1], now, 1}
 """,
 )
 
@@ -372,6 +375,25 @@ return 0
 """,
 )
 
+SCRUB_BARE = Script(
+    "scrub_bare",
+    b"""
+-- KEYS: block; ARGV: now ms, grace ms. Bytes without a generation (a writer died between
+-- its HSETNX and the script of the same MULTI, or a NOSCRIPT in between): marked the
+-- first time the scrub sees them, deleted by a later scrub. -> bytes freed
+if redis.call('HEXISTS', KEYS[1], 'g') == 1 then return 0 end
+local z = redis.call('HGET', KEYS[1], 'z')
+if not z then
+  redis.call('HSET', KEYS[1], 'z', ARGV[1])
+  return 0
+end
+if tonumber(ARGV[1]) - tonumber(z) < tonumber(ARGV[2]) then return 0 end
+local n = redis.call('HSTRLEN', KEYS[1], 'd')
+redis.call('DEL', KEYS[1])
+return n
+""",
+)
+
 SCRIPTS = (
     ENTRY_PUT,
     ENTRY_GET,
@@ -383,6 +405,7 @@ SCRIPTS = (
     BLOB_ADJ,
     BLOB_DROP,
     SCRUB_FIX,
+    SCRUB_BARE,
 )
 
 
