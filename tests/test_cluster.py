@@ -23,7 +23,11 @@ import pytest
 import redis
 
 from epistemic_kvcache.client import EpistemicGraphKVBackend
-from epistemic_kvcache.errors import ClusterUnavailableError, ConfigurationError
+from epistemic_kvcache.errors import (
+    ClusterUnavailableError,
+    ConfigurationError,
+    QuotaExceededError,
+)
 from epistemic_kvcache.store import SharedKvIndex
 from epistemic_kvcache.store import cluster_lua as L
 from epistemic_kvcache.store.api import PutOutcome
@@ -463,6 +467,55 @@ def test_pins_make_a_block_unevictable(store: ClusterBackend, cluster: LocalClus
             assert r.pttl(nkey) > 0
     finally:
         s.close()
+
+
+def test_batches_mix_ram_cluster_and_misses(store: ClusterBackend, cluster: LocalCluster) -> None:
+    other = ClusterBackend(cluster.url, key_prefix="api", scrub_interval_s=0)
+    try:
+        blocks = {f"m{i}": os.urandom(3000 + i) for i in range(6)}
+        for k, v in blocks.items():
+            store.put("many", k, v)
+        other.get("many", "m0")  # in other's RAM; the rest come from the cluster
+        keys = [*blocks, "absent"]
+        got = other.get_many("many", keys)
+        assert [bytes(g) if g is not None else None for g in got] == [*blocks.values(), None]
+        assert other.exists_many("many", keys) == [True] * 6 + [False]
+        store.delete("many", "m3")
+        assert other.exists_many("many", ["m3", "m4"]) == [False, True]
+    finally:
+        other.close()
+
+
+def test_retire_stale_reclaims_entries_and_blocks(store: ClusterBackend) -> None:
+    for i in range(5):
+        store.put("retire", f"s{i}", f"scoped-{i}".encode() * 100, epoch_scope="doc")
+    store.put("retire", "plain", b"kept" * 100)
+    assert store.epoch_bump("retire", "doc") == 1
+    assert store.get("retire", "s0") is None  # stale at once
+    assert store.count("retire") == 6  # ... and still there until retired
+    assert store.retire_stale(max_items=100, budget_s=5.0) >= 5
+    assert store.keys("retire") == ["plain"]
+    assert store.check().ok
+
+
+def test_pin_quota_is_atomic_per_tenant(store: ClusterBackend) -> None:
+    saved = store.capacity_bytes
+    store.capacity_bytes = 20_000  # as if the masters' maxmemory summed to this
+    try:
+        store.put("pins", "a", os.urandom(6000))
+        store.put("pins", "b", os.urandom(6000))
+        assert store.pin("pins", "a")
+        assert store.pin("pins", "a")  # pinning a pinned key again costs nothing
+        with pytest.raises(QuotaExceededError):
+            store.pin("pins", "b")  # 12000 > 50% of 20000
+        assert store.unpin("pins", "a")
+        assert store.unpin("pins", "a")
+        assert store.pin("pins", "b")
+        assert store.stats("pins").pinned_blocks == 1
+        assert store.delete("pins", "b")
+        assert store.stats("pins").pinned_blocks == 0
+    finally:
+        store.capacity_bytes = saved
 
 
 # -- failures: failover, resharding, losing the cluster ------------------------------------

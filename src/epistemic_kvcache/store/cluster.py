@@ -306,6 +306,7 @@ class ClusterBackend(SharedKvBackend):
         self._deltas: dict[str, _Deltas] = {}
         self._memo: OrderedDict[tuple[str, str], tuple[bytes, int]] = OrderedDict()
         self._tenants_seen: set[str] = set()
+        self._retire_cursor: dict[str, int] = {}
         self._down_since: float | None = None
         self._down_reason: str | None = None
         self._last_reinit = 0.0
@@ -772,6 +773,13 @@ class ClusterBackend(SharedKvBackend):
         """The block from the cluster, verified; None (and cleanup) when gone or damaged."""
         bkey = self._bkey(ns, e.digest)
         gen, data = self._exec(bkey, [("HMGET", bkey, "g", "d")])[0]
+        return self._verified(ns, key, e, gen, data)
+
+    def _verified(
+        self, ns: str, key: str, e: L.Entry, gen: bytes | None, data: bytes | None
+    ) -> Buffer | None:
+        """`data` if it is the entry's block and matches its digest; else None, counted,
+        and the entry (and a damaged block) removed."""
         if gen is None or gen != e.gen or data is None:
             self._count(ns, "evictions")
             self._drop_entry(ns, key, e)
@@ -784,6 +792,7 @@ class ClusterBackend(SharedKvBackend):
                 ns,
             )
             self._count(ns, "integrity_failures")
+            bkey = self._bkey(ns, e.digest)
             with contextlib.suppress(StoreError):
                 freed = int(self._script(L.BLOB_DROP, [bkey], [e.gen], safe=False))
                 if freed:
@@ -792,7 +801,7 @@ class ClusterBackend(SharedKvBackend):
             self._drop_entry(ns, key, e)
             return None
         self._cache.admit(ns, e.digest, data)
-        return data  # type: ignore[no-any-return]
+        return data
 
     def _drop_entry(self, ns: str, key: str, e: L.Entry) -> None:
         """Remove an entry whose block is gone, if it is still that entry."""
@@ -818,13 +827,37 @@ class ClusterBackend(SharedKvBackend):
     def exists(self, ns: str, key: str) -> bool:
         return self.size(ns, key) is not None
 
+    def _reads(self, cmds: list[tuple[Any, ...]]) -> list[Any]:
+        """Read-only commands on many slots at once (redis-py's cluster pipeline routes
+        them, one round trip per node); one by one if that fails."""
+        if len(cmds) == 1:
+            return self._exec(cmds[0][1], cmds)
+        try:
+            pipe = self._rc.pipeline()
+            for c in cmds:
+                pipe.execute_command(*c)
+            return list(pipe.execute())
+        except (redis.RedisError, redis.RedisClusterException) as exc:
+            log.debug("cluster pipeline failed (%s); one by one", exc)
+            return [self._exec(c[1], [c])[0] for c in cmds]
+
     def exists_many(self, ns: str, keys: Sequence[str]) -> list[bool]:
         for key in keys:
             self._validate(ns, key)
         if not keys:
             return []
         found = self._entries(ns, keys)
-        return [f is not None and not f[0] and self._live_block(ns, f[1]) for f in found]
+        out = [f is not None and not f[0] for f in found]
+        ask = [
+            (i, f[1])
+            for i, f in enumerate(found)
+            if f is not None and not f[0] and not self._cache.has(ns, f[1].digest)
+        ]
+        if ask:
+            gens = self._reads([("HGET", self._bkey(ns, e.digest), "g") for _i, e in ask])
+            for (i, e), g in zip(ask, gens, strict=True):
+                out[i] = g == e.gen
+        return out
 
     def get_many(self, ns: str, keys: Sequence[str]) -> list[Buffer | None]:
         for key in keys:
@@ -834,11 +867,29 @@ class ClusterBackend(SharedKvBackend):
         try:
             found = self._entries(ns, keys)
         except ClusterUnavailableError:
-            out = [self._from_ram(ns, k) for k in keys]
-            if any(d is None for d in out):
+            ram = [self._from_ram(ns, k) for k in keys]
+            if any(d is None for d in ram):
                 raise
-            return out
-        return [self._read(ns, k, f) for k, f in zip(keys, found, strict=True)]
+            return ram
+        out: list[Buffer | None] = [None] * len(keys)
+        fetch: list[tuple[int, L.Entry]] = []
+        for i, (key, f) in enumerate(zip(keys, found, strict=True)):
+            if f is None or f[0]:
+                out[i] = self._read(ns, key, f)  # a miss, counted
+                continue
+            cached = self._cache.get(ns, f[1].digest.hex())
+            self._remember(ns, key, f[1].digest, f[1].size)
+            if cached is not None:
+                self._count(ns, "get_hits")
+                out[i] = cached
+            else:
+                fetch.append((i, f[1]))
+        if fetch:
+            got = self._reads([("HMGET", self._bkey(ns, e.digest), "g", "d") for _i, e in fetch])
+            for (i, e), (gen, data) in zip(fetch, got, strict=True):
+                out[i] = self._verified(ns, keys[i], e, gen, data)
+                self._count(ns, "get_hits" if out[i] is not None else "get_misses")
+        return out
 
     def delete(self, ns: str, key: str) -> bool:
         self._validate(ns, key)
@@ -875,40 +926,22 @@ class ClusterBackend(SharedKvBackend):
     def _pin(self, ns: str, key: str, delta: int) -> bool:
         self._validate(ns, key)
         tk = self._tk(ns)
-        if delta > 0 and self.capacity_bytes:
-            self._check_pin_quota(ns, key)
-        raw = self._script(L.ENTRY_PIN, [tk.entries, tk.epochs], [key.encode(), delta])
+        limit = int(self.capacity_bytes * self.max_pinned_fraction)
+        raw = self._script(
+            L.ENTRY_PIN, [tk.entries, tk.epochs, tk.counters], [key.encode(), delta, limit]
+        )
         if not raw or raw == b"nopin":
             return False
+        if raw == b"quota":
+            raise QuotaExceededError(
+                f"pin quota exceeded: this tenant's pinned keys would pass {limit} bytes "
+                f"({self.max_pinned_fraction:.0%} of the cluster's {self.capacity_bytes} bytes "
+                "of maxmemory)",
+                resource="pins",
+            )
         e = L.parse_entry(raw)
         self._unref(ns, e.digest, e.gen, refs=0, pins=delta)
         return True
-
-    def _check_pin_quota(self, ns: str, key: str) -> None:
-        """Pinned bytes of the tenant (its pinned keys' sizes) against its share."""
-        limit = int(self.capacity_bytes * self.max_pinned_fraction)
-        pinned = 0
-        after: str | None = None
-        tk = self._tk(ns)
-        while True:
-            page = self.keys(ns, after=after, limit=_SCAN_COUNT)
-            if not page:
-                break
-            raw = self._exec(tk.entries, [("HMGET", tk.entries, *[k.encode() for k in page])])[0]
-            for r in raw:
-                if r:
-                    e = L.parse_entry(r)
-                    pinned += e.size if e.pins else 0
-            after = page[-1]
-        found = self._entries(ns, [key])[0]
-        extra = found[1].size if found is not None and not found[1].pins else 0
-        if extra and pinned + extra > limit:
-            raise QuotaExceededError(
-                f"pin quota exceeded: {pinned + extra} bytes would be pinned by this tenant, "
-                f"its limit is {limit} ({self.max_pinned_fraction:.0%} of the cluster's "
-                f"{self.capacity_bytes} bytes of maxmemory)",
-                resource="pins",
-            )
 
     def pin(self, ns: str, key: str) -> bool:
         return self._pin(ns, key, +1)
@@ -995,7 +1028,7 @@ class ClusterBackend(SharedKvBackend):
             evictions=c.get("evictions", 0),
             promotions=local.promotions,
             demotions=local.demotions,
-            pinned_blocks=0,
+            pinned_blocks=c.get("pinned_keys", 0),
         )
         s.tiers["hot"] = local.tiers["hot"]
         s.tiers["warm"] = local.tiers["warm"]
@@ -1123,7 +1156,7 @@ class ClusterBackend(SharedKvBackend):
             if not epochs:
                 continue
             current = {bytes(k).decode(): int(v) for k, v in dict(epochs).items()}
-            cursor: Any = 0
+            cursor: Any = self._retire_cursor.get(ns, 0)  # resume where the last call stopped
             while True:
                 cursor, page = self._exec(
                     tk.entries, [("HSCAN", tk.entries, cursor, "COUNT", _SCAN_COUNT)]
@@ -1140,6 +1173,7 @@ class ClusterBackend(SharedKvBackend):
                             self._unref(ns, e.digest, e.gen, pins=-e.pins)
                             removed += 1
                 if int(cursor) == 0 or removed >= max_items or time.monotonic() > deadline:
+                    self._retire_cursor[ns] = int(cursor)
                     break
         return removed
 

@@ -192,6 +192,7 @@ if not cur then
   redis.call('HINCRBY', KEYS[4], 'keys', 1)
 end
 redis.call('HINCRBY', KEYS[4], 'logical_bytes', tonumber(ARGV[4]) - old_size)
+if pins > 0 then redis.call('HINCRBY', KEYS[4], 'pinned_bytes', tonumber(ARGV[4]) - old_size) end
 return {outcome, cur or false}
 """,
 )
@@ -224,11 +225,15 @@ ENTRY_DEL = Script(
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if not cur then return false end
 if ARGV[2] ~= '' and cur ~= ARGV[2] then return false end
-local size = fields(cur)
+local size, pins = fields(cur)
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HINCRBY', KEYS[3], 'keys', -1)
 redis.call('HINCRBY', KEYS[3], 'logical_bytes', -size)
+if pins > 0 then
+  redis.call('HINCRBY', KEYS[3], 'pinned_bytes', -size)
+  redis.call('HINCRBY', KEYS[3], 'pinned_keys', -1)
+end
 return cur
 """,
 )
@@ -237,14 +242,25 @@ ENTRY_PIN = Script(
     "entry_pin",
     _PARSE
     + b"""
--- KEYS: entries, epochs; ARGV: key, delta (+1 / -1). The entry after the change,
--- false when absent (or stale), 'nopin' when unpinning an unpinned key.
+-- KEYS: entries, epochs, counters; ARGV: key, delta (+1 / -1), pinned-bytes limit (0: none)
+-- The entry after the change; false when absent (or stale), 'nopin' when unpinning an
+-- unpinned key, 'quota' when the tenant's pinned bytes would pass the limit.
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if not cur or is_stale(cur, KEYS[2]) then return false end
 local size, pins, ep, sc = fields(cur)
-pins = pins + tonumber(ARGV[2])
-if pins < 0 then return 'nopin' end
-local v = string.sub(cur, 1, 48) .. size .. ',' .. pins .. ',' .. ep .. ',' .. sc
+local now = pins + tonumber(ARGV[2])
+if now < 0 then return 'nopin' end
+if pins == 0 and now > 0 then
+  local limit = tonumber(ARGV[3])
+  local used = tonumber(redis.call('HGET', KEYS[3], 'pinned_bytes') or '0')
+  if limit > 0 and used + size > limit then return 'quota' end
+  redis.call('HINCRBY', KEYS[3], 'pinned_bytes', size)
+  redis.call('HINCRBY', KEYS[3], 'pinned_keys', 1)
+elseif pins > 0 and now == 0 then
+  redis.call('HINCRBY', KEYS[3], 'pinned_bytes', -size)
+  redis.call('HINCRBY', KEYS[3], 'pinned_keys', -1)
+end
+local v = string.sub(cur, 1, 48) .. size .. ',' .. now .. ',' .. ep .. ',' .. sc
 redis.call('HSET', KEYS[1], ARGV[1], v)
 return v
 """,
@@ -257,19 +273,28 @@ ENTRY_POP = Script(
 -- KEYS: entries, order, counters; ARGV: n. Removes up to n keys (in order): their entries.
 local keys = redis.call('ZRANGE', KEYS[2], 0, tonumber(ARGV[1]) - 1)
 local out = {}
-local bytes = 0
+local bytes, pinned, pinned_keys = 0, 0, 0
 for i, key in ipairs(keys) do
   local cur = redis.call('HGET', KEYS[1], key)
   redis.call('ZREM', KEYS[2], key)
   if cur then
     redis.call('HDEL', KEYS[1], key)
-    bytes = bytes + fields(cur)
+    local size, pins = fields(cur)
+    bytes = bytes + size
+    if pins > 0 then
+      pinned = pinned + size
+      pinned_keys = pinned_keys + 1
+    end
     out[#out + 1] = cur
   end
 end
 if #out > 0 then
   redis.call('HINCRBY', KEYS[3], 'keys', -#out)
   redis.call('HINCRBY', KEYS[3], 'logical_bytes', -bytes)
+  if pinned_keys > 0 then
+    redis.call('HINCRBY', KEYS[3], 'pinned_bytes', -pinned)
+    redis.call('HINCRBY', KEYS[3], 'pinned_keys', -pinned_keys)
+  end
 end
 return out
 """,
