@@ -111,7 +111,10 @@ def _resp_worker(srv: Server, ledger: Ledger, stop: threading.Event, name: str, 
                     break
                 if rnd.random() < _delete_odds(ledger) and ledger.acked_put:
                     with ledger.lock:
-                        victim = rnd.choice(sorted(ledger.acked_put - ledger.maybe_del))
+                        candidates = sorted(ledger.acked_put - ledger.maybe_del)
+                        if not candidates:
+                            continue
+                        victim = rnd.choice(candidates)
                         ledger.maybe_del.add(victim)
                     if r.delete(victim) == 1:
                         with ledger.lock:
@@ -150,7 +153,10 @@ def _http_worker(srv: Server, ledger: Ledger, stop: threading.Event, name: str, 
                     break
                 if rnd.random() < _delete_odds(ledger) and ledger.acked_put:
                     with ledger.lock:
-                        victim = rnd.choice(sorted(ledger.acked_put - ledger.maybe_del))
+                        candidates = sorted(ledger.acked_put - ledger.maybe_del)
+                        if not candidates:
+                            continue
+                        victim = rnd.choice(candidates)
                         ledger.maybe_del.add(victim)
                     resp = pool.request(
                         "DELETE", "/kv/" + urllib.parse.quote(victim, safe=""), headers=auth

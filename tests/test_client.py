@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 import trustme
 
-from epistemic_kvcache.client import EpistemicGraphKVBackend, KvCacheConfig, is_loopback_host
+from epistemic_kvcache.client import (
+    EpistemicGraphKVBackend,
+    KvCacheConfig,
+    PutOutcome,
+    is_loopback_host,
+)
 from epistemic_kvcache.errors import AuthError, ConfigurationError, InvalidKeyError
 
 TOKEN = "client-test-token-0123456789"
@@ -236,7 +241,7 @@ def test_get_into_numpy_and_readonly_buffers(client: EpistemicGraphKVBackend) ->
 def test_batches_and_route_name_keys(client: EpistemicGraphKVBackend) -> None:
     blocks = {f"batch-{i}": os.urandom(1000 + i) for i in range(20)}
     blocks["stats"] = b"a key named like a route"
-    assert client.put_many(blocks.items()) == [True] * len(blocks)
+    assert client.put_many(blocks.items()) == [PutOutcome.NEW] * len(blocks)
     keys = [*blocks, "absent"]
     assert client.exists_many(keys) == [True] * len(blocks) + [False]
     assert client.get_many(keys) == [*blocks.values(), None]
@@ -325,16 +330,19 @@ def test_server_down_degrades_to_miss() -> None:
         t0 = time.monotonic()
         assert c.get("k") is None
         assert c.get_into("k", bytearray(4)) is None
-        assert c.put("k", b"data") is False
+        assert c.put("k", b"data") is PutOutcome.FAILED
         assert c.exists("k") is False
         assert c.exists_many(["a", "b"]) == [False, False]
         assert c.get_many(["a", "b"]) == [None, None]
-        assert c.put_many([("a", b"1")]) == [False]
+        assert c.put_many([("a", b"1")]) == [PutOutcome.FAILED]
         assert c.stats() is None
         assert not c.health()
         assert time.monotonic() - t0 < 5
         counts = c.counters()
-        assert counts.transport_errors >= 9
+        # The first refused connection opens the breaker; the rest fail without a socket.
+        assert counts.transport_errors >= 1
+        assert counts.breaker_trips == 1
+        assert counts.transport_errors + counts.fast_failures >= 9
         assert counts.puts_failed == 2
         assert counts.misses == 4
 
@@ -356,8 +364,9 @@ def test_server_killed_between_and_during_requests(tmp_path: Path) -> None:
             assert result in ([big], [None])
             # Kept-alive sockets to a dead server: a miss, not an exception.
             assert c.get("big") is None
-            assert c.put("k", b"v") is False
-            assert c.counters().transport_errors >= 2
+            assert c.put("k", b"v") is PutOutcome.FAILED
+            counts = c.counters()
+            assert counts.transport_errors + counts.fast_failures >= 2
     finally:
         srv.stop()
 
@@ -409,7 +418,7 @@ def test_http_500_degrades_to_miss() -> None:
     try:
         with EpistemicGraphKVBackend(base_url=f"http://127.0.0.1:{stub.port}", token="t") as c:
             assert c.get("k") is None
-            assert c.put("k", b"v") is False
+            assert c.put("k", b"v") is PutOutcome.FAILED
             assert c.exists_many(["k"]) == [False]
             assert c.get_into("k", bytearray(3)) is None
             assert c.counters().server_errors == 4
@@ -427,7 +436,8 @@ def test_body_cut_short_is_a_miss() -> None:
         with EpistemicGraphKVBackend(base_url=f"http://127.0.0.1:{stub.port}", token="t") as c:
             assert c.get_into("k", bytearray(100000)) is None
             assert c.get("k") is None
-            assert c.counters().transport_errors >= 2
+            counts = c.counters()
+            assert counts.transport_errors + counts.fast_failures >= 2
     finally:
         stub.close()
 

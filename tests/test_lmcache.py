@@ -18,6 +18,7 @@ import select
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,9 @@ from lmcache.v1.distributed.l2_adapters import create_l2_adapter  # noqa: E402
 from lmcache.v1.distributed.l2_adapters.config import (  # noqa: E402
     parse_args_to_l2_adapters_config,
 )
-from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj  # noqa: E402
 
 from epistemic_kvcache.client import EpistemicGraphKVBackend  # noqa: E402
+from epistemic_kvcache.integrations.lmcache.checks import cpu_metadata, tensor_obj  # noqa: E402
 from epistemic_kvcache.integrations.lmcache.l2_native_connector import (  # noqa: E402
     EpistemicGraphL2Connector,
 )
@@ -88,21 +89,6 @@ def native_call(client: Any, fid: int) -> tuple[bool, str, list[bool] | None]:
         return seen.pop(fid, None)
 
     return wait_for(client.event_fd(), get)  # type: ignore[no-any-return]
-
-
-def tensor_obj(data: bytes) -> TensorMemoryObj:
-    """A real LMCache MemoryObj (flat uint8 tensor) holding `data`."""
-    raw = torch.empty(len(data), dtype=torch.uint8)
-    meta = MemoryObjMetadata(
-        shape=torch.Size([len(data)]),
-        dtype=torch.uint8,
-        address=0,
-        phy_size=len(data),
-        ref_count=1,
-    )
-    obj = TensorMemoryObj(raw_data=raw, metadata=meta, parent_allocator=None)
-    obj.byte_array.cast("B")[:] = data
-    return obj
 
 
 def test_native_plugin_through_lmcache_factory(
@@ -234,28 +220,19 @@ CHUNK_TOKENS = 16
 KV_SHAPE = (2, 2, CHUNK_TOKENS, 2, 8)  # layers, k/v, tokens, heads, head size
 
 
-@pytest.fixture
-def path_a(server: Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any]]:
+@contextmanager
+def path_a_backend(url: str) -> Iterator[tuple[Any, Any]]:
+    """Our storage plugin as LMCache's `storage_plugin_launcher` loads it from
+    `path-a-storage-plugin.yaml` (the token from the environment), with its CPU backend."""
     from lmcache.v1.config import LMCacheEngineConfig
-    from lmcache.v1.metadata import LMCacheMetadata
     from lmcache.v1.storage_backend import storage_plugin_launcher
     from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
-    monkeypatch.setenv("EPISTEMIC_GRAPH_KVCACHE_TOKEN", TOKEN)
     config = LMCacheEngineConfig.from_file(str(DEPLOY / "path-a-storage-plugin.yaml"))
-    config.extra_config["storage_plugin.epistemic_graph.base_url"] = server.url()
+    config.extra_config["storage_plugin.epistemic_graph.base_url"] = url
     config.chunk_size = CHUNK_TOKENS
     config.max_local_cpu_size = 0.02
-    metadata = LMCacheMetadata(
-        model_name="test/model",
-        world_size=1,
-        local_world_size=1,
-        worker_id=0,
-        local_worker_id=0,
-        kv_dtype=torch.float16,
-        kv_shape=KV_SHAPE,
-        chunk_size=CHUNK_TOKENS,
-    )
+    metadata = cpu_metadata("test/model", KV_SHAPE)
     local_cpu = LocalCPUBackend(config, metadata, dst_device="cpu")
     loop = asyncio.new_event_loop()
     backends: OrderedDict[str, Any] = OrderedDict()
@@ -268,6 +245,13 @@ def path_a(server: Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[An
         backend.close()
         local_cpu.close()
         loop.close()
+
+
+@pytest.fixture
+def path_a(server: Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any]]:
+    monkeypatch.setenv("EPISTEMIC_GRAPH_KVCACHE_TOKEN", TOKEN)
+    with path_a_backend(server.url()) as pair:
+        yield pair
 
 
 def _filled(local_cpu: Any, tokens: int = CHUNK_TOKENS) -> Any:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import select
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -92,7 +90,12 @@ def test_empty_batches_and_many_futures(conn: EpistemicGraphL2Connector) -> None
 
 
 def test_server_down_is_per_key_failure_never_an_exception() -> None:
-    conn = EpistemicGraphL2Connector(base_url=f"http://127.0.0.1:{free_port()}", num_workers=2)
+    conn = EpistemicGraphL2Connector(
+        base_url=f"http://127.0.0.1:{free_port()}",
+        token=TOKEN,
+        num_workers=2,
+        check_on_start=False,
+    )
     try:
         block = memoryview(bytearray(1000))
         _, ok, _err, res = wait(conn, conn.submit_batch_set(["a", "b"], [block, block]))
@@ -102,18 +105,32 @@ def test_server_down_is_per_key_failure_never_an_exception() -> None:
         assert res == [False]
         _, ok, _, res = wait(conn, conn.submit_batch_get(["a"], [block]))
         assert (ok, res) == (False, [False])
-        assert conn.client.counters().transport_errors >= 3
+        counts = conn.client.counters()
+        assert counts.breaker_trips == 1  # the first refusal; the rest failed at once
+        assert counts.transport_errors + counts.fast_failures >= 3
     finally:
         conn.close()
 
 
-def test_auth_and_bad_keys_become_errors_in_the_completion(server: Server) -> None:
-    conn = EpistemicGraphL2Connector(base_url=server.url(), token="not-the-token-xxxxxxxx")
+def test_auth_and_bad_keys_become_errors_in_the_completion(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A token revoked after start-up (the start-up check would refuse a wrong one).
+    conn = EpistemicGraphL2Connector(
+        base_url=server.url(), token="not-the-token-xxxxxxxx", check_on_start=False
+    )
     try:
-        _, ok, err, res = wait(conn, conn.submit_batch_exists(["a"]))
-        assert not ok
-        assert "AuthError" in err
-        assert res == [False]
+        with caplog.at_level("ERROR"):
+            for _ in range(20):
+                _, ok, err, res = wait(conn, conn.submit_batch_exists(["a"]))
+                assert not ok
+                assert "AuthError" in err
+                assert res == [False]
+        # One line, no traceback, for twenty failing batches.
+        errors = [r for r in caplog.records if r.levelname == "ERROR"]
+        assert len(errors) == 1
+        assert not errors[0].exc_info
+        assert "AuthError" in errors[0].getMessage()
     finally:
         conn.close()
     conn = EpistemicGraphL2Connector(base_url=server.url(), token=TOKEN)
@@ -161,7 +178,7 @@ def test_construction_rules(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
         EpistemicGraphL2Connector(hots="typo")  # type: ignore[call-arg]
     monkeypatch.setenv("EPISTEMIC_GRAPH_KVCACHE_ADDR", "127.0.0.1:7777")
     monkeypatch.setenv("EPISTEMIC_GRAPH_KVCACHE_TOKEN", "env-token")
-    c = EpistemicGraphL2Connector()
+    c = EpistemicGraphL2Connector(check_on_start=False)
     try:
         assert c.config.base_url == "http://127.0.0.1:7777"
         assert c.config.token == "env-token"
@@ -170,12 +187,58 @@ def test_construction_rules(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
         c.close()  # idempotent
     token_file = tmp_path / "token"
     token_file.write_text("file-token\n")
-    c = EpistemicGraphL2Connector(addr="localhost:1", token_file=str(token_file), timeout_s=5)
+    c = EpistemicGraphL2Connector(
+        addr="localhost:1",
+        token_file=str(token_file),
+        timeout_s=5,
+        lookup_timeout_s=0.5,
+        breaker_max_backoff_s=0,
+        check_on_start=False,
+    )
     try:
         assert (c.config.base_url, c.config.token) == ("http://localhost:1", "file-token")
         assert c.config.read_timeout_s == 5.0
+        assert c.config.lookup_timeout_s == 0.5
+        assert c.client.breaker is None
     finally:
         c.close()
+    with pytest.raises(ConfigurationError, match="check_on_start"):
+        EpistemicGraphL2Connector(check_on_start="yes")  # type: ignore[arg-type]
+
+
+def test_start_up_check_fails_once_and_clearly(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("EPISTEMIC_GRAPH_KVCACHE_TOKEN", raising=False)
+    with pytest.raises(ConfigurationError, match=r"no token .* EPISTEMIC_GRAPH_KVCACHE_TOKEN"):
+        EpistemicGraphL2Connector(base_url=server.url())
+    with pytest.raises(ConfigurationError, match="refused the token"):
+        EpistemicGraphL2Connector(base_url=server.url(), token="wrong-token-wrong-token")
+    down = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(ConfigurationError, match=f"cannot use the kv-cache server at {down}"):
+        EpistemicGraphL2Connector(base_url=down, token=TOKEN)
+    assert time.monotonic() - t0 < 2.5
+    ok = EpistemicGraphL2Connector(base_url=server.url(), token=TOKEN)
+    ok.close()
+
+
+def test_batch_delete_really_deletes(conn: EpistemicGraphL2Connector) -> None:
+    keys = [f"org/model@00000000@0@del{i}-{os.urandom(4).hex()}" for i in range(6)]
+    blocks = [os.urandom(1000) for _ in keys]
+    _, ok, err, _ = wait(conn, conn.submit_batch_set(keys[:4], [memoryview(b) for b in blocks[:4]]))
+    assert ok, err
+    # Keys 0, 2, 4: two existed, one never did.
+    _, ok, err, res = wait(conn, conn.submit_batch_delete([keys[0], keys[2], keys[4]]))
+    assert ok, err
+    assert res == [True, True, False]
+    _, ok, _, res = wait(conn, conn.submit_batch_exists(keys[:4]))
+    assert res == [False, True, False, True]
+    assert wait(conn, conn.submit_batch_delete([]))[1:] == (True, "", [])
+    many = [f"org/model@00000000@0@many{i}-{os.urandom(4).hex()}" for i in range(40)]
+    wait(conn, conn.submit_batch_set(many, [memoryview(b"x" * 10)] * 40))
+    _, ok, _, res = wait(conn, conn.submit_batch_delete(many))
+    assert (ok, res) == (True, [True] * 40)
 
 
 @pytest.mark.parametrize(
@@ -186,37 +249,3 @@ def test_groups_cover_every_key_once(sizes: list[int], k: int) -> None:
     groups = _groups(sizes, k)
     assert 1 <= len(groups) <= min(k, len(sizes))
     assert [i for g in groups for i in g] == list(range(len(sizes)))
-
-
-def test_validate_adapter_command(server: Server) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EPISTEMIC_GRAPH_")}
-    cmd = [sys.executable, "-m", "epistemic_kvcache", "validate-adapter", "--url", server.url()]
-    ok = subprocess.run(
-        [*cmd, "--token", TOKEN, "--block-bytes", "100000"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert "validate-adapter: PASS" in ok.stdout
-    assert "[PASS] dedup_hits rose" in ok.stdout
-    assert "[PASS] resident_bytes flat" in ok.stdout
-    bad = subprocess.run(
-        [*cmd, "--token", "wrong-token-wrong-token"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert bad.returncode == 1
-    assert "FAIL" in bad.stdout
-    down = subprocess.run(
-        [sys.executable, "-m", "epistemic_kvcache", "validate-adapter"],
-        env={**env, "EPISTEMIC_GRAPH_KVCACHE_URL": f"http://127.0.0.1:{free_port()}"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert down.returncode == 1
-    assert "[FAIL] stats reachable" in down.stdout

@@ -1,161 +1,239 @@
 """`epistemic-kvcache validate-adapter`: the operator's check before touching vLLM.
 
-Drives `EpistemicGraphL2Connector` exactly as LMCache's `NativeConnectorL2Adapter` does
-(submit, poll the eventfd, drain completions) against a running server:
+Checks every LMCache path against a running server, driven by LMCache itself when it
+is installed (`integrations/lmcache/checks.py`):
 
-1. read `/kv/stats`;
-2. put one random block, then check `unique_blocks` and `logical_bytes` rose;
-3. ask whether it exists, read it back into a fresh buffer and compare the bytes;
-4. put the same block again, then check `dedup_hits` rose while `resident_bytes`
-   stayed flat (stored once).
+- `native`: MP mode's native plugin: LMCache's `NativeConnectorL2Adapter` over
+  `EpistemicGraphL2Connector` (store, stats rose, identical re-store is a dedup hit with
+  `resident_bytes` flat, lookup, load and compare, delete). Without LMCache the
+  connector is driven the way that adapter drives it.
+- `resp`: LMCache's C++ RESP client (MP `resp` adapter, v1 `resp://`) against the
+  RESP listener: SET, EXISTS, GET, DEL.
+- `path-a`: the v1 storage plugin, loaded by LMCache's `storage_plugin_launcher`.
+- `redis-url`: LMCache's v1 redis-py connector (`remote_url: redis://...`).
 
-Prints each step and the stats before/after; exit status 0 when every check passed.
-Other clients writing to the same namespace at the same time can move the counters.
+A path that cannot be checked is reported as SKIP with the reason (LMCache not
+installed, `--resp-addr off`, no RESP listener at the default address, TLS on a path
+whose LMCache client has none). Every key written is deleted at the end, whatever
+happened (keys live under a per-run model name, `epistemic-kvcache-validate-<hex>`).
+Exit status 0 when every checked path passed and at least one was checked, 1 otherwise
+(2 for a configuration error, e.g. a missing or rejected token). Other clients writing
+to the same namespace at the same time can move the `native` path's stats counters.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import secrets
-import select
+import socket
 import sys
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from epistemic_kvcache.client.stats import KvCacheStats
-from epistemic_kvcache.errors import AuthError, ConfigurationError
+from epistemic_kvcache.client.backend import EpistemicGraphKVBackend, KvCacheUnavailableError
+from epistemic_kvcache.errors import ConfigurationError, KvCacheError
+from epistemic_kvcache.integrations.lmcache.checks import (
+    PathReport,
+    check_native,
+    check_path_a,
+    check_redis_url,
+    check_resp,
+    lmcache_missing,
+)
 from epistemic_kvcache.integrations.lmcache.l2_native_connector import EpistemicGraphL2Connector
 
 DEFAULT_BLOCK_BYTES = 4 * 1024 * 1024
 """A 16-token chunk of Llama-3-8B KV is 2 MiB; 4 MiB exercises the large-body path."""
+DEFAULT_RESP_PORT = 6379
+PATHS = ("native", "resp", "path-a", "redis-url")
 _STAT_FIELDS = ("unique_blocks", "logical_bytes", "resident_bytes", "dedup_hits", "put_new")
 
 
 @dataclass(slots=True)
 class ValidationReport:
-    """What `validate_adapter` checked. `ok` when every check passed."""
+    """Every path's report; `ok` when each checked path passed and one was checked."""
 
-    checks: list[tuple[str, bool, str]] = field(default_factory=list)
-    stats: list[tuple[str, KvCacheStats]] = field(default_factory=list)
+    paths: list[PathReport] = field(default_factory=list)
+    cleanup: tuple[int, str] = (0, "")
 
     @property
     def ok(self) -> bool:
-        return bool(self.checks) and all(passed for _, passed, _ in self.checks)
-
-    def check(self, name: str, passed: bool, detail: str = "") -> bool:
-        self.checks.append((name, passed, detail))
-        return passed
+        checked = [p for p in self.paths if p.skipped is None]
+        return bool(checked) and all(p.ok for p in checked)
 
 
-def _wait(
-    conn: EpistemicGraphL2Connector, fid: int, timeout_s: float
-) -> tuple[bool, str, list[bool]]:
-    """Wait for one future's completion the way LMCache's demux thread does."""
-    poller = select.poll()
-    poller.register(conn.event_fd(), select.POLLIN)
-    remaining_ms = int(timeout_s * 1000)
-    while remaining_ms > 0:
-        if poller.poll(min(remaining_ms, 500)):
-            for cfid, ok, err, results in conn.drain_completions():
-                if cfid == fid:
-                    return ok, err, list(results or [])
-        remaining_ms -= 500
-    return False, f"no completion within {timeout_s} s", []
+@dataclass(frozen=True, slots=True)
+class RespTarget:
+    """Where the RESP paths connect, and whether the user named it."""
+
+    host: str
+    port: int
+    explicit: bool
+
+
+def resp_target(value: str | None, base_url: str) -> RespTarget | str:
+    """`--resp-addr` resolved: a target, or the reason the RESP paths are skipped."""
+    host = urllib.parse.urlsplit(base_url).hostname or "127.0.0.1"
+    if value is not None and value.strip().lower() == "off":
+        return "--resp-addr off"
+    if value is None:
+        return RespTarget(host, DEFAULT_RESP_PORT, explicit=False)
+    parsed = urllib.parse.urlsplit(f"//{value.strip()}")
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    if port is None or not parsed.hostname:
+        raise ConfigurationError(f"invalid --resp-addr: expected HOST:PORT or off (got {value!r})")
+    return RespTarget(parsed.hostname, port, explicit=True)
+
+
+def _listening(host: str, port: int, timeout_s: float = 1.0) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 def validate_adapter(
+    client: EpistemicGraphKVBackend,
     connector: EpistemicGraphL2Connector,
     *,
+    paths: tuple[str, ...] = PATHS,
+    resp: RespTarget | str,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
-    timeout_s: float = 60.0,
+    timeout_s: float = 30.0,
 ) -> ValidationReport:
-    """Run the checks through `connector`; never raises for a failed check."""
+    """Run the checks of each path in `paths`; never raises for a failed check.
+
+    `connector` is consumed (closed). Keys written are deleted through `client`.
+    """
+    model = f"epistemic-kvcache-validate-{secrets.token_hex(6)}"
     report = ValidationReport()
+    no_lmcache = lmcache_missing()
+    https = client.config.scheme == "https"
     try:
-        _run_checks(connector, report, block_bytes, timeout_s)
-    except AuthError as exc:
-        report.check("authenticated", False, str(exc))
+        for name in paths:
+            path = PathReport(name)
+            report.paths.append(path)
+            try:
+                _run_path(
+                    name,
+                    path,
+                    client,
+                    connector,
+                    resp,
+                    no_lmcache,
+                    https,
+                    model,
+                    block_bytes,
+                    timeout_s,
+                )
+            except KvCacheError as exc:
+                path.check("completed", False, f"{type(exc).__name__}: {exc}")
+            except Exception as exc:  # an LMCache internals change: report, go on
+                path.check("completed", False, f"unexpected {type(exc).__name__}: {exc}")
+    finally:
+        connector.close()
+        report.cleanup = _cleanup(client, model)
     return report
 
 
-def _run_checks(
+def _run_path(
+    name: str,
+    path: PathReport,
+    client: EpistemicGraphKVBackend,
     connector: EpistemicGraphL2Connector,
-    report: ValidationReport,
+    resp: RespTarget | str,
+    no_lmcache: str | None,
+    https: bool,
+    model: str,
     block_bytes: int,
     timeout_s: float,
-) -> ValidationReport:
-    client = connector.client
-    key = f"epistemic-kvcache/validate-adapter@00000000@0@{secrets.token_hex(16)}"
-    block = os.urandom(block_bytes)
+) -> None:
+    if name == "native":
+        check_native(
+            connector, client, path, model=model, block_bytes=block_bytes, timeout_s=timeout_s
+        )
+        return
+    if no_lmcache is not None:
+        path.skipped = no_lmcache
+        return
+    if name == "path-a":
+        check_path_a(client, path, model=model, timeout_s=timeout_s)
+        return
+    # The RESP paths.
+    if isinstance(resp, str):
+        path.skipped = resp
+        return
+    if https:
+        path.skipped = (
+            "the server uses TLS and LMCache 0.5.6's RESP clients have no TLS "
+            "(use the native plugin or Path A)"
+        )
+        return
+    if not resp.explicit and not _listening(resp.host, resp.port):
+        path.skipped = (
+            f"no RESP listener at {resp.host}:{resp.port} (the default); "
+            "pass --resp-addr HOST:PORT, or --resp-addr off"
+        )
+        return
+    token = client.config.token
+    if name == "resp":
+        check_resp(
+            resp.host,
+            resp.port,
+            token,
+            path,
+            model=model,
+            block_bytes=block_bytes,
+            timeout_s=timeout_s,
+        )
+    else:
+        check_redis_url(resp.host, resp.port, token, path, model=model, timeout_s=timeout_s)
 
-    before = client.stats()
-    if not report.check("stats reachable", before is not None, client.config.base_url):
-        return report
-    assert before is not None
-    report.stats.append(("before", before))
 
-    ok, err, _ = _wait(connector, connector.submit_batch_set([key], [memoryview(block)]), timeout_s)
-    if not report.check("first put stored", ok, err):
-        return report
-    first = client.stats()
-    if not report.check("stats after first put", first is not None):
-        return report
-    assert first is not None
-    report.stats.append(("after first put", first))
-    report.check(
-        "unique_blocks rose",
-        first.unique_blocks > before.unique_blocks,
-        f"{before.unique_blocks} -> {first.unique_blocks}",
-    )
-    report.check(
-        "logical_bytes rose by the block",
-        first.logical_bytes >= before.logical_bytes + block_bytes,
-        f"{before.logical_bytes} -> {first.logical_bytes}",
-    )
-
-    ok, err, found = _wait(connector, connector.submit_batch_exists([key]), timeout_s)
-    report.check("exists", ok and found == [True], err or str(found))
-    buf = bytearray(block_bytes)
-    ok, err, loaded = _wait(
-        connector, connector.submit_batch_get([key], [memoryview(buf)]), timeout_s
-    )
-    report.check("read back", ok and loaded == [True], err)
-    report.check("bytes identical", buf == block, f"{block_bytes} bytes")
-
-    ok, err, _ = _wait(connector, connector.submit_batch_set([key], [memoryview(block)]), timeout_s)
-    report.check("second put accepted", ok, err)
-    second = client.stats()
-    if not report.check("stats after second put", second is not None):
-        return report
-    assert second is not None
-    report.stats.append(("after second put", second))
-    report.check(
-        "dedup_hits rose",
-        second.dedup_hits > first.dedup_hits,
-        f"{first.dedup_hits} -> {second.dedup_hits}",
-    )
-    report.check(
-        "resident_bytes flat (stored once)",
-        second.resident_bytes == first.resident_bytes,
-        f"{first.resident_bytes} -> {second.resident_bytes}",
-    )
-    return report
+def _cleanup(client: EpistemicGraphKVBackend, model: str) -> tuple[int, str]:
+    """Delete every key of this run (all start with its model name)."""
+    try:
+        keys = client.list_keys(prefix=model)
+    except (KvCacheUnavailableError, KvCacheError) as exc:
+        return 0, f"could not list this run's keys: {exc}"
+    deleted = sum(client.delete_many(keys))
+    left = client.list_keys(prefix=model) if keys else []
+    if left:
+        return deleted, f"{len(left)} keys of this run could not be deleted: {left[:3]}"
+    return deleted, ""
 
 
 def print_report(report: ValidationReport, out: TextIO = sys.stdout) -> None:
-    """Human-readable checks and a stats table."""
-    for name, passed, detail in report.checks:
-        mark = "PASS" if passed else "FAIL"
-        print(f"[{mark}] {name}" + (f": {detail}" if detail else ""), file=out)
-    if report.stats:
-        width = max(len(label) for label, _ in report.stats)
+    """Each path's checks (or why it was skipped), the stats table, the verdict."""
+    for path in report.paths:
+        if path.skipped is not None:
+            print(f"[SKIP] {path.name}: {path.skipped}", file=out)
+            continue
+        verdict = "PASS" if path.ok else "FAIL"
+        print(f"[{verdict}] {path.name}" + (f" ({path.note})" if path.note else ""), file=out)
+        for name, passed, detail in path.checks:
+            mark = "PASS" if passed else "FAIL"
+            print(f"    [{mark}] {name}" + (f": {detail}" if detail else ""), file=out)
+    stats = [s for p in report.paths for s in p.stats]
+    if stats:
+        width = max(len(label) for label, _ in stats)
         print("", file=out)
         print(f"{'':{width}}  " + "  ".join(f"{f:>16}" for f in _STAT_FIELDS), file=out)
-        for label, st in report.stats:
+        for label, st in stats:
             values = "  ".join(f"{getattr(st, f):>16}" for f in _STAT_FIELDS)
             print(f"{label:{width}}  {values}", file=out)
+    deleted, problem = report.cleanup
     print("", file=out)
+    print(
+        f"cleanup: deleted {deleted} keys written by this run"
+        + (f"; {problem}" if problem else ""),
+        file=out,
+    )
     print("validate-adapter: " + ("PASS" if report.ok else "FAIL"), file=out)
 
 
@@ -169,32 +247,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token", help="bearer token (default: EPISTEMIC_GRAPH_KVCACHE_TOKEN)")
     parser.add_argument("--token-file", help="read the bearer token from this file")
     parser.add_argument(
+        "--resp-addr",
+        help=f"the server's RESP listener, HOST:PORT, or 'off' (default: the URL's host, "
+        f"port {DEFAULT_RESP_PORT}; skipped when nothing listens there)",
+    )
+    parser.add_argument(
+        "--paths",
+        default=",".join(PATHS),
+        help=f"comma-separated paths to check (default: {','.join(PATHS)})",
+    )
+    parser.add_argument(
         "--block-bytes",
         type=int,
         default=DEFAULT_BLOCK_BYTES,
         help=f"size of the random test block (default {DEFAULT_BLOCK_BYTES})",
     )
     parser.add_argument(
-        "--timeout-s", type=float, default=60.0, help="per-operation deadline (default 60)"
+        "--timeout-s", type=float, default=30.0, help="per-operation deadline (default 30)"
     )
 
 
 def run(args: argparse.Namespace, *, out: TextIO = sys.stdout) -> int:
-    """Run the check from parsed arguments; 0 on pass, 1 on fail."""
+    """Run the checks from parsed arguments; 0 on pass, 1 on fail.
+
+    Raises `ConfigurationError` (exit 2) for bad flags, a missing or rejected token, or a
+    server that does not answer."""
     if args.block_bytes < 1:
         raise ConfigurationError(f"invalid --block-bytes: expected >= 1 (got {args.block_bytes})")
+    paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown or not paths:
+        raise ConfigurationError(
+            f"invalid --paths: {','.join(unknown) or 'empty'} (known: {', '.join(PATHS)})"
+        )
     connector = EpistemicGraphL2Connector(
         base_url=args.url,
         token=args.token,
         token_file=args.token_file,
-        timeout_s=args.timeout_s,
         num_workers=2,
     )
+    client = EpistemicGraphKVBackend(connector.config)
     try:
-        print(f"validate-adapter: {connector.config.base_url}", file=out)
-        report = validate_adapter(connector, block_bytes=args.block_bytes, timeout_s=args.timeout_s)
+        resp = resp_target(args.resp_addr, client.config.base_url)
+        print(f"validate-adapter: {client.config.base_url}", file=out)
+        report = validate_adapter(
+            client,
+            connector,
+            paths=paths,
+            resp=resp,
+            block_bytes=args.block_bytes,
+            timeout_s=args.timeout_s,
+        )
     finally:
         connector.close()
+        client.close()
     print_report(report, out)
     return 0 if report.ok else 1
 
@@ -203,7 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     """Standalone entry point (`python -m epistemic_kvcache.validate`)."""
     parser = argparse.ArgumentParser(prog="epistemic-kvcache validate-adapter")
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    try:
+        return run(parser.parse_args(argv))
+    except ConfigurationError as exc:
+        print(f"validate-adapter: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

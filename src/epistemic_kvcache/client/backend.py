@@ -4,9 +4,15 @@ How it works:
 - One urllib3 connection pool per client (keep-alive, `max_connections` sockets, blocking
   when all are busy); the pool is thread-safe, so one client serves every thread.
 - A transport failure (refused, reset, timeout, 5xx/429/408) never raises: reads become
-  misses, writes return False, the failure is counted and logged (rate-limited, since an
-  unreachable cache would otherwise log once per prompt chunk). A reset on a kept-alive
-  socket is retried once, because the server may have closed it while idle.
+  misses, writes fail (`PutOutcome.FAILED`, False), the failure is counted and logged
+  (rate-limited, since an unreachable cache would otherwise log once per prompt chunk).
+  A reset on a kept-alive socket is retried once, because the server may have closed it
+  while idle.
+- Two timeouts: lookups (HEAD, batch exists) wait `lookup_timeout_s` (1 s), transfers
+  `read_timeout_s` (2 s) for the next byte. A timeout or a refused connection opens a
+  circuit breaker (`client.breaker`): every request is then answered at once without
+  the network while a background probe (`GET /healthz`) waits for the server to answer
+  again, so a stalled server costs one timeout, not one per prompt chunk.
 - 401/403, a TLS peer that fails verification and a malformed request raise: retrying
   cannot fix them and silently missing would hide a broken deployment.
 - `get_into` / `get_many_into` read bodies straight from the socket into the caller's
@@ -19,21 +25,27 @@ How it works:
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import http.client
 import json
 import logging
+import math
+import socket
 import ssl
 import struct
 import threading
 import time
 import urllib.parse
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import fields
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 import urllib3
 import urllib3.exceptions
 
+from epistemic_kvcache.client.breaker import CircuitBreaker
 from epistemic_kvcache.client.config import KvCacheConfig
 from epistemic_kvcache.client.stats import ClientCounters, KvCacheStats
 from epistemic_kvcache.errors import (
@@ -68,6 +80,47 @@ MAX_BATCH_PUT_BYTES = DEFAULT_LIMITS.max_batch_bytes
 _SKIP_CHUNK = 1024 * 1024
 _LOG_INTERVAL_S = 10.0
 _U32 = struct.Struct(">I")
+
+
+class PutOutcome(enum.Enum):
+    """What one `put` did (the server's `X-Kv-Outcome` / batch result words).
+
+    Truthy exactly when the server holds the given bytes under the key afterwards
+    (`NEW`, `DUPLICATE`, `REPLACED`), so `if kv.put(k, b):` reads naturally.
+    """
+
+    NEW = "created"
+    """The key did not exist; it was created."""
+    DUPLICATE = "duplicate"
+    """The key already held exactly these bytes; nothing was written."""
+    REPLACED = "replaced"
+    """The key held other bytes; they were replaced."""
+    CONFLICT = "conflict"
+    """Refused: the key exists with other bytes and the server keeps the first write
+    (a first-write-wins tenant, or an `nx` condition)."""
+    MISSING = "missing"
+    """Refused: an `xx` condition and the key does not exist."""
+    FAILED = "failed"
+    """Not stored: unreachable or failing server, block refused (too large, quota)."""
+
+    @property
+    def stored(self) -> bool:
+        """True when the server holds these bytes under the key."""
+        return self in _STORED
+
+    def __bool__(self) -> bool:
+        return self in _STORED
+
+    @classmethod
+    def from_word(cls, word: object) -> PutOutcome:
+        """The outcome named by a server result word (`error:*` and unknown: FAILED)."""
+        for member in cls:
+            if member.value == word:
+                return member
+        return cls.FAILED
+
+
+_STORED = frozenset({PutOutcome.NEW, PutOutcome.DUPLICATE, PutOutcome.REPLACED})
 
 
 class _TransportFailure(Exception):
@@ -132,14 +185,66 @@ def _as_bytes_view(data: Any) -> memoryview:
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
+def _tracked(base: type[Any], live: weakref.WeakSet[Any], aborted: threading.Event) -> type[Any]:
+    """`base` (a urllib3 connection class) that records each connected instance in
+    `live`, so `abort` can shut their sockets down (and cuts any that connects after)."""
+
+    def connect(self: Any) -> None:
+        base.connect(self)
+        live.add(self)
+        if aborted.is_set():
+            _cut(self)
+
+    return type(f"Tracked{base.__name__}", (base,), {"connect": connect})
+
+
+def _cut(conn: Any) -> None:
+    """Shut a connection's socket down: a thread blocked on it wakes with an error."""
+    sock = getattr(conn, "sock", None)
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+def _pool_wait(timeout: urllib3.Timeout) -> int:
+    """Seconds to wait for a free pooled connection: the request's own read timeout."""
+    return max(1, math.ceil(timeout.read_timeout or 1))
+
+
+def _block_view(key: str, data: Any) -> memoryview:
+    """The block to store as bytes; TypeError (naming the key) for None and non-buffers."""
+    if data is None:
+        raise TypeError(
+            f"put({key!r}, None): a block must be a bytes-like object; use delete() to remove a key"
+        )
+    try:
+        return _as_bytes_view(data)
+    except TypeError as exc:
+        raise TypeError(
+            f"put({key!r}, ...): a block must be a bytes-like object "
+            f"(bytes, bytearray, memoryview, array), not {type(data).__name__}"
+        ) from exc
+
+
 class EpistemicGraphKVBackend:
     """Thread-safe client of one epistemic-kvcache server.
 
-    `get(key) -> bytes | None` and `put(key, data) -> bool` are the seam other code plugs
-    into; transport failures are a miss / False, never an exception.
+    `get(key) -> bytes | None` and `put(key, data) -> PutOutcome` (truthy when stored)
+    are the seam other code plugs into; transport failures are a miss / a falsy outcome,
+    never an exception.
     """
 
     def __init__(self, config: KvCacheConfig | None = None, **overrides: Any) -> None:
+        if config is not None and not isinstance(config, KvCacheConfig):
+            hint = (
+                f"EpistemicGraphKVBackend(base_url={config!r}, token=...)"
+                if isinstance(config, str)
+                else "EpistemicGraphKVBackend(KvCacheConfig(...)) or keyword settings"
+            )
+            raise TypeError(
+                "EpistemicGraphKVBackend takes a KvCacheConfig or keyword settings, "
+                f"not a positional {type(config).__name__}; use {hint}"
+            )
         if config is None:
             config = KvCacheConfig(**overrides) if overrides else KvCacheConfig()
         elif overrides:
@@ -151,6 +256,11 @@ class EpistemicGraphKVBackend:
             headers["Authorization"] = f"Bearer {config.token}"
         self._headers = headers
         timeout = urllib3.Timeout(connect=config.connect_timeout_s, read=config.read_timeout_s)
+        self._transfer_timeout = timeout
+        self._lookup_timeout = urllib3.Timeout(
+            connect=min(config.connect_timeout_s, config.lookup_timeout_s),
+            read=config.lookup_timeout_s,
+        )
         self._pool: urllib3.HTTPConnectionPool
         if config.scheme == "https":
             self._pool = urllib3.HTTPSConnectionPool(
@@ -171,10 +281,21 @@ class EpistemicGraphKVBackend:
                 timeout=timeout,
                 retries=False,
             )
+        self._live: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._aborted = threading.Event()
+        self._pool.ConnectionCls = _tracked(self._pool.ConnectionCls, self._live, self._aborted)
         self._lock = threading.Lock()
         self._counts = {f.name: 0 for f in fields(ClientCounters)}
         self._last_log: dict[str, float] = {}
         self._closed = False
+        self._breaker: CircuitBreaker | None = None
+        if config.breaker_max_backoff_s > 0:
+            self._breaker = CircuitBreaker(
+                self._probe,
+                backoff_s=min(0.5, config.breaker_max_backoff_s),
+                max_backoff_s=config.breaker_max_backoff_s,
+                name=f"kv-cache {config.base_url}",
+            )
 
     @staticmethod
     def _ssl_context(config: KvCacheConfig) -> ssl.SSLContext:
@@ -199,9 +320,54 @@ class EpistemicGraphKVBackend:
         return cls(KvCacheConfig.from_env(**overrides))
 
     def close(self) -> None:
-        """Close every pooled connection. Idempotent."""
+        """Close every idle pooled connection and stop the breaker's probe. Idempotent.
+
+        Returns within about `lookup_timeout_s` (a probe in flight); requests still
+        running in other threads end within their own timeouts."""
         self._closed = True
+        if self._breaker is not None:
+            self._breaker.shutdown(self.config.lookup_timeout_s + 1.0)
         self._pool.close()
+
+    def abort(self) -> None:
+        """Close, and cut every connection a request is using right now: requests in
+        other threads fail at once (a miss / FAILED) instead of waiting for their
+        timeouts. For shutting down under a stalled server. Idempotent."""
+        self._closed = True
+        self._aborted.set()  # connections made from now on are cut as they connect
+        self._pool.close()  # no new connections for retries
+        for conn in list(self._live):
+            _cut(conn)
+        self.close()
+
+    @property
+    def breaker(self) -> CircuitBreaker | None:
+        """The circuit breaker (None when `breaker_max_backoff_s` is 0)."""
+        return self._breaker
+
+    def check_connection(self) -> None:
+        """Make one authenticated request (`GET /kv/stats`, lookup timeout): return when
+        the server answers and accepts the token.
+
+        Raises `KvCacheUnavailableError` (unreachable, stalled, 5xx), `AuthError` (401:
+        token missing or wrong), `ForbiddenError` (403) or `ConfigurationError` (TLS).
+        Used by the LMCache plugins at start-up, so a wrong deployment fails once, clearly.
+        """
+        try:
+            resp = self._request(
+                "GET", f"{self._prefix}/kv/stats", what="connection check", lookup=True
+            )
+        except _TransportFailure as exc:
+            raise KvCacheUnavailableError(
+                f"kv-cache server at {self.config.base_url} is not answering: {exc}"
+            ) from exc
+        resp.release_conn()
+        if resp.status == 404:
+            raise LocalProtocolError(
+                f"{self.config.base_url} answered 404 for /kv/stats: not an epistemic-kvcache "
+                "server, or the wrong URL path prefix",
+                status_hint=404,
+            )
 
     def __enter__(self) -> Self:
         return self
@@ -240,6 +406,39 @@ class EpistemicGraphKVBackend:
     def _key_path(self, key: str, suffix: str = "") -> str:
         return f"{self._prefix}/kv/{quote_key(key)}{suffix}"
 
+    def _probe(self) -> bool:
+        """The breaker's probe: does the server answer `GET /healthz` at all?"""
+        if self._closed:
+            return False
+        try:
+            resp = self._pool.urlopen(
+                "GET",
+                f"{self._prefix}/healthz",
+                headers=self._headers,
+                retries=False,
+                redirect=False,
+                timeout=self._lookup_timeout,
+                pool_timeout=_pool_wait(self._lookup_timeout),
+                assert_same_host=False,
+            )
+        except (urllib3.exceptions.HTTPError, OSError):
+            return False
+        resp.release_conn()
+        return True  # any answer, even an error status: the server is there
+
+    def _trip(self, what: str, exc: object) -> None:
+        """The server did not answer (timeout, refused, reset): count, log, open."""
+        self._count(transport_errors=1)
+        self._degraded("transport", what, exc)
+        self._open_breaker(f"{what}: {exc}")
+
+    def _open_breaker(self, detail: str) -> None:
+        if self._breaker is not None:
+            before = self._breaker.trips
+            self._breaker.record_failure(detail)
+            if self._breaker.trips != before:
+                self._count(breaker_trips=1)
+
     def _request(
         self,
         method: str,
@@ -249,10 +448,24 @@ class EpistemicGraphKVBackend:
         headers: dict[str, str] | None = None,
         preload: bool = True,
         what: str,
+        lookup: bool = False,
+        accept: tuple[int, ...] = (),
     ) -> urllib3.BaseHTTPResponse:
-        """Send one request. Raises `_TransportFailure` (counted) or auth/config errors."""
+        """Send one request (`lookup`: with the short lookup timeout; `accept`: error
+        statuses the caller handles itself).
+
+        Raises `_TransportFailure` (counted) or auth/config errors; fails at once while
+        the circuit breaker is open.
+        """
         if self._closed:
             raise _TransportFailure("client closed")
+        breaker = self._breaker
+        if breaker is not None and not breaker.allow():
+            self._count(fast_failures=1)
+            raise _TransportFailure(
+                f"server not answering for {breaker.open_for_s():.1f} s ({breaker.reason})"
+            )
+        timeout = self._lookup_timeout if lookup else self._transfer_timeout
         all_headers = self._headers if not headers else {**self._headers, **headers}
         sent = 0
         payload: Any = body
@@ -275,7 +488,8 @@ class EpistemicGraphKVBackend:
                     redirect=False,
                     preload_content=preload,
                     decode_content=False,
-                    pool_timeout=max(1, int(self.config.read_timeout_s)),
+                    timeout=timeout,
+                    pool_timeout=_pool_wait(timeout),
                     assert_same_host=False,
                 )
             except urllib3.exceptions.SSLError as exc:
@@ -288,22 +502,32 @@ class EpistemicGraphKVBackend:
                         "check the server certificate and the client's trust roots "
                         "(SSL_CERT_FILE / SSL_CERT_DIR)"
                     ) from exc
-                self._count(requests=1, transport_errors=1)
-                self._degraded("transport", what, exc)
+                self._count(requests=1)
+                self._trip(what, exc)
                 raise _TransportFailure(str(exc)) from exc
             except urllib3.exceptions.ProtocolError as exc:
                 # Reset / disconnected: possibly a kept-alive socket the server closed.
-                if attempt == 0:
+                # (A read timeout is not retried: it is a ReadTimeoutError, not this.)
+                if attempt == 0 and not self._closed:
                     continue
+                self._count(requests=1)
+                self._trip(what, exc)
+                raise _TransportFailure(str(exc)) from exc
+            except urllib3.exceptions.EmptyPoolError as exc:
+                # Every pooled connection busy for the whole timeout: our own overload
+                # (or requests stuck on a stall that has tripped the breaker already).
                 self._count(requests=1, transport_errors=1)
-                self._degraded("transport", what, exc)
+                self._degraded("pool", what, f"no free connection: {exc}")
                 raise _TransportFailure(str(exc)) from exc
             except (urllib3.exceptions.HTTPError, OSError) as exc:
-                self._count(requests=1, transport_errors=1)
-                self._degraded("transport", what, exc)
+                self._count(requests=1)
+                self._trip(what, exc)
                 raise _TransportFailure(str(exc)) from exc
             self._count(requests=1, bytes_sent=sent)
-            self._check_status(resp, what)
+            if breaker is not None:
+                breaker.record_success()
+            if resp.status not in accept:
+                self._check_status(resp, what)
             return resp
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -362,7 +586,8 @@ class EpistemicGraphKVBackend:
         return fp
 
     def _read_exact(self, raw: http.client.HTTPResponse, mv: memoryview) -> None:
-        """Fill `mv` completely from the body or raise `_TransportFailure`."""
+        """Fill `mv` completely from the body or raise `_TransportFailure` (which opens
+        the breaker: the server stopped sending mid-body)."""
         got = 0
         total = mv.nbytes
         try:
@@ -372,7 +597,11 @@ class EpistemicGraphKVBackend:
                     raise _TransportFailure(f"body ended after {got} of {total} bytes")
                 got += n
         except (OSError, http.client.HTTPException) as exc:
+            self._open_breaker(f"reading a body: {exc}")
             raise _TransportFailure(str(exc)) from exc
+        except _TransportFailure as exc:
+            self._open_breaker(f"reading a body: {exc}")
+            raise
 
     def _skip(self, raw: http.client.HTTPResponse, n: int) -> None:
         scratch = memoryview(bytearray(min(n, _SKIP_CHUNK)))
@@ -441,31 +670,67 @@ class EpistemicGraphKVBackend:
         self._count(hits=1, bytes_received=size)
         return size
 
-    def put(self, key: str, data: Any, *, epoch_scope: str | None = None) -> bool:
-        """Store `data` (any bytes-like object) under `key`. True when the server holds it.
+    def put(
+        self,
+        key: str,
+        data: Any,
+        *,
+        epoch_scope: str | None = None,
+        cond: Literal["nx", "xx"] | None = None,
+    ) -> PutOutcome:
+        """Store `data` (any bytes-like object) under `key`; what happened as a
+        `PutOutcome`, truthy when the server holds these bytes under the key.
 
-        A key that already existed is True as well (same bytes: a dedup hit; different
-        bytes: first write wins, the stored block stays). With `epoch_scope` the entry is
-        tagged with the scope's current epoch and reads miss once `epoch_bump(scope)` ran
-        (header `X-Kv-Epoch-Scope`; needs a server with the engine routes).
+        `NEW` (created), `DUPLICATE` (it held exactly these bytes: nothing written),
+        `REPLACED` (it held other bytes), `CONFLICT` (refused: the key exists and `cond`
+        is "nx", or the tenant keeps first writes), `MISSING` (refused: `cond` "xx" and
+        no such key), `FAILED` (unreachable, refused block). `cond`: "nx" creates only
+        (`If-None-Match: *`), "xx" replaces only (`If-Match: *`). `None` and other
+        non-buffers raise `TypeError`. With `epoch_scope` the entry is tagged with the
+        scope's current epoch and reads miss once `epoch_bump(scope)` ran (header
+        `X-Kv-Epoch-Scope`; needs a server with the engine routes).
         """
         validate_key(key)
+        view = _block_view(key, data)
         headers = {"Content-Type": "application/octet-stream"}
+        if cond == "nx":
+            headers["If-None-Match"] = "*"
+        elif cond == "xx":
+            headers["If-Match"] = "*"
+        elif cond is not None:
+            raise ValueError(f"invalid cond: expected 'nx', 'xx' or None (got {cond!r})")
         path = self._key_path(key)
         if epoch_scope is not None:
             headers["X-Kv-Epoch-Scope"] = self._scope_header(epoch_scope)
             path = f"{self._prefix}/kv/{quote_key(key)}"
-        elif key in RESERVED_SEGMENTS:
-            return self.put_many([(key, data)])[0]
+        elif key in RESERVED_SEGMENTS and cond is None:
+            return self.put_many([(key, view)])[0]
         try:
-            resp = self._request("PUT", path, body=data, headers=headers, what="PUT")
+            resp = self._request(
+                "PUT", path, body=view, headers=headers, what="PUT", accept=(409, 412)
+            )
         except _TransportFailure:
             self._count(puts_failed=1)
-            return False
+            return PutOutcome.FAILED
         resp.release_conn()
-        ok = resp.status in (200, 201, 204)
-        self._count(**({"puts_ok": 1} if ok else {"puts_failed": 1}))
-        return ok
+        outcome = self._put_outcome(resp, cond)
+        self._count(**({"puts_ok": 1} if outcome.stored else {"puts_failed": 1}))
+        return outcome
+
+    @staticmethod
+    def _put_outcome(resp: urllib3.BaseHTTPResponse, cond: str | None) -> PutOutcome:
+        word = resp.headers.get("X-Kv-Outcome")
+        if word is not None:
+            return PutOutcome.from_word(word.strip().lower())
+        if resp.status == 201:
+            return PutOutcome.NEW
+        if resp.status == 409 or (resp.status == 412 and cond == "nx"):
+            return PutOutcome.CONFLICT
+        if resp.status == 412:
+            return PutOutcome.MISSING
+        if resp.status in (200, 204):  # a server that does not say: it holds the bytes
+            return PutOutcome.DUPLICATE
+        return PutOutcome.FAILED
 
     def exists(self, key: str) -> bool:
         """Whether `key` is stored (False when the server is unreachable)."""
@@ -473,7 +738,7 @@ class EpistemicGraphKVBackend:
         if key in RESERVED_SEGMENTS:
             return self.exists_many([key])[0]
         try:
-            resp = self._request("HEAD", self._key_path(key), what="HEAD")
+            resp = self._request("HEAD", self._key_path(key), what="HEAD", lookup=True)
         except _TransportFailure:
             return False
         resp.release_conn()
@@ -483,7 +748,7 @@ class EpistemicGraphKVBackend:
         """The block's length without reading it, or None."""
         validate_key(key)
         try:
-            resp = self._request("HEAD", self._key_path(key), what="HEAD")
+            resp = self._request("HEAD", self._key_path(key), what="HEAD", lookup=True)
         except _TransportFailure:
             return None
         resp.release_conn()
@@ -525,7 +790,7 @@ class EpistemicGraphKVBackend:
     def health(self) -> bool:
         """True when `GET /healthz` answers 200."""
         try:
-            resp = self._request("GET", f"{self._prefix}/healthz", what="healthz")
+            resp = self._request("GET", f"{self._prefix}/healthz", what="healthz", lookup=True)
         except (_TransportFailure, AuthError):
             return False
         resp.release_conn()
@@ -572,6 +837,7 @@ class EpistemicGraphKVBackend:
                 body=body,
                 headers={"Content-Type": "application/json"},
                 what="batch exists",
+                lookup=True,
             )
         except _TransportFailure:
             return [False] * len(keys)
@@ -705,13 +971,13 @@ class EpistemicGraphKVBackend:
         self._count(hits=hits, misses=misses, size_mismatches=mismatches, bytes_received=received)
         return results
 
-    def put_many(self, items: Iterable[tuple[str, Buffer]]) -> list[bool]:
+    def put_many(self, items: Iterable[tuple[str, Buffer]]) -> list[PutOutcome]:
         """`put` for each (key, data) pair, in order (batch route, split by size/count)."""
         pending: list[tuple[str, memoryview]] = []
         for key, data in items:
             validate_key(key)
-            pending.append((key, _as_bytes_view(data)))
-        out: list[bool] = []
+            pending.append((key, _block_view(key, data)))
+        out: list[PutOutcome] = []
         batch: list[tuple[str, memoryview]] = []
         batch_bytes = 0
         for key, mv in pending:
@@ -726,7 +992,7 @@ class EpistemicGraphKVBackend:
             out.extend(self._put_batch(batch))
         return out
 
-    def _put_batch(self, batch: list[tuple[str, memoryview]]) -> list[bool]:
+    def _put_batch(self, batch: list[tuple[str, memoryview]]) -> list[PutOutcome]:
         parts = encode_batch_put_request([k for k, _ in batch], [mv for _, mv in batch])
         length = sum(memoryview(p).nbytes for p in parts)
         try:
@@ -739,7 +1005,7 @@ class EpistemicGraphKVBackend:
             )
         except _TransportFailure:
             self._count(puts_failed=len(batch))
-            return [False] * len(batch)
+            return [PutOutcome.FAILED] * len(batch)
         data = resp.data
         resp.release_conn()
         try:
@@ -748,15 +1014,21 @@ class EpistemicGraphKVBackend:
             raise RemoteProtocolError(f"batch put: bad answer ({exc})") from exc
         if not isinstance(results, list) or len(results) != len(batch):
             raise RemoteProtocolError("batch put: answer does not match the request")
-        ok = [r in ("created", "duplicate", "conflict") for r in results]
-        failed = [r for r in results if r not in ("created", "duplicate", "conflict")]
+        outcomes = [PutOutcome.from_word(r) for r in results]
+        failed = [r for r, o in zip(results, outcomes, strict=True) if o is PutOutcome.FAILED]
         if failed:
             self._degraded("refused", "batch put", f"{len(failed)} keys refused: {failed[:3]}")
-        self._count(puts_ok=sum(ok), puts_failed=len(ok) - sum(ok))
-        return ok
+        stored = sum(1 for o in outcomes if o.stored)
+        self._count(puts_ok=stored, puts_failed=len(outcomes) - stored)
+        return outcomes
 
     def delete_many(self, keys: Sequence[str]) -> list[bool]:
-        """`delete` for each key (one request each: there is no batch delete route)."""
+        """`delete` for each key, in order: True where the key existed and was removed.
+
+        One request per key over the pooled keep-alive connections (the server has no
+        batch delete route); stops touching the network once the breaker opens."""
+        for k in keys:
+            validate_key(k)
         return [self.delete(k) for k in keys]
 
     # -- engine features: snapshots, branches, epochs, paging (docs/engine-features.md) --

@@ -3,7 +3,9 @@
 Trust rules are enforced when the object is built, so a bad setting fails at start-up
 rather than on the first cache miss:
 
-- plain `http://` is accepted only for loopback hosts (`localhost`, `127.0.0.0/8`, `::1`);
+- plain `http://` is accepted only for loopback hosts (`localhost`, `127.0.0.0/8`, `::1`),
+  or anywhere with the explicit `allow_insecure_http=True` (an isolated network; the
+  client-side match of the server's `--allow-insecure-bind`);
 - anything else needs `https://`, always with certificate and host-name verification
   (trust roots from `ca_file`/`ca_dir`, else `SSL_CERT_FILE`/`REQUESTS_CA_BUNDLE`/
   `SSL_CERT_DIR`, else the system store). There is deliberately no switch that turns
@@ -41,6 +43,9 @@ ENV_CLIENT_KEY = CLIENT_ENV_PREFIX + "KEY"
 ENV_CONNECT_TIMEOUT = CLIENT_ENV_PREFIX + "CONNECT_TIMEOUT_S"
 ENV_READ_TIMEOUT = CLIENT_ENV_PREFIX + "READ_TIMEOUT_S"
 ENV_MAX_CONNECTIONS = CLIENT_ENV_PREFIX + "MAX_CONNECTIONS"
+ENV_LOOKUP_TIMEOUT = CLIENT_ENV_PREFIX + "LOOKUP_TIMEOUT_S"
+ENV_BREAKER_MAX_BACKOFF = CLIENT_ENV_PREFIX + "BREAKER_MAX_BACKOFF_S"
+ENV_ALLOW_INSECURE_HTTP = CLIENT_ENV_PREFIX + "ALLOW_INSECURE_HTTP"
 
 DEPRECATED_ENV = {
     ENV_PREFIX + "CONNECT_TIMEOUT_S": ENV_CONNECT_TIMEOUT,
@@ -60,6 +65,9 @@ CLIENT_ENV_NAMES = (
     ENV_CONNECT_TIMEOUT,
     ENV_READ_TIMEOUT,
     ENV_MAX_CONNECTIONS,
+    ENV_LOOKUP_TIMEOUT,
+    ENV_BREAKER_MAX_BACKOFF,
+    ENV_ALLOW_INSECURE_HTTP,
 )
 """Every `EPISTEMIC_GRAPH_KVCACHE_*` variable `KvCacheConfig.from_env` reads
 (docs/configuration.md lists them); plus `SSL_CERT_FILE`, `REQUESTS_CA_BUNDLE`,
@@ -68,9 +76,18 @@ CLIENT_ENV_NAMES = (
 DEFAULT_ADDR = f"{DEFAULT_HOST}:{DEFAULT_HTTP_PORT}"
 DEFAULT_CONNECT_TIMEOUT_S = 2.0
 """Connecting on a LAN takes well under a millisecond; 2 s means the server is not there."""
-DEFAULT_READ_TIMEOUT_S = 30.0
-"""Per socket read. A durable PUT waits for a group-commit fsync; an 80 MiB GET on a busy
-server may take a few seconds. Past 30 s recomputing the KV is cheaper."""
+DEFAULT_READ_TIMEOUT_S = 2.0
+"""Transfers (GET, PUT, batches, deletes): the longest wait for the next byte (per socket
+send or receive, not for the whole body, so a large block that keeps flowing is never cut
+off). A durable PUT's group-commit fsync usually answers in milliseconds; a server silent
+for 2 s is stalled, and recomputing the KV is cheaper than waiting longer. Raise it for
+very slow disks."""
+DEFAULT_LOOKUP_TIMEOUT_S = 1.0
+"""Lookups (HEAD, batch exists, the breaker's probe): an index read in RAM on the server,
+answered in well under a millisecond; LMCache blocks a request on them."""
+DEFAULT_BREAKER_MAX_BACKOFF_S = 5.0
+"""After a timeout or a refused connection the client fails fast and probes the server
+in the background, at most this far apart (0 disables the breaker)."""
 DEFAULT_MAX_CONNECTIONS = 16
 """Keep-alive connections kept per client; one per concurrently requesting thread."""
 
@@ -121,6 +138,7 @@ class KvCacheConfig:
     """Bearer token (or JWT) sent with every request."""
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
+    """Transfers: the longest wait for the next byte (see `DEFAULT_READ_TIMEOUT_S`)."""
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     ca_file: str | None = None
     """PEM bundle of trusted CAs (https only)."""
@@ -130,6 +148,13 @@ class KvCacheConfig:
     """PEM client certificate for mTLS (may also hold the key)."""
     client_key: str | None = None
     """PEM private key for `client_cert`, when it is in a separate file."""
+    lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S
+    """Lookups (exists, size, the breaker's probe); also caps their connect timeout."""
+    breaker_max_backoff_s: float = DEFAULT_BREAKER_MAX_BACKOFF_S
+    """Longest pause between probes while failing fast; 0 turns the breaker off."""
+    allow_insecure_http: bool = False
+    """Allow plain `http://` to a non-loopback host (token and data unencrypted): only
+    on an isolated network, matching the server's `--allow-insecure-bind`."""
 
     def __post_init__(self) -> None:
         url = self.base_url.strip().rstrip("/")
@@ -151,10 +176,16 @@ class KvCacheConfig:
                 "invalid base_url: query, fragment and user-info are not allowed "
                 f"(got {self.base_url!r}); pass the token separately"
             )
-        if scheme == "http" and not is_loopback_host(host):
+        if not isinstance(self.allow_insecure_http, bool):
+            raise ConfigurationError(
+                f"invalid allow_insecure_http: expected true or false "
+                f"(got {self.allow_insecure_http!r})"
+            )
+        if scheme == "http" and not is_loopback_host(host) and not self.allow_insecure_http:
             raise ConfigurationError(
                 f"invalid base_url {self.base_url!r}: plain http is allowed only for loopback "
-                "hosts; use https:// (with a CA the client trusts) for remote servers"
+                "hosts; use https:// (with a CA the client trusts) for remote servers, or "
+                "set allow_insecure_http=True on an isolated network"
             )
         if scheme == "http" and (self.client_cert or self.client_key):
             raise ConfigurationError(
@@ -164,12 +195,18 @@ class KvCacheConfig:
         if port is not None and not 0 < port < 65536:
             raise ConfigurationError(f"invalid base_url: port out of range (got {port})")
         object.__setattr__(self, "base_url", url)
-        for name in ("connect_timeout_s", "read_timeout_s"):
+        for name in ("connect_timeout_s", "read_timeout_s", "lookup_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ConfigurationError(
                     f"invalid {name}: expected a positive number of seconds (got {value!r})"
                 )
+        backoff = self.breaker_max_backoff_s
+        if isinstance(backoff, bool) or not isinstance(backoff, int | float) or backoff < 0:
+            raise ConfigurationError(
+                "invalid breaker_max_backoff_s: expected seconds >= 0, 0 = no breaker "
+                f"(got {backoff!r})"
+            )
         if (
             isinstance(self.max_connections, bool)
             or not isinstance(self.max_connections, int)
@@ -252,11 +289,15 @@ class KvCacheConfig:
             (ENV_CONNECT_TIMEOUT, "connect_timeout_s", float),
             (ENV_READ_TIMEOUT, "read_timeout_s", float),
             (ENV_MAX_CONNECTIONS, "max_connections", int),
+            (ENV_LOOKUP_TIMEOUT, "lookup_timeout_s", float),
+            (ENV_BREAKER_MAX_BACKOFF, "breaker_max_backoff_s", float),
         ):
             source = env_name
             raw = get(env_name)
             if raw is None:
-                old = next(o for o, n in DEPRECATED_ENV.items() if n == env_name)
+                old = next((o for o, n in DEPRECATED_ENV.items() if n == env_name), None)
+                if old is None:
+                    continue
                 raw = get(old)
                 if raw is None:
                     continue
@@ -268,6 +309,13 @@ class KvCacheConfig:
                 raise ConfigurationError(
                     f"invalid {source}: expected a number (got {raw!r})"
                 ) from exc
+        insecure = get(ENV_ALLOW_INSECURE_HTTP)
+        if insecure is not None:
+            if insecure.lower() not in ("1", "true", "yes", "0", "false", "no"):
+                raise ConfigurationError(
+                    f"invalid {ENV_ALLOW_INSECURE_HTTP}: expected true or false (got {insecure!r})"
+                )
+            kwargs["allow_insecure_http"] = insecure.lower() in ("1", "true", "yes")
         known = set(CLIENT_ENV_NAMES)
         for name in sorted(env):
             if name.startswith(CLIENT_ENV_PREFIX) and name not in known:

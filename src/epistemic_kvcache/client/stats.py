@@ -110,3 +110,7 @@ class ClientCounters:
     """`get_into` blocks whose size did not match the caller's buffer (read as a miss)."""
     bytes_sent: int = 0
     bytes_received: int = 0
+    fast_failures: int = 0
+    """Requests answered without the network while the circuit breaker was open."""
+    breaker_trips: int = 0
+    """Times the circuit breaker opened (a timeout, a refused or cut connection)."""

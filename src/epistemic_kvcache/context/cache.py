@@ -52,8 +52,9 @@ class BundleCacheBackend(Protocol):
         """The stored bytes, or `None` on a miss."""
         ...
 
-    def put(self, key: str, value: bytes) -> bool:
-        """Store; `True` when the backend accepted the bytes."""
+    def put(self, key: str, value: bytes) -> object:
+        """Store; truthy when the backend accepted the bytes (the client returns a
+        `PutOutcome`)."""
         ...
 
 

@@ -577,33 +577,38 @@ class SharedKvStoreBackend(TieredEngine):
         self._quarantined = dict(st.quarantine)
         failures = max(st.counters.get("integrity_failures", 0), len(st.quarantine))
         self._total.integrity_failures = failures + len(st.bad_blobs)
-        # RAM: keys whose bytes are here
-        effects: list[Effect] = []
-        pins: list[Effect] = []
+        # RAM: the keys whose bytes are here, loaded in bulk
+        blobs, lost = st.blobs, st.lost_blobs
+        kloc = self._kloc
+        live = self._seg_live
+        nslen: dict[str, int] = {}
+        entries = []
         for (ns, key), ks in st.keys.items():
-            bl = st.blobs.get(ks.sdig)
-            if bl is None or ks.sdig in st.lost_blobs:
+            bl = blobs.get(ks.sdig)
+            if bl is None or ks.sdig in lost:
                 continue
             size, off, sid = bl
-            effects.append(AddKey(ns, key, ks.sdig, size, None, sid, off, ks.tag))
-            if ks.pins:
-                pins.append(PinDelta(ns, key, ks.pins))
-            self._kloc.setdefault(ns, {})[key] = ks.loc
+            entries.append((ns, key, ks.sdig, size, sid, off, ks.tag, ks.pins))
+            locs = kloc.get(ns)
+            if locs is None:
+                locs = kloc[ns] = {}
+                nslen[ns] = len(ns.encode())
+            locs[key] = ks.loc
+            # the key record's bytes count as live in its segment
+            rsid = unpack_loc(ks.loc)[0]
+            n = records.FIXED_BYTES + nslen[ns] + len(key.encode()) + len(ks.sdig)
+            if ks.tag is not None:
+                n += len(ks.tag[0].encode())
+            live[rsid] = live.get(rsid, 0) + n
+        metas: list[Effect] = []
         for (kind, tenant, rid), (mloc, nbytes, rec) in st.metas.items():
-            pins.append(MetaPut(kind, tenant, rid, rec))
+            metas.append(MetaPut(kind, tenant, rid, rec))
             self._mloc[(kind, tenant, rid)] = (mloc, nbytes)
+            msid = unpack_loc(mloc)[0]
+            live[msid] = live.get(msid, 0) + nbytes
         with self._lock:
-            self._apply(effects)
-            self._apply(pins)
-            for ns, keys in self._kloc.items():
-                idx = self._index.get(ns) or {}
-                for key, kl in keys.items():
-                    b = idx.get(key)
-                    if b is not None:
-                        self._count_key_rec(kl, ns, key, b.sdig, self._tags.get((ns, key)), +1)
-            for ml, nbytes in self._mloc.values():
-                sid = unpack_loc(ml)[0]
-                self._seg_live[sid] = self._seg_live.get(sid, 0) + nbytes
+            self._load(entries)
+            self._apply(metas)
         # bring the index up to date with what the tail replay found, then resume writing
         end = st.end or (last, valid.get(last, 0))
         for sid in self._segs:

@@ -491,6 +491,55 @@ class TieredEngine(SharedKvBackend):
                 if recs is not None:
                     recs.pop(e.id, None)
 
+    def _load(
+        self,
+        entries: Iterable[tuple[str, str, bytes, int, int, int, tuple[str, int] | None, int]],
+    ) -> None:
+        """Fill an empty engine in bulk (opening a store): the same state as applying
+        `AddKey` (+ `PinDelta`) per entry, built in a few passes (lock held).
+
+        `entries`: (ns, key, scoped digest, size, segment, offset, epoch tag, pins)."""
+        blobs = self._blobs
+        glob = self.dedup_scope == "global"
+        pins_of = self._pins
+        by_ns: dict[str, dict[str, _Blob]] = {}
+        for ns, key, sdig, size, seg, off, tag, pins in entries:
+            b = blobs.get(sdig)
+            if b is None:
+                b = blobs[sdig] = _Blob(sdig, size)
+                b.seg, b.off = seg, off
+                b.owner = {} if glob else tenant_of(ns)
+            b.refs += 1
+            b.add_keyref((ns, key))
+            if isinstance(b.owner, dict):
+                t = tenant_of(ns)
+                b.owner[t] = b.owner.get(t, 0) + 1
+            idx = by_ns.get(ns)
+            if idx is None:
+                idx = by_ns[ns] = self._index.setdefault(ns, {})
+            idx[key] = b
+            if tag is not None:
+                self._tags[(ns, key)] = tag
+            if pins:
+                pins_of[(ns, key)] = pins
+                b.pins += pins
+            c = self._counters(ns)
+            c.total_refs += 1
+            c.logical_bytes += b.size
+        total = self._total
+        for ns in by_ns:
+            c = self._counters(ns)
+            total.total_refs += c.total_refs
+            total.logical_bytes += c.logical_bytes
+            self._sorted[ns] = SortedList(self._index[ns])
+        for b in blobs.values():
+            self._footprint(b, total, +1)
+            for o in b.owners():
+                self._footprint(b, self._counters(o), +1)
+            if b.pins:
+                self._pinned_bytes += b.size
+            self._on_blob_created(b)
+
     def _meta(self, kind: str) -> dict[str, dict[str, dict[str, Any]]]:
         return self._snapshots if kind == "snap" else self._branches
 

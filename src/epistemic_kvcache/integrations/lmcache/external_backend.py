@@ -20,7 +20,12 @@ How it works:
 - Reads go straight from the socket into a MemoryObj allocated from LMCache's local CPU
   backend (`get_into`); writes run on a small thread pool and report per key.
 - Every transport failure is a miss / a failed store (the client degrades), never an
-  exception into LMCache's engine.
+  exception into LMCache's engine. Lookups (`contains`, `batched_contains`) wait at most
+  the client's lookup timeout (1 s), loads and stores its transfer timeout (2 s); after
+  one timeout the client's circuit breaker answers at once until the server is back.
+- `remove` / `batched_remove` delete on the server (LMCache's `clear` and eviction).
+- The constructor checks the token and that the server answers (`check_on_start`), so a
+  broken deployment fails LMCache's start once and clearly; `close()` is bounded.
 """
 
 from __future__ import annotations
@@ -40,6 +45,12 @@ from lmcache.v1.storage_backend.abstract_backend import StorageBackendInterface
 from epistemic_kvcache.client.backend import EpistemicGraphKVBackend
 from epistemic_kvcache.client.config import KvCacheConfig, url_from_addr
 from epistemic_kvcache.errors import ConfigurationError
+from epistemic_kvcache.integrations.lmcache._runtime import (
+    DEFAULT_CLOSE_GRACE_S,
+    QuietLog,
+    WorkPool,
+    open_client,
+)
 
 if TYPE_CHECKING:
     from lmcache.v1.config import LMCacheEngineConfig
@@ -64,8 +75,13 @@ _KNOWN_PARAMS = frozenset(
         "client_cert",
         "client_key",
         "verify_tls",
+        "lookup_timeout_s",
+        "breaker_max_backoff_s",
+        "check_on_start",
     }
 )
+_TRUE = (True, "true", "True", "1", 1)
+_FALSE = (False, "false", "False", "0", 0)
 
 
 def plugin_params(extra_config: dict[str, Any] | None) -> dict[str, Any]:
@@ -84,9 +100,19 @@ def plugin_params(extra_config: dict[str, Any] | None) -> dict[str, Any]:
     return out
 
 
+def check_on_start(params: dict[str, Any]) -> bool:
+    """The `check_on_start` plugin parameter (default true)."""
+    value = params.get("check_on_start", True)
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigurationError(f"invalid check_on_start: expected true or false (got {value!r})")
+
+
 def config_from_params(params: dict[str, Any]) -> tuple[KvCacheConfig, int]:
     """`KvCacheConfig.from_env` overridden by plugin params; also the worker count."""
-    if params.get("verify_tls", True) not in (True, "true", "True", "1", 1):
+    if params.get("verify_tls", True) not in _TRUE:
         raise ConfigurationError(
             "invalid verify_tls: TLS verification cannot be disabled; use http:// on "
             "loopback or trust the server's CA (ca_file / SSL_CERT_FILE)"
@@ -113,6 +139,9 @@ def config_from_params(params: dict[str, Any]) -> tuple[KvCacheConfig, int]:
         num_workers = int(params.get("num_workers", 4))
         if params.get("timeout_s") is not None:
             overrides["read_timeout_s"] = float(params["timeout_s"])
+        for name in ("lookup_timeout_s", "breaker_max_backoff_s"):
+            if params.get(name) is not None:
+                overrides[name] = float(params[name])
         if params.get("max_connections") is not None:
             overrides["max_connections"] = int(params["max_connections"])
     except (TypeError, ValueError) as exc:
@@ -141,13 +170,15 @@ class EpistemicGraphExternalBackend(StorageBackendInterface):  # type: ignore[mi
                 "EpistemicGraphExternalBackend needs LMCache's local CPU backend to "
                 "allocate memory for reads (local_cpu_backend is None)"
             )
-        kv_config, num_workers = config_from_params(plugin_params(config.extra_config))
-        self._client = EpistemicGraphKVBackend(kv_config)
+        params = plugin_params(config.extra_config)
+        kv_config, num_workers = config_from_params(params)
+        self._client = open_client(
+            kv_config, what="kv-cache storage plugin", check=check_on_start(params)
+        )
         self._local_cpu_backend = local_cpu_backend
         self._loop = loop
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=num_workers, thread_name_prefix="kvcache-ext"
-        )
+        self._pool = WorkPool(num_workers, "kvcache-ext")
+        self._quiet = QuietLog(log)
         self._put_lock = threading.Lock()
         self._put_tasks: dict[CacheEngineKey, int] = {}
         self._shapes: list[torch.Size] = list(metadata.get_shapes())
@@ -187,8 +218,7 @@ class EpistemicGraphExternalBackend(StorageBackendInterface):  # type: ignore[mi
         self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False
     ) -> int:
         """`batched_contains` without blocking the event loop."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.batched_contains, keys, pin)
+        return await asyncio.wrap_future(self._pool.submit(lambda: self.batched_contains(keys)))
 
     def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
         """Whether a store of `key` is in flight."""
@@ -218,9 +248,9 @@ class EpistemicGraphExternalBackend(StorageBackendInterface):  # type: ignore[mi
         def run() -> list[bool]:
             try:
                 items = [(k.to_string(), obj.byte_array) for k, obj in zip(keys, objs, strict=True)]
-                return self._client.put_many(items)
-            except Exception:
-                log.exception("kv-cache storage plugin: store of %d chunks failed", len(keys))
+                return [o.stored for o in self._client.put_many(items)]
+            except Exception as exc:
+                self._quiet.failure(f"kv-cache storage plugin: store of {len(keys)} chunks", exc)
                 return [False] * len(keys)
             finally:
                 for obj in objs:
@@ -233,7 +263,11 @@ class EpistemicGraphExternalBackend(StorageBackendInterface):  # type: ignore[mi
                         else:
                             self._put_tasks[k] = left
 
-        future = self._executor.submit(run)
+        try:
+            future: concurrent.futures.Future[list[bool]] = self._pool.submit(run)
+        except RuntimeError:  # closed meanwhile
+            run()
+            return None
         if on_complete_callback is not None:
 
             def done(f: concurrent.futures.Future[list[bool]]) -> None:
@@ -321,14 +355,13 @@ class EpistemicGraphExternalBackend(StorageBackendInterface):  # type: ignore[mi
         self, key: CacheEngineKey, location: str | None = None
     ) -> concurrent.futures.Future[MemoryObj | None]:
         """`get_blocking` on the plugin's thread pool."""
-        return self._executor.submit(self.get_blocking, key)
+        return self._pool.submit(lambda: self.get_blocking(key))
 
     async def batched_get_non_blocking(
         self, lookup_id: str, keys: list[CacheEngineKey], transfer_spec: Any = None
     ) -> list[MemoryObj]:
         """The leading chunks that loaded (stops at the first miss)."""
-        loop = asyncio.get_running_loop()
-        got = await loop.run_in_executor(self._executor, self.batched_get_blocking, keys)
+        got = await asyncio.wrap_future(self._pool.submit(lambda: self.batched_get_blocking(keys)))
         out: list[MemoryObj] = []
         for i, obj in enumerate(got):
             if obj is None:
@@ -349,8 +382,12 @@ class EpistemicGraphExternalBackend(StorageBackendInterface):  # type: ignore[mi
         return True
 
     def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
-        """Delete `key` on the server."""
+        """Delete `key` on the server; True when it existed."""
         return self._client.delete(key.to_string())
+
+    def batched_remove(self, keys: list[CacheEngineKey], force: bool = True) -> int:
+        """Delete the keys on the server; how many existed."""
+        return sum(self._client.delete_many([k.to_string() for k in keys]))
 
     def touch_cache(self) -> None:
         """No-op: the server tracks its own recency."""
@@ -359,10 +396,10 @@ class EpistemicGraphExternalBackend(StorageBackendInterface):  # type: ignore[mi
         """LMCache's local CPU backend, which allocates the MemoryObjs we load into."""
         return self._local_cpu_backend
 
-    def close(self) -> None:
-        """Wait for in-flight stores, then close the client. Idempotent."""
+    def close(self, grace_s: float = DEFAULT_CLOSE_GRACE_S) -> None:
+        """Bounded: queued work is dropped, work in flight gets `grace_s` to finish, then
+        its connections are cut. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._executor.shutdown(wait=True)
-        self._client.close()
+        self._pool.shutdown(self._client, grace_s)

@@ -17,14 +17,22 @@ How it works:
   LMCache's demux thread polls that fd and calls `drain_completions`, which resets the
   fd first and then takes the queue, so no wake-up is lost.
 - Every failure (transport, auth, bad key, bugs) becomes per-key `False` plus error text;
-  nothing ever raises into LMCache's demux thread.
-- There is deliberately no `submit_batch_delete`: the server evicts by its own tiers.
+  nothing ever raises into LMCache's demux thread, and failures are logged at most once
+  per 10 s per kind.
+- `submit_batch_delete` deletes for real (LMCache's MP admin `DELETE /cache/objects` and
+  its L2 eviction call it through `NativeConnectorL2Adapter.delete`); per-key results
+  say which keys existed.
+- Lookups use the client's short lookup timeout (1 s), transfers the transfer timeout
+  (2 s); after one timeout the client's circuit breaker answers every request at once
+  (a miss / not stored) until a background probe sees the server again.
+- The constructor checks the token and that the server answers (one clear
+  `ConfigurationError` at LMCache's start); `close()` is bounded: in-flight requests
+  get a second to finish, then their connections are cut.
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -40,6 +48,12 @@ from epistemic_kvcache.client.config import (
     url_from_addr,
 )
 from epistemic_kvcache.errors import ConfigurationError
+from epistemic_kvcache.integrations.lmcache._runtime import (
+    DEFAULT_CLOSE_GRACE_S,
+    QuietLog,
+    WorkPool,
+    open_client,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +101,15 @@ class EpistemicGraphL2Connector:
     """LMCache native L2 connector (`native_plugin`) for an epistemic-kvcache server.
 
     `adapter_params` become keyword arguments: `base_url` or `addr` (`host:port`),
-    `token` (or `token_file`), `timeout_s`, `num_workers`, `max_connections`,
-    `ca_file`, `client_cert`, `client_key`, `verify_tls`. Anything not given comes from
-    the environment (`KvCacheConfig.from_env`), so the token can stay out of LMCache's
-    configuration (and its logs). `verify_tls=False` is refused: the design allows no
-    switch that disables TLS verification; use `http://` on loopback or trust the CA.
+    `token` (or `token_file`), `timeout_s` (transfers), `lookup_timeout_s`,
+    `breaker_max_backoff_s`, `num_workers`, `max_connections`, `ca_file`,
+    `client_cert`, `client_key`, `verify_tls`, `check_on_start`. Anything not given
+    comes from the environment (`KvCacheConfig.from_env`), so the token can stay out of
+    LMCache's configuration (and its logs). `verify_tls=False` is refused: the design
+    allows no switch that disables TLS verification; use `http://` on loopback or trust
+    the CA. With `check_on_start` (the default) a missing or rejected token, or a server
+    that does not answer, raises `ConfigurationError` here, so LMCache fails to start
+    with one clear message.
     """
 
     def __init__(
@@ -107,6 +125,9 @@ class EpistemicGraphL2Connector:
         ca_file: str | None = None,
         client_cert: str | None = None,
         client_key: str | None = None,
+        lookup_timeout_s: float | None = None,
+        breaker_max_backoff_s: float | None = None,
+        check_on_start: bool = True,
         *,
         config: KvCacheConfig | None = None,
     ) -> None:
@@ -122,6 +143,10 @@ class EpistemicGraphL2Connector:
             )
         if base_url is not None and addr is not None:
             raise ConfigurationError("invalid adapter_params: give base_url or addr, not both")
+        if not isinstance(check_on_start, bool):
+            raise ConfigurationError(
+                f"invalid check_on_start: expected true or false (got {check_on_start!r})"
+            )
         if token is not None and token_file is not None:
             raise ConfigurationError("invalid adapter_params: give token or token_file, not both")
         if token_file is not None:
@@ -144,6 +169,14 @@ class EpistemicGraphL2Connector:
                 raise ConfigurationError(f"invalid timeout_s: expected seconds (got {timeout_s!r})")
             overrides["read_timeout_s"] = float(timeout_s)
             overrides["connect_timeout_s"] = min(float(timeout_s), DEFAULT_CONNECT_TIMEOUT_S)
+        for name, value in (
+            ("lookup_timeout_s", lookup_timeout_s),
+            ("breaker_max_backoff_s", breaker_max_backoff_s),
+        ):
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise ConfigurationError(f"invalid {name}: expected seconds (got {value!r})")
+                overrides[name] = float(value)
         if ca_file is not None:
             overrides["ca_file"] = ca_file
         if client_cert is not None:
@@ -157,11 +190,10 @@ class EpistemicGraphL2Connector:
             config = config.with_overrides(**overrides)
         self.config = config
         self.num_workers = num_workers
-        self._client = EpistemicGraphKVBackend(config)
+        self._client = open_client(config, what="kv-cache L2 connector", check=check_on_start)
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=num_workers, thread_name_prefix="kvcache-l2"
-        )
+        self._pool = WorkPool(num_workers, "kvcache-l2")
+        self._quiet = QuietLog(log)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._completions: collections.deque[Completion] = collections.deque()
@@ -182,14 +214,11 @@ class EpistemicGraphL2Connector:
 
     def submit_batch_exists(self, keys: list[str]) -> int:
         """Ask which keys are stored (one batch request)."""
-        fid = next(self._ids)
-        keys = list(keys)
-        if not keys:
-            self._complete(fid, True, "", [])
-            return fid
-        pending = _Pending(fid, len(keys), 1, needs_all=False)
-        self._spawn(pending, self._do_exists, list(range(len(keys))), keys, [])
-        return fid
+        return self._submit_keys(keys, self._do_exists, groups=1)
+
+    def submit_batch_delete(self, keys: list[str]) -> int:
+        """Delete the keys; per-key results say which existed (and are now gone)."""
+        return self._submit_keys(keys, self._do_delete, groups=self.num_workers)
 
     def drain_completions(self) -> list[Completion]:
         """Completions ready so far: `(future_id, ok, error, per_key_results)`."""
@@ -201,14 +230,15 @@ class EpistemicGraphL2Connector:
                 out.append(self._completions.popleft())
         return out
 
-    def close(self) -> None:
-        """Finish in-flight I/O (LMCache's buffers stay valid until then), release all."""
+    def close(self, grace_s: float = DEFAULT_CLOSE_GRACE_S) -> None:
+        """Release everything, bounded: queued batches are dropped, in-flight ones get
+        `grace_s` to finish and then have their connections cut. LMCache's buffers are
+        not touched after this returns. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self._executor.shutdown(wait=True, cancel_futures=True)
-        self._client.close()
+        self._pool.shutdown(self._client, grace_s)
         os.close(self._efd)
 
     # -- extras ------------------------------------------------------------------------
@@ -218,6 +248,24 @@ class EpistemicGraphL2Connector:
         return self._client
 
     # -- internals ---------------------------------------------------------------------
+    def _submit_keys(
+        self,
+        keys: list[str],
+        work: Callable[[list[str], list[memoryview]], list[bool]],
+        *,
+        groups: int,
+    ) -> int:
+        fid = next(self._ids)
+        keys = list(keys)
+        if not keys:
+            self._complete(fid, True, "", [])
+            return fid
+        runs = _groups([1] * len(keys), groups)
+        pending = _Pending(fid, len(keys), len(runs), needs_all=False)
+        for idx in runs:
+            self._spawn(pending, work, idx, [keys[i] for i in idx], [])
+        return fid
+
     def _submit_buffers(
         self,
         keys: list[str],
@@ -257,7 +305,7 @@ class EpistemicGraphL2Connector:
                 res = work(keys, bufs)
                 err = ""
             except Exception as exc:
-                log.exception("kv-cache L2 connector: batch of %d keys failed", len(keys))
+                self._quiet.failure(f"kv-cache L2 connector: batch of {len(keys)} keys", exc)
                 res = [False] * len(keys)
                 err = f"{type(exc).__name__}: {exc}"
             self._group_done(pending, idx, res, err)
@@ -265,9 +313,9 @@ class EpistemicGraphL2Connector:
         try:
             if self._closed:
                 raise RuntimeError("connector closed")
-            self._executor.submit(run)
-        except RuntimeError as exc:  # executor shut down
-            self._group_done(pending, idx, [False] * len(idx), str(exc))
+            self._pool.submit(run)
+        except RuntimeError:  # pool shut down
+            self._group_done(pending, idx, [False] * len(idx), "connector closed")
 
     def _group_done(self, pending: _Pending, idx: list[int], res: list[bool], err: str) -> None:
         with pending.lock:
@@ -298,7 +346,10 @@ class EpistemicGraphL2Connector:
         return [s is not None for s in sizes]
 
     def _do_set(self, keys: list[str], bufs: list[memoryview]) -> list[bool]:
-        return self._client.put_many(list(zip(keys, bufs, strict=True)))
+        return [o.stored for o in self._client.put_many(list(zip(keys, bufs, strict=True)))]
 
     def _do_exists(self, keys: list[str], _bufs: list[memoryview]) -> list[bool]:
         return self._client.exists_many(keys)
+
+    def _do_delete(self, keys: list[str], _bufs: list[memoryview]) -> list[bool]:
+        return self._client.delete_many(keys)

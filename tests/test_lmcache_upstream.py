@@ -1,0 +1,222 @@
+"""LMCache's own tests against our server, with redis-server as the control.
+
+Four upstream test files are taken from the sdist of the installed lmcache version
+(downloaded with pip at test time and cached in the virtualenv, never vendored), patched
+with the smallest changes that point them at a real server with a password
+(tests/lmcache_upstream/*.patch, each change explained at the top of its patch), and run
+twice in a subprocess: against our server (its RESP listener, and its HTTP API for the
+native plugin) and against a password-protected redis-server (LMCache's own
+LMCacheRedisClient for the native-adapter file). Target: every test that passes against
+redis-server passes against us.
+
+Tests that fail against redis-server too are LMCache 0.5.6's own problems, listed in
+`UPSTREAM_FAILURES` (and in docs/lmcache.md) so a new one is noticed rather than ignored:
+its C++ RESP client waits forever for a missing key's GET reply (it expects the block's
+size header and reads 2 more bytes than `$-1\\r\\n` sends), so any load of an absent key
+hangs until the test's own deadline.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lmcache")
+pytest.importorskip("torch")
+redis = pytest.importorskip("redis")
+
+from test_client import TOKEN, Server, free_port  # noqa: E402
+
+pytestmark = [pytest.mark.lmcache, pytest.mark.redis, pytest.mark.slow]
+
+PATCHES = Path(__file__).resolve().parent / "lmcache_upstream"
+FILES = {
+    "test_resp_connector": "tests/v1/storage_backend/test_resp_connector.py",
+    "test_resp_l2_adapter_integration": "tests/v1/distributed/test_resp_l2_adapter_integration.py",
+    "test_native_connector_l2_adapter": "tests/v1/distributed/test_native_connector_l2_adapter.py",
+    "test_connector": "tests/v1/test_connector.py::test_redis_connector",
+}
+UPSTREAM_FAILURES = {
+    # LMCacheRedisClient (C++) hangs on the GET of a missing key, against redis-server too.
+    "test_resp_connector::test_resp_connector_nonexistent_key",
+    "test_native_connector_l2_adapter::TestLoadInterface::test_load_signals_event_fd",
+    "test_native_connector_l2_adapter::TestLoadInterface::test_load_nonexistent_key_fails",
+    "test_native_connector_l2_adapter::TestLoadInterface::test_query_load_is_one_shot",
+}
+"""Upstream tests that fail against redis-server as well (see the module docstring)."""
+
+
+def sdist_tests(cache: Path) -> Path:
+    """The installed lmcache version's sdist `tests/` tree (downloaded once, cached)."""
+    version = importlib.metadata.version("lmcache")
+    root = cache / f"lmcache-{version}"
+    if (root / "tests").is_dir():
+        return root
+    cache.mkdir(parents=True, exist_ok=True)
+    archive = cache / f"lmcache-{version}.tar.gz"
+    if not archive.exists():
+        # NO_NATIVE_EXT: only the metadata is built (no CUDA/C++ toolchain needed).
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+             "--no-build-isolation", f"lmcache=={version}", "-d", str(cache)],
+            env={**os.environ, "NO_NATIVE_EXT": "1"},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )  # fmt: skip
+        if done.returncode != 0 or not archive.exists():
+            pytest.fail(f"could not download the lmcache {version} sdist:\n{done.stderr[-3000:]}")
+    tmp = cache / f"extract-{os.getpid()}"
+    with tarfile.open(archive) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(f"lmcache-{version}/tests/")]
+        members.append(tar.getmember(f"lmcache-{version}/pytest.ini"))
+        tar.extractall(tmp, members=members, filter="data")
+    (tmp / f"lmcache-{version}").rename(root)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return root
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A patched copy of the upstream tests (only `tests/` and `pytest.ini`, so the
+    installed lmcache is imported, not the sdist's sources)."""
+    cache = Path(os.environ.get("LMCACHE_SDIST_CACHE", Path(sys.prefix) / "lmcache-sdist"))
+    src = sdist_tests(cache)
+    dst = tmp_path_factory.mktemp("upstream")
+    shutil.copytree(src / "tests", dst / "tests")
+    shutil.copy(src / "pytest.ini", dst / "pytest.ini")
+    for patch in sorted(PATCHES.glob("*.patch")):
+        subprocess.run(
+            ["patch", "-p1", "--quiet", "--batch", "-i", str(patch)], cwd=dst, check=True
+        )
+    return dst
+
+
+@pytest.fixture(scope="module")
+def ours(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Our server as shipped (durable backend), token = the RESP password."""
+    s = Server(tmp_path_factory.mktemp("ours"), "--backend", "durable")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def control(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """redis-server with the same password, no persistence."""
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed (make sysdeps)")
+    port = free_port()
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--requirepass", TOKEN,
+         "--save", "", "--appendonly", "no", "--dir", str(tmp_path_factory.mktemp("redis"))],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    client = redis.Redis(port=port, password=TOKEN)
+    for _ in range(100):
+        try:
+            if client.ping():
+                break
+        except redis.exceptions.ConnectionError:
+            import time
+
+            time.sleep(0.1)
+    client.close()
+    yield port
+    proc.terminate()
+    proc.wait(10)
+
+
+def missing_features(resp_port: int) -> list[str]:
+    """What the upstream tests need from a Redis-compatible server that ours lacks."""
+    missing = []
+    with redis.Redis(port=resp_port, password=TOKEN) as r:
+        try:
+            r.flushdb()
+        except redis.exceptions.ResponseError:
+            missing.append("FLUSHDB")
+        r.set("upstream-probe", b"a")
+        r.set("upstream-probe", b"bb")
+        if r.get("upstream-probe") != b"bb":
+            missing.append("SET replacing an existing key")
+        r.delete("upstream-probe")
+    return missing
+
+
+def run_upstream(tree: Path, target: str, resp_port: int, http_url: str) -> dict[str, str]:
+    """Run the four files against one target; {test id: passed|failed|skipped}."""
+    report = tree / f"junit-{target}.xml"
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("EPISTEMIC_GRAPH_", "LMCACHE_"))
+    }
+    env.update(
+        REDIS_HOST="127.0.0.1",
+        REDIS_PORT=str(resp_port),
+        REDIS_PASSWORD=TOKEN,
+        LMCACHE_RESP_PASSWORD=TOKEN,
+        LMCACHE_UPSTREAM_TARGET=target,
+        LMCACHE_UPSTREAM_HTTP_URL=http_url,
+        LMCACHE_UPSTREAM_REDIS_URL=f"redis://:{TOKEN}@127.0.0.1:{resp_port}",
+        LMCACHE_TRACK_USAGE="false",
+        PYTHONWARNINGS="ignore",
+    )
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-o", "log_cli=false",
+           "-o", "timeout=180", f"--junitxml={report}", *FILES.values()]  # fmt: skip
+    done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=3000)
+    if not report.exists():
+        pytest.fail(f"upstream run against {target} produced no report:\n{done.stdout[-4000:]}")
+    results: dict[str, str] = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        module = case.get("classname", "").split(".")
+        name = case.get("name", "")
+        if name.startswith("test_redis_connector["):
+            name = "test_redis_connector[url]"  # the parameter is the target's URL
+        # classname: tests.v1.distributed.test_x[.TestClass]
+        file_idx = next(i for i, part in enumerate(module) if part.startswith("test_"))
+        test_id = "::".join([module[file_idx], *module[file_idx + 1 :], name])
+        outcome = "passed"
+        if case.find("skipped") is not None:
+            outcome = "skipped"
+        elif case.find("failure") is not None or case.find("error") is not None:
+            outcome = "failed"
+        results[test_id] = outcome
+    return results
+
+
+def test_upstream_lmcache_tests_pass_against_us_wherever_they_pass_against_redis(
+    upstream: Path, ours: Server, control: int
+) -> None:
+    on_redis = run_upstream(upstream, "redis", control, "")
+    on_ours = run_upstream(upstream, "ours", ours.ports["resp"], ours.url())
+    rows = []
+    for short in FILES:
+        ids = sorted(t for t in on_redis.keys() | on_ours.keys() if t.split("::")[0] == short)
+        passed_r = sum(on_redis.get(t) == "passed" for t in ids)
+        passed_o = sum(on_ours.get(t) == "passed" for t in ids)
+        rows.append(f"| {short}.py | {passed_o}/{len(ids)} | {passed_r}/{len(ids)} |")
+    print("\n| upstream file | ours passed | redis-server passed |\n|---|---|---|")
+    print("\n".join(rows))
+    redis_failed = {t for t, o in on_redis.items() if o != "passed" and o != "skipped"}
+    print("failing against redis-server too:", sorted(redis_failed))
+    print("passing only against us:", sorted(t for t in redis_failed if on_ours.get(t) == "passed"))
+
+    assert on_redis, "no upstream test ran"
+    assert on_ours.keys() == on_redis.keys()
+    regressions = sorted(t for t, o in on_redis.items() if o == "passed" and on_ours[t] != "passed")
+    lacking = missing_features(ours.ports["resp"])
+    if regressions and lacking:
+        # Visible, not silent: the server side of issue 11 is not merged into this tree.
+        pytest.xfail(f"our server lacks {', '.join(lacking)}; failing here: {regressions}")
+    assert not regressions, f"pass against redis-server, fail against us: {regressions}"
+    assert not any(o == "skipped" for o in on_ours.values()), "an upstream test skipped"
+    unexplained = sorted(redis_failed - UPSTREAM_FAILURES)
+    assert not unexplained, f"new upstream failures against redis-server: {unexplained}"
