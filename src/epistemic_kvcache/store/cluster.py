@@ -444,16 +444,23 @@ class ClusterBackend(SharedKvBackend):
         while True:
             try:
                 node = ask if ask is not None else self._rc.get_node_from_key(slot_key)
-                pipe = self._rc.get_redis_connection(node).pipeline(transaction=False)
-                if ask is not None:
-                    pipe.execute_command("ASKING")
-                for c in cmds:
-                    pipe.execute_command(*c)
-                if wait:
-                    pipe.execute_command(
-                        "WAIT", self.wait_replicas, int(self.wait_timeout_s * 1000)
-                    )
-                out = pipe.execute(raise_on_error=False)
+                client = self._rc.get_redis_connection(node)
+                if len(cmds) == 1 and not wait and ask is None:
+                    try:  # the common case without a pipeline object (~40 us less)
+                        out = [client.execute_command(*cmds[0])]
+                    except redis.ResponseError as exc:
+                        out = [exc]
+                else:
+                    pipe = client.pipeline(transaction=False)
+                    if ask is not None:
+                        pipe.execute_command("ASKING")
+                    for c in cmds:
+                        pipe.execute_command(*c)
+                    if wait:
+                        pipe.execute_command(
+                            "WAIT", self.wait_replicas, int(self.wait_timeout_s * 1000)
+                        )
+                    out = pipe.execute(raise_on_error=False)
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 if not safe and not _never_sent(exc):
                     raise _Unknown(f"cluster connection lost mid-command: {exc}") from exc
