@@ -127,8 +127,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         nocache = ("--hot-capacity-bytes", "0", "--warm-capacity-bytes", "0")
         fe_ram = stack.enter_context(front_end(tmp, cluster, "fe-ram", *big))
         fe_cold = [
-            stack.enter_context(front_end(tmp, cluster, f"fe-cold-{i}", *nocache))
-            for i in range(3)
+            stack.enter_context(front_end(tmp, cluster, f"fe-cold-{i}", *nocache)) for i in range(3)
         ]
         single = stack.enter_context(
             our_server(
