@@ -63,7 +63,10 @@ class LocalCluster:
         appendfsync: str = "everysec",
         maxmemory: str | None = None,
         maxmemory_policy: str = "volatile-lru",
+        tls: tuple[Path, Path, Path] | None = None,
     ) -> None:
+        """`tls`: (CA, certificate chain, key) PEM files: the nodes then speak TLS only,
+        between themselves too (`tls-cluster`, `tls-replication`)."""
         self.base = base
         self.masters = masters
         self.replicas = replicas
@@ -72,6 +75,7 @@ class LocalCluster:
         self.appendfsync = appendfsync
         self.maxmemory = maxmemory
         self.maxmemory_policy = maxmemory_policy
+        self.tls = tls
         self.nodes: list[Node] = []
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -94,7 +98,8 @@ class LocalCluster:
     @property
     def url(self) -> str:
         hosts = ",".join(n.addr for n in self.nodes if n.alive)
-        return f"redis://default:{self.password}@{hosts}"
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://default:{self.password}@{hosts}"
 
     def _new_node(self) -> Node:
         port, bus = free_port(), free_port()
@@ -107,9 +112,19 @@ class LocalCluster:
         return node
 
     def _spawn(self, node: Node) -> None:
+        if self.tls:
+            ca, cert, key = self.tls
+            ports = [
+                "--port", "0", "--tls-port", str(node.port),
+                "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+                "--tls-ca-cert-file", str(ca), "--tls-cluster", "yes",
+                "--tls-replication", "yes", "--tls-auth-clients", "no",
+            ]  # fmt: skip
+        else:
+            ports = ["--port", str(node.port)]
         args = [
             "redis-server",
-            "--port", str(node.port),
+            *ports,
             "--cluster-port", str(node.bus_port),
             "--bind", "127.0.0.1",
             "--dir", str(node.dir),
@@ -138,6 +153,8 @@ class LocalCluster:
         self._wait_ping(node)
 
     def client(self, node: Node, **kw: object) -> redis.Redis:
+        if self.tls:
+            kw.update(ssl=True, ssl_ca_certs=str(self.tls[0]))
         return redis.Redis(
             host="127.0.0.1",
             port=node.port,
@@ -162,7 +179,8 @@ class LocalCluster:
                 time.sleep(0.05)
 
     def _cli(self, *args: str, timeout: float = 120) -> str:
-        cmd = ["redis-cli", "--no-auth-warning", "-a", self.password, *args]
+        tls = ["--tls", "--cacert", str(self.tls[0])] if self.tls else []
+        cmd = ["redis-cli", *tls, "--no-auth-warning", "-a", self.password, *args]
         out = subprocess.run(
             cmd,
             capture_output=True,

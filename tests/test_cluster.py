@@ -128,6 +128,42 @@ def test_unreachable_cluster_is_a_clear_startup_error() -> None:
         ClusterBackend(f"redis://127.0.0.1:{port}", retry_window_s=0.5)
 
 
+def test_tls_cluster_with_a_ca_file_and_a_password_file(tmp_path: Path) -> None:
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    files = (tmp_path / "ca.pem", tmp_path / "cert.pem", tmp_path / "key.pem")
+    ca.cert_pem.write_to_path(str(files[0]))
+    cert.private_key_and_cert_chain_pem.write_to_path(str(files[1]))
+    cert.private_key_pem.write_to_path(str(files[2]))
+    with LocalCluster(tmp_path / "cluster", masters=3, replicas=0, tls=files) as cluster:
+        hosts = cluster.url.split("@", 1)[1]
+        pw = tmp_path / "cluster-password"
+        pw.write_text(cluster.password + "\n")
+        with pytest.raises(ConfigurationError, match=r"cannot reach|verify|certificate"):
+            ClusterBackend(f"rediss://default@{hosts}", password_file=pw, retry_window_s=1)
+        with pytest.raises(ConfigurationError, match="credentials"):
+            ClusterBackend(f"rediss://default:wrong@{hosts}", tls_ca=files[0], retry_window_s=1)
+        srv = front_end(
+            tmp_path / "fe",
+            cluster,
+            "--cluster-url",
+            f"rediss://default@{hosts}",
+            "--cluster-password-file",
+            str(pw),
+            "--cluster-tls-ca",
+            str(files[0]),
+        )
+        try:
+            assert "cluster-secret" not in "".join(srv.output)  # the password is not logged
+            with resp(srv) as r:
+                assert r.set("over-tls", b"t" * 70_000)
+                assert r.get("over-tls") == b"t" * 70_000
+        finally:
+            srv.stop()
+
+
 # -- two wires, several front-ends --------------------------------------------------------
 def test_put_through_a_get_through_b_on_both_wires(fleet: list[Server]) -> None:
     a, b, c = fleet

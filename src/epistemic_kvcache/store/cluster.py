@@ -367,7 +367,8 @@ class ClusterBackend(SharedKvBackend):
                     f"invalid cluster_url: the cluster refused the credentials ({exc})"
                 ) from exc
             except (redis.RedisError, redis.RedisClusterException, OSError) as exc:
-                if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
+                text = str(exc)
+                if any(w in text for w in ("NOAUTH", "WRONGPASS", "username-password", "password")):
                     raise ConfigurationError(
                         f"invalid cluster_url: the cluster refused the credentials ({exc})"
                     ) from exc
