@@ -118,10 +118,27 @@ class Compactor:
         """One step of idle maintenance; True when there is more to do soon."""
         if time.monotonic() < self.backoff_until:
             return False
+        self._seal_a_dead_active()
         sid = self.candidate()
         if sid is None:
             return False
         return self._work(sid)
+
+    def _seal_a_dead_active(self) -> None:
+        """The active segment is never compacted; one that is mostly dead (a store whose
+        keys churn in place) is sealed while idle, so its space can come back."""
+        s = self.s
+        w = s._writer
+        if w.active is None:
+            return
+        length = w.pos
+        with s._lock:
+            live = s._seg_live.get(w.active.id, 0) + s._seg_tomb.get(w.active.id, 0)
+        if length >= max(32 << 20, s._segment_bytes // 4) and (length - live) * 2 >= length:
+            try:
+                w.seal()
+            except OSError as exc:
+                log.error("sealing segment %08d failed: %s", w.active.id, exc)
 
     def make_disk_room(self, incoming: int) -> None:
         """Before a batch: compact until `incoming` more bytes fit, both the cold capacity

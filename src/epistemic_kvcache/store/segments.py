@@ -303,6 +303,18 @@ class LogWriter:
         self.zeroed_to = pos
         self._prev_id = 0
 
+    def seal(self) -> None:
+        """Seal the active segment now (between batches): cut its zeroed tail, make that
+        durable, and let the next batch open a new segment (so compaction may take it)."""
+        seg = self.active
+        if seg is None:
+            return
+        if self.zeroed_to > self.pos:
+            os.ftruncate(seg.fd, self.pos)
+            self.io.fdatasync(seg.fd)
+            self.fsyncs += 1
+        self.seal_active()
+
     def seal_active(self, prev_id: int | None = None) -> None:
         """Stop appending to the active segment (the next batch opens a new one)."""
         if self.active is not None:
