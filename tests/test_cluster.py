@@ -554,6 +554,32 @@ def test_pin_quota_is_atomic_per_tenant(store: ClusterBackend) -> None:
         store.capacity_bytes = saved
 
 
+def test_cluster_check_command(cluster: LocalCluster) -> None:
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "epistemic_kvcache", "cluster", "check", "--cluster-url"]
+    proc = subprocess.run(
+        [*cmd, cluster.url, "--cluster-key-prefix", "cli"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["ok"] is True
+    proc = subprocess.run(
+        [sys.executable, "-m", "epistemic_kvcache", "cluster", "check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "needs --cluster-url" in proc.stderr
+
+
 # -- failures: failover, resharding, losing the cluster ------------------------------------
 class Ledger:
     """Acknowledged writes and the errors seen, from several client threads."""

@@ -1391,3 +1391,27 @@ class ClusterBackend(SharedKvBackend):
 
     def branch_put(self, ns: str, branch_id: str, key: str, data: Buffer) -> PutResult:
         raise SnapshotsUnsupportedError(_NOT_IN_CLUSTER)
+
+
+def run_check(config: Any, *, fix: bool, deep: bool) -> int:
+    """`epistemic-kvcache cluster check|scrub`: print the report as JSON; exit 0 when the
+    cluster is consistent (after repairs, with `fix`), 1 otherwise."""
+    import dataclasses
+    import json
+
+    if config.cluster_url is None:
+        raise ConfigurationError("invalid cluster_url: cluster check needs --cluster-url")
+    options = config.store_options()
+    options.pop("cold_capacity_bytes")
+    options.update(hot_capacity_bytes=0, warm_capacity_bytes=0)
+    opts = config.cluster_options()
+    opts["scrub_interval_s"] = 0.0
+    store = ClusterBackend(config.cluster_url, **options, **opts)
+    try:
+        report = store.scrub(fix=fix, deep=deep)
+        if fix:
+            report = store.scrub(fix=False, deep=False)
+        print(json.dumps({"ok": report.ok, **dataclasses.asdict(report)}, indent=2))
+        return 0 if report.ok else 1
+    finally:
+        store.close()
