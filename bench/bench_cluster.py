@@ -5,7 +5,8 @@
 Starts on loopback (free ports): a Redis Cluster of 3 masters (Debian's redis-server,
 no replicas, AOF everysec), a single-node server (memory backend), and cluster-mode
 front-ends. Every measurement uses the same client library, redis-py with hiredis
-(`RedisCluster` for direct access to the cluster, `Redis` for our RESP listener), with
+(`RedisCluster` for direct access to the cluster, `Redis` for our RESP listener), packing
+commands in Python as the front-ends do (hiredis's packer is slow for large values), with
 `--clients` threads, unique keys and unique payloads:
 
 1. GET of a block in the front-end's RAM vs GET from the single-node server (both RAM).
@@ -34,6 +35,7 @@ import redis
 from redis.cluster import ClusterNode, RedisCluster
 
 from bench.bench_server import TOKEN, our_server
+from epistemic_kvcache.store.cluster import _connection_class
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from redis_cluster import LocalCluster
@@ -102,7 +104,14 @@ def front_end(
 
 
 def resp_client(port: int) -> redis.Redis:
-    return redis.Redis(host="127.0.0.1", port=port, password=TOKEN, socket_timeout=60)
+    pool = redis.ConnectionPool(
+        connection_class=_connection_class(False, None),
+        host="127.0.0.1",
+        port=port,
+        password=TOKEN,
+        socket_timeout=60,
+    )
+    return redis.Redis(connection_pool=pool)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -117,10 +126,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as d, ExitStack() as stack:
         tmp = Path(d)
         cluster = stack.enter_context(LocalCluster(tmp / "cluster", masters=3, replicas=0))
-        rc = RedisCluster(
+        rc = RedisCluster(  # packing commands as the front-ends do (see docs/cluster.md)
+            url=f"redis://127.0.0.1:{cluster.nodes[0].port}",
             startup_nodes=[ClusterNode("127.0.0.1", n.port) for n in cluster.nodes],
             password=cluster.password,
             socket_timeout=60,
+            connection_class=_connection_class(False, None),
         )
         stack.callback(rc.close)
         big = ("--hot-capacity-bytes", "4GiB", "--warm-capacity-bytes", "0")

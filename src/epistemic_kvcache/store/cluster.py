@@ -57,6 +57,7 @@ from typing import Any
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import Connection, PythonRespSerializer, SSLConnection
 from redis.retry import Retry
 
 from epistemic_kvcache.errors import (
@@ -195,6 +196,30 @@ def _never_sent(exc: BaseException) -> bool:
     return "connecting to" in text or "Timeout connecting" in text
 
 
+def _connection_class(tls: bool, ca: str | None) -> type[Connection]:
+    """redis-py's connection (TLS: verifying against `ca`, or the system CAs) packing
+    commands in Python: with hiredis installed redis-py packs them with
+    `hiredis.pack_command`, which copies a 4 MiB argument slowly enough to cut a SET to a
+    quarter of the raw socket's rate; the Python packer sends large arguments as they are.
+    (Passing `ssl=True` would make redis-py replace this class with its own.)"""
+    base: type[Connection] = SSLConnection if tls else Connection
+
+    class _Conn(base):  # type: ignore[valid-type, misc]
+        def __init__(self, **kw: Any) -> None:
+            if tls:
+                kw.setdefault("ssl_cert_reqs", "required")
+                if ca is not None:
+                    kw.setdefault("ssl_ca_certs", ca)
+            super().__init__(**kw)
+
+        def _construct_command_packer(self, packer: Any) -> Any:
+            if packer is not None:
+                return packer
+            return PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
+
+    return _Conn
+
+
 class _BlockCache(SharedKvIndex):
     """This front-end's hot and warm tiers: the memory backend, keyed (tenant, digest hex).
 
@@ -330,14 +355,13 @@ class ClusterBackend(SharedKvBackend):
             "retry": Retry(NoBackoff(), 0),
             "decode_responses": False,
         }
-        if self.target.tls:
-            kwargs.update(ssl=True, ssl_cert_reqs="required")
-            if tls_ca is not None:
-                kwargs["ssl_ca_certs"] = str(tls_ca)
-        elif tls_ca is not None:
+        if not self.target.tls and tls_ca is not None:
             raise ConfigurationError(
                 "invalid cluster_tls_ca: the cluster URL is redis:// (use rediss:// for TLS)"
             )
+        kwargs["connection_class"] = _connection_class(
+            self.target.tls, str(tls_ca) if tls_ca is not None else None
+        )
         self._rc: Any = self._connect(kwargs)  # redis-py's cluster API is untyped
         try:
             self._check_cluster()
@@ -361,7 +385,11 @@ class ClusterBackend(SharedKvBackend):
         deadline = time.monotonic() + self.retry_window_s
         while True:
             try:
-                return RedisCluster(startup_nodes=nodes, **kwargs)
+                # `url` (scheme redis, no credentials) only makes redis-py build node pools
+                # from `connection_class` (ours: TLS and the packer) instead of its own
+                host, port = self.target.nodes[0]
+                url = f"redis://[{host}]:{port}" if ":" in host else f"redis://{host}:{port}"
+                return RedisCluster(url=url, startup_nodes=nodes, **kwargs)
             except redis.AuthenticationError as exc:
                 raise ConfigurationError(
                     f"invalid cluster_url: the cluster refused the credentials ({exc})"
