@@ -580,6 +580,49 @@ def test_cluster_check_command(cluster: LocalCluster) -> None:
     assert "needs --cluster-url" in proc.stderr
 
 
+@pytest.mark.parametrize("meanwhile", [False, True], ids=["reply-lost", "replaced-meanwhile"])
+def test_a_write_whose_reply_is_lost_keeps_the_counts_right(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch, meanwhile: bool
+) -> None:
+    """The connection breaks after ENTRY_PUT ran (its reply lost); the retry must not
+    reuse a reference that the entry consumed and a later writer may have released."""
+    from epistemic_kvcache.store import cluster as cluster_mod
+
+    s = ClusterBackend(cluster.url, key_prefix="lost", scrub_interval_s=0)
+    other = ClusterBackend(cluster.url, key_prefix="lost", scrub_interval_s=0)
+    try:
+        real = s._exec
+        fired = []
+
+        def flaky(slot_key: bytes, cmds: Any, **kw: Any) -> list[Any]:
+            out = real(slot_key, cmds, **kw)
+            if cmds[0][0] == "EVALSHA" and cmds[0][1] == L.ENTRY_PUT.sha and not fired:
+                fired.append(1)
+                if meanwhile:  # another front-end replaces the key before the retry
+                    other.put("t", "k", b"theirs" * 100)
+                raise cluster_mod._Unknown("connection reset after sending")
+            return out
+
+        monkeypatch.setattr(s, "_exec", flaky)
+        r = s.put("t", "k", b"mine" * 100)
+        assert fired
+        # applied once (reply lost: "again"), or once more over theirs
+        assert r.outcome is (PutOutcome.REPLACED if meanwhile else PutOutcome.NEW)
+        assert bytes(other.get("t", "k") or b"") == b"mine" * 100
+        monkeypatch.setattr(s, "_exec", real)
+        report = s.check()
+        # counts are never low; a reference may leak (reclaimed by the scrub)
+        assert not report.orphan_index_entries
+        for line in report.refcount_mismatches:
+            have, want = (int(x) for x in line.rsplit(": ", 1)[1].split(" != "))
+            assert have > want, line
+        assert s.delete("t", "k")
+        assert not s.exists("t", "k")
+    finally:
+        s.close()
+        other.close()
+
+
 # -- failures: failover, resharding, losing the cluster ------------------------------------
 class Ledger:
     """Acknowledged writes and the errors seen, from several client threads."""

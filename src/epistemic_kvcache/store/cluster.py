@@ -707,31 +707,53 @@ class ClusterBackend(SharedKvBackend):
         data = owned_buffer(data)
         digest = digest_of(data)
         self._register_tenant(ns)
-        gen, t_ref, created = self._blob_ref(ns, digest, data)
         tk = self._tk(ns)
         op = secrets.token_bytes(L.OP_LEN)
         size = len(data)
-        outcome_raw, cur_raw = self._script(
-            L.ENTRY_PUT,
-            [tk.entries, tk.order, tk.epochs, tk.counters],
-            [
-                key.encode(),
-                digest + gen,
-                op,
-                size,
-                (epoch_scope or "").encode(),
-                cond or "",
-                "1" if self._fww(ns) else "0",
-                t_ref,
-                MAX_INFLIGHT_MS,
-                self.max_keys_per_tenant,
-            ],
-            durable=True,
-        )
+        created = False
+        for attempt in range(4):
+            # every attempt holds a reference of its own: after an unknown outcome the
+            # earlier attempt's reference may already have been consumed by its entry and
+            # released by whoever replaced that entry since
+            gen, t_ref, new_block = self._blob_ref(ns, digest, data)
+            created = created or new_block
+            try:
+                outcome_raw, cur_raw = self._script(
+                    L.ENTRY_PUT,
+                    [tk.entries, tk.order, tk.epochs, tk.counters],
+                    [
+                        key.encode(),
+                        digest + gen,
+                        op,
+                        size,
+                        (epoch_scope or "").encode(),
+                        cond or "",
+                        "1" if self._fww(ns) else "0",
+                        t_ref,
+                        MAX_INFLIGHT_MS,
+                        self.max_keys_per_tenant,
+                    ],
+                    safe=False,
+                    durable=True,
+                )
+                break
+            except _Unknown as exc:
+                self._fe["leaked_refs"] += 1  # this attempt's reference: consumed or leaked
+                if attempt == 3:
+                    raise ClusterUnavailableError(
+                        f"the write's outcome is unknown after {attempt + 1} tries: {exc}"
+                    ) from exc
         outcome = outcome_raw.decode()
         cur = L.parse_entry(cur_raw) if cur_raw else None
+        if outcome == "again":
+            # an earlier attempt of this very call is in place and holds its own reference
+            self._unref(ns, digest, gen)
+            self._cache.admit(ns, digest, data)
+            self._remember(ns, key, digest, size)
+            self._count(ns, "put_new")
+            return PutResult(PutOutcome.NEW, digest, size)
         if outcome in ("missing", "conflict", "expired", "quota") or (
-            outcome == "duplicate" and cur is not None and cur.gen == gen
+            outcome == "duplicate" and cur is not None and cur.ref == digest + gen
         ):
             self._unref(ns, digest, gen)  # the entry does not name our reference
         if outcome == "expired":
@@ -750,11 +772,7 @@ class ClusterBackend(SharedKvBackend):
             return PutResult(PutOutcome.CONFLICT, cur.digest, cur.size)
         self._cache.admit(ns, digest, data)
         self._remember(ns, key, digest, size)
-        if outcome == "again":
-            # an earlier attempt of this very call was applied; what it replaced is unknown
-            self._count(ns, "put_new")
-            return PutResult(PutOutcome.NEW, digest, size)
-        if cur is not None and cur.gen != gen:
+        if cur is not None and cur.ref != digest + gen:
             # the entry no longer names cur's reference; its pins move to the new block
             self._unref(ns, cur.digest, cur.gen, pins=-cur.pins)
             if cur.pins:
