@@ -65,7 +65,6 @@ from epistemic_kvcache.errors import (
     CapacityError,
     ClusterUnavailableError,
     ConfigurationError,
-    NotFoundError,
     QuotaExceededError,
     StoreClosedError,
     StoreError,
@@ -88,6 +87,8 @@ from epistemic_kvcache.store.api import (
     validate_key,
     validate_namespace,
 )
+from epistemic_kvcache.store.cluster_snapshots import SCRIPTS as SNAPSHOT_SCRIPTS
+from epistemic_kvcache.store.cluster_snapshots import ClusterSnapshots
 from epistemic_kvcache.store.codec import WarmCodec
 from epistemic_kvcache.store.engine import DedupScope, digest_of, validate_scope
 from epistemic_kvcache.store.memory import SharedKvIndex
@@ -102,6 +103,13 @@ EpochListener = Callable[[str, str, int], None]
 MAX_INFLIGHT_MS = 60_000
 """A block reference older than this may not be used by an entry write (the PUT fails,
 retryably): the scrub relies on it to tell a leaked reference from one in flight."""
+RELEASE_LIMIT_MS = 60_000
+"""A reference release arriving this long after its entry was removed is refused (the
+reference leaks instead): the scrub relies on it to tell a leak from a release in flight."""
+SCRUB_SETTLE_MS = RELEASE_LIMIT_MS + 60_000
+"""The scrub corrects counts only this long after it started counting: every release of
+an entry it did not count has landed (or been refused) by then, with a minute of margin
+for clocks."""
 SCRUB_GRACE_MS = 2 * MAX_INFLIGHT_MS
 """The scrub leaves alone blocks whose references changed this recently (covers
 `MAX_INFLIGHT_MS` plus clock differences between masters of up to a minute)."""
@@ -122,19 +130,10 @@ _COUNTER_FIELDS = (
     "unique_blocks",
     "resident_bytes",
 )
-_NOT_IN_CLUSTER = (
-    "snapshots and branches are not available in cluster mode (a snapshot must reference "
-    "blocks in many hash slots at one instant, which the cluster cannot do atomically); "
-    "use a single-node server for them"
-)
 
 
 class _Unknown(StoreError):
     """Internal: the command may or may not have run (a connection broke after sending)."""
-
-
-class SnapshotsUnsupportedError(NotFoundError):
-    """Cluster mode does not offer snapshots or branches (HTTP 404 with this message)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,7 +316,9 @@ class ClusterBackend(SharedKvBackend):
         self.max_keys_per_tenant = max_keys_per_tenant
         self.max_epoch_scopes_per_tenant = max_epoch_scopes_per_tenant
         self.max_pinned_fraction = max_pinned_fraction
+        self.max_snapshots_per_tenant = max_snapshots_per_tenant
         self.first_write_wins = first_write_wins
+        self._snaps = ClusterSnapshots(self)
         self._cache = _BlockCache(
             hot_capacity_bytes=hot_capacity_bytes,
             warm_capacity_bytes=warm_capacity_bytes,
@@ -332,6 +333,9 @@ class ClusterBackend(SharedKvBackend):
         self._memo: OrderedDict[tuple[str, str], tuple[bytes, int]] = OrderedDict()
         self._tenants_seen: set[str] = set()
         self._retire_cursor: dict[str, int] = {}
+        self.release_limit_ms = RELEASE_LIMIT_MS
+        self.scrub_settle_ms = SCRUB_SETTLE_MS
+        self._clients: dict[int, Any] = {}
         self._down_since: float | None = None
         self._down_reason: str | None = None
         self._last_reinit = 0.0
@@ -411,7 +415,7 @@ class ClusterBackend(SharedKvBackend):
         """Refuse an eviction policy that could drop tenant metadata; agree on settings."""
         total = 0
         for node in self._rc.get_primaries():
-            info = self._rc.get_redis_connection(node).info("memory")
+            info = self._client(node).info("memory")
             policy = str(info.get("maxmemory_policy", "noeviction"))
             if policy in _UNSAFE_POLICIES:
                 raise ConfigurationError(
@@ -431,6 +435,15 @@ class ClusterBackend(SharedKvBackend):
                 f"{(have or b'?').decode(errors='replace')} under prefix {self.prefix!r}; "
                 "every front-end of one cluster must use the same"
             )
+
+    def _client(self, node: Any) -> Any:
+        """The node's redis-py client, remembered so `close` closes it even when a topology
+        refresh has replaced it meanwhile."""
+        client = self._rc.get_redis_connection(node)
+        if id(client) not in self._clients:
+            with self._lock:
+                self._clients[id(client)] = client
+        return client
 
     def _reinitialize(self) -> None:
         """Refresh redis-py's slot map (at most every 0.2 s, whatever the thread count)."""
@@ -473,7 +486,7 @@ class ClusterBackend(SharedKvBackend):
         while True:
             try:
                 node = ask if ask is not None else self._rc.get_node_from_key(slot_key)
-                client = self._rc.get_redis_connection(node)
+                client = self._client(node)
                 if len(cmds) == 1 and not wait and ask is None:
                     try:  # the common case without a pipeline object (~40 us less)
                         out = [client.execute_command(*cmds[0])]
@@ -556,8 +569,8 @@ class ClusterBackend(SharedKvBackend):
             delay = min(delay * 2, 0.5)
 
     def _load_scripts(self, node: Any) -> None:
-        client = self._rc.get_redis_connection(node)
-        for s in L.SCRIPTS:
+        client = self._client(node)
+        for s in (*L.SCRIPTS, *SNAPSHOT_SCRIPTS):
             client.script_load(s.source)
 
     def _script(
@@ -639,18 +652,35 @@ class ClusterBackend(SharedKvBackend):
                 out.append((r[0] == b"stale", L.parse_entry(r[1])))
         return out
 
-    def _unref(self, ns: str, digest: bytes, gen: bytes, *, refs: int = -1, pins: int = 0) -> None:
-        """Drop references (and pins) on a block, once; a failure leaks (the scrub)."""
+    def _unref(
+        self,
+        ns: str,
+        digest: bytes,
+        gen: bytes,
+        *,
+        refs: int = -1,
+        pins: int = 0,
+        removed_ms: int = 0,
+    ) -> None:
+        """Drop references (and pins) on a block, once; a failure leaks (the scrub takes
+        it back). `removed_ms`: when the entry naming them was removed (tenant master's
+        clock); the release is refused past `release_limit_ms` (see `scrub`)."""
         bkey = self._bkey(ns, digest)
         try:
             left, freed = self._script(
-                L.BLOB_ADJ, [bkey], [gen, refs, pins, self.block_ttl_ms], safe=False
+                L.BLOB_ADJ,
+                [bkey],
+                [gen, refs, pins, self.block_ttl_ms, int(removed_ms), self.release_limit_ms],
+                safe=False,
             )
         except (StoreError, redis.RedisError) as exc:
             self._fe["leaked_refs"] += 1
             log.warning("block reference not released (the scrub will): %s", exc)
             return
-        if int(left) == 0 and int(freed) >= 0 and refs < 0:
+        if int(left) == -2:
+            self._fe["leaked_refs"] += 1
+            log.warning("block reference released too late; left for the scrub")
+        elif int(left) == 0 and int(freed) >= 0 and refs < 0:
             self._count(ns, "unique_blocks", -1)
             self._count(ns, "resident_bytes", -int(freed))
 
@@ -705,9 +735,25 @@ class ClusterBackend(SharedKvBackend):
         if epoch_scope is not None:
             validate_scope(epoch_scope)
         data = owned_buffer(data)
-        digest = digest_of(data)
         self._register_tenant(ns)
-        tk = self._tk(ns)
+        return self._put_to(
+            ns, self._tk(ns), key, data, epoch_scope, cond, self.max_keys_per_tenant, memo=True
+        )
+
+    def _put_to(
+        self,
+        ns: str,
+        tk: L.TenantKeys,
+        key: str,
+        data: Buffer,
+        epoch_scope: str | None,
+        cond: PutCond,
+        quota: int,
+        *,
+        memo: bool,
+    ) -> PutResult:
+        """PUT into the entries `tk` names (the tenant's, or a branch overlay's)."""
+        digest = digest_of(data)
         op = secrets.token_bytes(L.OP_LEN)
         size = len(data)
         created = False
@@ -718,7 +764,7 @@ class ClusterBackend(SharedKvBackend):
             gen, t_ref, new_block = self._blob_ref(ns, digest, data)
             created = created or new_block
             try:
-                outcome_raw, cur_raw = self._script(
+                outcome_raw, cur_raw, removed_ms = self._script(
                     L.ENTRY_PUT,
                     [tk.entries, tk.order, tk.epochs, tk.counters],
                     [
@@ -731,7 +777,7 @@ class ClusterBackend(SharedKvBackend):
                         "1" if self._fww(ns) else "0",
                         t_ref,
                         MAX_INFLIGHT_MS,
-                        self.max_keys_per_tenant,
+                        quota,
                     ],
                     safe=False,
                     durable=True,
@@ -749,7 +795,8 @@ class ClusterBackend(SharedKvBackend):
             # an earlier attempt of this very call is in place and holds its own reference
             self._unref(ns, digest, gen)
             self._cache.admit(ns, digest, data)
-            self._remember(ns, key, digest, size)
+            if memo:
+                self._remember(ns, key, digest, size)
             self._count(ns, "put_new")
             return PutResult(PutOutcome.NEW, digest, size)
         if outcome in ("missing", "conflict", "expired", "quota") or (
@@ -760,7 +807,7 @@ class ClusterBackend(SharedKvBackend):
             raise ClusterUnavailableError("the write took too long to complete; retry")
         if outcome == "quota":
             raise QuotaExceededError(
-                f"key quota exceeded: this tenant holds {self.max_keys_per_tenant} keys "
+                f"key quota exceeded: this tenant holds {quota} keys "
                 "(its limit); delete some first",
                 resource="keys",
             )
@@ -771,10 +818,11 @@ class ClusterBackend(SharedKvBackend):
             assert cur is not None
             return PutResult(PutOutcome.CONFLICT, cur.digest, cur.size)
         self._cache.admit(ns, digest, data)
-        self._remember(ns, key, digest, size)
+        if memo:
+            self._remember(ns, key, digest, size)
         if cur is not None and cur.ref != digest + gen:
             # the entry no longer names cur's reference; its pins move to the new block
-            self._unref(ns, cur.digest, cur.gen, pins=-cur.pins)
+            self._unref(ns, cur.digest, cur.gen, pins=-cur.pins, removed_ms=removed_ms)
             if cur.pins:
                 self._unref(ns, digest, gen, refs=0, pins=cur.pins)
         if outcome == "duplicate":
@@ -823,20 +871,34 @@ class ClusterBackend(SharedKvBackend):
         self._count(ns, "get_hits" if data is not None else "get_misses")
         return data
 
-    def _fetch(self, ns: str, key: str, e: L.Entry) -> Buffer | None:
-        """The block from the cluster, verified; None (and cleanup) when gone or damaged."""
+    def _fetch(self, ns: str, key: str, e: L.Entry, *, live: bool = True) -> Buffer | None:
+        """The block from the cluster, verified; None (and cleanup) when gone or damaged.
+        `live`: the entry is the tenant's (not a snapshot's or an overlay's)."""
         bkey = self._bkey(ns, e.digest)
         gen, data = self._exec(bkey, [("HMGET", bkey, "g", "d")])[0]
-        return self._verified(ns, key, e, gen, data)
+        return self._verified(ns, key, e, gen, data, live=live)
+
+    def _block(self, ns: str, e: L.Entry) -> Buffer | None:
+        """A snapshot's or an overlay's block: RAM, else the cluster (verified)."""
+        data = self._cache.get(ns, e.digest.hex())
+        return data if data is not None else self._fetch(ns, "", e, live=False)
 
     def _verified(
-        self, ns: str, key: str, e: L.Entry, gen: bytes | None, data: bytes | None
+        self,
+        ns: str,
+        key: str,
+        e: L.Entry,
+        gen: bytes | None,
+        data: bytes | None,
+        *,
+        live: bool = True,
     ) -> Buffer | None:
         """`data` if it is the entry's block and matches its digest; else None, counted,
         and the entry (and a damaged block) removed."""
         if gen is None or gen != e.gen or data is None:
             self._count(ns, "evictions")
-            self._drop_entry(ns, key, e)
+            if live:
+                self._drop_entry(ns, key, e)
             return None
         if len(data) != e.size or digest_of(data) != e.digest:
             log.error(
@@ -852,7 +914,8 @@ class ClusterBackend(SharedKvBackend):
                 if freed:
                     self._count(ns, "unique_blocks", -1)
                     self._count(ns, "resident_bytes", -freed)
-            self._drop_entry(ns, key, e)
+            if live:
+                self._drop_entry(ns, key, e)
             return None
         self._cache.admit(ns, e.digest, data)
         return data
@@ -954,8 +1017,8 @@ class ClusterBackend(SharedKvBackend):
         self._forget(ns, key)
         if not raw:
             return False
-        e = L.parse_entry(raw)
-        self._unref(ns, e.digest, e.gen, pins=-e.pins)
+        e = L.parse_entry(raw[0])
+        self._unref(ns, e.digest, e.gen, pins=-e.pins, removed_ms=raw[1])
         return True
 
     def flush(self, ns: str) -> int:
@@ -963,12 +1026,12 @@ class ClusterBackend(SharedKvBackend):
         tk = self._tk(ns)
         n = 0
         while True:
-            popped = self._script(
+            removed_ms, popped = self._script(
                 L.ENTRY_POP, [tk.entries, tk.order, tk.counters], [_POP_CHUNK], durable=True
             )
             for raw in popped:
                 e = L.parse_entry(raw)
-                self._unref(ns, e.digest, e.gen, pins=-e.pins)
+                self._unref(ns, e.digest, e.gen, pins=-e.pins, removed_ms=removed_ms)
             n += len(popped)
             if len(popped) < _POP_CHUNK:
                 break
@@ -1163,7 +1226,7 @@ class ClusterBackend(SharedKvBackend):
             try:
                 nodes = self._rc.get_nodes()
                 node = random.choice(nodes)
-                pubsub = self._rc.get_redis_connection(node).pubsub(ignore_subscribe_messages=True)
+                pubsub = self._client(node).pubsub(ignore_subscribe_messages=True)
                 pubsub.subscribe(channel)
                 while not self._stop.is_set():
                     msg = pubsub.get_message(timeout=0.5)
@@ -1193,8 +1256,8 @@ class ClusterBackend(SharedKvBackend):
                 log.exception("epoch listener failed")
 
     def retire_stale(self, *, max_items: int = 1000, budget_s: float = 0.05) -> int:
-        """Remove stale entries (entries whose epoch scope moved on), bounded per call;
-        every front-end may run it (removals are compare-and-delete)."""
+        """Remove stale entries (entries whose epoch scope moved on) and expired snapshots,
+        bounded per call; every front-end may run it (removals are compare-and-delete)."""
         deadline = time.monotonic() + budget_s
         removed = 0
         try:
@@ -1203,8 +1266,12 @@ class ClusterBackend(SharedKvBackend):
             return 0
         random.shuffle(tenants)
         for ns in tenants:
-            if removed >= max_items or time.monotonic() > deadline:
+            if removed >= max_items or (removed and time.monotonic() > deadline):
                 break
+            # expired snapshots, interrupted drops (every front-end may finish them)
+            removed += self._snaps.retire(ns, max_items - removed)
+            if removed >= max_items or time.monotonic() > deadline:
+                continue
             tk = self._tk(ns)
             epochs = self._exec(tk.epochs, [("HGETALL", tk.epochs)])[0]
             if not epochs:
@@ -1224,7 +1291,7 @@ class ClusterBackend(SharedKvBackend):
                             [bytes(k), e.raw],
                         )
                         if raw:
-                            self._unref(ns, e.digest, e.gen, pins=-e.pins)
+                            self._unref(ns, e.digest, e.gen, pins=-e.pins, removed_ms=raw[1])
                             removed += 1
                 if int(cursor) == 0 or removed >= max_items or time.monotonic() > deadline:
                     self._retire_cursor[ns] = int(cursor)
@@ -1248,7 +1315,7 @@ class ClusterBackend(SharedKvBackend):
         last = "no node answered"
         for node in self._rc.get_nodes():
             try:
-                info = self._rc.get_redis_connection(node).execute_command("CLUSTER INFO")
+                info = self._client(node).execute_command("CLUSTER INFO")
             except (redis.RedisError, OSError) as exc:
                 last = f"{node.name}: {exc}"
                 continue
@@ -1262,15 +1329,40 @@ class ClusterBackend(SharedKvBackend):
 
     def _maintenance_loop(self) -> None:
         next_scrub = time.monotonic() + self.scrub_interval_s * random.uniform(0.5, 1.0)
+        scrubber: threading.Thread | None = None
         while not self._stop.wait(1.0):
             try:
                 self._probe()
                 self._flush_counters()
-                if self.scrub_interval_s > 0 and time.monotonic() >= next_scrub:
+                if (
+                    self.scrub_interval_s > 0
+                    and time.monotonic() >= next_scrub
+                    and (scrubber is None or not scrubber.is_alive())
+                ):
                     next_scrub = time.monotonic() + self.scrub_interval_s
-                    self.scrub()
+                    # its own thread: a scrub waits minutes before it corrects anything
+                    scrubber = threading.Thread(
+                        target=self._scrub_quietly, name="kvcache-cluster-scrub", daemon=True
+                    )
+                    scrubber.start()
             except Exception:
                 log.exception("cluster maintenance failed")
+        if scrubber is not None:
+            scrubber.join(5.0)
+
+    def _scrub_quietly(self) -> None:
+        try:
+            report = self.scrub()
+            if not report.ok:
+                log.info(
+                    "scrub: %d blocks with leaked references, %d orphan blocks, %d keys "
+                    "whose block the cluster lost",
+                    len(report.refcount_mismatches),
+                    len(report.orphan_blobs),
+                    len(report.orphan_index_entries),
+                )
+        except Exception:
+            log.exception("cluster scrub failed")
 
     # -- the scrub ---------------------------------------------------------------------------
     def _cluster_ms(self) -> int:
@@ -1322,10 +1414,22 @@ class ClusterBackend(SharedKvBackend):
                     named.append((ns, bytes(k), e))
                 if int(cursor) == 0:
                     break
+            for h in self._snaps.entry_hashes(ns):  # snapshots and branch overlays
+                cursor = 0
+                while True:
+                    cursor, page = self._exec(h, [("HSCAN", h, cursor, "COUNT", _SCAN_COUNT)])[0]
+                    for v in dict(page).values():
+                        e = L.parse_entry(bytes(v))
+                        slot = refs.setdefault((self._bkey(ns, e.digest), e.gen), [0, 0])
+                        slot[0] += 1
+                        slot[1] += 1 if e.pins else 0
+                    if int(cursor) == 0:
+                        break
         seen: set[tuple[bytes, bytes]] = set()
+        fixes: list[tuple[bytes, Any, Any, Any, int, int]] = []
         pattern = f"{self.prefix}:b:*".encode()
         for node in self._rc.get_primaries():
-            client = self._rc.get_redis_connection(node)
+            client = self._client(node)
             for found in client.scan_iter(match=pattern, count=_SCAN_COUNT):
                 bkey = bytes(found)
                 try:
@@ -1349,16 +1453,25 @@ class ClusterBackend(SharedKvBackend):
                 else:
                     report.refcount_mismatches.append(f"{name}: {int(r)} != {counted[0]}")
                 if fix and int(t) < t0 - SCRUB_GRACE_MS:
-                    res = int(
-                        self._script(
-                            L.SCRUB_FIX,
-                            [bkey],
-                            [g, r, t, counted[0], counted[1], self.block_ttl_ms],
-                            safe=False,
-                        )
+                    fixes.append((bkey, g, r, t, counted[0], counted[1]))
+        if fixes:
+            # every release of an entry that was gone when counting began lands (or is
+            # refused) within release_limit_ms: wait that long, then correct only the blocks
+            # nobody touched since they were read (compare-and-set)
+            wait_ms = t0 + self.scrub_settle_ms - self._cluster_ms()
+            if wait_ms > 0 and self._stop.wait(wait_ms / 1000):
+                return  # closing: fix nothing early
+            for bkey, g, r, t, n_refs, n_pins in fixes:
+                res = int(
+                    self._script(
+                        L.SCRUB_FIX,
+                        [bkey],
+                        [g, r, t, n_refs, n_pins, self.block_ttl_ms],
+                        safe=False,
                     )
-                    if res >= 0:
-                        self._fe["scrub_fixed_blocks"] += 1
+                )
+                if res >= 0:
+                    self._fe["scrub_fixed_blocks"] += 1
         for ns, key, e in named:
             bkey = self._bkey(ns, e.digest)
             if (bkey, e.gen) in seen:
@@ -1393,8 +1506,11 @@ class ClusterBackend(SharedKvBackend):
         self._cache.close()
         with contextlib.suppress(Exception):
             self._rc.close()
+        for client in self._clients.values():
+            with contextlib.suppress(Exception):
+                client.connection_pool.disconnect()
 
-    # -- snapshots and branches: refused -------------------------------------------------
+    # -- snapshots and branches (store/cluster_snapshots.py) ---------------------------
     def snapshot_create(
         self,
         ns: str,
@@ -1403,40 +1519,40 @@ class ClusterBackend(SharedKvBackend):
         prefix: str | None = None,
         ttl_s: float | None = None,
     ) -> SnapshotInfo:
-        raise SnapshotsUnsupportedError(_NOT_IN_CLUSTER)
+        return self._snaps.create(ns, keys, prefix, ttl_s)
 
     def snapshot_info(self, ns: str, snapshot_id: str) -> SnapshotInfo | None:
-        return None
+        return self._snaps.info(ns, snapshot_id)
 
     def snapshot_list(self, ns: str) -> list[SnapshotInfo]:
-        return []
+        return self._snaps.listing(ns)
 
     def snapshot_delete(self, ns: str, snapshot_id: str) -> bool:
-        return False
+        return self._snaps.delete(ns, snapshot_id)
 
     def snapshot_get(self, ns: str, snapshot_id: str, key: str) -> Buffer | None:
-        return None
+        return self._snaps.get(ns, snapshot_id, key)
 
     def branch_create(self, ns: str, snapshot_id: str) -> BranchInfo:
-        raise SnapshotsUnsupportedError(_NOT_IN_CLUSTER)
+        return self._snaps.branch_create(ns, snapshot_id)
 
     def branch_info(self, ns: str, branch_id: str) -> BranchInfo | None:
-        return None
+        return self._snaps.branch_info(ns, branch_id)
 
     def branch_list(self, ns: str) -> list[BranchInfo]:
-        return []
+        return self._snaps.branch_list(ns)
 
     def branch_delete(self, ns: str, branch_id: str) -> bool:
-        return False
+        return self._snaps.branch_delete(ns, branch_id)
 
     def branch_get(self, ns: str, branch_id: str, key: str) -> Buffer | None:
-        return None
+        return self._snaps.branch_get(ns, branch_id, key)
 
     def branch_size(self, ns: str, branch_id: str, key: str) -> int | None:
-        return None
+        return self._snaps.branch_size(ns, branch_id, key)
 
     def branch_put(self, ns: str, branch_id: str, key: str, data: Buffer) -> PutResult:
-        raise SnapshotsUnsupportedError(_NOT_IN_CLUSTER)
+        return self._snaps.branch_put(ns, branch_id, key, data)
 
 
 def run_check(config: Any, *, fix: bool, deep: bool) -> int:

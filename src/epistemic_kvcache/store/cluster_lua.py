@@ -131,14 +131,14 @@ class Script:
         return hashlib.sha1(self.source, usedforsecurity=False).hexdigest()
 
 
-_NOW = b"""
+NOW_LUA = b"""
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 """
 
-_PARSE = b"""
+PARSE_LUA = b"""
 local function fields(v)
   local size, pins, ep, sc = string.match(string.sub(v, 49), '^(%d+),(%d+),(%d*),(.*)$')
   return tonumber(size), tonumber(pins), ep, sc
@@ -152,17 +152,19 @@ end
 
 ENTRY_PUT = Script(
     "entry_put",
-    _NOW
-    + _PARSE
+    NOW_LUA
+    + PARSE_LUA
     + b"""
 -- KEYS: entries, order, epochs, counters
 -- ARGV: key, digest..gen, op, size, scope ('' none), cond ('' | nx | xx), fww ('0'|'1'),
 --       t_ref (ms, when the block reference was taken), max_inflight_ms, key_quota
+-- -> {outcome, the entry before (or false), server time ms}
+local now = now_ms()
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 local live = false
 local old_size, pins = 0, 0
 if cur then
-  if string.sub(cur, 41, 48) == ARGV[3] then return {'again', cur} end
+  if string.sub(cur, 41, 48) == ARGV[3] then return {'again', cur, now} end
   old_size, pins = fields(cur)
   if not is_stale(cur, KEYS[3]) then live = cur end
 end
@@ -174,14 +176,14 @@ elseif ARGV[6] == 'nx' then outcome = 'conflict'
 elseif string.sub(live, 1, 32) == newd then outcome = 'duplicate'
 elseif ARGV[7] == '1' and ARGV[6] == '' then outcome = 'conflict'
 else outcome = 'replaced' end
-if outcome == 'missing' or outcome == 'conflict' then return {outcome, cur or false} end
+if outcome == 'missing' or outcome == 'conflict' then return {outcome, cur or false, now} end
 if outcome == 'duplicate' and string.sub(live, 33, 40) == string.sub(ARGV[2], 33, 40) then
-  return {outcome, cur}
+  return {outcome, cur, now}
 end
-if now_ms() - tonumber(ARGV[8]) > tonumber(ARGV[9]) then return {'expired', false} end
+if now - tonumber(ARGV[8]) > tonumber(ARGV[9]) then return {'expired', false, now} end
 local quota = tonumber(ARGV[10])
 if not cur and quota > 0 and redis.call('ZCARD', KEYS[2]) >= quota then
-  return {'quota', false}
+  return {'quota', false, now}
 end
 local ep = ''
 if ARGV[5] ~= '' then ep = redis.call('HGET', KEYS[3], ARGV[5]) or '0' end
@@ -193,13 +195,13 @@ if not cur then
 end
 redis.call('HINCRBY', KEYS[4], 'logical_bytes', tonumber(ARGV[4]) - old_size)
 if pins > 0 then redis.call('HINCRBY', KEYS[4], 'pinned_bytes', tonumber(ARGV[4]) - old_size) end
-return {outcome, cur or false}
+return {outcome, cur or false, now}
 """,
 )
 
 ENTRY_GET = Script(
     "entry_get",
-    _PARSE
+    PARSE_LUA
     + b"""
 -- KEYS: entries, epochs; ARGV: keys. Per key: false (absent), {'live'|'stale', entry}
 local out = {}
@@ -219,9 +221,11 @@ return out
 
 ENTRY_DEL = Script(
     "entry_del",
-    _PARSE
+    NOW_LUA
+    + PARSE_LUA
     + b"""
--- KEYS: entries, order, counters; ARGV: key, expected entry ('' any). The removed entry.
+-- KEYS: entries, order, counters; ARGV: key, expected entry ('' any)
+-- -> {the removed entry, server time ms}, or false
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if not cur then return false end
 if ARGV[2] ~= '' and cur ~= ARGV[2] then return false end
@@ -234,13 +238,13 @@ if pins > 0 then
   redis.call('HINCRBY', KEYS[3], 'pinned_bytes', -size)
   redis.call('HINCRBY', KEYS[3], 'pinned_keys', -1)
 end
-return cur
+return {cur, now_ms()}
 """,
 )
 
 ENTRY_PIN = Script(
     "entry_pin",
-    _PARSE
+    PARSE_LUA
     + b"""
 -- KEYS: entries, epochs, counters; ARGV: key, delta (+1 / -1), pinned-bytes limit (0: none)
 -- The entry after the change; false when absent (or stale), 'nopin' when unpinning an
@@ -268,9 +272,11 @@ return v
 
 ENTRY_POP = Script(
     "entry_pop",
-    _PARSE
+    NOW_LUA
+    + PARSE_LUA
     + b"""
--- KEYS: entries, order, counters; ARGV: n. Removes up to n keys (in order): their entries.
+-- KEYS: entries, order, counters; ARGV: n. Removes up to n keys (in order)
+-- -> {server time ms, {their entries}}
 local keys = redis.call('ZRANGE', KEYS[2], 0, tonumber(ARGV[1]) - 1)
 local out = {}
 local bytes, pinned, pinned_keys = 0, 0, 0
@@ -296,7 +302,7 @@ if #out > 0 then
     redis.call('HINCRBY', KEYS[3], 'pinned_keys', -pinned_keys)
   end
 end
-return out
+return {now_ms(), out}
 """,
 )
 
@@ -316,7 +322,7 @@ return n
 
 BLOB_REF = Script(
     "blob_ref",
-    _NOW
+    NOW_LUA
     + b"""
 -- KEYS: block; ARGV: new generation, ttl ms
 -- -> {generation, now ms, created (0|1)}, or false when the block is absent.
@@ -342,12 +348,16 @@ return {ARGV[1], now, 1}
 
 BLOB_ADJ = Script(
     "blob_adj",
-    _NOW
+    NOW_LUA
     + b"""
--- KEYS: block; ARGV: generation, refs delta (<= 0), pins delta, ttl ms
--- -> {refs left, bytes freed} ; {-1, 0} when the generation is gone
+-- KEYS: block; ARGV: generation, refs delta, pins delta, ttl ms, removed ms, limit ms
+-- -> {refs left, bytes freed}; {-1, 0} when the generation is gone; {-2, 0} when a release
+-- comes more than `limit` after its entry was removed (`removed`, the tenant master's
+-- clock; 0: unchecked): refused, so a scrub that waited that long cannot be undercut
 local g = redis.call('HGET', KEYS[1], 'g')
 if g ~= ARGV[1] then return {-1, 0} end
+local removed = tonumber(ARGV[5] or '0')
+if removed > 0 and now_ms() - removed > tonumber(ARGV[6]) then return {-2, 0} end
 local r = tonumber(redis.call('HGET', KEYS[1], 'r') or '0') + tonumber(ARGV[2])
 if r <= 0 then
   local n = redis.call('HSTRLEN', KEYS[1], 'd')
