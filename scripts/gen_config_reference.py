@@ -40,6 +40,9 @@ EXAMPLES: dict[str, str] = {
     "tls_key": '"/etc/epistemic-kvcache/tls/server.key"',
     "tls_client_ca": '"/etc/epistemic-kvcache/tls/clients-ca.pem"',
     "first_write_wins_tenants": '["audit-tenant"]  # or ["*"] for every tenant',
+    "cluster_url": '"rediss://kvcache@redis-0.redis:6379,redis-1.redis:6379"  # cluster mode',
+    "cluster_tls_ca": '"/etc/epistemic-kvcache/tls/cluster-ca.pem"',
+    "cluster_password_file": '"/run/secrets/kvcache-cluster-password"',
 }
 # Set in the example (not commented) although the default differs.
 SET_IN_EXAMPLE: dict[str, str] = {

@@ -59,6 +59,7 @@ def test_deploy_tree_is_complete() -> None:
     kinds = {doc["kind"] for _, doc in k8s_docs()}
     assert {"StatefulSet", "Deployment", "Service", "Secret", "ServiceMonitor"} <= kinds
     assert [p.name for p in COMPOSE] == [
+        "compose.cluster.yaml",
         "compose.lmcache.yaml",
         "compose.vllm.yaml",
         "compose.yaml",
@@ -116,6 +117,32 @@ def test_statefulset_is_what_an_operator_expects() -> None:
     assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
     services = {d["metadata"]["name"] for _, d in k8s_docs() if d["kind"] == "Service"}
     assert {"epistemic-kvcache", "epistemic-kvcache-resp", "lmcache-mp"} <= services
+
+
+def test_cluster_mode_front_ends_are_a_deployment_behind_one_service() -> None:
+    docs = [d for p, d in k8s_docs() if p.name == "cluster-frontends.yaml"]
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    (svc,) = [d for d in docs if d["kind"] == "Service"]
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= labels.items()
+    assert {p["name"] for p in svc["spec"]["ports"]} == {"http", "resp"}
+    assert dep["spec"]["replicas"] >= 2
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    conf = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["config.toml"]
+    settings = tomllib.loads(conf)
+    assert settings["cluster_url"].startswith("rediss://")
+    assert "@" in settings["cluster_url"]
+    assert ":" not in settings["cluster_url"].split("//", 1)[1].split("@", 1)[0]  # no password
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    assert str(Path(settings["cluster_password_file"]).parent) in mounts
+    compose = yaml.safe_load((DEPLOY / "compose" / "compose.cluster.yaml").read_text())
+    fronts = [n for n in compose["services"] if n.startswith("kvcache-")]
+    assert len(fronts) == 2
+    for name in fronts:
+        argv = _argv(compose["services"][name]["command"])
+        assert "--cluster-url" in argv
 
 
 # -- compose --------------------------------------------------------------------------
@@ -245,7 +272,7 @@ def test_compose_commands_and_environment_parse() -> None:
     for path in COMPOSE:
         for name, svc in yaml.safe_load(path.read_text())["services"].items():
             env = svc.get("environment", {})
-            if name == "kvcache":
+            if name == "kvcache" or name.startswith("kvcache-"):  # -a, -b: cluster mode
                 check_cli(_argv(svc["command"]))
                 check_cli(_argv(svc["healthcheck"]["test"])[2:])
                 check_env(env, side="server")

@@ -88,6 +88,33 @@ def _serve(args: argparse.Namespace) -> int:
     return run(config)
 
 
+def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    from epistemic_kvcache.config import add_arguments
+
+    parser.add_argument(
+        "cluster_action",
+        choices=["check", "scrub"],
+        help="check: report leaked references, orphan blocks and dangling keys; scrub: "
+        "also repair them (what every front-end does on its own every "
+        "cluster_scrub_interval_s)",
+    )
+    parser.add_argument("--deep", action="store_true", help="also re-hash every block")
+    add_arguments(parser)  # the same settings as serve: --cluster-url, --config, ...
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    from epistemic_kvcache.config import load_config
+
+    skip = {"command", "cluster_action", "deep"}
+    values = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in skip}
+    config = load_config(values, os.environ)
+    require_extra("server", *SERVER_MODULES)
+    from epistemic_kvcache.store.cluster import run_check
+
+    setup_logging("WARNING")
+    return run_check(config, fix=args.cluster_action == "scrub", deep=args.deep)
+
+
 def _validate_arguments(parser: argparse.ArgumentParser) -> None:
     from epistemic_kvcache.validate import add_arguments
 
@@ -236,6 +263,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         help="offline tools on a durable store: check, rebuild-index (server stopped)",
         add_arguments=_store_arguments,
         run=_store,
+    ),
+    "cluster": Subcommand(
+        help="cluster mode: check (or scrub) the block references in the cluster",
+        add_arguments=_cluster_arguments,
+        run=_cluster,
     ),
     "mcp": Subcommand(
         help="serve the MCP tools graph_kvcache, graph_fork, graph_kv_checkpoint (needs [mcp])",

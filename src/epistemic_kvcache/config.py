@@ -156,6 +156,17 @@ class ServerConfig:
     instead of replacing it; `*` means every tenant."""
     metrics_tenants: tuple[str, ...] = ("default",)
     """Tenants allowed to read `/metrics` (empty: nobody)."""
+    cluster_url: str | None = field(default=None, repr=False)
+    """Cluster mode: `redis[s]://[user[:password]@]host:port[,host:port...]` of a Redis or
+    Valkey Cluster; this server is then a stateless front-end over it (docs/cluster.md)."""
+    cluster_tls_ca: Path | None = None
+    cluster_password_file: Path | None = None
+    cluster_wait_replicas: int = 0
+    cluster_wait_timeout_s: float = 2.0
+    cluster_retry_window_s: float = 10.0
+    cluster_key_prefix: str = "kvc"
+    cluster_block_ttl_s: float = 0.0
+    cluster_scrub_interval_s: float = 3600.0
     limits: ServerLimits = field(default_factory=ServerLimits)
     store_threads: int = 32
     shutdown_timeout_s: float = 10.0
@@ -201,6 +212,24 @@ class ServerConfig:
             "max_keys_per_tenant": self.max_keys_per_tenant,
             "max_epoch_scopes_per_tenant": self.max_epoch_scopes_per_tenant,
             **self._first_write_wins_option(),
+        }
+
+    @property
+    def cluster_mode(self) -> bool:
+        """Whether the store is a Redis/Valkey Cluster (`cluster_url` is set)."""
+        return self.cluster_url is not None
+
+    def cluster_options(self) -> dict[str, Any]:
+        """Keyword arguments only the cluster backend takes (besides the URL)."""
+        return {
+            "tls_ca": self.cluster_tls_ca,
+            "password_file": self.cluster_password_file,
+            "wait_replicas": self.cluster_wait_replicas,
+            "wait_timeout_s": self.cluster_wait_timeout_s,
+            "retry_window_s": self.cluster_retry_window_s,
+            "key_prefix": self.cluster_key_prefix,
+            "block_ttl_s": self.cluster_block_ttl_s,
+            "scrub_interval_s": self.cluster_scrub_interval_s,
         }
 
     def durable_options(self) -> dict[str, Any]:
@@ -420,6 +449,23 @@ def _parse_optional_text(raw: object) -> str | None:
     if not isinstance(raw, str):
         raise _Invalid("a string")
     return raw.strip() or None
+
+
+def _parse_cluster_url(raw: object) -> str | None:
+    if not isinstance(raw, str):
+        raise _Invalid("a redis:// or rediss:// URL", show_value=False)
+    text = raw.strip()
+    if not text:
+        return None
+    if not text.startswith(("redis://", "rediss://")):
+        raise _Invalid("a redis://host:port[,host:port...] or rediss://... URL", show_value=False)
+    return text
+
+
+def _parse_key_prefix(raw: object) -> str:
+    if not isinstance(raw, str) or not raw.strip() or any(c in raw.strip() for c in "{}: "):
+        raise _Invalid("a word without braces, colons or spaces")
+    return raw.strip()
 
 
 def _parse_claim(raw: object) -> str:
@@ -779,6 +825,77 @@ SETTINGS: tuple[Setting, ...] = (
         "tenants allowed to read /metrics (store-wide totals), comma-separated; empty: nobody",
         "TENANTS",
     ),
+    Setting(
+        "cluster_url",
+        _parse_cluster_url,
+        None,
+        "cluster mode: redis[s]://[user[:password]@]host:port[,host:port...] of a Redis/Valkey "
+        "Cluster shared by every front-end (see docs/cluster.md)",
+        "URL",
+        secret=True,
+    ),
+    Setting(
+        "cluster_tls_ca",
+        _parse_path,
+        None,
+        "CA bundle verifying the cluster's TLS certificates (rediss://)",
+        "FILE",
+        path_like=True,
+    ),
+    Setting(
+        "cluster_password_file",
+        _parse_path,
+        None,
+        "file whose first line is the cluster password (replaces one in the URL)",
+        "FILE",
+        path_like=True,
+    ),
+    Setting(
+        "cluster_wait_replicas",
+        _parse_nonneg_int,
+        _D.cluster_wait_replicas,
+        "acknowledge a write once this many replicas have it (WAIT); 0: once the master has it",
+        "N",
+    ),
+    Setting(
+        "cluster_wait_timeout_s",
+        _pos_seconds,
+        _D.cluster_wait_timeout_s,
+        "how long a write waits for its replicas before it fails (retryably)",
+        "SECONDS",
+    ),
+    Setting(
+        "cluster_retry_window_s",
+        _pos_seconds,
+        _D.cluster_retry_window_s,
+        "how long an operation retries through a failover or resharding before it fails; "
+        "longer than the cluster's failover time hides failovers from clients",
+        "SECONDS",
+    ),
+    Setting(
+        "cluster_key_prefix",
+        _parse_key_prefix,
+        _D.cluster_key_prefix,
+        "prefix of every key this deployment writes in the cluster (several deployments may "
+        "share one cluster under different prefixes)",
+        "WORD",
+    ),
+    Setting(
+        "cluster_block_ttl_s",
+        _nonneg_seconds,
+        _D.cluster_block_ttl_s,
+        "blocks expire this long after their last new reference unless pinned; with a "
+        "volatile-* maxmemory-policy the cluster evicts only blocks (0: no expiry)",
+        "SECONDS",
+    ),
+    Setting(
+        "cluster_scrub_interval_s",
+        _nonneg_seconds,
+        _D.cluster_scrub_interval_s,
+        "recount block references and reclaim what crashes leaked this often (one front-end "
+        "at a time; 0: never)",
+        "SECONDS",
+    ),
     *_limit_settings(),
     Setting(
         "store_threads",
@@ -1010,7 +1127,15 @@ def _validate(c: ServerConfig) -> None:
     if c.tls_client_ca is not None and c.tls_cert is None:
         fail("tls_client_ca", "mTLS needs --tls-cert and --tls-key as well")
 
+    if c.cluster_url is None:
+        for name in ("cluster_tls_ca", "cluster_password_file"):
+            if getattr(c, name) is not None:
+                fail(name, "only used in cluster mode (set --cluster-url)")
+    elif c.cluster_tls_ca is not None and not c.cluster_url.startswith("rediss://"):
+        fail("cluster_tls_ca", "the cluster URL is redis:// (use rediss:// for TLS)")
     for name in (
+        "cluster_tls_ca",
+        "cluster_password_file",
         "token_file",
         "jwt_secret_file",
         "jwt_public_key",
@@ -1169,7 +1294,9 @@ def _resource_warnings(c: ServerConfig, explicit: set[str]) -> list[str]:
             f"machine's memory ({format_size(ram)}): the tiers will never fill, the kernel "
             "will kill the server first"
         )
-    if c.backend == "durable":
+    if c.cluster_mode:
+        pass  # the cluster holds the blocks: no disk tier here
+    elif c.backend == "durable":
         disk = _disk_size_bytes(c.persist_dir)
         if disk is not None and c.cold_capacity_bytes > disk:
             out.append(

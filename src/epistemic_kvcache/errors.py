@@ -73,6 +73,12 @@ class StorageIOError(StoreError):
     """A write or sync to disk failed (EIO, ...). Nothing was acknowledged."""
 
 
+class ClusterUnavailableError(StorageIOError):
+    """Cluster mode: the shared Redis/Valkey Cluster cannot be reached, or did not accept
+    (or replicate) the write within the retry window. Retry later (HTTP 503, RESP -ERR);
+    a write that failed this way may or may not have been applied."""
+
+
 class StoreFaultError(StoreError):
     """The store hit an unexpected internal fault and turned read-only until restarted.
 

@@ -224,6 +224,11 @@ def build_store(config: ServerConfig) -> SharedKvBackend:
     from epistemic_kvcache.store import SharedKvIndex, SharedKvStoreBackend
 
     options = config.store_options()
+    if config.cluster_url is not None:
+        from epistemic_kvcache.store.cluster import ClusterBackend
+
+        options.pop("cold_capacity_bytes")
+        return ClusterBackend(config.cluster_url, **options, **config.cluster_options())
     if config.backend == "memory":
         options.pop("cold_capacity_bytes")
         return SharedKvIndex(**options)
@@ -524,7 +529,9 @@ async def serve(
             servers.append(resp_server)
 
         # 3. Files: the persist dir, the store, the first-run token.
-        if config.backend == "durable" or auth_plan.pending_token is not None:
+        if (
+            config.backend == "durable" and not config.cluster_mode
+        ) or auth_plan.pending_token is not None:
             created_dir = _make_persist_dir(config)
         store = await loop.run_in_executor(None, build_store, config)
         auth_plan.commit()
@@ -538,6 +545,12 @@ async def serve(
             metrics_tenants=frozenset(config.metrics_tenants),
             access_log=AccessLog(config.access_log),
         )
+
+        # fleet-wide epoch notices (cluster mode): bumps made through other servers
+        def on_epoch(tenant: str, scope: str, epoch: int) -> None:
+            loop.call_soon_threadsafe(ctx.notify_epoch, tenant, scope, epoch)
+
+        store.set_epoch_listener(on_epoch)
         http_factory.factory = make_http_factory(ctx)
         if config.resp_addr is not None:
             resp_factory.factory = make_resp_factory(ctx)
@@ -562,8 +575,10 @@ async def serve(
             ",".join(str(a) for a in http_addrs),
             ",".join(str(a) for a in resp_addrs) or "off",
             mode,
-            config.backend,
-            config.persist_dir.resolve() if config.backend == "durable" else "-",
+            "cluster" if config.cluster_mode else config.backend,
+            config.persist_dir.resolve()
+            if config.backend == "durable" and not config.cluster_mode
+            else "-",
             config.dedup_scope,
             extra={
                 "event": "started",
@@ -615,6 +630,7 @@ async def serve(
                 conn.transport.abort()
         await asyncio.sleep(0)
         if store is not None:
+            store.set_epoch_listener(None)
             await loop.run_in_executor(None, _close_store, executor, store)
         if not started and created_dir:
             shutil.rmtree(config.persist_dir, ignore_errors=True)

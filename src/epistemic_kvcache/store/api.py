@@ -18,7 +18,7 @@ from __future__ import annotations
 import abc
 import enum
 import mmap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -379,6 +379,12 @@ class SharedKvBackend(abc.ABC):
 
         Persisted (durable backend), and visible to every server sharing the epoch
         registry."""
+
+    def set_epoch_listener(self, listener: Callable[[str, str, int], None] | None) -> bool:
+        """Be told of every epoch bump, wherever it was made: `listener(tenant, scope,
+        epoch)`, called on a store thread. False when this backend has no such feed (the
+        server then polls `epoch_get`); the cluster backend has one (pub/sub)."""
+        return False
 
     @abc.abstractmethod
     def retire_stale(self, *, max_items: int = 1000, budget_s: float = 0.05) -> int:
