@@ -30,10 +30,11 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import blake3
 
+from epistemic_kvcache.client.backend import PutOutcome
 from epistemic_kvcache.errors import KvCacheError
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,9 @@ class CheckpointClient(Protocol):
 
     def get(self, key: str) -> bytes | None: ...
 
-    def put(self, key: str, data: Any) -> object: ...  # truthy when stored (PutOutcome)
+    def put(
+        self, key: str, data: Any, *, cond: Literal["nx", "xx"] | None = None
+    ) -> PutOutcome: ...
 
     def exists(self, key: str) -> bool: ...
 
@@ -295,11 +298,10 @@ class KVCheckpointStore:
         if not self._client.put(record.blob_key, view):
             self._count(op, "blob_not_stored")
             raise CheckpointError(f"checkpoint {record.id}: the server did not store the blob")
-        # First write wins for records: an existing record is kept, not replaced.
-        # TODO(client cond): a create-only PUT closes the race between these two calls.
-        if not self._client.exists(RECORD_PREFIX + record.id) and not self._client.put(
-            RECORD_PREFIX + record.id, record.to_json()
-        ):
+        # First write wins for records: a create-only PUT keeps an existing record (two
+        # writers racing on one id both read back the same, first, record).
+        outcome = self._client.put(RECORD_PREFIX + record.id, record.to_json(), cond="nx")
+        if outcome not in (PutOutcome.NEW, PutOutcome.DUPLICATE, PutOutcome.CONFLICT):
             self._count(op, "record_not_stored")
             raise CheckpointError(f"checkpoint {record.id}: the server did not store the record")
         stored = self._client.get(RECORD_PREFIX + record.id)

@@ -250,7 +250,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         run=_serve,
     ),
     "validate-adapter": Subcommand(
-        help="check a running server through the LMCache L2 connector (put, read back, dedup)",
+        help="check a running server through every LMCache path, driven by LMCache "
+        "(native L2 adapter, resp, path-a plugin, redis://); writes and deletes test keys",
         add_arguments=_validate_arguments,
         run=_validate,
     ),
