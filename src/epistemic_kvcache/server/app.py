@@ -557,6 +557,12 @@ async def serve(
         else:
             log.info("RESP listener off")
 
+        def reload() -> None:
+            _reload(config, ctx, tls)
+
+        # Before the first "listening" line: a SIGTERM from anyone who saw it is graceful.
+        installed_signals = _install_signals(loop, stop, reload)
+
         # 4. Accept.
         for server in servers:
             await server.start_serving()
@@ -588,10 +594,6 @@ async def serve(
             },
         )
 
-        def reload() -> None:
-            _reload(config, ctx, tls)
-
-        installed_signals = _install_signals(loop, stop, reload)
         if config.stats_log_interval_s > 0:
             background.append(
                 asyncio.create_task(
