@@ -85,6 +85,8 @@ bench: setup-dev sysdeps
 	@command -v iperf3 >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iperf3
 	$(BIN)/python -m bench.bench_store
 	$(BIN)/python -m bench.bench_server
+	$(BIN)/python -m bench.bench_cpu
+	$(BIN)/python -m bench.bench_cpu --gil
 	$(BIN)/python -m bench.bench_lmcache
 	$(BIN)/python -m bench.bench_engine
 	$(BIN)/python -m bench.bench_context
