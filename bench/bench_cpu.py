@@ -26,6 +26,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -111,7 +112,7 @@ def _one(port: int, token: str | None, args: argparse.Namespace, size: int) -> t
 
 
 def gil_split(args: argparse.Namespace, tmp: Path) -> None:
-    spy = shutil.which("py-spy")
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
     if spy is None:
         raise SystemExit("--gil needs py-spy (pip install 'epistemic-kvcache[dev]')")
     print(f"# our server (memory backend), SET, {args.seconds:.0f} s per cell: CPU seconds "
