@@ -86,6 +86,8 @@ bench: setup-dev sysdeps
 	$(BIN)/python -m bench.bench_store
 	$(BIN)/python -m bench.bench_server
 	$(BIN)/python -m bench.bench_durable
+	$(BIN)/python -m bench.bench_cpu
+	$(BIN)/python -m bench.bench_cpu --gil
 	$(BIN)/python -m bench.bench_lmcache
 	$(BIN)/python -m bench.bench_engine
 	$(BIN)/python -m bench.bench_context

@@ -96,6 +96,10 @@ ARG_OVERHEAD: Final = 48
 """Memory one argument costs beyond its bytes (object header, list slot), estimated."""
 
 _INT_RE: Final = re.compile(rb"-?(?:0|[1-9][0-9]{0,18})")
+# The fast framer's headers: a count or length `_parse_int` accepts, without the sign
+# (the framer leaves negative ones to the state machine), and its CRLF.
+_MULTIBULK_HEAD: Final = re.compile(rb"\*(0|[1-9][0-9]{0,18})\r\n")
+_BULK_HEAD: Final = re.compile(rb"\$(0|[1-9][0-9]{0,18})\r\n")
 _INT64_MAX: Final = 2**63 - 1
 _INT64_MIN: Final = -(2**63)
 _COMPACT_AT: Final = 64 * KiB
@@ -373,30 +377,31 @@ class RespParser:
         max_args = self.max_multibulk_len
         max_bulk = min(self.max_bulk_bytes, self.large_bulk_threshold - 1)
         room = self._room()
+        head = _MULTIBULK_HEAD.match
+        bulk_head = _BULK_HEAD.match
         pos = 0
-        while pos < n and data[pos] == 0x2A and room > 0:  # '*'
-            cr = data.find(b"\r\n", pos, n)
-            if cr < 0 or cr - pos > max_line:
+        while pos < n and room > 0:
+            m = head(data, pos, n)  # "*<count>\r\n"
+            if m is None or m.end() - 2 - pos > max_line:
                 break
-            count = _parse_int(data[pos + 1 : cr])
-            if count is None or count <= 0 or count > max_args:
+            count = int(m.group(1))
+            if count <= 0 or count > max_args:
                 break
-            p = cr + 2
+            p = m.end()
             args: Command = []
             size = 0
             for _ in range(count):
-                if p >= n or data[p] != 0x24:  # '$'
+                m = bulk_head(data, p, n)  # "$<length>\r\n"
+                if m is None or m.end() - 2 - p > max_line:
                     break
-                cr = data.find(b"\r\n", p, n)
-                if cr < 0 or cr - p > max_line:
+                length = int(m.group(1))
+                if length > max_bulk:
                     break
-                length = _parse_int(data[p + 1 : cr])
-                if length is None or length < 0 or length > max_bulk:
-                    break
-                end = cr + 2 + length
+                start = m.end()
+                end = start + length
                 if end + 2 > n or data[end] != 0x0D or data[end + 1] != 0x0A:
                     break
-                args.append(bytes(view[cr + 2 : end]))
+                args.append(bytes(view[start:end]))
                 size += length
                 p = end + 2
             else:

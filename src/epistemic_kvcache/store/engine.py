@@ -211,7 +211,10 @@ class _Counters:
     warm_logical: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+# AddKey and DelKey are built once per PUT/DELETE: not frozen, because a frozen
+# dataclass's __init__ sets each field through object.__setattr__ (~4x the cost).
+# Nothing mutates an effect after it is built.
+@dataclass(slots=True)
 class AddKey:
     """Effect: `key` now references the blob `sdig` (creating it when `data` is given)."""
 
@@ -225,7 +228,7 @@ class AddKey:
     tag: tuple[str, int] | None = None  # (epoch scope, epoch) the entry was written in
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DelKey:
     """Effect: `key` no longer exists (its blob goes with its last reference)."""
 
@@ -295,6 +298,8 @@ def branch_ns(tenant: str, branch_id: str) -> str:
 
 def parse_internal_ns(ns: str) -> tuple[str, str, str] | None:
     """(tenant, "snap" | "branch", id) for an internal namespace, None for a tenant's."""
+    if _SEP not in ns:  # a tenant's namespace: the common case, without a split
+        return None
     parts = ns.split(_SEP)
     if len(parts) != 3:
         return None
