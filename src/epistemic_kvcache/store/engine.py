@@ -143,8 +143,9 @@ class _Blob:
         self.off = 0
         # namespace scope: the one owning namespace; global scope: {ns: refs}
         self.owner: str | dict[str, int] = ""
-        # (ns, key) when one key references the blob, a list of them when several
-        self.keys: tuple[str, str] | list[tuple[str, str]] | None = None
+        # The keys referencing the blob: None; one key of the owning namespace as its bare
+        # name (the common case: no tuple per block); one (ns, key); or a list of them.
+        self.keys: str | tuple[str, str] | list[tuple[str, str]] | None = None
         self.busy = False
 
     @property
@@ -155,26 +156,28 @@ class _Blob:
         k = self.keys
         if k is None:
             return []
+        if isinstance(k, str):
+            return [(self.owner, k)]  # type: ignore[list-item]  # owner is a str then
         return [k] if isinstance(k, tuple) else list(k)
 
     def add_keyref(self, ref: tuple[str, str]) -> None:
         k = self.keys
         if k is None:
-            self.keys = ref
-        elif isinstance(k, tuple):
-            self.keys = [k, ref]
-        else:
+            self.keys = ref[1] if ref[0] == self.owner else ref
+        elif isinstance(k, list):
             k.append(ref)
+        else:
+            self.keys = [*self.key_refs(), ref]
 
     def remove_keyref(self, ref: tuple[str, str]) -> None:
         k = self.keys
-        if isinstance(k, tuple):
-            if k == ref:
-                self.keys = None
-        elif k is not None:
+        if isinstance(k, list):
             k.remove(ref)
             if len(k) == 1:
-                self.keys = k[0]
+                self.keys = None
+                self.add_keyref(k[0])
+        elif k is not None and self.key_refs()[0] == ref:
+            self.keys = None
 
     def owners(self) -> Iterable[str]:
         o = self.owner
