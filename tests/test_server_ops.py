@@ -65,6 +65,8 @@ def test_startup_line_and_json_log_format(tmp_path: Path, servers: list[Server])
     server = start(servers, tmp_path, "--token", TOKEN, "--log-format", "json")
     assert server.http is not None
     assert server.resp is not None
+    # start() returns at the listening lines; the started line follows them
+    server.wait_for(r'"event":\s*"started"')
     docs = [json.loads(line) for line in server.lines if line.strip()]
     assert all({"ts", "level", "logger", "msg"} <= set(d) for d in docs)
     started = [d for d in docs if d.get("event") == "started"]
