@@ -43,6 +43,8 @@ import struct
 import zlib
 from dataclasses import dataclass
 
+from epistemic_kvcache.store.api import Buffer
+
 MAGIC = b"\xd9KVr"
 """Record start marker (0xD9 never starts UTF-8 text, so text payloads rarely mimic it)."""
 VERSION = 1
@@ -237,6 +239,6 @@ def blob_header_length(sdig: bytes) -> int:
     return FIXED_BYTES + len(sdig)
 
 
-def payload_crc(payload: bytes) -> int:
+def payload_crc(payload: Buffer) -> int:
     """The `pcrc` of a non-BLOB payload."""
     return zlib.crc32(payload)

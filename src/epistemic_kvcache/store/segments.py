@@ -241,7 +241,7 @@ def scan(
                 if rec.op is Op.BLOB:
                     if verify and digest_of(item.payload) != rec.sdig[-32:]:
                         item.ok = False
-                elif records.payload_crc(bytes(item.payload)) != rec.pcrc:
+                elif records.payload_crc(item.payload) != rec.pcrc:
                     item.ok = False
             if rec.op is Op.BLOB and not payloads:
                 item.payload = None

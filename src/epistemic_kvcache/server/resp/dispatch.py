@@ -220,8 +220,8 @@ class Dispatcher:
     def observe(self, route: str, reply: object, seconds: float) -> None:
         status = "error" if isinstance(reply, ErrorReply) else "ok"
         s = self.session
-        if s.activity is not None:
-            s.activity.commands += 1
+        if s.identity is not None:
+            s.shared.activity(s.identity.tenant).commands += 1
         access = self.ctx.access_log
         if access.enabled:
             access.record(

@@ -128,9 +128,12 @@ class Shared:
                 conn.revoke()
 
     def activity(self, tenant: str) -> Activity:
-        """The activity counters of `tenant` (created on first use)."""
+        """The activity counters of `tenant` (created on first use; past
+        `MAX_ACTIVITY_TENANTS` the least recently active tenant's are dropped)."""
         found = self._activity.get(tenant)
-        if found is None:
+        if found is not None:
+            self._activity.move_to_end(tenant)
+        else:
             found = self._activity[tenant] = Activity()
             while len(self._activity) > MAX_ACTIVITY_TENANTS:
                 self._activity.popitem(last=False)
@@ -177,8 +180,6 @@ class Session:
         self.client_id = secrets.randbits(62) + 1
         """Random per connection: a counter would tell one tenant the others' rate."""
         self.identity: Identity | None = None
-        self.activity: Activity | None = None
-        """The tenant's activity counters (INFO), once authenticated."""
         self.credential: str | None = None
         """Kept to re-check the session when the credentials are reloaded (SIGHUP)."""
         self.protocol_version = 2
@@ -231,7 +232,6 @@ class Session:
             return refused
         self.identity = identity
         self.credential = credential
-        self.activity = self.shared.activity(identity.tenant)
         self.hooks.on_subscriptions()
         return None
 
@@ -253,7 +253,6 @@ class Session:
         self.protocol_version = 2
         self.name = None
         self.identity = None
-        self.activity = None
         self.credential = None
         self.hooks.on_reset()
 
