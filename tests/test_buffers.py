@@ -4,12 +4,25 @@ from __future__ import annotations
 
 import gc
 import mmap
+import time
+from collections.abc import Iterator
 
 import pytest
 
 from epistemic_kvcache import buffers
 from epistemic_kvcache.store import SharedKvIndex
 from epistemic_kvcache.store.api import owned_buffer
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _fresh_process_pool() -> Iterator[None]:
+    """Each test starts with the process-wide prefault pool empty (it is shared)."""
+    buffers.configure_prefault(0)
+    buffers.configure_prefault(buffers.DEFAULT_PREFAULT_BYTES)
+    yield
+    buffers.configure_prefault(buffers.DEFAULT_PREFAULT_BYTES)
 
 
 def test_small_blocks_are_bytearrays_large_ones_mmap_views() -> None:
@@ -25,6 +38,7 @@ def test_small_blocks_are_bytearrays_large_ones_mmap_views() -> None:
 
 
 def test_mapping_count_is_bounded_and_released(monkeypatch: pytest.MonkeyPatch) -> None:
+    buffers.configure_prefault(0)  # the pool's own mappings would count too
     gc.collect()
     start = buffers.live_mappings()
     monkeypatch.setattr(buffers, "MAX_MAPPINGS", start + 2)
@@ -54,3 +68,85 @@ def test_the_store_keeps_mmap_views_and_copies_other_views() -> None:
     store.put("t", "v", borrowed)
     borrowed[:6] = b"CHANGE"
     assert store.get("t", "v") == b"reused later"
+
+
+def _wait_ready(pool: buffers.Prefaulter, n: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while pool.stats().ready_buffers < n:
+        assert time.monotonic() < deadline, pool.stats()
+        time.sleep(0.005)
+
+
+def test_prefaulter_pools_a_size_asked_for_twice_and_hands_out_zeroed_buffers() -> None:
+    pool = buffers.Prefaulter(8 * MiB)
+    try:
+        assert pool.take(2 * MiB) is None  # first sight of a size: not pooled
+        assert pool.take(2 * MiB) is None  # second: pooled from now on (a miss)
+        _wait_ready(pool, 4)  # 8 MiB budget / 2 MiB
+        s = pool.stats()
+        assert (s.ready_buffers, s.ready_bytes, s.hits, s.misses) == (4, 8 * MiB, 0, 1)
+        mm = pool.take(2 * MiB)
+        assert isinstance(mm, mmap.mmap)
+        assert len(mm) == 2 * MiB
+        assert mm[:] == bytes(2 * MiB)  # prefaulted pages are still zero
+        assert pool.stats().hits == 1
+        _wait_ready(pool, 4)  # refilled, never above the budget
+        assert pool.stats().ready_bytes == 8 * MiB
+        assert pool.take(3 * MiB) is None  # another size: its own first sight
+    finally:
+        pool.close()
+    assert pool.stats().ready_buffers == 0
+    assert pool.take(2 * MiB) is None  # closed: nothing more is pooled
+
+
+def test_prefaulter_keeps_the_recent_sizes_within_budget_and_off_releases_all() -> None:
+    pool = buffers.Prefaulter(12 * MiB)
+    try:
+        for size in (1 * MiB, 2 * MiB, 3 * MiB):
+            pool.take(size)
+            pool.take(size)
+        # only the two most recent sizes stay pooled; each gets half the budget
+        _wait_ready(pool, 2 + 3)  # 6 MiB / 3 MiB + 6 MiB / 2 MiB
+        time.sleep(0.05)
+        s = pool.stats()
+        assert s.ready_bytes <= 12 * MiB
+        assert pool.take(1 * MiB) is None  # dropped from the pool: its first sight again
+        assert s.ready_buffers == 5
+        pool.configure(0)
+        s = pool.stats()
+        assert (s.ready_buffers, s.ready_bytes, s.budget_bytes) == (0, 0, 0)
+        assert pool.take(2 * MiB) is None
+    finally:
+        pool.close()
+
+
+def test_prefaulter_larger_than_budget_is_never_pooled() -> None:
+    pool = buffers.Prefaulter(1 * MiB)
+    try:
+        for _ in range(3):
+            assert pool.take(2 * MiB) is None
+        time.sleep(0.05)
+        assert pool.stats().ready_buffers == 0
+    finally:
+        pool.close()
+
+
+def test_alloc_block_uses_the_process_pool_and_the_store_keeps_its_buffer() -> None:
+    size = 3 * MiB + 4096  # a size no other test asks for
+    buffers.alloc_block(size)
+    buffers.alloc_block(size)
+    deadline = time.monotonic() + 10
+    while buffers.prefault_stats().ready_bytes < size:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    hits = buffers.prefault_stats().hits
+    block = buffers.alloc_block(size)
+    assert buffers.prefault_stats().hits == hits + 1
+    assert isinstance(block, memoryview)
+    assert isinstance(block.obj, mmap.mmap)
+    assert len(block) == size
+    block[-3:] = b"end"
+    store = SharedKvIndex()
+    store.put("t", "pooled", block)
+    assert store.get("t", "pooled") is block
+    assert bytes(store.get("t", "pooled")[-3:]) == b"end"  # type: ignore[index]

@@ -912,6 +912,9 @@ def test_metrics_parse_and_count(srv: Server) -> None:
         value("kvcache_tier_capacity_bytes", tier="hot") == store_stats.tiers["hot"].capacity_bytes
     )
     assert value("kvcache_open_connections", wire="http") >= 1
+    assert value("kvcache_prefault_ready_bytes") >= 0
+    assert value("kvcache_prefault_hits") >= 0
+    assert value("kvcache_prefault_misses") >= 0
     for name in (
         "kvcache_dedup_hits",
         "kvcache_put_new",

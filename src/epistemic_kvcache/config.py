@@ -566,6 +566,8 @@ _D = ServerConfig()
 
 _LIMIT_HELP = {
     "max_block_bytes": "largest block accepted (HTTP 413 / RESP error above it)",
+    "receive_prefault_bytes": "receive memory for large blocks faulted in ahead of need "
+    "on a helper thread (0: off)",
     "max_header_bytes": "total HTTP request head size",
     "max_headers": "HTTP header count per request",
     "request_timeout_s": "deadline to receive one whole request once it started",

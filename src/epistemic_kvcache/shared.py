@@ -81,6 +81,10 @@ class ServerLimits:
 
     max_block_bytes: int = 128 * MiB
     """Llama-3-70B 256-token chunks are ~80 MiB; leave headroom, refuse the absurd."""
+    receive_prefault_bytes: int = 256 * MiB
+    """Receive memory for large blocks faulted in ahead of need on a helper thread, so
+    the event loop does not take the page faults (0: off). Counts toward the process's
+    RSS while unused; see `buffers.Prefaulter`."""
     max_header_bytes: int = 16 * KiB
     """Total request head size (nginx default large_client_header_buffers is 4x8 KiB)."""
     max_headers: int = 100

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
+from epistemic_kvcache.buffers import configure_prefault
 from epistemic_kvcache.config import Address, ServerConfig, format_size
 from epistemic_kvcache.errors import ConfigurationError, KvCacheError
 from epistemic_kvcache.server.auth import ReloadableAuthenticator, plan_authenticator
@@ -536,6 +537,7 @@ async def serve(
         store = await loop.run_in_executor(None, build_store, config)
         auth_plan.commit()
         executor = CountingExecutor(config.store_threads)
+        configure_prefault(config.limits.receive_prefault_bytes)
         ctx = ServerContext(
             store=store,
             auth=ReloadableAuthenticator(config, auth_plan.authenticator),

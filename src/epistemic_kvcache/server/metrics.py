@@ -29,6 +29,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from epistemic_kvcache._version import __version__
+from epistemic_kvcache.buffers import prefault_stats
 from epistemic_kvcache.shared import STATS_FIELDS, TIER_FIELDS
 from epistemic_kvcache.store.api import SharedKvBackend, StoreStats
 
@@ -117,6 +118,7 @@ class _StoreCollector(Collector):
         yield from self._stats_metrics(stats)
         yield from self._health_metrics()
         yield from self._connection_metrics()
+        yield from self._prefault_metrics()
 
     def describe(self) -> Iterator[Metric]:
         # Collected lazily; describing would call the store at registration time.
@@ -178,6 +180,31 @@ class _StoreCollector(Collector):
         for wire, n in sorted(dict(conns).items()):
             fam.add_metric([wire], n)
         yield fam
+
+    @staticmethod
+    def _prefault_metrics() -> Iterator[Metric]:
+        """The receive-buffer prefault pool (buffers.py), process-wide."""
+        p = prefault_stats()
+        yield GaugeMetricFamily(
+            "kvcache_prefault_ready_bytes",
+            "Receive memory faulted in ahead of need, not yet handed out.",
+            value=p.ready_bytes,
+        )
+        yield CounterMetricFamily(
+            "kvcache_prefault_hits",
+            "Large receive buffers handed out already faulted in.",
+            value=p.hits,
+        )
+        yield CounterMetricFamily(
+            "kvcache_prefault_misses",
+            "Large receive buffers of a pooled size faulted on the event loop (none ready).",
+            value=p.misses,
+        )
+        yield CounterMetricFamily(
+            "kvcache_prefault_failures",
+            "Prefaults that failed (no memory or mapping slot); the pool backs off.",
+            value=p.failures,
+        )
 
 
 class Metrics:
