@@ -75,6 +75,8 @@ DedupScope = Literal["namespace", "global"]
 DIGEST_BYTES = 32
 # Above this size BLAKE3 hashes with several threads (and releases the GIL).
 _PARALLEL_HASH_BYTES = 1 << 20
+# Namespaces remembered as valid (tenants, plus snapshot/branch namespaces in use).
+_VALID_NS_CACHE = 4096
 # How many least-recently-used entries compete when a tier picks a victim.
 _VICTIM_WINDOW = 8
 INLINE_MAX_BYTES: Final = 256 << 10
@@ -399,6 +401,7 @@ class TieredEngine(SharedKvBackend):
         self._branches: dict[str, dict[str, dict[str, Any]]] = {}
         self._epochs: dict[tuple[str, str], int] = {}  # (tenant, scope) -> epoch (memory)
         self._retire_pos = 0  # where retire_stale's scan of _tags resumes
+        self._valid_ns: dict[str, bytes] = {}  # namespace -> its UTF-8 (validated)
 
     # -- helpers -------------------------------------------------------------------------
     def _scoped(self, ns_raw: bytes, digest: bytes) -> bytes:
@@ -418,7 +421,13 @@ class TieredEngine(SharedKvBackend):
 
     def _validate(self, ns: str, key: str) -> bytes:
         validate_key(key)
-        return validate_namespace(ns)
+        raw = self._valid_ns.get(ns)
+        if raw is None:  # validated once per namespace (the set of names is bounded)
+            raw = validate_namespace(ns)
+            if len(self._valid_ns) >= _VALID_NS_CACHE:
+                self._valid_ns.clear()
+            self._valid_ns[ns] = raw
+        return raw
 
     def _check_size(self, data: Buffer) -> None:
         if len(data) > self.max_block_bytes:
@@ -552,42 +561,53 @@ class TieredEngine(SharedKvBackend):
         return self._snapshots if kind == "snap" else self._branches
 
     def _apply_add(self, e: AddKey) -> None:
-        b = self._blobs.get(e.sdig)
-        c = self._counters(e.ns)
-        tenant = tenant_of(e.ns)
-        oc = c if tenant == e.ns else self._counters(tenant)
+        ns, key, sdig = e.ns, e.key, e.sdig
+        b = self._blobs.get(sdig)
+        c = self._ns.get(ns)
+        if c is None:
+            c = self._ns[ns] = _Counters()
+        tenant = ns if _SEP not in ns else tenant_of(ns)
+        oc = c if tenant is ns else self._counters(tenant)
+        total = self._total
         if b is None:
-            b = _Blob(e.sdig, e.size)
+            b = _Blob(sdig, e.size)
             b.seg, b.off = e.seg, e.off
             b.owner = {} if self.dedup_scope == "global" else tenant
-            self._blobs[e.sdig] = b
+            self._blobs[sdig] = b
             if e.data is not None and self._admit_hot(e.size):
                 b.hot = e.data  # counted hot by the footprints below
-                self._hot[e.sdig] = b
-            self._footprint(b, self._total, +1)
+                self._hot[sdig] = b
+            self._footprint(b, total, +1)
             if isinstance(b.owner, str):
                 self._footprint(b, oc, +1)
             self._on_blob_created(b)
         b.refs += 1
-        b.add_keyref((e.ns, e.key))
-        if isinstance(b.owner, dict):
-            n = b.owner.get(tenant, 0)
-            b.owner[tenant] = n + 1
+        owner = b.owner
+        if b.keys is None and owner == ns:
+            b.keys = key  # the common case: one key of the blob's own namespace
+        else:
+            b.add_keyref((ns, key))
+        if isinstance(owner, dict):
+            n = owner.get(tenant, 0)
+            owner[tenant] = n + 1
             if n == 0:
                 self._footprint(b, oc, +1)
-        idx = self._index.setdefault(e.ns, {})
-        if e.key not in idx:
-            sl = self._sorted.get(e.ns)
+        idx = self._index.get(ns)
+        if idx is None:
+            idx = self._index[ns] = {}
+        if key not in idx:
+            sl = self._sorted.get(ns)
             if sl is None:
-                sl = self._sorted[e.ns] = SortedList()
-            sl.add(e.key)
-        idx[e.key] = b
+                sl = self._sorted[ns] = SortedList()
+            sl.add(key)
+        idx[key] = b
         if e.tag is not None:
-            self._tags[(e.ns, e.key)] = e.tag
+            self._tags[(ns, key)] = e.tag
+        size = b.size
         c.total_refs += 1
-        c.logical_bytes += b.size
-        self._total.total_refs += 1
-        self._total.logical_bytes += b.size
+        c.logical_bytes += size
+        total.total_refs += 1
+        total.logical_bytes += size
 
     def _apply_del(self, e: DelKey) -> None:
         idx = self._index.get(e.ns)
@@ -1366,13 +1386,20 @@ class TieredEngine(SharedKvBackend):
 
     # -- decisions shared by both backends -----------------------------------------------
     def _count_put(self, ns: str, outcome: PutOutcome, deduped: bool) -> None:
-        c = self._counters(ns)
-        for cc in (c, self._total):
-            if outcome is PutOutcome.NEW or outcome is PutOutcome.REPLACED:
-                if outcome is PutOutcome.NEW:
-                    cc.put_new += 1
-                else:
-                    cc.put_replaced += 1
+        c = self._ns.get(ns)
+        if c is None:
+            c = self._ns[ns] = _Counters()
+        total = self._total
+        if outcome is PutOutcome.NEW:  # the common case first
+            c.put_new += 1
+            total.put_new += 1
+            if deduped:
+                c.dedup_hits += 1
+                total.dedup_hits += 1
+            return
+        for cc in (c, total):
+            if outcome is PutOutcome.REPLACED:
+                cc.put_replaced += 1
                 if deduped:
                     cc.dedup_hits += 1
             elif outcome is PutOutcome.DUPLICATE:
