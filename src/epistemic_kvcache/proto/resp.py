@@ -39,6 +39,7 @@ payload is its own buffer (never concatenated) so the I/O layer can `writelines`
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import re
 from collections import deque
@@ -116,6 +117,13 @@ NEED_DATA: Final = _NeedData.NEED_DATA
 """Returned by `RespParser.next_event()` when no complete command is buffered."""
 
 Event = Command | Literal[_NeedData.NEED_DATA]
+
+
+def _args_size(cmd: Command) -> int:
+    size = 0
+    for arg in cmd:
+        size += len(arg)
+    return size
 
 
 def _perr(detail: str) -> RemoteProtocolError:
@@ -355,7 +363,14 @@ class RespParser:
         ):
             # Between commands with nothing buffered: frame the complete commands
             # straight from the scratch buffer; only a partial tail is kept.
-            done = self._frame_complete(nbytes)
+            room = self._room()
+            if room > 0:
+                framed: list[Command] = []
+                done = self._scan_scratch(nbytes, room, framed)
+                for cmd in framed:
+                    self._finish(cmd, _args_size(cmd))
+            else:
+                done = 0
             if done == nbytes:
                 return
             self._buf += memoryview(self._scratch)[done:nbytes]
@@ -363,9 +378,53 @@ class RespParser:
             self._buf += memoryview(self._scratch)[:nbytes]
         self._advance()
 
-    def _frame_complete(self, n: int) -> int:
-        """Frame the well-formed, complete, small multibulk commands at the start of the
-        scratch buffer's first `n` bytes; return how many bytes they took.
+    @property
+    def can_take(self) -> bool:
+        """Whether `take_commands` may be called for the bytes just read: authenticated,
+        between commands, nothing buffered, framed or broken, and the read went into
+        the scratch buffer (not into a large bulk's array)."""
+        return (
+            not self._lent_big
+            and self._state is _State.START
+            and not self._ready
+            and self._pos >= len(self._buf)
+            and self.authenticated
+            and self._error is None
+        )
+
+    def take_commands(self, nbytes: int, limit: int) -> list[Command]:
+        """The zero-queue variant of `buffer_updated(nbytes)` (only when `can_take`).
+
+        Frames up to `limit` complete small commands at the start of the scratch
+        buffer's first `nbytes` bytes and returns them to the caller instead of queueing
+        them; the bytes after them are kept, not yet parsed. The caller runs what it can
+        at once, hands the rest back in order with `defer`, then calls `advance` to frame
+        the kept bytes (which may hold more commands, a large bulk's start or bad input).
+        What is taken is exactly what `buffer_updated` would have framed.
+        """
+        framed: list[Command] = []
+        done = self._scan_scratch(nbytes, limit, framed)
+        self.commands_parsed += len(framed)
+        if done < nbytes:
+            self._buf += memoryview(self._scratch)[done:nbytes]
+        return framed
+
+    def defer(self, commands: list[Command]) -> None:
+        """Queue commands `take_commands` returned that the caller did not run, ahead of
+        anything framed later (so request order holds)."""
+        for cmd in commands:
+            self._finish(cmd, _args_size(cmd))
+            self.commands_parsed -= 1  # counted once, when taken
+
+    def advance(self) -> None:
+        """Frame what `take_commands` left buffered (no-op when nothing is)."""
+        if self._pos < len(self._buf):
+            self._advance()
+
+    def _scan_scratch(self, n: int, room: int, out: list[Command]) -> int:
+        """Append to `out` the well-formed, complete, small multibulk commands (at most
+        `room`) at the start of the scratch buffer's first `n` bytes; return how many
+        bytes they took.
 
         Anything else (a partial command, a large bulk, an inline or empty request, a
         malformed header) is left to the state machine, which applies every limit and
@@ -376,9 +435,9 @@ class RespParser:
         max_line = self.max_inline_bytes
         max_args = self.max_multibulk_len
         max_bulk = min(self.max_bulk_bytes, self.large_bulk_threshold - 1)
-        room = self._room()
         head = _MULTIBULK_HEAD.match
         bulk_head = _BULK_HEAD.match
+        crlf = data.startswith
         pos = 0
         while pos < n and room > 0:
             m = head(data, pos, n)  # "*<count>\r\n"
@@ -389,23 +448,18 @@ class RespParser:
                 break
             p = m.end()
             args: Command = []
-            size = 0
             for _ in range(count):
                 m = bulk_head(data, p, n)  # "$<length>\r\n"
                 if m is None or m.end() - 2 - p > max_line:
                     break
-                length = int(m.group(1))
-                if length > max_bulk:
-                    break
                 start = m.end()
-                end = start + length
-                if end + 2 > n or data[end] != 0x0D or data[end + 1] != 0x0A:
+                end = start + int(m.group(1))
+                if end - start > max_bulk or end + 2 > n or not crlf(b"\r\n", end):
                     break
                 args.append(bytes(view[start:end]))
-                size += length
                 p = end + 2
             else:
-                self._finish(args, size)
+                out.append(args)
                 room -= 1
                 pos = p
                 continue
@@ -461,6 +515,18 @@ class RespParser:
     def peek(self) -> Command | None:
         """The command `next_event()` would return next, if one is framed (not consumed)."""
         return self._ready[0][0] if self._ready else None
+
+    def ready_commands(self, limit: int) -> list[Command]:
+        """Up to `limit` framed commands, in order, without taking them (`drop_ready`)."""
+        ready = self._ready
+        if len(ready) == 1:
+            return [ready[0][0]]
+        return [item[0] for item in itertools.islice(ready, limit)]
+
+    def drop_ready(self, count: int) -> None:
+        """Take the first `count` framed commands (as `next_event` would, one by one)."""
+        for _ in range(count):
+            self.next_event()
 
     @property
     def ready_count(self) -> int:

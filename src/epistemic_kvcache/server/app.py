@@ -50,7 +50,7 @@ from epistemic_kvcache.buffers import configure_prefault
 from epistemic_kvcache.config import Address, ServerConfig, format_size
 from epistemic_kvcache.errors import ConfigurationError, KvCacheError
 from epistemic_kvcache.server.auth import ReloadableAuthenticator, plan_authenticator
-from epistemic_kvcache.server.context import ServerContext
+from epistemic_kvcache.server.context import LiveConnection, ServerContext
 from epistemic_kvcache.server.oplog import AccessLog
 from epistemic_kvcache.server.tls import check_bind, ssl_context_from_config
 from epistemic_kvcache.store.api import SharedKvBackend, StoreStats
@@ -141,80 +141,11 @@ class CountingExecutor(concurrent.futures.ThreadPoolExecutor):
 
 
 class _Connections:
-    """Live connections of all listeners, for the graceful stop."""
+    """Live connections of all listeners, for the graceful stop (each connection adds
+    itself to the set, which the server context shares: `ServerContext.live`)."""
 
     def __init__(self) -> None:
-        self.live: set[_TrackingMixin] = set()
-
-
-class _TrackingMixin:
-    """What both proxies share: record the transport, count reads, forward the rest."""
-
-    def __init__(self, inner: asyncio.Protocol | asyncio.BufferedProtocol, registry: _Connections):
-        self._inner = inner
-        self._registry = registry
-        self.reads = 0
-        self.transport: asyncio.BaseTransport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-        self._registry.live.add(self)
-        self._inner.connection_made(transport)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._registry.live.discard(self)
-        self._inner.connection_lost(exc)
-
-    def eof_received(self) -> bool | None:
-        return self._inner.eof_received()
-
-    def pause_writing(self) -> None:
-        self._inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self._inner.resume_writing()
-
-
-class _Tracked(_TrackingMixin, asyncio.Protocol):
-    """Proxy for a plain `asyncio.Protocol`."""
-
-    def __init__(self, inner: asyncio.Protocol, registry: _Connections) -> None:
-        super().__init__(inner, registry)
-        self._data_received = inner.data_received
-
-    def data_received(self, data: bytes) -> None:
-        self.reads += 1
-        self._data_received(data)
-
-
-class _TrackedBuffered(_TrackingMixin, asyncio.BufferedProtocol):
-    """Proxy for an `asyncio.BufferedProtocol` (reads go into the inner protocol's buffers)."""
-
-    def __init__(self, inner: asyncio.BufferedProtocol, registry: _Connections) -> None:
-        super().__init__(inner, registry)
-        self._get_buffer = inner.get_buffer
-        self._buffer_updated = inner.buffer_updated
-
-    def get_buffer(self, sizehint: int) -> Any:
-        return self._get_buffer(sizehint)
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.reads += 1
-        self._buffer_updated(nbytes)
-
-
-def _tracking(
-    factory: Callable[[], asyncio.BaseProtocol], registry: _Connections
-) -> Callable[[], asyncio.BaseProtocol]:
-    def make() -> asyncio.BaseProtocol:
-        inner = factory()
-        if isinstance(inner, asyncio.BufferedProtocol):
-            return _TrackedBuffered(inner, registry)
-        if isinstance(inner, asyncio.Protocol):
-            return _Tracked(inner, registry)
-        raise TypeError(f"unsupported protocol type {type(inner).__name__}")
-
-    return make
+        self.live: set[LiveConnection] = set()
 
 
 # -- building blocks -------------------------------------------------------------------
@@ -514,7 +445,7 @@ async def serve(
         backlog = max(128, min(config.limits.max_connections, 4096))
         http_factory, resp_factory = _LateFactory(), _LateFactory()
         http_server, http_addrs = await _listen(
-            loop, "--addr", config.addr, _tracking(http_factory, connections), tls, backlog
+            loop, "--addr", config.addr, http_factory, tls, backlog
         )
         servers.append(http_server)
         resp_addrs: tuple[Address, ...] = ()
@@ -523,7 +454,7 @@ async def serve(
                 loop,
                 "--resp-addr",
                 config.resp_addr,
-                _tracking(resp_factory, connections),
+                resp_factory,
                 tls,
                 backlog,
             )
@@ -546,6 +477,7 @@ async def serve(
             executor=executor,
             metrics_tenants=frozenset(config.metrics_tenants),
             access_log=AccessLog(config.access_log),
+            live=connections.live,
         )
 
         # fleet-wide epoch notices (cluster mode): bumps made through other servers

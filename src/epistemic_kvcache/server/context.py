@@ -142,6 +142,16 @@ class Readiness:
     detail: dict[str, bool] = field(default_factory=dict)
 
 
+class LiveConnection(Protocol):
+    """What the graceful stop needs of a connection (server/app.py `_drain`)."""
+
+    reads: int
+    """Reads so far: a connection whose count moves is still receiving a request."""
+
+    @property
+    def transport(self) -> asyncio.Transport | None: ...
+
+
 @dataclass(slots=True)
 class ServerContext:
     """Shared state of one server instance (both listeners)."""
@@ -157,6 +167,9 @@ class ServerContext:
     )
     open_connections: dict[str, int] = field(default_factory=dict)
     """Live connections per listener name ("http", "resp"), exported as a metric."""
+    live: set[LiveConnection] = field(default_factory=set)
+    """Every open connection of both listeners (each adds itself when made and leaves
+    when lost): the graceful stop waits for them and closes them."""
     metrics_tenants: frozenset[str] = frozenset({"default"})
     """Tenants that may read `/metrics` (store-wide totals: operators only)."""
     epochs: EpochNotifier = field(default_factory=EpochNotifier)

@@ -174,11 +174,19 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._auth_timer: asyncio.TimerHandle | None = None
         self._lingering = False
         self._linger_bytes = 0
+        self.reads = 0
+        """Reads so far (graceful shutdown waits while they keep coming)."""
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        """The connection's transport (None before `connection_made`)."""
+        return self._transport
 
     # -- transport callbacks --------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
+        self._ctx.live.add(self)
         self.peer = peer_of(transport)
         admitted = self._slots.admit(self.peer, self._evicted)
         self._ctx.open_connections[WIRE] = self._slots.open
@@ -207,6 +215,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         return self._scratch
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.reads += 1
         try:
             if self._stopped:
                 self._discard(nbytes)
@@ -232,6 +241,7 @@ class HttpConnection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
+        self._ctx.live.discard(self)
         for handle in (self._deadline, self._idle, self._stall, self._linger, self._auth_timer):
             if handle is not None:
                 handle.cancel()

@@ -61,7 +61,7 @@ from epistemic_kvcache.server.budget import Account, Slot, peer_of
 from epistemic_kvcache.server.context import Identity, ServerContext
 from epistemic_kvcache.server.resp.commands import EPOCH_CHANNEL
 from epistemic_kvcache.server.resp.common import WIRE, log, push
-from epistemic_kvcache.server.resp.dispatch import Dispatcher
+from epistemic_kvcache.server.resp.dispatch import INLINE_MAX_COMMANDS, Dispatcher
 from epistemic_kvcache.server.resp.session import Session, Shared
 from epistemic_kvcache.shared import MAX_KEY_BYTES
 
@@ -164,10 +164,20 @@ class RespConnection(asyncio.BufferedProtocol):
         self._auth_timer: asyncio.TimerHandle | None = None
         self._sub_tenant: str | None = None
         self._counted_tenant: str | None = None
+        self._account_holds_input = False
+        """Whether "input" may be non-zero in the account (so the fast path can skip it)."""
+        self.reads = 0
+        """Reads so far (graceful shutdown waits while they keep coming)."""
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        """The connection's transport (None before `connection_made`)."""
+        return self._transport
 
     # -- asyncio callbacks ----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport = cast(asyncio.Transport, transport)
+        self._ctx.live.add(self)
         self.peer = peer_of(transport)
         self.session.peer = self.peer
         admitted = self._slots.admit(self.peer, self._evicted)
@@ -189,13 +199,55 @@ class RespConnection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         started = time.perf_counter()
-        self._buffer_updated(nbytes)
+        self.reads += 1
+        parser = self._parser
+        s = self.session
+        if (
+            self._parked
+            and parser.can_take
+            and s.identity is not None
+            and not s.channels
+            and not self._closing
+        ):
+            # The fast path: complete small commands straight from the scratch buffer,
+            # the plain GET/SETs among them answered here, with nothing queued between.
+            cmds = parser.take_commands(nbytes, INLINE_MAX_COMMANDS)
+            if cmds:
+                ran = self._answer_fast(cmds)
+                if ran < len(cmds):
+                    parser.defer(cmds[ran:] if ran else cmds)
+            parser.advance()
+            if parser.has_ready or parser.has_error or parser.pending_bytes:
+                self._after_read()  # something is left: the general bookkeeping
+            else:
+                self._last_activity = self._loop.time()
+                self._partial_since = None
+                if self._account_holds_input:
+                    self._account.set("input", 0, force=True)
+                    self._account_holds_input = False
+        else:
+            parser.buffer_updated(nbytes)
+            self._after_read()
         if time.perf_counter() - started > READ_SLICE_S:
             self._yield_reading()
 
-    def _buffer_updated(self, nbytes: int) -> None:
+    def _answer_fast(self, cmds: list[Command]) -> int:
+        """Run the fast path over `cmds`, writing replies as they reach the flush size;
+        returns how many were answered (the rest go to the task)."""
+        done = 0
+        while True:
+            out: list[Buffer] = []
+            ran = self._dispatcher.run_fast(cmds, out, done)
+            if out:
+                self._write(out)
+            if ran == done or ran == len(cmds) or not self._can_write.is_set() or self._closing:
+                return ran
+            done = ran
+
+    def _after_read(self) -> None:
+        """Bookkeeping after the parser took a read: progress, accounting, the fast path
+        over framed commands, waking the task, back-pressure."""
         parser = self._parser
-        parser.buffer_updated(nbytes)
         now = self._loop.time()
         self._last_activity = now
         if parser.has_partial:
@@ -213,8 +265,9 @@ class RespConnection(asyncio.BufferedProtocol):
             and s.identity is not None
             and not s.channels
             and not self._closing
+            and self._can_write.is_set()
         ):
-            self._dispatcher.run_inline(self._write_more, parser.peek, parser.next_event)
+            self._dispatcher.run_inline(self._write_more, parser.ready_commands, parser.drop_ready)
             self._settle()
             if not parser.has_ready and not parser.has_error:
                 return  # all answered here: the task stays parked
@@ -237,6 +290,7 @@ class RespConnection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
+        self._ctx.live.discard(self)
         self._parser.close()  # buffered commands go now, not at the next full GC
         self._queue.pending.clear()
         self._account.close()
@@ -358,6 +412,7 @@ class RespConnection(asyncio.BufferedProtocol):
             if parser.refuse_partial(refused):
                 pending = parser.pending_bytes
             self._account.set("input", pending, force=True)
+        self._account_holds_input = pending > 0
         return True
 
     def _account_output(self) -> None:
@@ -379,7 +434,9 @@ class RespConnection(asyncio.BufferedProtocol):
         account, parser = self._account, self._parser
         if account.holding("bulk") > parser.held_bytes:
             account.set("bulk", parser.held_bytes)
-        account.set("input", parser.pending_bytes, force=True)
+        pending = parser.pending_bytes
+        account.set("input", pending, force=True)
+        self._account_holds_input = pending > 0
 
     # -- I/O helpers ------------------------------------------------------------------------
     def _write(self, buffers: list[Buffer]) -> None:

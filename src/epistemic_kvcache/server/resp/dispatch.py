@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 
 from epistemic_kvcache.errors import StoreError
 from epistemic_kvcache.proto.resp import (
+    Arg,
     Buffer,
     Command,
     ErrorReply,
@@ -73,6 +74,18 @@ connection's task (which yields to other connections between time slices)."""
 SMALL_REPLY: Final = 16 * 1024
 """Bulk replies shorter than this are sent as one buffer (head + bytes + CRLF)."""
 _FAST_NAMES: Final = {b"get": "get", b"GET": "get", b"set": "set", b"SET": "set"}
+FAST_FLUSH_BYTES: Final = 64 * 1024
+"""The fast path hands its replies to the transport once they reach this many bytes,
+so a client that does not read is noticed (`pause_writing`) before more are made."""
+
+
+def _fast_name(name: Arg) -> str | None:
+    """ "get" / "set" for any spelling of GET / SET (the fast path's commands), else None."""
+    if len(name) != 3:
+        return None
+    return _FAST_NAMES.get(bytes(name).lower())
+
+
 _SUBSCRIBED_MODE_COMMANDS: Final = frozenset(
     {"subscribe", "unsubscribe", "psubscribe", "punsubscribe", "ping", "quit", "reset"}
 )
@@ -192,6 +205,11 @@ class Dispatcher:
         self.queue = queue
         self.busy = False
         """A command is running (the connection is not idle)."""
+        metrics = self.ctx.metrics
+        self._series = {
+            "get": metrics.series(WIRE, "get", "ok"),
+            "set": metrics.series(WIRE, "set", "ok"),
+        }
 
     # -- checks and metrics ---------------------------------------------------------------
     def check(self, cmd: Command) -> tuple[str, CommandSpec | None, ErrorReply | None]:
@@ -217,10 +235,12 @@ class Dispatcher:
             )
         return spec.name, spec, None
 
-    def observe(self, route: str, reply: object, seconds: float) -> None:
+    def observe(
+        self, route: str, reply: object, seconds: float, *, count_activity: bool = True
+    ) -> None:
         status = "error" if isinstance(reply, ErrorReply) else "ok"
         s = self.session
-        if s.identity is not None:
+        if count_activity and s.identity is not None:
             s.shared.activity(s.identity.tenant).commands += 1
         access = self.ctx.access_log
         if access.enabled:
@@ -339,55 +359,135 @@ class Dispatcher:
         except StoreError as exc:
             raise Reply(store_error_reply(exc, "get")) from None
 
+    def run_fast(self, cmds: list[Command], out: list[Buffer], start: int = 0) -> int:
+        """Answer the plain GET/SET commands at `cmds[start:]` that RAM answers at once
+        (the connection's task is parked, so nothing of this connection runs meanwhile).
+
+        Replies are appended to `out` as buffers, in order; returns the index of the
+        first command not answered: one that needs the task (another command, a durable
+        or large SET, a cold GET), or the one after the replies reached
+        `FAST_FLUSH_BYTES` (the caller writes them and decides whether to go on).
+        Metrics and activity are counted here, per command, without the general
+        `observe` unless the access log is on.
+        """
+        ctx = self.ctx
+        s = self.session
+        ns = s.namespace
+        get = ctx.get_nowait
+        put = ctx.put_nowait if ctx.inline_puts else None
+        access = ctx.access_log.enabled
+        series = self._series
+        perf = time.perf_counter
+        nil = b"$-1\r\n" if s.protocol_version == 2 else b"_\r\n"
+        n = len(cmds)
+        i = start
+        queued = 0
+        t0 = perf()
+        while i < n and queued < FAST_FLUSH_BYTES:
+            cmd = cmds[i]
+            argc = len(cmd)
+            if argc == 3:
+                name = cmd[0]
+                kind = _FAST_NAMES.get(name) if type(name) is bytes else None
+                if kind != "set" and (kind is not None or _fast_name(name) != "set"):
+                    break
+                if put is None:
+                    break
+                reply: object
+                try:
+                    result = put(ns, to_key(cmd[1]), cmd[2])
+                except Reply as exc:
+                    reply = exc.reply
+                except StoreError as exc:
+                    reply = store_error_reply(exc, "set")
+                else:
+                    if result is WOULD_BLOCK:
+                        break
+                    if not isinstance(result, PutResult):  # inline_puts: never a future
+                        raise RuntimeError("put_nowait returned a future on an inline store")
+                    if result.applied:
+                        out.append(b"+OK\r\n")
+                        queued += 5
+                    else:
+                        out.append(nil)
+                    t1 = perf()
+                    i += 1
+                    if access:
+                        self.observe(
+                            "set", OK if result.applied else None, t1 - t0, count_activity=False
+                        )
+                    else:
+                        series["set"].observe(t1 - t0)
+                    t0 = t1
+                    continue
+                route = "set"
+            elif argc == 2:
+                name = cmd[0]
+                kind = _FAST_NAMES.get(name) if type(name) is bytes else None
+                if kind != "get" and (kind is not None or _fast_name(name) != "get"):
+                    break
+                try:
+                    reply = get(ns, to_key(cmd[1]))
+                except Reply as exc:
+                    reply = exc.reply
+                except StoreError as exc:
+                    reply = store_error_reply(exc, "get")
+                else:
+                    if reply is WOULD_BLOCK:
+                        break
+                    if reply is None:
+                        out.append(nil)
+                    else:
+                        size = len(reply)
+                        if size < SMALL_REPLY:
+                            out.append(b"".join((b"$%d\r\n" % size, reply, b"\r\n")))
+                        else:
+                            out += (b"$%d\r\n" % size, reply, b"\r\n")
+                        queued += size
+                    t1 = perf()
+                    i += 1
+                    if access:
+                        self.observe("get", reply, t1 - t0, count_activity=False)
+                    else:
+                        series["get"].observe(t1 - t0)
+                    t0 = t1
+                    continue
+                route = "get"
+            else:
+                break
+            # an error reply (bad key, store error): the general encoding and metrics
+            out += self.encode(reply)
+            t1 = perf()
+            i += 1
+            self.observe(route, reply, t1 - t0, count_activity=False)
+            t0 = t1
+        if i > start and s.identity is not None:
+            s.shared.activity(s.identity.tenant).commands += i - start
+        return i
+
     def run_inline(
         self,
         write: Callable[[list[Buffer]], bool],
-        peek: Callable[[], Command | None],
-        pop: Callable[[], object],
+        peek: Callable[[int], list[Command]],
+        pop: Callable[[int], object],
     ) -> None:
         """Answer framed plain GET/SET commands that RAM answers at once (task parked).
 
-        `write` sends a reply and says whether more may be written now. Stops at the
-        first command it cannot answer without blocking (the task runs it), after
-        `INLINE_MAX_COMMANDS`, or when `write` says the peer is not reading.
+        `peek(n)` lists up to `n` framed commands without taking them, `pop(k)` takes
+        the first `k`; `write` sends replies and says whether more may be written now.
+        Stops at the first command it cannot answer without blocking (the task runs
+        it), after `INLINE_MAX_COMMANDS`, or when `write` says the peer is not reading.
         """
-        ctx = self.ctx
-        inline_puts = ctx.inline_puts
-        s = self.session
-        for _ in range(INLINE_MAX_COMMANDS):
-            cmd = peek()
-            if cmd is None or not 2 <= len(cmd) <= 3:
+        cmds = peek(INLINE_MAX_COMMANDS)
+        done = 0
+        while done < len(cmds):
+            out: list[Buffer] = []
+            ran = self.run_fast(cmds, out, done)
+            if ran == done:
                 return
-            name = cmd[0]
-            kind = _FAST_NAMES.get(name) if isinstance(name, bytes) else None
-            if kind is None:
-                kind = _FAST_NAMES.get(bytes(name).lower())
-                if kind is None:
-                    return
-            started = time.perf_counter()
-            reply: object
-            try:
-                if kind == "get" and len(cmd) == 2:
-                    reply = self.get_nowait(cmd[1])
-                elif kind == "set" and len(cmd) == 3 and inline_puts:
-                    result = ctx.put_nowait(s.namespace, to_key(cmd[1]), cmd[2])
-                    if result is WOULD_BLOCK:
-                        return
-                    if not isinstance(result, PutResult):  # inline_puts: never a future
-                        raise RuntimeError("put_nowait returned a future on an inline store")
-                    reply = OK if result.applied else None
-                else:
-                    return
-            except Reply as exc:
-                reply = exc.reply
-            except StoreError as exc:
-                reply = store_error_reply(exc, kind)
-            if reply is WOULD_BLOCK:
-                return
-            pop()
-            more = write(self.encode(reply))
-            self.observe(kind, reply, time.perf_counter() - started)
-            if not more:
+            pop(ran - done)
+            done = ran
+            if not write(out):
                 return
 
     def encode(self, reply: object) -> list[Buffer]:
