@@ -37,6 +37,7 @@ import concurrent.futures
 import contextlib
 import errno
 import functools
+import gc
 import logging
 import shutil
 import signal
@@ -44,7 +45,7 @@ import ssl
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Final, ParamSpec, TypeVar
 
 from epistemic_kvcache.buffers import configure_prefault
 from epistemic_kvcache.config import Address, ServerConfig, format_size
@@ -498,6 +499,8 @@ async def serve(
         installed_signals = _install_signals(loop, stop, reload)
 
         # 4. Accept.
+        if threading.current_thread() is threading.main_thread():
+            tune_gc()  # a server process of its own (not an embedded ServerThread)
         for server in servers:
             await server.start_serving()
         started = True
@@ -682,6 +685,27 @@ def tune_allocator() -> bool:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3
     return bool(mallopt(m_mmap_threshold, 1 << 30)) and bool(mallopt(m_trim_threshold, 4 << 30))
+
+
+GC_GEN0_THRESHOLD: Final = 20_000
+"""Container allocations between young-generation collections (CPython's default: 700)."""
+
+
+def tune_gc() -> None:
+    """Set the cyclic garbage collector up for a long-running store process.
+
+    What start-up made (modules, the reopened index of a durable store: one object per
+    block) is moved out of the collector's generations (`gc.freeze`), so a full
+    collection no longer walks it; and young collections run every `GC_GEN0_THRESHOLD`
+    container allocations instead of every 700. Measured on 4 KiB SETs before this: ~1 us
+    of collector time per request, with full collections pausing the event loop for
+    ~30 ms each as the store grew. Reference counting frees blocks either way; the
+    collector only finds cycles, which the store's structures do not form.
+    """
+    gc.collect()
+    gc.freeze()
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
 
 
 def run(config: ServerConfig) -> int:
