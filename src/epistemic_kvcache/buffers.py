@@ -2,30 +2,35 @@
 
 How it works: a block arriving on a wire is read straight into one buffer of its
 announced size, and the store then keeps that very buffer in its hot tier (no copy).
-`bytearray(n)` zero-fills it in user space first, on the event loop: page faults, a
-memset, then the receive copy (three passes over the memory; in a profile of 32 MiB SETs
-the allocation line took 57% of the event loop's samples). An anonymous `mmap` instead
-gets zeroed pages from the kernel as the receive touches them (two passes; measured here
-2.3-2.6 GB/s allocate+fill vs 1.7 GB/s for bytearray).
+Nothing here is zero-filled: `bytearray(n)` memsets its memory on the event loop before
+the receive copy overwrites it (in a profile of 256 KiB SETs the allocation took 40% of
+the server's samples), so a buffer is uninitialized heap memory instead (a numpy array of
+a marker type: `np.empty`'s malloc without the memset). The receive overwrites every
+byte before anyone reads the buffer: it is only handed on once its announced length has
+arrived, and a connection that breaks off drops it unread.
 
-Prefaulting. Even so, the page faults of fresh memory dominate a large SET: in a profile
-of 256 KiB-32 MiB SETs the kernel's page zeroing (`clear_page`) took 56-75% of the
-server's CPU, and redis-server's too (it reads a large bulk straight into a fresh
-allocation). The faults cannot be avoided for memory the store keeps, but they need not
-run on the event loop: a `Prefaulter` thread keeps a few mappings of the block sizes
-recently asked for already faulted in (`madvise(MADV_POPULATE_WRITE)`, or a memset where
-the kernel lacks it, both called through ctypes, which releases the GIL), so
-`alloc_block` hands out memory the receive copy fills at memcpy speed while the faulting
-of the next buffers runs on another core. The pool is bounded (`receive_prefault_bytes`,
-`configure_prefault`); sizes not asked for within `PREFAULT_IDLE_S` are released; a
-size is pooled only once it was asked for twice, so a one-off large block costs nothing.
+Heap, not a fresh mapping per block: the server keeps freed heap memory
+(`server.app.tune_allocator`), so in steady state, where evicted and deleted blocks
+free memory as fast as new ones take it, a new block reuses resident pages and costs
+its receive copy only (measured here: 4 MiB allocate+fill 0.25 ms reused vs 1.9 ms when
+every block faulted fresh pages, as a fresh mmap does each time; 256 KiB 12 vs 111 us).
+numpy's own `madvise(MADV_HUGEPAGE)` of large arrays is turned off
+(`disable_huge_pages`): on these machines a fresh transparent huge page cost ~4 ms to
+fault in (4 MiB allocate+fill 8.5 ms).
 
-Only blocks of at least `MMAP_MIN_BYTES` get a mapping, and at most `MAX_MAPPINGS` live at
-once (the kernel limits a process to ~65k mappings, `vm.max_map_count`); past that, or
-when mmap fails, the buffer is a plain bytearray. The store recognises memoryviews of an
-mmap as handed over (see `store.api.owned_buffer`) and keeps them without copying.
-Transient buffers (a cold read that is served and freed) should stay bytearrays: malloc
-reuses freed heap memory without faults, a fresh mapping faults every time.
+Prefaulting. Memory the process has never used still has to be faulted in, and the
+kernel's page zeroing then dominates a large SET (56-75% of the server's CPU in a
+profile of 256 KiB-32 MiB SETs into fresh memory; redis-server's too, it reads a large
+bulk straight into a fresh allocation). That need not run on the event loop: a
+`Prefaulter` thread keeps a few buffers of the block sizes recently asked for already
+faulted in (`madvise(MADV_POPULATE_WRITE)`, or a memset where the kernel lacks it, both
+called through ctypes, which releases the GIL), so `alloc_block` hands out memory the
+receive copy fills at memcpy speed while the faulting of the next buffers runs on
+another core; on reused memory the populate call finds the pages resident and is cheap.
+The pool is bounded (`receive_prefault_bytes`, `configure_prefault`); sizes not asked
+for within `PREFAULT_IDLE_S` are released; a size is pooled only once it was asked for
+twice, so a one-off large block costs nothing. Transient buffers (a cold read that is
+served and freed) are plain bytearrays.
 """
 
 from __future__ import annotations
@@ -36,17 +41,15 @@ import logging
 import mmap
 import threading
 import time
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 log = logging.getLogger("epistemic_kvcache.buffers")
 
-MMAP_MIN_BYTES = 1 << 20
-"""Below this, bytearray's cost is noise and a mapping per block would waste map slots."""
-MAX_MAPPINGS = 16_384
-"""A quarter of Linux's default vm.max_map_count, leaving room for malloc, LMDB, threads."""
+POOL_MIN_BYTES: Final = 1 << 20
+"""Sizes below this are never pooled: for 256 KiB SETs the pool thread's GIL hand-offs
+cost more (CPU per SET 156 -> 220-330 us in steady state) than the faults it takes over."""
 DEFAULT_PREFAULT_BYTES: Final = 256 << 20
 """Default bound on prefaulted, not yet handed out, receive memory."""
 PREFAULT_DEPTH: Final = 8
@@ -54,51 +57,68 @@ PREFAULT_DEPTH: Final = 8
 PREFAULT_SIZES: Final = 2
 """Distinct block sizes pooled at once (the most recently asked for)."""
 PREFAULT_IDLE_S: Final = 10.0
-"""A pooled size not asked for this long is released (its ready buffers unmapped)."""
+"""A pooled size not asked for this long is released (its ready buffers freed)."""
 _MADV_POPULATE_WRITE: Final = 23  # Linux >= 5.14; not exported by Python 3.11's mmap
+_PAGE: Final = mmap.PAGESIZE
 
-_lock = threading.Lock()
-_live = 0
-
-
-def _release() -> None:
-    global _live
-    with _lock:
-        _live -= 1
+_heap_type: type[Any] | None = None
+_heap_type_lock = threading.Lock()
 
 
-def _new_mapping(size: int) -> mmap.mmap | None:
-    """A fresh anonymous mapping counted against `MAX_MAPPINGS`, or None (cap, failure)."""
-    global _live
-    with _lock:
-        if _live >= MAX_MAPPINGS:
-            return None
-        _live += 1
+def _receive_buffer(size: int) -> Any:
+    """An uninitialized heap array of `size` bytes of the marker type."""
+    kind = _heap_type
+    if kind is None:
+        kind = _make_heap_type()
+    return kind((size,), dtype="u1")
+
+
+def _make_heap_type() -> type[Any]:
+    global _heap_type
+    with _heap_type_lock:  # the loop and the prefault thread may both get here first
+        if _heap_type is None:
+            import numpy as np
+
+            class ReceiveBuffer(np.ndarray):  # type: ignore[type-arg]
+                """Marker: a wire's receive buffer (`alloc_block`), handed to the store."""
+
+            disable_huge_pages()
+            _heap_type = ReceiveBuffer
+        return _heap_type
+
+
+def disable_huge_pages() -> None:
+    """Stop numpy from asking for transparent huge pages for its large arrays (see the
+    module docstring); a no-op where numpy has no such switch."""
     try:
-        mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except (OSError, ValueError):
-        _release()
-        return None
-    weakref.finalize(mm, _release)
-    return mm
+        from numpy._core import multiarray
+    except ImportError:  # numpy < 2
+        try:
+            from numpy.core import multiarray  # type: ignore[no-redef]
+        except ImportError:
+            return
+    switch = getattr(multiarray, "_set_madvise_hugepage", None)
+    if switch is not None:
+        switch(False)
 
 
-def alloc_block(size: int) -> bytearray | memoryview:
-    """A writable, zero-filled buffer of exactly `size` bytes (a memoryview over an mmap
-    when large, prefaulted when the pool has one of that size)."""
-    if size < MMAP_MIN_BYTES:
-        return bytearray(size)
-    mm = _prefaulter.take(size)
-    if mm is None:
-        mm = _new_mapping(size)
-        if mm is None:
-            return bytearray(size)
-    return memoryview(mm)
+def alloc_block(size: int) -> memoryview:
+    """A writable buffer of exactly `size` bytes for a block being received, NOT
+    zero-filled (the caller overwrites all of it before it is read); from the prefault
+    pool when it has one of that size. The store keeps it without a copy
+    (`handed_over`)."""
+    arr = _prefaulter.take(size) if size >= POOL_MIN_BYTES else None
+    if arr is None:
+        arr = _receive_buffer(size)
+    return memoryview(arr)
 
 
-def live_mappings() -> int:
-    """How many mmap-backed block buffers are alive (for tests and stats)."""
-    return _live
+def handed_over(buf: memoryview) -> bool:
+    """Whether `buf` is a whole receive buffer from `alloc_block`: its owner hands it to
+    the store and never touches it again, so the store may keep it without copying. (A
+    slice is not: keeping it would keep the whole buffer alive behind a smaller size.)"""
+    obj = buf.obj
+    return _heap_type is not None and isinstance(obj, _heap_type) and buf.nbytes == obj.nbytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,11 +133,11 @@ class PrefaultStats:
     misses: int
     """Large buffers of a pooled size the pool had none ready for (faulted on the loop)."""
     failures: int
-    """Prefaults that failed (no memory, no mapping slot): the pool backs off."""
+    """Prefaults that failed (no memory): the pool backs off."""
 
 
 class _Populate:
-    """Fault in a mapping's pages without holding the GIL (ctypes releases it)."""
+    """Fault in a buffer's pages without holding the GIL (ctypes releases it)."""
 
     def __init__(self) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -126,29 +146,33 @@ class _Populate:
         self._madvise.restype = ctypes.c_int
         self._use_madvise = True
 
-    def __call__(self, mm: mmap.mmap) -> None:
-        ref = ctypes.c_char.from_buffer(mm)  # a buffer export: released below
-        try:
-            addr = ctypes.addressof(ref)
-            if self._use_madvise:
-                if self._madvise(addr, len(mm), _MADV_POPULATE_WRITE) == 0:
-                    return
-                if ctypes.get_errno() != 22:  # EINVAL: an older kernel; else a real failure
-                    raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE) failed")
-                self._use_madvise = False
-            ctypes.memset(addr, 0, len(mm))
-        finally:
-            del ref
+    def __call__(self, arr: Any) -> None:
+        addr = int(arr.ctypes.data)
+        size = int(arr.nbytes)
+        if self._use_madvise:
+            # madvise wants page boundaries: the whole pages inside the buffer; the
+            # partial pages at its ends are touched by hand below
+            first = (addr + _PAGE - 1) // _PAGE * _PAGE
+            last = (addr + size) // _PAGE * _PAGE
+            if last <= first or self._madvise(first, last - first, _MADV_POPULATE_WRITE) == 0:
+                if size:
+                    arr[0] = arr[0]
+                    arr[-1] = arr[-1]
+                return
+            if ctypes.get_errno() != 22:  # EINVAL: an older kernel; else a real failure
+                raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE) failed")
+            self._use_madvise = False
+        ctypes.memset(addr, 0, size)
 
 
 class Prefaulter:
-    """A bounded pool of already-faulted mappings of recently requested sizes, refilled
-    by one daemon thread (started on first use). Thread-safe."""
+    """A bounded pool of already-faulted receive buffers of recently requested sizes,
+    refilled by one daemon thread (started on first use). Thread-safe."""
 
     def __init__(self, budget_bytes: int = DEFAULT_PREFAULT_BYTES) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._budget = budget_bytes
-        self._ready: dict[int, list[mmap.mmap]] = {}
+        self._ready: dict[int, list[Any]] = {}
         self._ready_bytes = 0
         self._asked: OrderedDict[int, float] = OrderedDict()
         """Size -> when last asked for, least recent first (sizes asked at least twice)."""
@@ -160,8 +184,8 @@ class Prefaulter:
         self._closed = False
 
     # -- the event loop's side ------------------------------------------------------------
-    def take(self, size: int) -> mmap.mmap | None:
-        """A ready mapping of exactly `size` bytes, or None (then allocate one directly)."""
+    def take(self, size: int) -> Any | None:
+        """A ready buffer (array) of exactly `size` bytes, or None (allocate one then)."""
         with self._cond:
             if self._budget <= 0 or self._closed or size > self._budget:
                 return None
@@ -180,15 +204,15 @@ class Prefaulter:
                     self._seen.popitem(last=False)
                 return None
             ready = self._ready.get(size)
-            mm = ready.pop() if ready else None
-            if mm is None:
+            arr = ready.pop() if ready else None
+            if arr is None:
                 self._misses += 1
             else:
                 self._hits += 1
                 self._ready_bytes -= size
             self._start_locked()
             self._cond.notify()
-            return mm
+            return arr
 
     # -- configuration and stats ----------------------------------------------------------
     def configure(self, budget_bytes: int) -> None:
@@ -214,7 +238,7 @@ class Prefaulter:
             )
 
     def close(self) -> None:
-        """Stop the thread and unmap the ready buffers (tests, interpreter exit)."""
+        """Stop the thread and free the ready buffers (tests, interpreter exit)."""
         with self._cond:
             self._closed = True
             for size in list(self._ready):
@@ -231,9 +255,8 @@ class Prefaulter:
             self._thread.start()
 
     def _drop_size(self, size: int) -> None:
-        for mm in self._ready.pop(size, ()):
+        for _ in self._ready.pop(size, ()):
             self._ready_bytes -= size
-            mm.close()
 
     def _next_size_locked(self) -> int | None:
         """The pooled size most in need of a buffer, if the budget has room for one."""
@@ -269,16 +292,12 @@ class Prefaulter:
                         break
                     self._cond.wait(backoff or PREFAULT_IDLE_S / 2)
                     backoff = 0.0
-            mm = _new_mapping(size)
             try:
-                if mm is None:
-                    raise OSError("no mapping slot or no memory")
+                arr = _receive_buffer(size)
                 if self._populate is None:
                     self._populate = _Populate()
-                self._populate(mm)
-            except (OSError, AttributeError) as exc:
-                if mm is not None:
-                    mm.close()
+                self._populate(arr)
+            except (OSError, AttributeError, MemoryError) as exc:
                 with self._cond:
                     self._failures += 1
                 log.debug("prefault of %d bytes failed (%s); backing off", size, exc)
@@ -286,9 +305,8 @@ class Prefaulter:
                 continue
             with self._cond:
                 if self._closed or size not in self._asked:
-                    mm.close()
                     continue
-                self._ready.setdefault(size, []).append(mm)
+                self._ready.setdefault(size, []).append(arr)
                 self._ready_bytes += size
 
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import abc
 import enum
-import mmap
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 # Re-exported for the store's modules; shared.py defines them once (the client uses them).
+from epistemic_kvcache.buffers import handed_over
 from epistemic_kvcache.shared import MAX_KEY_BYTES as MAX_KEY_BYTES  # noqa: PLC0414
 from epistemic_kvcache.shared import MAX_NAMESPACE_BYTES as MAX_NAMESPACE_BYTES  # noqa: PLC0414
 from epistemic_kvcache.shared import BranchInfo as BranchInfo  # noqa: PLC0414
@@ -36,11 +36,12 @@ Buffer = bytes | bytearray | memoryview
 def owned_buffer(data: Buffer) -> Buffer:
     """What the store may keep of a caller's block without the caller changing it later.
 
-    `bytes` are immutable; a `bytearray`, or a memoryview over an `mmap` (the wires'
-    receive buffers, `buffers.alloc_block`), is handed over by the caller and never
-    touched again. Any other memoryview may be reused by its owner, so it is copied.
+    `bytes` are immutable; a `bytearray`, or a wire's receive buffer
+    (`buffers.alloc_block`: `buffers.handed_over` says which memoryviews are), is handed
+    over by the caller and never touched again. Any other memoryview may be reused by its
+    owner, so it is copied.
     """
-    if isinstance(data, memoryview) and not isinstance(data.obj, mmap.mmap):
+    if isinstance(data, memoryview) and not handed_over(data):
         return bytes(data)
     return data
 
