@@ -53,6 +53,40 @@ def test_memory_put_nowait_small_is_done_large_or_full_would_block() -> None:
     assert store.stats(None).tiers["hot"].bytes <= 1 << 20
 
 
+def test_memory_put_nowait_into_a_full_cache_evicts_inline_within_the_bound() -> None:
+    # no warm tier: making room only drops blocks, so a full cache still answers inline
+    cap = 64 * 4096
+    store = SharedKvIndex(hot_capacity_bytes=cap, warm_capacity_bytes=0)
+    for i in range(200):
+        r = store.put_nowait(NS, f"k{i}", os.urandom(4096))
+        assert isinstance(r, PutResult), i
+        assert store.stats(None).tiers["hot"].bytes <= cap
+    st = store.stats(NS)
+    assert st.evictions == 200 - 64
+    assert store.count(NS) == 64
+    assert store.exists(NS, "k199")
+    assert not store.exists(NS, "k0")  # the least recent went
+    assert store.check().ok
+
+
+def test_memory_put_nowait_into_a_full_cache_compresses_only_small_victims_inline() -> None:
+    cap = 1 << 20
+    store = SharedKvIndex(hot_capacity_bytes=cap, warm_capacity_bytes=cap)
+    for i in range(300):  # small, compressible blocks: demoted to warm on the caller's thread
+        block = i.to_bytes(4, "little") + bytes(4092)  # unique, compressible
+        assert isinstance(store.put_nowait(NS, f"s{i}", block), PutResult)
+    hot = store.stats(None).tiers["hot"]
+    assert hot.bytes <= cap
+    assert store.stats(None).tiers["warm"].blocks > 0
+    # a large block among the next victims: compressing it is not for the caller's thread
+    store.put(NS, "large", os.urandom(INLINE_MAX_BYTES + 1))
+    store.flush(NS)
+    store.put(NS, "large", os.urandom(INLINE_MAX_BYTES + 1))
+    store.put(NS, "filler", os.urandom(cap - INLINE_MAX_BYTES - 1))
+    assert store.put_nowait(NS, "one-more", b"z" * 4096) is WOULD_BLOCK
+    assert store.check().ok
+
+
 def test_durable_put_nowait_returns_a_future_resolved_once_on_disk(tmp_path: Path) -> None:
     store = durable(tmp_path)
     try:

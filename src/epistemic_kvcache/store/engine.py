@@ -696,6 +696,8 @@ class TieredEngine(SharedKvBackend):
         for b in tier.values():
             if b.pins or b.busy:
                 continue
+            if rank == 0 and not b.hits and not b.importance:
+                return b  # score 0: nothing can score lower (the common case)
             s = self._score(b, rank)
             if best is None or s < best_score:
                 best, best_score = b, s
@@ -714,6 +716,20 @@ class TieredEngine(SharedKvBackend):
             and total.warm_bytes <= self.warm_capacity_bytes
         ):
             return  # nothing to do (unlocked look: whoever adds bytes calls this after)
+        if self.warm_capacity_bytes == 0:
+            # nothing to compress: victims leave hot under the lock, one acquisition
+            with self._lock:
+                while self._total.hot_bytes - self._hot_leaving > target:
+                    victim = self._pick_victim(self._hot)
+                    if victim is None:
+                        break
+                    self._demote(victim, None)
+                while self._total.warm_bytes > self.warm_capacity_bytes:
+                    victim = self._pick_victim(self._warm)
+                    if victim is None:
+                        break
+                    self._leave_ram(victim)
+            return
         while True:
             with self._lock:
                 over = self._total.hot_bytes - self._hot_leaving - target
