@@ -54,11 +54,26 @@ def feed_buffered(p: RespParser, data: bytes, rng: random.Random | None = None) 
         pos += n
 
 
+def feed_reads(p: RespParser, data: bytes, rng: random.Random | None = None) -> None:
+    """Like a socket with reads of 1..300 bytes: a command's header and the start of its
+    large bulk often share a read (framed straight from the scratch buffer)."""
+    rng = rng or random.Random(1)
+    pos = 0
+    while pos < len(data):
+        buf = p.get_buffer(-1)
+        n = min(len(buf), len(data) - pos, rng.randint(1, 300))
+        buf[:n] = data[pos : pos + n]
+        p.buffer_updated(n)
+        pos += n
+
+
 FEEDERS: list[tuple[str, Feeder, int]] = [
     ("whole", feed_whole, 32 * 1024),
     ("bytewise", feed_bytewise, 32 * 1024),
     ("buffered-big", feed_buffered, 4),
     ("bytewise-big", feed_bytewise, 4),
+    ("reads", feed_reads, 32 * 1024),
+    ("reads-big", feed_reads, 4),
 ]
 
 
@@ -272,6 +287,55 @@ def test_large_bulk_is_read_into_one_preallocated_buffer() -> None:
     owner = arg.obj if isinstance(arg, memoryview) else arg
     assert owner is first.obj
     assert p.buffered_bytes == 0
+
+
+def test_large_bulk_starting_in_a_read_goes_straight_into_its_buffer() -> None:
+    size = 256 << 10
+    payload = bytes(range(256)) * (size // 256)
+    head = b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$%d\r\n" % size
+    wire = head + payload + b"\r\n*1\r\n$4\r\nPING\r\n"
+    p = RespParser(authenticated=True)
+    scratch = p.get_buffer(-1)
+    first = min(len(scratch), 40_000)  # the head and the start of the payload
+    scratch[:first] = wire[:first]
+    p.buffer_updated(first)
+    started = first - len(head)
+    assert p.buffered_bytes == started + len(b"SETk")  # nothing left in the receive buffer
+    lent = p.get_buffer(65536)
+    assert len(lent) == size - started  # the rest is read in place
+    lent[:] = wire[first : first + len(lent)]
+    p.buffer_updated(len(lent))
+    p.receive_data(wire[first + len(lent) :])
+    cmd = p.next_event()
+    assert isinstance(cmd, list)
+    assert [bytes(a) for a in cmd[:2]] == [b"SET", b"k"]
+    assert cmd[2] == payload
+    assert isinstance(cmd[2], memoryview)
+    assert cmd[2].obj is lent.obj  # one buffer, filled by both reads
+    assert p.next_event() == [b"PING"]
+    assert p.next_event() is NEED_DATA
+
+
+def test_take_commands_then_a_large_bulk_in_the_same_read() -> None:
+    p = RespParser(authenticated=True, large_bulk_threshold=64)
+    body = b"v" * 100
+    wire = b"*2\r\n$3\r\nGET\r\n$1\r\na\r\n*3\r\n$3\r\nSET\r\n$1\r\nb\r\n$100\r\n" + body[:10]
+    buf = p.get_buffer(-1)
+    buf[: len(wire)] = wire
+    assert p.can_take
+    taken = p.take_commands(len(wire), 64)
+    assert taken == [[b"GET", b"a"]]
+    p.defer(taken)  # handed back: it comes first
+    p.advance()
+    rest = p.get_buffer(-1)
+    assert len(rest) == 90  # the large bulk's buffer, 10 bytes already in
+    rest[:] = body[10:]
+    p.buffer_updated(90)
+    p.receive_data(b"\r\n")
+    assert p.next_event() == [b"GET", b"a"]
+    cmd = p.next_event()
+    assert isinstance(cmd, list)
+    assert [bytes(a) for a in cmd] == [b"SET", b"b", body]
 
 
 class Budget:

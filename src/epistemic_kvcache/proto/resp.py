@@ -373,7 +373,7 @@ class RespParser:
                 done = 0
             if done == nbytes:
                 return
-            self._buf += memoryview(self._scratch)[done:nbytes]
+            self._keep_tail(done, nbytes)
         else:
             self._buf += memoryview(self._scratch)[:nbytes]
         self._advance()
@@ -406,8 +406,75 @@ class RespParser:
         done = self._scan_scratch(nbytes, limit, framed)
         self.commands_parsed += len(framed)
         if done < nbytes:
-            self._buf += memoryview(self._scratch)[done:nbytes]
+            self._keep_tail(done, nbytes)
         return framed
+
+    def _keep_tail(self, done: int, n: int) -> None:
+        """Keep what `_scan_scratch` left of the scratch buffer's first `n` bytes: the
+        start of a command with a large bulk goes straight into that bulk's array (no
+        copy through the receive buffer), anything else to the state machine."""
+        pos = self._begin_big(done, n)
+        if pos < n:
+            self._buf += memoryview(self._scratch)[pos:n]
+
+    def _begin_big(self, pos: int, n: int) -> int:
+        """Frame, straight from the scratch buffer, the start of the multibulk command at
+        `pos` when its next unread argument is a large bulk: the small arguments before
+        it, its preallocated array (`reserve` asked, as by the state machine) and the
+        payload bytes already read. Returns where it stopped: `pos` when the input is
+        anything else (partial headers, small bulks cut short, bad input), which the
+        state machine then frames from the receive buffer as usual."""
+        data = self._scratch
+        max_line = self.max_inline_bytes
+        m = _MULTIBULK_HEAD.match(data, pos, n)
+        if m is None or m.end() - 2 - pos > max_line:
+            return pos
+        count = int(m.group(1))
+        if count <= 0 or count > self.max_multibulk_len:
+            return pos
+        p = m.end()
+        small: list[tuple[int, int]] = []
+        for _ in range(count):
+            m = _BULK_HEAD.match(data, p, n)
+            if m is None or m.end() - 2 - p > max_line:
+                return pos
+            length = int(m.group(1))
+            start = m.end()
+            if length >= self.large_bulk_threshold:
+                if length > self.max_bulk_bytes:
+                    return pos  # the state machine raises the protocol error
+                break
+            end = start + length
+            if end + 2 > n or not data.startswith(b"\r\n", end):
+                return pos
+            small.append((start, end))
+            p = end + 2
+        else:
+            return pos  # all small: a complete command would have been framed
+        # The same steps as the state machine's, from `*<count>` to the large bulk.
+        view = memoryview(data)
+        self._args_left = count
+        self._args = []
+        self._args_bytes = 0
+        self._args_held = 0
+        self._args_cost = COMMAND_OVERHEAD
+        self._refused = False
+        self._state = _State.ARG_HEADER
+        for a, b in small:
+            self._push_arg(bytes(view[a:b]))
+        self._bulk_len = length
+        avail = min(length, n - start)
+        if not self._granted(length):
+            self._refuse(self._refusal)
+            self._skip = length - avail
+            self._state = _State.SKIP_BODY
+            return start + avail
+        self._big = big = alloc_block(length)
+        big[:avail] = view[start : start + avail]
+        self._big_filled = avail
+        self.held_bytes += length
+        self._state = _State.BIG_BODY
+        return start + avail
 
     def defer(self, commands: list[Command]) -> None:
         """Queue commands `take_commands` returned that the caller did not run, ahead of
