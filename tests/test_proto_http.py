@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import struct
+from collections.abc import Callable
 
 import httptools
 import pytest
@@ -21,6 +22,7 @@ from epistemic_kvcache.proto.http import (
     ROUTE_KEY_EXISTS,
     ROUTE_METRICS,
     ROUTE_STATS,
+    BatchPutReceiver,
     decode_batch_get_response,
     decode_batch_put_request,
     decode_key_list,
@@ -210,6 +212,115 @@ def test_batch_decoders_fuzz(body: bytes) -> None:
     ):
         with contextlib.suppress(RemoteProtocolError):
             decode(body)
+
+
+def _receive(body: bytes, chunks: list[int], *, inplace: bool) -> list[tuple[str, bytes]]:
+    """`body` through a `BatchPutReceiver`, in reads of the given sizes (cycled): into
+    its `buffer()` as a socket would, or handed over with `feed` (bytes read with a head)."""
+    allocated: list[memoryview] = []
+
+    def alloc(n: int) -> memoryview:
+        allocated.append(memoryview(bytearray(n)))
+        return allocated[-1]
+
+    rx = BatchPutReceiver(len(body), max_keys=8, alloc=alloc, max_header_bytes=1 << 20)
+    pos, i = 0, 0
+    while pos < len(body):
+        want = chunks[i % len(chunks)]
+        i += 1
+        if inplace:
+            target = rx.buffer()
+            assert len(target) > 0
+            n = min(len(target), want, len(body) - pos)
+            target[:n] = body[pos : pos + n]
+            rx.advance(n)
+        else:
+            n = min(want, len(body) - pos)
+            rx.feed(body[pos : pos + n])
+        pos += n
+    assert rx.done
+    assert len(rx.buffer()) == 0  # never a byte past the body (the next request's)
+    items = rx.items()
+    # every block is one of the buffers from `alloc`, whole (the store keeps it as is)
+    owners = [b.obj for b in allocated]
+    for _, block in items:
+        assert len(block) == 0 or any(memoryview(block).obj is o for o in owners)
+    return [(k, bytes(v)) for k, v in items]
+
+
+@settings(max_examples=300)
+@given(
+    st.binary(max_size=200)
+    | st.builds(frame, headers, st.binary(max_size=20))
+    | st.lists(st.tuples(keys, st.binary(max_size=40)), max_size=6).map(
+        lambda items: b"".join(
+            bytes(p) for p in encode_batch_put_request([k for k, _ in items], [v for _, v in items])
+        )
+    ),
+    st.lists(st.integers(1, 64), min_size=1, max_size=5),
+    st.booleans(),
+)
+def test_batch_put_receiver_matches_the_decoder(
+    body: bytes, chunks: list[int], inplace: bool
+) -> None:
+    """Received in pieces, a body gives what `decode_batch_put_request` gives, or the same
+    error (message and status)."""
+
+    def outcome(decode: Callable[[], list[tuple[str, bytes]]]) -> object:
+        try:
+            return decode()
+        except RemoteProtocolError as exc:
+            return (str(exc), exc.status_hint)
+
+    expected = outcome(
+        lambda: [
+            (k, bytes(v))
+            for k, v in decode_batch_put_request(body, max_keys=8, max_header_bytes=1 << 20)
+        ]
+    )
+    assert outcome(lambda: _receive(body, chunks, inplace=inplace)) == expected
+
+
+def test_batch_put_receiver_reads_blocks_in_place() -> None:
+    blocks = [b"a" * 1000, b"", b"b" * 3000]
+    body = b"".join(bytes(p) for p in encode_batch_put_request(["x", "y", "z"], blocks))
+    made: list[memoryview] = []
+
+    def alloc(n: int) -> memoryview:
+        made.append(memoryview(bytearray(n)))
+        return made[-1]
+
+    rx = BatchPutReceiver(len(body), max_keys=8, alloc=alloc)
+    head = len(body) - 4000
+    rx.feed(body[: head + 10])  # the head and 10 block bytes came with the request head
+    target = rx.buffer()
+    assert target.obj is made[0].obj  # the first block's own buffer, 10 bytes in
+    assert len(target) == 990
+    target[:] = body[head + 10 : head + 1000]
+    rx.advance(990)
+    target = rx.buffer()
+    assert target.obj is made[1].obj  # the empty block takes nothing
+    assert len(target) == 3000
+    target[:] = body[head + 1000 :]
+    rx.advance(3000)
+    assert rx.done
+    assert [(k, bytes(v)) for k, v in rx.items()] == [
+        ("x", blocks[0]),
+        ("y", b""),
+        ("z", blocks[2]),
+    ]
+
+
+def test_batch_put_receiver_reads_past_a_bad_header() -> None:
+    body = frame({"keys": ["a"], "sizes": [5]}, b"12345") + b""
+    bad = body.replace(b'"sizes"', b'"sizez"')
+    rx = BatchPutReceiver(len(bad), max_keys=8, alloc=lambda n: memoryview(bytearray(n)))
+    rx.feed(bad[:-2])
+    assert not rx.done
+    rx.feed(bad[-2:])  # read and dropped: the connection stays in step
+    assert rx.done
+    with pytest.raises(RemoteProtocolError, match="'sizes' must be a list"):
+        rx.items()
 
 
 def test_decode_key_list() -> None:

@@ -27,6 +27,7 @@ import urllib3
 import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 
+from epistemic_kvcache.buffers import handed_over
 from epistemic_kvcache.errors import (
     AuthError,
     CapacityError,
@@ -550,6 +551,37 @@ def test_batch_malformed(srv: Server, path: str, body: bytes, status: int) -> No
     r = srv.pool().request("POST", path, body=body, headers=A)
     assert r.status == status, r.data
     assert json.loads(r.data)["error"] in ("bad_request", "bad_key")
+
+
+def test_batch_put_blocks_are_kept_as_received(srv: Server) -> None:
+    """Each block of a batch PUT is read into a buffer of its own, which the store keeps
+    without a copy; a malformed batch is read to its end, so the next request on the
+    connection is answered."""
+    blocks = [os.urandom(300 * 1024), os.urandom(70 * 1024)]
+    body = b"".join(bytes(p) for p in encode_batch_put_request(["rx-a", "rx-b"], blocks))
+    bad = struct.pack(">I", 27) + b'{"keys":["a"],"sizes":[5]}xx'
+    head = (
+        "POST /kv/batch/put HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok-a\r\n"
+        "Content-Length: {}\r\n\r\n"
+    )
+    sock = srv.raw()
+    sock.sendall(head.format(len(bad)).encode() + bad)
+    sock.sendall(head.format(len(body)).encode() + body[:5000])  # head + a piece, then the rest
+    time.sleep(0.05)
+    sock.sendall(
+        body[5000:] + b"GET /kv/rx-b HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok-a\r\n\r\n"
+    )
+    resps, eof = read_responses(sock, 3)
+    assert [r.status for r in resps] == [400, 200, 200]
+    assert json.loads(resps[1].body) == {"results": ["created", "created"]}
+    assert resps[2].body == blocks[1]
+    assert not eof
+    store = srv.ctx.store
+    for key, block in (("rx-a", blocks[0]), ("rx-b", blocks[1])):
+        kept = store.get("tenant-a", key)
+        assert isinstance(kept, memoryview)
+        assert kept == block
+        assert handed_over(kept)  # the receive buffer itself, not a copy of a slice
 
 
 def test_batch_limits(small: Server) -> None:

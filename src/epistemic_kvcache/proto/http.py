@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from email.utils import formatdate
 from typing import Any
 from urllib.parse import quote, unquote_to_bytes
@@ -286,6 +286,13 @@ def decode_batch_put_request(
 ) -> list[tuple[str, memoryview]]:
     """Split a batch-put body into `(key, view)` pairs (keys are not validated here)."""
     header, payload = _split_frame(body, max_header_bytes)
+    keys, sizes = _put_header(header, max_keys)
+    views = _slice_blocks(payload, sizes)
+    return [(k, v) for k, v in zip(keys, views, strict=True) if v is not None]
+
+
+def _put_header(header: dict[str, object], max_keys: int) -> tuple[list[str], list[int]]:
+    """The keys and sizes of a batch-put header (keys are not validated here)."""
     keys = header.get("keys")
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise RemoteProtocolError("batch body: 'keys' must be a list of strings")
@@ -296,8 +303,141 @@ def decode_batch_put_request(
     sizes = _int_list(header, "sizes", allow_miss=False)
     if len(sizes) != len(keys):
         raise RemoteProtocolError(f"batch body: {len(keys)} keys but {len(sizes)} sizes")
-    views = _slice_blocks(payload, sizes)
-    return [(k, v) for k, v in zip(keys, views, strict=True) if v is not None]
+    return keys, sizes
+
+
+class BatchPutReceiver:
+    """Receives a `POST /kv/batch/put` body of a known length straight into the buffers
+    its blocks are kept in: the framing (`u32` length, JSON header) into a small buffer,
+    then each block into its own buffer from `alloc`, so a receive buffer the store keeps
+    without a copy (`buffers.alloc_block`) is filled by the socket in place. The same
+    rules as `decode_batch_put_request`.
+
+    Sans-IO: the I/O layer reads into `buffer()` and reports the bytes with `advance(n)`,
+    or copies in bytes it already holds with `feed(data)`; `items()` gives the
+    `(key, block)` pairs once all `content_length` bytes arrived. A malformed header does
+    not stop the reading: the rest of the body is read and dropped (so the connection
+    stays usable) and `items()` raises the `RemoteProtocolError`.
+    """
+
+    _DISCARD = 64 * 1024
+
+    def __init__(
+        self,
+        content_length: int,
+        *,
+        max_keys: int,
+        alloc: Callable[[int], memoryview],
+        max_header_bytes: int = DEFAULT_MAX_BATCH_HEADER_BYTES,
+    ) -> None:
+        self._left = content_length
+        self._max_keys = max_keys
+        self._max_header = max_header_bytes
+        self._alloc = alloc
+        self._head = bytearray(_U32.size)
+        self._target = memoryview(self._head)
+        self._filled = 0
+        self._phase = 0  # 0: length, 1: header, 2: blocks, 3: dropping the rest
+        self._keys: list[str] = []
+        self._blocks: list[Buffer] = []
+        self._next = 0
+        self._error: RemoteProtocolError | None = None
+        if content_length < _U32.size:
+            self._fail(RemoteProtocolError("batch body: shorter than its 4-byte header length"))
+
+    @property
+    def done(self) -> bool:
+        """Whether all the body's bytes arrived."""
+        return self._left == 0
+
+    def buffer(self) -> memoryview:
+        """Where the next body bytes go (read into it, then `advance`); never empty
+        while bytes are still due."""
+        return self._target[self._filled : self._filled + self._left]
+
+    def advance(self, n: int) -> None:
+        """`n` bytes were written into the last `buffer()`."""
+        self._left -= n
+        self._filled += n
+        if self._filled >= len(self._target):
+            self._next_target()
+
+    def feed(self, data: Buffer) -> None:
+        """Copy in body bytes the I/O layer already holds."""
+        view = memoryview(data).cast("B")
+        while view and self._left:
+            target = self.buffer()
+            n = min(len(target), len(view))
+            target[:n] = view[:n]
+            view = view[n:]
+            self.advance(n)
+
+    def items(self) -> list[tuple[str, Buffer]]:
+        """The `(key, block)` pairs, in order; raises `RemoteProtocolError` for a
+        malformed body (or one that did not arrive whole)."""
+        if self._error is not None:
+            raise self._error
+        if self._left or self._phase != 2 or self._next != len(self._blocks):
+            raise RemoteProtocolError("batch body: incomplete")
+        return list(zip(self._keys, self._blocks, strict=True))
+
+    def _next_target(self) -> None:
+        self._filled = 0
+        if self._phase == 0:
+            (header_len,) = _U32.unpack_from(self._head)
+            if header_len > self._max_header:
+                self._fail(
+                    RemoteProtocolError(
+                        f"batch body: header of {header_len} bytes exceeds {self._max_header}",
+                        status_hint=413,
+                    )
+                )
+            elif header_len > self._left:
+                self._fail(RemoteProtocolError("batch body: truncated JSON header"))
+            else:
+                self._phase = 1
+                self._head = bytearray(header_len)
+                self._target = memoryview(self._head)
+                if header_len == 0:
+                    self._next_target()
+            return
+        if self._phase == 1:
+            try:
+                header = parse_json(self._head, "batch body: invalid JSON header")
+                if not isinstance(header, dict):
+                    raise RemoteProtocolError("batch body: JSON header is not an object")
+                keys, sizes = _put_header(header, self._max_keys)
+                total = sum(sizes)
+                if total != self._left:
+                    raise RemoteProtocolError(
+                        f"batch body: sizes add up to {total} bytes but {self._left} follow "
+                        "the header"
+                    )
+            except RemoteProtocolError as exc:
+                self._fail(exc)
+                return
+            self._phase = 2
+            self._keys = keys
+            self._blocks = [self._alloc(size) if size else b"" for size in sizes]
+            self._next = 0
+        elif self._phase == 2:
+            self._next += 1
+        else:  # dropping: a fresh window
+            self._target = memoryview(bytearray(min(self._DISCARD, max(self._left, 1))))
+            return
+        while self._next < len(self._blocks) and not len(self._blocks[self._next]):
+            self._next += 1  # empty blocks take no bytes
+        if self._next < len(self._blocks):
+            self._target = memoryview(self._blocks[self._next])
+        else:
+            self._target = memoryview(b"")
+
+    def _fail(self, exc: RemoteProtocolError) -> None:
+        self._error = exc
+        self._phase = 3
+        self._blocks = []
+        self._filled = 0
+        self._target = memoryview(bytearray(min(self._DISCARD, max(self._left, 1))))
 
 
 def decode_key_list(body: Buffer, *, max_keys: int) -> list[str]:

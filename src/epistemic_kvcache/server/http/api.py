@@ -19,6 +19,7 @@ from epistemic_kvcache.errors import RemoteProtocolError
 from epistemic_kvcache.proto.http import (
     JSON_CONTENT_TYPE,
     OCTET_CONTENT_TYPE,
+    BatchPutReceiver,
     error_body,
     parse_json,
 )
@@ -251,7 +252,24 @@ class Request:
     key: str | None
     """The decoded `{key}` segment, for routes that have one."""
     headers: Mapping[bytes, bytes]
-    body: bytearray | memoryview | None
+    body: bytearray | memoryview | BatchPutReceiver | None
+    """None for a route without a body; a `BatchPutReceiver` for batch PUTs."""
+
+    @property
+    def data(self) -> bytearray | memoryview:
+        """The body's bytes (the routes that take a plain body)."""
+        body = self.plain
+        if body is None:
+            raise TypeError(f"route {self.route} has no plain body")
+        return body
+
+    @property
+    def plain(self) -> bytearray | memoryview | None:
+        """The body's bytes, None when the request has none."""
+        body = self.body
+        if isinstance(body, BatchPutReceiver):
+            raise TypeError(f"route {self.route} has a batch body")
+        return body
 
     @property
     def ns(self) -> str:
@@ -262,7 +280,7 @@ class Request:
 
 
 Handler = Callable[[Request], Awaitable[Response]]
-BufferKind = Literal["block", "bytes"]
+BufferKind = Literal["block", "batch", "bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,7 +292,9 @@ class BodyRule:
     code: str
     """The 413 error code above the limit."""
     buffer: BufferKind = "bytes"
-    """`block`: handed to the store whole (mmap-backed when large); `bytes`: parsed."""
+    """`block`: a receive buffer handed to the store whole; `batch`: a batch PUT, each of
+    its blocks received into a buffer of its own (`proto.http.BatchPutReceiver`);
+    `bytes`: a plain buffer, parsed."""
 
 
 def block_body(limits: ServerLimits, store_max: int) -> int:

@@ -48,6 +48,8 @@ from epistemic_kvcache.errors import AuthError, ForbiddenError, RemoteProtocolEr
 from epistemic_kvcache.proto.errors import http_message, row_for
 from epistemic_kvcache.proto.http import (
     ROUTE_OTHER,
+    BatchPutReceiver,
+    Buffer,
     decode_key_segment,
     match_route,
     request_path,
@@ -56,6 +58,7 @@ from epistemic_kvcache.proto.http import (
 from epistemic_kvcache.server.budget import Account, BatchTooLarge, Busy, Limit, Slot, peer_of
 from epistemic_kvcache.server.context import Identity, ServerContext
 from epistemic_kvcache.server.http.api import HttpError, Request, Response
+from epistemic_kvcache.server.http.core import batch_header_limit
 from epistemic_kvcache.server.http.routes import ROUTES
 
 log = logging.getLogger("epistemic_kvcache.server.http")
@@ -106,7 +109,7 @@ class _Request:
     key: str | None = None
     identity: Identity | None = None
     content_length: int = 0
-    body: bytearray | memoryview | None = None
+    body: bytearray | memoryview | BatchPutReceiver | None = None
     reserved: int = 0
     """Bytes of the connection's account this request's body holds (see `_release`)."""
     received: int = 0
@@ -119,6 +122,15 @@ class _Request:
     continue_sent: bool = False
     error: HttpError | None = None
     """Set when the request was refused while parsing; answered in its turn."""
+
+
+def _write_body(req: _Request, data: Buffer) -> None:
+    """Copy body bytes the connection already read into the request's body."""
+    body = req.body
+    if isinstance(body, BatchPutReceiver):
+        body.feed(data)
+    elif body is not None:
+        body[req.received : req.received + len(data)] = data
 
 
 def _busy_error(limit: Limit) -> HttpError:
@@ -211,7 +223,10 @@ class HttpConnection(asyncio.BufferedProtocol):
             and not self._stopped
             and not self._backlog
         ):
-            return memoryview(req.body)[req.received :]
+            body = req.body
+            if isinstance(body, BatchPutReceiver):
+                return body.buffer()
+            return memoryview(body)[req.received :]
         return self._scratch
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -223,6 +238,8 @@ class HttpConnection(asyncio.BufferedProtocol):
             req = self._cur
             if req is not None and req.direct and req.body is not None and not self._backlog:
                 req.received += nbytes
+                if isinstance(req.body, BatchPutReceiver):
+                    req.body.advance(nbytes)
                 if req.received == req.content_length:
                     self._complete(req)
             else:
@@ -280,8 +297,7 @@ class HttpConnection(asyncio.BufferedProtocol):
             req = self._cur
             if req is not None and req.direct:
                 take = min(req.content_length - req.received, end - pos)
-                if req.body is not None:
-                    req.body[req.received : req.received + take] = data[pos : pos + take]
+                _write_body(req, data[pos : pos + take])
                 req.received += take
                 pos += take
                 if req.received == req.content_length:
@@ -379,8 +395,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         req = self._cur
         assert req is not None
         n = len(chunk)
-        if req.body is not None:
-            req.body[req.received : req.received + n] = chunk
+        _write_body(req, chunk)
         req.received += n
 
     def on_message_complete(self) -> None:
@@ -462,13 +477,20 @@ class HttpConnection(asyncio.BufferedProtocol):
             if refused is not None:
                 return _busy_error(refused), has_body
             req.reserved = req.content_length
-            # a body the store takes whole is mmap-backed when large; parsed bodies are
-            # plain bytearrays
-            req.body = (
-                alloc_block(req.content_length)
-                if rule.buffer == "block"
-                else bytearray(req.content_length)
-            )
+            # a body the store takes whole is a receive buffer it keeps as it is; a batch
+            # PUT's blocks each go into one; parsed bodies are plain bytearrays
+            if rule.buffer == "block":
+                req.body = alloc_block(req.content_length)
+            elif rule.buffer == "batch":
+                max_keys = self._limits.max_batch_keys
+                req.body = BatchPutReceiver(
+                    req.content_length,
+                    max_keys=max_keys,
+                    alloc=alloc_block,
+                    max_header_bytes=batch_header_limit(max_keys),
+                )
+            else:
+                req.body = bytearray(req.content_length)
         return None, has_body
 
     def _authenticate(self, req: _Request) -> HttpError | None:

@@ -9,6 +9,8 @@ from epistemic_kvcache.proto.errors import row_for
 from epistemic_kvcache.proto.http import (
     BATCH_CONTENT_TYPE,
     OCTET_CONTENT_TYPE,
+    BatchPutReceiver,
+    Buffer,
     decode_batch_put_request,
     decode_key_list,
     encode_batch_get_response,
@@ -61,8 +63,7 @@ async def stats(req: Request) -> Response:
 
 
 def _batch_keys(req: Request) -> list[str]:
-    assert req.body is not None
-    keys = decode_key_list(req.body, max_keys=req.ctx.limits.max_batch_keys)
+    keys = decode_key_list(req.data, max_keys=req.ctx.limits.max_batch_keys)
     for i, key in enumerate(keys):
         try:
             validate_key(key)
@@ -86,18 +87,24 @@ async def batch_get(req: Request) -> Response:
 
 
 async def batch_put(req: Request) -> Response:
-    assert req.body is not None
     limits = req.ctx.limits
-    items = decode_batch_put_request(
-        req.body,
-        max_keys=limits.max_batch_keys,
-        max_header_bytes=batch_header_limit(limits.max_batch_keys),
-    )
+    body = req.body
+    items: list[tuple[str, Buffer]]
+    if isinstance(body, BatchPutReceiver):  # blocks received into buffers of their own
+        items = body.items()
+    else:
+        items = list(
+            decode_batch_put_request(
+                body if body is not None else b"",
+                max_keys=limits.max_batch_keys,
+                max_header_bytes=batch_header_limit(limits.max_batch_keys),
+            )
+        )
     results = await req.ctx.run(_batch_put, req, items)
     return await large_json(req.ctx, 200, {"results": results})
 
 
-def _batch_put(req: Request, items: list[tuple[str, memoryview]]) -> list[str]:
+def _batch_put(req: Request, items: list[tuple[str, Buffer]]) -> list[str]:
     """Runs on the store pool: one `put_many` for the valid items, per-key errors."""
     store, ns = req.ctx.store, req.ns
     max_block = min(req.ctx.limits.max_block_bytes, store.max_block_bytes)
@@ -167,7 +174,6 @@ async def key_put(req: Request) -> Response:
     if EPOCH_SCOPE_HEADER in req.headers:
         return await scoped_put(req)
     assert req.key is not None
-    assert req.body is not None
     cond = put_condition(req)
-    result = await req.ctx.put(req.ns, req.key, req.body, cond)
+    result = await req.ctx.put(req.ns, req.key, req.data, cond)
     return put_answer(result, conditional=cond is not None)

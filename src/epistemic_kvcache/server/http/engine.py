@@ -204,9 +204,8 @@ async def scoped_put(req: Request) -> Response:
     except UnicodeDecodeError as exc:
         raise bad_request("X-Kv-Epoch-Scope must be UTF-8") from exc
     assert req.key is not None
-    assert req.body is not None
     cond = put_condition(req)
-    put = functools.partial(ctx.store.put, req.ns, req.key, req.body, epoch_scope=scope, cond=cond)
+    put = functools.partial(ctx.store.put, req.ns, req.key, req.data, epoch_scope=scope, cond=cond)
     result = await ctx.run(put)
     ctx.watch_epoch(req.ns, scope)  # publish bumps other processes make to this scope
     return put_answer(result, {"epoch_scope": scope}, conditional=cond is not None)
@@ -217,8 +216,7 @@ async def branch_key(req: Request) -> Response:
     store, ns, key = ctx.store, req.ns, req.key
     assert key is not None
     if req.method == "PUT":
-        assert req.body is not None
-        return put_answer(await ctx.run(store.branch_put, ns, branch_id, key, req.body))
+        return put_answer(await ctx.run(store.branch_put, ns, branch_id, key, req.data))
     missing = "no such key in the branch (or no such branch)"
     if req.method == "HEAD":
         size = await ctx.run(store.branch_size, ns, branch_id, key)
@@ -233,7 +231,7 @@ async def branch_key(req: Request) -> Response:
 
 async def _snapshot_create(req: Request) -> Response:
     ctx = req.ctx
-    keys, prefix, ttl = await ctx.run(_parse_snapshot_create, req.body)
+    keys, prefix, ttl = await ctx.run(_parse_snapshot_create, req.plain)
     create = functools.partial(
         ctx.store.snapshot_create, req.ns, keys=keys, prefix=prefix, ttl_s=ttl
     )
@@ -274,7 +272,7 @@ _PageIn = tuple[
 
 async def page_in(req: Request) -> Response:
     ctx = req.ctx
-    edges, node_keys, budget, damping = await ctx.run(_parse_page_in, req.body)
+    edges, node_keys, budget, damping = await ctx.run(_parse_page_in, req.plain)
     run = functools.partial(
         page_in_ranked, ctx.store, req.ns, edges, node_keys, budget, damping=damping
     )

@@ -52,7 +52,7 @@ def _snapshot_body(limits: ServerLimits, store_max: int) -> int:
     return engine.MAX_ENGINE_JSON_BYTES
 
 
-_BATCH_PUT: Final = BodyRule(_batch_put_body, "batch_too_large")
+_BATCH_PUT: Final = BodyRule(_batch_put_body, "batch_too_large", "batch")
 _BATCH_KEYS: Final = BodyRule(_batch_keys_body, "batch_too_large")
 _PAGE_IN: Final = BodyRule(_page_in_body, "body_too_large")
 _SNAPSHOT: Final = BodyRule(_snapshot_body, "body_too_large")
