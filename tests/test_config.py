@@ -55,6 +55,15 @@ def test_defaults() -> None:
     assert c == ServerConfig(limits=ServerLimits())
 
 
+def test_receive_prefault_bytes_zero_turns_the_pool_off() -> None:
+    assert load_config({"receive_prefault_bytes": "0"}, {}).limits.receive_prefault_bytes == 0
+    assert load_config({"receive_prefault_bytes": "64MiB"}, {}).limits.receive_prefault_bytes == (
+        64 << 20
+    )
+    with pytest.raises(ConfigurationError, match="max_block_bytes"):
+        load_config({"max_block_bytes": "0"}, {})  # other sizes must still be positive
+
+
 def test_precedence_flag_env_toml_default(tmp_path: Path) -> None:
     path = _toml(
         tmp_path,

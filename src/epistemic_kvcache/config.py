@@ -600,12 +600,19 @@ _LIMIT_HELP = {
 }
 
 
+_LIMITS_ZERO_OFF = frozenset({"receive_prefault_bytes"})
+"""Limits whose 0 means "off" (the others must be positive)."""
+
+
 def _limit_settings() -> list[Setting]:
     out = []
     defaults = ServerLimits()
     for f in dataclasses.fields(ServerLimits):
-        if f.name.endswith("_bytes"):
-            parse: Callable[[object], Any] = parse_size
+        if f.name in _LIMITS_ZERO_OFF:
+            parse: Callable[[object], Any] = parse_size_or_zero
+            metavar = "SIZE"
+        elif f.name.endswith("_bytes"):
+            parse = parse_size
             metavar = "SIZE"
         elif f.name.endswith("_s"):
             parse, metavar = _pos_seconds, "SECONDS"
