@@ -258,6 +258,21 @@ class Prefaulter:
         for _ in self._ready.pop(size, ()):
             self._ready_bytes -= size
 
+    def _depths_locked(self) -> dict[int, int]:
+        """Ready buffers to keep per pooled size: at most `PREFAULT_DEPTH` each, the budget
+        shared by need (smallest sizes first, each at most an equal part of what is
+        left), so a large size gets what a small one does not use. (Equal shares left
+        4 x 32 MiB LMCache batches, next to 4 MiB ones, a pool of 4 buffers: empty after
+        every batch, and the next one faulted its pages on the event loop.)"""
+        left = self._budget
+        depths: dict[int, int] = {}
+        sizes = sorted(self._asked)
+        for i, size in enumerate(sizes):
+            fair = left // (len(sizes) - i)
+            depths[size] = min(PREFAULT_DEPTH, fair // size)
+            left -= depths[size] * size
+        return depths
+
     def _next_size_locked(self) -> int | None:
         """The pooled size most in need of a buffer, if the budget has room for one."""
         now = time.monotonic()
@@ -267,11 +282,11 @@ class Prefaulter:
                 self._drop_size(size)
         if not self._asked:
             return None
-        share = self._budget // len(self._asked)
+        depths = self._depths_locked()
         best: int | None = None
         for size in reversed(self._asked):  # most recently asked first
             have = len(self._ready.get(size, ()))
-            depth = min(PREFAULT_DEPTH, share // size)
+            depth = depths[size]
             if (
                 have < depth
                 and self._ready_bytes + size <= self._budget
