@@ -1,7 +1,7 @@
 """A/B of our server's source trees against redis-server, side by side in one run.
 
     .venv/bin/python -m bench.bench_ab --trees before=/path/to/old/src,after=src \\
-        [--sizes 4KiB,256KiB,4MiB,32MiB] [--repeat 3] [--http]
+        [--sizes 4KiB,256KiB,4MiB,32MiB] [--repeat 3] [--http] [--cap-mib 64]
 
 For a change to the wire or store path: check the old commit out somewhere (e.g.
 `git worktree add /tmp/before main`) and pass its `src`. Each round runs, per block size,
@@ -11,6 +11,12 @@ generator as `bench_server` (bench/loadgen.py). Each tree's server is a fresh pr
 started with that tree first on PYTHONPATH. The table gives, per cell, the median GB/s
 and the median of the per-round ratios to redis-server of the same round, with every
 round's ratio, so the spread a shared machine adds stays visible.
+
+`--cap-mib N` measures a cache in its steady state instead of a fresh server filling:
+both servers are capped at N MiB (redis-server `--maxmemory N` with `allkeys-lru`, ours
+`--hot-capacity-bytes N` without a warm tier), a first SET pass of `--budget-mib` fills
+them, and the measured pass writes as much again, every SET evicting an older block
+(and reusing its memory). Only SETs are measured then (a GET would mostly miss).
 """
 
 from __future__ import annotations
@@ -24,7 +30,15 @@ import tempfile
 from pathlib import Path
 
 from bench.bench_cpu import parse_size
-from bench.bench_server import TOKEN, human, measure_http, measure_resp, our_server, redis_server
+from bench.bench_server import (
+    TOKEN,
+    human,
+    measure_http,
+    measure_resp,
+    measure_resp_sets,
+    our_server,
+    redis_server,
+)
 
 
 def main() -> None:
@@ -35,6 +49,7 @@ def main() -> None:
     ap.add_argument("--budget-mib", type=int, default=128, help="bytes per pass")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--http", action="store_true", help="also HTTP PUT/GET")
+    ap.add_argument("--cap-mib", type=int, default=0, help="both servers full: SET only")
     args = ap.parse_args()
     trees = [tuple(t.split("=", 1)) for t in args.trees.split(",")]
     sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -46,23 +61,43 @@ def main() -> None:
     def note(who: str, size: int, op: str, value: float) -> None:
         gbps.setdefault((who, size, op), []).append(value)
 
+    cap = args.cap_mib
+    ours_options = (
+        ["--hot-capacity-bytes", f"{cap}MiB", "--warm-capacity-bytes", "0",
+         "--max-block-bytes", "64MiB"]
+        if cap
+        else None
+    )  # fmt: skip
+
+    def resp(port: int, token: str | None, size: int) -> tuple[float, float]:
+        if not cap:
+            s, g = measure_resp(port, token, size, budget, args.clients)
+            return s.gbps, g.gbps
+        measure_resp_sets(port, token, size, budget, args.clients)  # fill the cache
+        return measure_resp_sets(port, token, size, budget, args.clients).gbps, 0.0
+
     try:
         for rnd in range(args.repeat):
             for size in sizes:
-                with redis_server(tmp, fsync_always=False) as port:
-                    s, g = measure_resp(port, None, size, budget, args.clients)
-                note("redis", size, "SET", s.gbps)
-                note("redis", size, "GET", g.gbps)
+                with redis_server(tmp, fsync_always=False, maxmemory_mib=cap) as port:
+                    s, g = resp(port, None, size)
+                note("redis", size, "SET", s)
+                note("redis", size, "GET", g)
                 for name, src in trees:
                     os.environ["PYTHONPATH"] = str(Path(src).resolve())
-                    with our_server(tmp, "memory") as (hport, rport):
-                        s, g = measure_resp(rport, TOKEN, size, budget, args.clients)
-                        note(name, size, "SET", s.gbps)
-                        note(name, size, "GET", g.gbps)
-                        if args.http:
-                            s, g = measure_http(hport, size, budget, args.clients)
-                            note(f"{name} HTTP", size, "SET", s.gbps)
-                            note(f"{name} HTTP", size, "GET", g.gbps)
+                    launch = (
+                        our_server(tmp, "memory", options=ours_options)
+                        if ours_options
+                        else our_server(tmp, "memory")
+                    )
+                    with launch as (hport, rport):
+                        s, g = resp(rport, TOKEN, size)
+                        note(name, size, "SET", s)
+                        note(name, size, "GET", g)
+                        if args.http and not cap:
+                            sh, gh = measure_http(hport, size, budget, args.clients)
+                            note(f"{name} HTTP", size, "SET", sh.gbps)
+                            note(f"{name} HTTP", size, "GET", gh.gbps)
                 print(f"round {rnd + 1}/{args.repeat}: {human(size)} done", file=sys.stderr)
     finally:
         if saved is None:
@@ -71,13 +106,16 @@ def main() -> None:
             os.environ["PYTHONPATH"] = saved
         shutil.rmtree(tmp, ignore_errors=True)
     names = (
-        ["redis"] + [n for n, _ in trees] + ([f"{n} HTTP" for n, _ in trees] if args.http else [])
+        ["redis"]
+        + [n for n, _ in trees]
+        + ([f"{n} HTTP" for n, _ in trees] if args.http and not cap else [])
     )
-    print(f"# {args.clients} connections, medians of {args.repeat} rounds\n")
+    state = f", both servers full at {cap} MiB (every SET evicts)" if cap else ""
+    print(f"# {args.clients} connections, medians of {args.repeat} rounds{state}\n")
     print("| block | op | server | GB/s | ratio to redis-server | each round |")
     print("|---|---|---|---|---|---|")
     for size in sizes:
-        for op in ("SET", "GET"):
+        for op in ("SET",) if cap else ("SET", "GET"):
             peer = gbps[("redis", size, op)]
             for who in names:
                 got = gbps[(who, size, op)]

@@ -58,7 +58,9 @@ def wait_port(port: int, timeout: float = 30.0) -> None:
 
 
 @contextmanager
-def redis_server(tmp: Path, *, fsync_always: bool) -> Iterator[int]:
+def redis_server(tmp: Path, *, fsync_always: bool, maxmemory_mib: int = 0) -> Iterator[int]:
+    """redis-server on a free loopback port; with `maxmemory_mib` a cache of that size
+    (`allkeys-lru`), the way a fleet runs it."""
     port = free_port()
     d = tmp / f"redis-{port}"
     d.mkdir()
@@ -75,8 +77,10 @@ def redis_server(tmp: Path, *, fsync_always: bool) -> Iterator[int]:
         "--protected-mode",
         "no",
         "--maxmemory",
-        "0",
+        f"{maxmemory_mib}mb" if maxmemory_mib else "0",
     ]
+    if maxmemory_mib:
+        args += ["--maxmemory-policy", "allkeys-lru"]
     args += (
         ["--appendonly", "yes", "--appendfsync", "always"]
         if fsync_always
@@ -160,6 +164,14 @@ def measure_resp(
     s = loadgen.run(loadgen.run_resp("127.0.0.1", port, token, "set", keys, payloads, clients))
     g = loadgen.run(loadgen.run_resp("127.0.0.1", port, token, "get", keys, payloads, clients))
     return s, g
+
+
+def measure_resp_sets(
+    port: int, token: str | None, size: int, budget: int, clients: int
+) -> loadgen.Result:
+    """One SET pass of fresh keys (no GET pass)."""
+    keys, payloads = workload(size, budget, clients)
+    return loadgen.run(loadgen.run_resp("127.0.0.1", port, token, "set", keys, payloads, clients))
 
 
 def measure_http(

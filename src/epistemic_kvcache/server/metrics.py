@@ -215,7 +215,7 @@ class _StoreCollector(Collector):
         )
         yield CounterMetricFamily(
             "kvcache_prefault_failures",
-            "Prefaults that failed (no memory or mapping slot); the pool backs off.",
+            "Prefaults that failed (no memory); the pool backs off.",
             value=p.failures,
         )
 
