@@ -316,6 +316,21 @@ def test_large_bulk_starting_in_a_read_goes_straight_into_its_buffer() -> None:
     assert p.next_event() is NEED_DATA
 
 
+def test_a_large_bulk_is_not_started_beyond_max_ready() -> None:
+    p = RespParser(authenticated=True, large_bulk_threshold=64, max_ready=1)
+    body = b"v" * 100
+    wire = b"*2\r\n$3\r\nGET\r\n$1\r\na\r\n*3\r\n$3\r\nSET\r\n$1\r\nb\r\n$100\r\n" + body + b"\r\n"
+    buf = p.get_buffer(-1)
+    buf[: len(wire)] = wire
+    p.buffer_updated(len(wire))
+    assert p.ready_count == 1
+    assert p.held_bytes == 0  # the SET's bulk is not allocated while the queue is full
+    assert p.next_event() == [b"GET", b"a"]
+    cmd = p.next_event()  # framed now, from the receive buffer
+    assert isinstance(cmd, list)
+    assert [bytes(a) for a in cmd] == [b"SET", b"b", body]
+
+
 def test_take_commands_then_a_large_bulk_in_the_same_read() -> None:
     p = RespParser(authenticated=True, large_bulk_threshold=64)
     body = b"v" * 100

@@ -413,7 +413,7 @@ class RespParser:
         """Keep what `_scan_scratch` left of the scratch buffer's first `n` bytes: the
         start of a command with a large bulk goes straight into that bulk's array (no
         copy through the receive buffer), anything else to the state machine."""
-        pos = self._begin_big(done, n)
+        pos = self._begin_big(done, n) if self._room() > 0 else done
         if pos < n:
             self._buf += memoryview(self._scratch)[pos:n]
 
