@@ -8,7 +8,9 @@ For a change to the wire or store path: check the old commit out somewhere (e.g.
 redis-server (no persistence) and then our memory backend from every tree (RESP SET then
 GET; with `--http` also HTTP PUT then GET on the same server), with the same load
 generator as `bench_server` (bench/loadgen.py). Each tree's server is a fresh process
-started with that tree first on PYTHONPATH. The table gives, per cell, the median GB/s
+started with that tree first on PYTHONPATH, for each wire (the HTTP pass used to run on
+the server the RESP pass had just filled, which cost it the fresh memory the RESP pass
+had: at 32 MiB HTTP PUT read 0.33x of RESP SET that way, 1.00x on a server of its own). The table gives, per cell, the median GB/s
 and the median of the per-round ratios to redis-server of the same round, with every
 round's ratio, so the spread a shared machine adds stays visible.
 
@@ -90,14 +92,15 @@ def main() -> None:
                         if ours_options
                         else our_server(tmp, "memory")
                     )
-                    with launch as (hport, rport):
+                    with launch as (_, rport):
                         s, g = resp(rport, TOKEN, size)
                         note(name, size, "SET", s)
                         note(name, size, "GET", g)
-                        if args.http and not cap:
+                    if args.http and not cap:  # a fresh server too, like the RESP pass
+                        with our_server(tmp, "memory") as (hport, _):
                             sh, gh = measure_http(hport, size, budget, args.clients)
-                            note(f"{name} HTTP", size, "SET", sh.gbps)
-                            note(f"{name} HTTP", size, "GET", gh.gbps)
+                        note(f"{name} HTTP", size, "SET", sh.gbps)
+                        note(f"{name} HTTP", size, "GET", gh.gbps)
                 print(f"round {rnd + 1}/{args.repeat}: {human(size)} done", file=sys.stderr)
     finally:
         if saved is None:

@@ -67,6 +67,9 @@ WIRE: Final = "http"
 
 READ_BUFFER_BYTES: Final = 64 * 1024
 """The listener's shared read buffer for heads and small bodies; big bodies bypass it."""
+DIRECT_MIN_BYTES: Final = 64 * 1024
+"""A batch PUT block at least this large is read straight into its buffer; smaller
+pieces (the framing, small blocks) are read many at a time and copied in."""
 FEED_SLICE: Final = 4096
 """Bytes fed to the HTTP parser at a time (between checks of the queue length)."""
 MAX_QUEUED: Final = 32
@@ -188,6 +191,8 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._linger_bytes = 0
         self.reads = 0
         """Reads so far (graceful shutdown waits while they keep coming)."""
+        self._lent_body = False
+        """The last `get_buffer` lent the current body's own buffer (not the scratch)."""
 
     @property
     def transport(self) -> asyncio.Transport | None:
@@ -224,9 +229,15 @@ class HttpConnection(asyncio.BufferedProtocol):
             and not self._backlog
         ):
             body = req.body
-            if isinstance(body, BatchPutReceiver):
-                return body.buffer()
-            return memoryview(body)[req.received :]
+            if not isinstance(body, BatchPutReceiver):
+                self._lent_body = True
+                return memoryview(body)[req.received :]
+            target = body.buffer()
+            if len(target) >= DIRECT_MIN_BYTES:
+                self._lent_body = True
+                return target
+            # a batch's framing or small blocks: read many at once, copied in from here
+        self._lent_body = False
         return self._scratch
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -236,7 +247,8 @@ class HttpConnection(asyncio.BufferedProtocol):
                 self._discard(nbytes)
                 return
             req = self._cur
-            if req is not None and req.direct and req.body is not None and not self._backlog:
+            if self._lent_body and req is not None:
+                self._lent_body = False
                 req.received += nbytes
                 if isinstance(req.body, BatchPutReceiver):
                     req.body.advance(nbytes)
