@@ -10,9 +10,10 @@ GET; with `--http` also HTTP PUT then GET on the same server), with the same loa
 generator as `bench_server` (bench/loadgen.py). Each tree's server is a fresh process
 started with that tree first on PYTHONPATH, for each wire (the HTTP pass used to run on
 the server the RESP pass had just filled, which cost it the fresh memory the RESP pass
-had: at 32 MiB HTTP PUT read 0.33x of RESP SET that way, 1.00x on a server of its own). The table gives, per cell, the median GB/s
-and the median of the per-round ratios to redis-server of the same round, with every
-round's ratio, so the spread a shared machine adds stays visible.
+had: at 32 MiB HTTP PUT read 0.33x of RESP SET that way, 1.00x on a server of its own).
+The table gives, per cell, the median GB/s and the median of the per-round ratios to
+redis-server of the same round, with every round's ratio, so the spread a shared
+machine adds stays visible.
 
 `--cap-mib N` measures a cache in its steady state instead of a fresh server filling:
 both servers are capped at N MiB (redis-server `--maxmemory N` with `allkeys-lru`, ours
