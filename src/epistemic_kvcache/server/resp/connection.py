@@ -10,7 +10,11 @@ final preallocated array. The parser frames at most `MAX_FRAMED_AHEAD` commands 
 A per-connection task takes commands in order and hands each to the `Dispatcher`
 (server/resp/dispatch.py), writing replies before taking the next, so pipelined replies
 keep request order. While the task is parked waiting for input, `buffer_updated` runs
-the dispatcher's fast path (plain GET/SET that RAM answers) without waking it.
+the dispatcher's fast path (plain GET/SET that RAM answers) without waking it: the
+complete small commands of the read are taken straight from the scratch buffer
+(`RespParser.take_commands`), answered (`Dispatcher.run_fast`) and their replies written
+together; only what the fast path cannot answer is queued for the task (`defer`), in
+order, ahead of anything framed later.
 
 Fairness: the task yields to the event loop once a time slice (`SLICE_S`) of commands
 has run, and after every command before AUTH, so no connection holds the loop.

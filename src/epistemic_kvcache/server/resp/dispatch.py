@@ -16,8 +16,11 @@ before AUTH, arity, subscribed mode) and runs it:
   the job stops early once its replies reach `MAX_BATCH_REPLY_BYTES` and the rest goes
   back to the front of the queue;
 - anything else by awaiting its loop handler.
-`run_inline` is the connection's fast path while its task is parked: it answers framed
-plain GET/SET commands RAM answers at once, at most `INLINE_MAX_COMMANDS` per call.
+`run_fast` is the connection's fast path while its task is parked: it answers plain
+GET/SET commands RAM answers at once (commands taken straight from the read, or framed
+ones through `run_inline`), counting their metrics per series without the general
+`observe`; it stops at the first command that needs the task, and the connection hands
+that one and the rest to the task in order.
 """
 
 from __future__ import annotations
