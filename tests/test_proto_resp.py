@@ -42,29 +42,26 @@ def feed_bytewise(p: RespParser, data: bytes) -> None:
         p.receive_data(data[i : i + 1])
 
 
-def feed_buffered(p: RespParser, data: bytes, rng: random.Random | None = None) -> None:
+def _feed_reads(p: RespParser, data: bytes, rng: random.Random, longest: int) -> None:
     """Like asyncio.BufferedProtocol: write into get_buffer(), then buffer_updated()."""
-    rng = rng or random.Random(0)
     pos = 0
     while pos < len(data):
         buf = p.get_buffer(-1)
-        n = min(len(buf), len(data) - pos, rng.randint(1, 7))
+        n = min(len(buf), len(data) - pos, rng.randint(1, longest))
         buf[:n] = data[pos : pos + n]
         p.buffer_updated(n)
         pos += n
+
+
+def feed_buffered(p: RespParser, data: bytes, rng: random.Random | None = None) -> None:
+    """Reads of 1..7 bytes."""
+    _feed_reads(p, data, rng or random.Random(0), 7)
 
 
 def feed_reads(p: RespParser, data: bytes, rng: random.Random | None = None) -> None:
     """Like a socket with reads of 1..300 bytes: a command's header and the start of its
     large bulk often share a read (framed straight from the scratch buffer)."""
-    rng = rng or random.Random(1)
-    pos = 0
-    while pos < len(data):
-        buf = p.get_buffer(-1)
-        n = min(len(buf), len(data) - pos, rng.randint(1, 300))
-        buf[:n] = data[pos : pos + n]
-        p.buffer_updated(n)
-        pos += n
+    _feed_reads(p, data, rng or random.Random(1), 300)
 
 
 FEEDERS: list[tuple[str, Feeder, int]] = [

@@ -453,13 +453,7 @@ class RespParser:
             return pos  # all small: a complete command would have been framed
         # The same steps as the state machine's, from `*<count>` to the large bulk.
         view = memoryview(data)
-        self._args_left = count
-        self._args = []
-        self._args_bytes = 0
-        self._args_held = 0
-        self._args_cost = COMMAND_OVERHEAD
-        self._refused = False
-        self._state = _State.ARG_HEADER
+        self._begin_command(count)
         for a, b in small:
             self._push_arg(bytes(view[a:b]))
         self._bulk_len = length
@@ -693,13 +687,7 @@ class RespParser:
                         raise _perr("unauthenticated multibulk length")
                     if count <= 0:
                         continue  # `*0` / `*-1`: an empty request, ignored like Redis
-                    self._args_left = count
-                    self._args = []
-                    self._args_bytes = 0
-                    self._args_held = 0
-                    self._args_cost = COMMAND_OVERHEAD
-                    self._refused = False
-                    self._state = _State.ARG_HEADER
+                    self._begin_command(count)
                 elif not self._inline():
                     return
             elif state is _State.ARG_HEADER:
@@ -769,6 +757,16 @@ class RespParser:
                 self._big_filled = 0
                 self._args_held += len(big)
                 self._push_arg(big, big=True)
+
+    def _begin_command(self, count: int) -> None:
+        """A multibulk header `*<count>` was read: expect its `count` arguments."""
+        self._args_left = count
+        self._args = []
+        self._args_bytes = 0
+        self._args_held = 0
+        self._args_cost = COMMAND_OVERHEAD
+        self._refused = False
+        self._state = _State.ARG_HEADER
 
     def _granted(self, length: int) -> bool:
         if self.reserve is None:

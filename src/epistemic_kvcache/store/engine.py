@@ -855,16 +855,22 @@ class TieredEngine(SharedKvBackend):
         """`put` when it is cheap to start from an event loop; else `WOULD_BLOCK`.
 
         Cheap means: the block is small (`INLINE_MAX_BYTES`, hashed here) and fits in the
-        hot tier's free room (no demotion, which would compress). The answer is the
+        hot tier's free room, or making room is cheap too (`_cheap_room`). The answer is the
         `PutResult`, or (durable backend) a future resolved once the PUT is on stable
         storage: await it, e.g. with `asyncio.wrap_future`. Errors are raised as by `put`
         (or set on the future).
         """
         if len(data) > INLINE_MAX_BYTES or (
-            self._total.hot_bytes + len(data) > self.hot_capacity_bytes
+            self._total.hot_bytes + len(data) > self.hot_capacity_bytes and not self._cheap_room()
         ):
             return WOULD_BLOCK
         return self._put_start(ns, key, data, epoch_scope, cond)
+
+    def _cheap_room(self) -> bool:
+        """Whether a PUT into a full hot tier may still run on the caller's thread (the
+        demotion it causes is cheap). Not here: the durable backend's tier thread keeps
+        room in hot off the caller; the memory backend answers for itself."""
+        return False
 
     def _put_start(
         self, ns: str, key: str, data: Buffer, epoch_scope: str | None, cond: PutCond

@@ -25,7 +25,6 @@ from epistemic_kvcache.store.codec import WarmCodec
 from epistemic_kvcache.store.engine import (
     _VICTIM_WINDOW,
     INLINE_MAX_BYTES,
-    WOULD_BLOCK,
     AddKey,
     DedupScope,
     DelKey,
@@ -33,7 +32,6 @@ from epistemic_kvcache.store.engine import (
     MetaPut,
     PinDelta,
     TieredEngine,
-    WouldBlock,
     digest_of,
     parse_internal_ns,
 )
@@ -72,32 +70,11 @@ class SharedKvIndex(TieredEngine):
             first_write_wins=first_write_wins,
         )
 
-    def put_nowait(
-        self,
-        ns: str,
-        key: str,
-        data: Buffer,
-        *,
-        epoch_scope: str | None = None,
-        cond: PutCond = None,
-    ) -> PutResult | WouldBlock:
-        """`put` on the caller's thread when that is cheap: the block is small
-        (`INLINE_MAX_BYTES`, hashed here) and either fits in the hot tier or making room
-        is cheap too (see `_cheap_room`): a full cache, the normal state of one, must not
-        send every PUT to the thread pool."""
-        size = len(data)
-        if size > INLINE_MAX_BYTES:
-            return WOULD_BLOCK
-        if self._total.hot_bytes + size > self.hot_capacity_bytes and not self._cheap_room():
-            return WOULD_BLOCK
-        if epoch_scope is None and cond is None:
-            return self.put(ns, key, data)
-        return self.put(ns, key, data, epoch_scope=epoch_scope, cond=cond)
-
     def _cheap_room(self) -> bool:
         """Whether the blocks the hot tier would demote next can leave it on the caller's
         thread: dropped (no warm tier), or compressed into warm when each is at most
-        `INLINE_MAX_BYTES` (a few tens of microseconds of codec work, like the hash)."""
+        `INLINE_MAX_BYTES` (a few tens of microseconds of codec work, like the hash). A
+        full cache, the normal state of one, must not send every PUT to the thread pool."""
         if self.warm_capacity_bytes == 0:
             return True
         with self._lock:
