@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import gc
 import http.client
+import socket
+import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +22,7 @@ import redis
 
 from epistemic_kvcache.client import EpistemicGraphKVBackend, KvCacheConfig
 from epistemic_kvcache.config import load_config
+from epistemic_kvcache.proto.http import encode_batch_put_request
 from epistemic_kvcache.server.app import ServerHandle, ServerThread
 from epistemic_kvcache.server.http.api import encode_json_chunked
 
@@ -38,6 +42,26 @@ def _cyclic_garbage(run: object) -> list[str]:
         gc.set_debug(0)
         gc.garbage.clear()
         gc.enable()
+
+
+def _hang_up(server: ServerHandle, i: int) -> None:
+    """Clients that go away halfway: a large SET and a batch PUT cut off mid-body."""
+    assert server.resp is not None
+    value = b"z" * (2 << 20)
+    auth = b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(TOKEN), TOKEN.encode())
+    resp = socket.create_connection(("127.0.0.1", server.resp.port), timeout=10)
+    resp.sendall(auth + b"*3\r\n$3\r\nSET\r\n$3\r\ncut\r\n$%d\r\n" % len(value) + value[: i * 1000])
+    body = b"".join(bytes(p) for p in encode_batch_put_request(["a", "b"], [value, value]))
+    http_ = socket.create_connection((server.http.host, server.http.port), timeout=10)
+    http_.sendall(
+        f"POST /kv/batch/put HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body[: len(body) // 2]
+    )
+    time.sleep(0.02)
+    for sock in (resp, http_):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
 
 
 def test_the_chunked_json_encoder_makes_no_cycles() -> None:
@@ -65,6 +89,7 @@ def server(tmp_path: Path) -> Iterator[ServerHandle]:
 
 
 def test_requests_on_both_wires_leave_no_cyclic_garbage(server: ServerHandle) -> None:
+    """Answered requests, errors, and clients hanging up mid-body alike."""
     assert server.resp is not None
     r = redis.Redis(host="127.0.0.1", port=server.resp.port, password=TOKEN)
     client = EpistemicGraphKVBackend(KvCacheConfig(base_url=server.http_url, token=TOKEN))
@@ -89,6 +114,8 @@ def test_requests_on_both_wires_leave_no_cyclic_garbage(server: ServerHandle) ->
             conn.request("GET", "/kv/keys?limit=1000", headers={"Authorization": f"Bearer {TOKEN}"})
             assert conn.getresponse().read()
             conn.close()
+            _hang_up(server, i)
+        time.sleep(0.2)  # the server sees the connections go
 
     try:
         assert _cyclic_garbage(run) == []

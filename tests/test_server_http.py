@@ -584,6 +584,33 @@ def test_batch_put_blocks_are_kept_as_received(srv: Server) -> None:
         assert handed_over(kept)  # the receive buffer itself, not a copy of a slice
 
 
+def test_clients_hanging_up_mid_batch_put_release_everything(srv: Server) -> None:
+    """A batch PUT cut off in its framing, in a block, or between blocks: its buffers
+    and its share of the in-flight budget go with the connection, nothing is stored,
+    and the next client is served."""
+    blocks = [os.urandom(300 * 1024), os.urandom(2 * MiB)]
+    body = b"".join(bytes(p) for p in encode_batch_put_request(["cut-a", "cut-b"], blocks))
+    head = (
+        f"POST /kv/batch/put HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok-a\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    framing = len(body) - sum(len(b) for b in blocks)
+    for cut in (2, framing - 3, framing + 1000, framing + len(blocks[0]), len(body) - 1):
+        sock = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        sock.sendall(head + body[:cut])
+        time.sleep(0.05)  # let the server read it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()  # RST mid-body
+    deadline = time.monotonic() + 10
+    while srv.ctx.budget.used and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert srv.ctx.budget.used == 0
+    pool = srv.pool()
+    assert pool.request("GET", "/kv/cut-a", headers=A).status == 404
+    r = pool.request("POST", "/kv/batch/put", body=body, headers=A)
+    assert json.loads(r.data) == {"results": ["created", "created"]}
+
+
 def test_batch_limits(small: Server) -> None:
     pool = small.pool()
     five = json.dumps({"keys": ["a", "b", "c", "d", "e"]})

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
+import struct
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -134,3 +137,31 @@ def test_concurrent_clients_over_the_fast_path(server: _Server) -> None:
     for t in threads:
         t.join(60)
     assert server.store.stats("t").put_new == 300
+
+
+def test_clients_hanging_up_mid_large_set_release_everything(server: _Server) -> None:
+    """A SET cut off right after its header, inside its large bulk (begun straight from
+    the first read), or before its final CRLF, behind answered GET/SETs in the same
+    read: its buffer and its share of the in-flight budget go with the connection,
+    nothing is stored, and the next client is served."""
+    value = os.urandom(3 << 20)
+    head = b"*3\r\n$3\r\nSET\r\n$6\r\ncut-me\r\n$%d\r\n" % len(value)
+    first = b"*3\r\n$3\r\nSET\r\n$2\r\nok\r\n$1\r\nv\r\n*2\r\n$3\r\nGET\r\n$2\r\nok\r\n"
+    auth = b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(TOKEN), TOKEN.encode())
+    for cut in (0, 1000, 60_000, len(value) // 2, len(value)):
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        sock.sendall(auth)
+        assert sock.recv(100) == b"+OK\r\n"
+        sock.sendall(first + head + value[:cut])
+        time.sleep(0.05)  # let the server read it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()  # RST mid-command
+    deadline = time.monotonic() + 10
+    while server.ctx.budget.used and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.ctx.budget.used == 0
+    r = server.client()
+    assert r.get("ok") == b"v"
+    assert r.exists("cut-me") == 0
+    assert r.set("cut-me", value)
+    assert r.get("cut-me") == value

@@ -21,12 +21,14 @@ fault in (4 MiB allocate+fill 8.5 ms).
 Prefaulting. Memory the process has never used still has to be faulted in, and the
 kernel's page zeroing then dominates a large SET (56-75% of the server's CPU in a
 profile of 256 KiB-32 MiB SETs into fresh memory; redis-server's too, it reads a large
-bulk straight into a fresh allocation). That need not run on the event loop: a
-`Prefaulter` thread keeps a few buffers of the block sizes recently asked for already
-faulted in (`madvise(MADV_POPULATE_WRITE)`, or a memset where the kernel lacks it, both
-called through ctypes, which releases the GIL), so `alloc_block` hands out memory the
-receive copy fills at memcpy speed while the faulting of the next buffers runs on
-another core; on reused memory the populate call finds the pages resident and is cheap.
+bulk straight into a fresh allocation). For blocks of at least `POOL_MIN_BYTES` that
+need not run on the event loop: a `Prefaulter` thread keeps a few buffers of the block
+sizes recently asked for already faulted in (`madvise(MADV_POPULATE_WRITE)`, or a memset
+where the kernel lacks it, both called through ctypes, which releases the GIL), so
+`alloc_block` hands out memory the receive copy fills at memcpy speed while the faulting
+of the next buffers runs on another core; on reused memory the populate call finds the
+pages resident and is cheap. (Smaller blocks fault on the loop: pooling 256 KiB ones cost
+more in the pool thread's GIL hand-offs than the faults it took over.)
 The pool is bounded (`receive_prefault_bytes`, `configure_prefault`); sizes not asked
 for within `PREFAULT_IDLE_S` are released; a size is pooled only once it was asked for
 twice, so a one-off large block costs nothing. Transient buffers (a cold read that is
@@ -255,8 +257,7 @@ class Prefaulter:
             self._thread.start()
 
     def _drop_size(self, size: int) -> None:
-        for _ in self._ready.pop(size, ()):
-            self._ready_bytes -= size
+        self._ready_bytes -= size * len(self._ready.pop(size, ()))
 
     def _depths_locked(self) -> dict[int, int]:
         """Ready buffers to keep per pooled size: at most `PREFAULT_DEPTH` each, the budget

@@ -215,18 +215,36 @@ def _split_frame(body: Buffer, max_header_bytes: int) -> tuple[dict[str, object]
     if len(view) < _U32.size:
         raise RemoteProtocolError("batch body: shorter than its 4-byte header length")
     (header_len,) = _U32.unpack_from(view, 0)
+    _check_header_len(header_len, len(view) - _U32.size, max_header_bytes)
+    end = _U32.size + header_len
+    return _parse_header(view[_U32.size : end]), view[end:]
+
+
+def _check_header_len(header_len: int, following: int, max_header_bytes: int) -> None:
+    """A batch header of `header_len` bytes, with `following` bytes after the length."""
     if header_len > max_header_bytes:
         raise RemoteProtocolError(
             f"batch body: header of {header_len} bytes exceeds {max_header_bytes}",
             status_hint=413,
         )
-    end = _U32.size + header_len
-    if end > len(view):
+    if header_len > following:
         raise RemoteProtocolError("batch body: truncated JSON header")
-    header = parse_json(view[_U32.size : end], "batch body: invalid JSON header")
+
+
+def _parse_header(raw: Buffer) -> dict[str, object]:
+    header = parse_json(raw, "batch body: invalid JSON header")
     if not isinstance(header, dict):
         raise RemoteProtocolError("batch body: JSON header is not an object")
-    return header, view[end:]
+    return header
+
+
+def _check_total(sizes: Sequence[int], following: int) -> None:
+    """The blocks' sizes must account for exactly the `following` bytes."""
+    total = sum(s for s in sizes if s > 0)
+    if total != following:
+        raise RemoteProtocolError(
+            f"batch body: sizes add up to {total} bytes but {following} follow the header"
+        )
 
 
 def _int_list(header: dict[str, object], name: str, *, allow_miss: bool) -> list[int]:
@@ -241,11 +259,7 @@ def _int_list(header: dict[str, object], name: str, *, allow_miss: bool) -> list
 
 
 def _slice_blocks(payload: memoryview, sizes: Sequence[int]) -> list[memoryview | None]:
-    total = sum(s for s in sizes if s > 0)
-    if total != len(payload):
-        raise RemoteProtocolError(
-            f"batch body: sizes add up to {total} bytes but {len(payload)} follow the header"
-        )
+    _check_total(sizes, len(payload))
     out: list[memoryview | None] = []
     pos = 0
     for s in sizes:
@@ -385,34 +399,21 @@ class BatchPutReceiver:
         self._filled = 0
         if self._phase == 0:
             (header_len,) = _U32.unpack_from(self._head)
-            if header_len > self._max_header:
-                self._fail(
-                    RemoteProtocolError(
-                        f"batch body: header of {header_len} bytes exceeds {self._max_header}",
-                        status_hint=413,
-                    )
-                )
-            elif header_len > self._left:
-                self._fail(RemoteProtocolError("batch body: truncated JSON header"))
-            else:
-                self._phase = 1
-                self._head = bytearray(header_len)
-                self._target = memoryview(self._head)
-                if header_len == 0:
-                    self._next_target()
+            try:
+                _check_header_len(header_len, self._left, self._max_header)
+            except RemoteProtocolError as exc:
+                self._fail(exc)
+                return
+            self._phase = 1
+            self._head = bytearray(header_len)
+            self._target = memoryview(self._head)
+            if header_len == 0:
+                self._next_target()
             return
         if self._phase == 1:
             try:
-                header = parse_json(self._head, "batch body: invalid JSON header")
-                if not isinstance(header, dict):
-                    raise RemoteProtocolError("batch body: JSON header is not an object")
-                keys, sizes = _put_header(header, self._max_keys)
-                total = sum(sizes)
-                if total != self._left:
-                    raise RemoteProtocolError(
-                        f"batch body: sizes add up to {total} bytes but {self._left} follow "
-                        "the header"
-                    )
+                keys, sizes = _put_header(_parse_header(self._head), self._max_keys)
+                _check_total(sizes, self._left)
             except RemoteProtocolError as exc:
                 self._fail(exc)
                 return
@@ -422,8 +423,7 @@ class BatchPutReceiver:
             self._next = 0
         elif self._phase == 2:
             self._next += 1
-        else:  # dropping: a fresh window
-            self._target = memoryview(bytearray(min(self._DISCARD, max(self._left, 1))))
+        else:  # dropping: the same window again
             return
         while self._next < len(self._blocks) and not len(self._blocks[self._next]):
             self._next += 1  # empty blocks take no bytes

@@ -119,7 +119,8 @@ NEED_DATA: Final = _NeedData.NEED_DATA
 Event = Command | Literal[_NeedData.NEED_DATA]
 
 
-def _args_size(cmd: Command) -> int:
+def args_size(cmd: Command) -> int:
+    """Bytes of a command's arguments together."""
     size = 0
     for arg in cmd:
         size += len(arg)
@@ -368,7 +369,7 @@ class RespParser:
                 framed: list[Command] = []
                 done = self._scan_scratch(nbytes, room, framed)
                 for cmd in framed:
-                    self._finish(cmd, _args_size(cmd))
+                    self._finish(cmd, args_size(cmd))
             else:
                 done = 0
             if done == nbytes:
@@ -457,24 +458,20 @@ class RespParser:
         for a, b in small:
             self._push_arg(bytes(view[a:b]))
         self._bulk_len = length
+        self._open_large(length)
         avail = min(length, n - start)
-        if not self._granted(length):
-            self._refuse(self._refusal)
-            self._skip = length - avail
-            self._state = _State.SKIP_BODY
-            return start + avail
-        self._big = big = alloc_block(length)
-        big[:avail] = view[start : start + avail]
-        self._big_filled = avail
-        self.held_bytes += length
-        self._state = _State.BIG_BODY
+        if self._state is _State.BIG_BODY:
+            self._big[:avail] = view[start : start + avail]
+            self._big_filled = avail
+        else:  # refused: its bytes are dropped
+            self._skip -= avail
         return start + avail
 
     def defer(self, commands: list[Command]) -> None:
         """Queue commands `take_commands` returned that the caller did not run, ahead of
         anything framed later (so request order holds)."""
         for cmd in commands:
-            self._finish(cmd, _args_size(cmd))
+            self._finish(cmd, args_size(cmd))
             self.commands_parsed -= 1  # counted once, when taken
 
     def advance(self) -> None:
@@ -579,10 +576,7 @@ class RespParser:
 
     def ready_commands(self, limit: int) -> list[Command]:
         """Up to `limit` framed commands, in order, without taking them (`drop_ready`)."""
-        ready = self._ready
-        if len(ready) == 1:
-            return [ready[0][0]]
-        return [item[0] for item in itertools.islice(ready, limit)]
+        return [item[0] for item in itertools.islice(self._ready, limit)]
 
     def drop_ready(self, count: int) -> None:
         """Take the first `count` framed commands (as `next_event` would, one by one)."""
@@ -708,15 +702,8 @@ class RespParser:
                 self._bulk_len = length
                 if length < self.large_bulk_threshold:
                     self._state = _State.ARG_BODY
-                elif self._refused or not self._granted(length):
-                    self._refuse(self._refusal)
-                    self._skip = length
-                    self._state = _State.SKIP_BODY
                 else:
-                    self._big = alloc_block(length)
-                    self._big_filled = 0
-                    self.held_bytes += length
-                    self._state = _State.BIG_BODY
+                    self._open_large(length)
             elif state is _State.ARG_BODY:
                 end = self._pos + self._bulk_len
                 if len(buf) < end + 2:
@@ -757,6 +744,19 @@ class RespParser:
                 self._big_filled = 0
                 self._args_held += len(big)
                 self._push_arg(big, big=True)
+
+    def _open_large(self, length: int) -> None:
+        """A large bulk's header was read: its preallocated array (once `reserve`
+        grants it), or dropping its bytes when refused."""
+        if self._refused or not self._granted(length):
+            self._refuse(self._refusal)
+            self._skip = length
+            self._state = _State.SKIP_BODY
+        else:
+            self._big = alloc_block(length)
+            self._big_filled = 0
+            self.held_bytes += length
+            self._state = _State.BIG_BODY
 
     def _begin_command(self, count: int) -> None:
         """A multibulk header `*<count>` was read: expect its `count` arguments."""

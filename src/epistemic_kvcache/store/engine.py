@@ -561,53 +561,44 @@ class TieredEngine(SharedKvBackend):
         return self._snapshots if kind == "snap" else self._branches
 
     def _apply_add(self, e: AddKey) -> None:
-        ns, key, sdig = e.ns, e.key, e.sdig
-        b = self._blobs.get(sdig)
-        c = self._ns.get(ns)
-        if c is None:
-            c = self._ns[ns] = _Counters()
-        tenant = ns if _SEP not in ns else tenant_of(ns)
-        oc = c if tenant is ns else self._counters(tenant)
-        total = self._total
+        b = self._blobs.get(e.sdig)
+        c = self._counters(e.ns)
+        tenant = tenant_of(e.ns)
+        oc = c if tenant == e.ns else self._counters(tenant)
         if b is None:
-            b = _Blob(sdig, e.size)
+            b = _Blob(e.sdig, e.size)
             b.seg, b.off = e.seg, e.off
             b.owner = {} if self.dedup_scope == "global" else tenant
-            self._blobs[sdig] = b
+            self._blobs[e.sdig] = b
             if e.data is not None and self._admit_hot(e.size):
                 b.hot = e.data  # counted hot by the footprints below
-                self._hot[sdig] = b
-            self._footprint(b, total, +1)
+                self._hot[e.sdig] = b
+            self._footprint(b, self._total, +1)
             if isinstance(b.owner, str):
                 self._footprint(b, oc, +1)
             self._on_blob_created(b)
         b.refs += 1
-        owner = b.owner
-        if b.keys is None and owner == ns:
-            b.keys = key  # the common case: one key of the blob's own namespace
-        else:
-            b.add_keyref((ns, key))
-        if isinstance(owner, dict):
-            n = owner.get(tenant, 0)
-            owner[tenant] = n + 1
+        b.add_keyref((e.ns, e.key))
+        if isinstance(b.owner, dict):
+            n = b.owner.get(tenant, 0)
+            b.owner[tenant] = n + 1
             if n == 0:
                 self._footprint(b, oc, +1)
-        idx = self._index.get(ns)
+        idx = self._index.get(e.ns)
         if idx is None:
-            idx = self._index[ns] = {}
-        if key not in idx:
-            sl = self._sorted.get(ns)
+            idx = self._index[e.ns] = {}
+        if e.key not in idx:
+            sl = self._sorted.get(e.ns)
             if sl is None:
-                sl = self._sorted[ns] = SortedList()
-            sl.add(key)
-        idx[key] = b
+                sl = self._sorted[e.ns] = SortedList()
+            sl.add(e.key)
+        idx[e.key] = b
         if e.tag is not None:
-            self._tags[(ns, key)] = e.tag
-        size = b.size
+            self._tags[(e.ns, e.key)] = e.tag
         c.total_refs += 1
-        c.logical_bytes += size
-        total.total_refs += 1
-        total.logical_bytes += size
+        c.logical_bytes += b.size
+        self._total.total_refs += 1
+        self._total.logical_bytes += b.size
 
     def _apply_del(self, e: DelKey) -> None:
         idx = self._index.get(e.ns)
@@ -716,29 +707,22 @@ class TieredEngine(SharedKvBackend):
             and total.warm_bytes <= self.warm_capacity_bytes
         ):
             return  # nothing to do (unlocked look: whoever adds bytes calls this after)
-        if self.warm_capacity_bytes == 0:
-            # nothing to compress: victims leave hot under the lock, one acquisition
+        while True:
             with self._lock:
+                victim = None
                 while self._total.hot_bytes - self._hot_leaving > target:
                     victim = self._pick_victim(self._hot)
                     if victim is None:
                         break
-                    self._demote(victim, None)
-                while self._total.warm_bytes > self.warm_capacity_bytes:
-                    victim = self._pick_victim(self._warm)
-                    if victim is None:
+                    data = victim.hot
+                    if data is not None and 0 < victim.size <= self.warm_capacity_bytes:
+                        victim.busy = True  # compressed outside the lock, below
+                        self._hot_leaving += victim.size
                         break
-                    self._leave_ram(victim)
-            return
-        while True:
-            with self._lock:
-                over = self._total.hot_bytes - self._hot_leaving - target
-                victim = self._pick_victim(self._hot) if over > 0 else None
+                    self._demote(victim, None)  # nothing to compress: it leaves hot now
+                    victim = None
                 if victim is None:
                     break
-                victim.busy = True
-                self._hot_leaving += victim.size
-                data = victim.hot
             comp: bytes | None = None
             try:
                 if data is not None and 0 < victim.size <= self.warm_capacity_bytes:
@@ -1408,20 +1392,13 @@ class TieredEngine(SharedKvBackend):
 
     # -- decisions shared by both backends -----------------------------------------------
     def _count_put(self, ns: str, outcome: PutOutcome, deduped: bool) -> None:
-        c = self._ns.get(ns)
-        if c is None:
-            c = self._ns[ns] = _Counters()
-        total = self._total
-        if outcome is PutOutcome.NEW:  # the common case first
-            c.put_new += 1
-            total.put_new += 1
-            if deduped:
-                c.dedup_hits += 1
-                total.dedup_hits += 1
-            return
-        for cc in (c, total):
-            if outcome is PutOutcome.REPLACED:
-                cc.put_replaced += 1
+        c = self._counters(ns)
+        for cc in (c, self._total):
+            if outcome is PutOutcome.NEW or outcome is PutOutcome.REPLACED:
+                if outcome is PutOutcome.NEW:
+                    cc.put_new += 1
+                else:
+                    cc.put_replaced += 1
                 if deduped:
                     cc.dedup_hits += 1
             elif outcome is PutOutcome.DUPLICATE:

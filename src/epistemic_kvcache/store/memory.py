@@ -98,8 +98,7 @@ class SharedKvIndex(TieredEngine):
         self._check_size(data)
         validate_cond(cond)
         self._check_open()
-        tag = None if epoch_scope is None else self._tag_for(ns, epoch_scope)
-        return self._put_into(ns, ns_raw, key, data, tag, cond)
+        return self._put_into(ns, ns_raw, key, data, self._tag_for(ns, epoch_scope), cond)
 
     def _put_into(
         self,
@@ -112,17 +111,11 @@ class SharedKvIndex(TieredEngine):
     ) -> PutResult:
         data = owned_buffer(data)  # the hot tier keeps it
         digest = digest_of(data)
-        sdig = digest if self.dedup_scope == "global" else scope_raw + b"\x00" + digest
+        sdig = self._scoped(scope_raw, digest)
         with self._lock:
             result = self._put_locked(ns, key, sdig, digest, data, tag, cond)
-        outcome = result.outcome
-        if outcome is PutOutcome.NEW or outcome is PutOutcome.REPLACED:
-            total = self._total
-            if (
-                total.hot_bytes - self._hot_leaving > self.hot_capacity_bytes
-                or total.warm_bytes > self.warm_capacity_bytes
-            ):
-                self._rebalance()
+        if result.outcome is PutOutcome.NEW or result.outcome is PutOutcome.REPLACED:
+            self._rebalance()
         return result
 
     def _put_locked(
@@ -140,13 +133,11 @@ class SharedKvIndex(TieredEngine):
         if internal is not None and internal[2] not in self._meta(internal[1]).get(internal[0], {}):
             # the branch was deleted while this PUT was being hashed
             raise NotFoundError(f"no {internal[1]} {internal[2]!r}")
-        idx = self._index.get(ns)
-        existing = idx.get(key) if idx is not None else None
-        if existing is None:
-            outcome = PutOutcome.MISSING if cond == "xx" else PutOutcome.NEW
-        else:
-            stale = bool(self._tags) and self._stale(ns, key)
-            outcome = decide_put(None if stale else existing.sdig, sdig, cond, self._fww(ns))
+        existing = self._lookup(ns, key)
+        stale = existing is not None and bool(self._tags) and self._stale(ns, key)
+        outcome = decide_put(
+            None if existing is None or stale else existing.sdig, sdig, cond, self._fww(ns)
+        )
         if outcome is PutOutcome.MISSING:
             self._count_put(ns, outcome, False)
             return PutResult(outcome, digest, size)
@@ -154,22 +145,20 @@ class SharedKvIndex(TieredEngine):
             assert existing is not None  # nothing written
             self._count_put(ns, outcome, False)
             return PutResult(outcome, existing.digest, existing.size)
-        if existing is None and internal is None and self.max_keys_per_tenant:
+        if existing is None and internal is None:
             self._check_key_quota(ns)
         shared = sdig in self._blobs
-        if not shared and (
-            self._pinned_bytes + size > self.hot_capacity_bytes + self.warm_capacity_bytes
-        ):
-            self._check_ram_room(size)  # raises CapacityError
-        add = AddKey(ns, key, sdig, size, None if shared else data, tag=tag)
-        if existing is None:
-            self._apply_add(add)
-        else:  # replaced, or stale (a stale entry is replaced, not kept)
+        if not shared:
+            self._check_ram_room(size)
+        effects: list[Effect] = []
+        pins = 0
+        if existing is not None:  # replaced, or stale (a stale entry is replaced, not kept)
             pins = self._pins.get((ns, key), 0)
-            effects: list[Effect] = [DelKey(ns, key), add]
-            if pins:
-                effects.append(PinDelta(ns, key, pins))  # pins belong to the key: they stay
-            self._apply(effects)
+            effects.append(DelKey(ns, key))
+        effects.append(AddKey(ns, key, sdig, size, None if shared else data, tag=tag))
+        if pins:
+            effects.append(PinDelta(ns, key, pins))  # pins belong to the key: they stay
+        self._apply(effects)
         b = self._blobs[sdig]
         if b.hot is None and b.warm is None:
             # larger than the hot tier: straight to warm (compressed when worth it)

@@ -195,6 +195,7 @@ class RespConnection(asyncio.BufferedProtocol):
         self._slot = admitted
         self._shared.live.add(self)
         self._task = self._loop.create_task(self._serve())
+        self._task.add_done_callback(self._task_done)
         self._arm_timer(self._timeout_check_delay())
         self.arm_auth_deadline()
 
@@ -205,14 +206,7 @@ class RespConnection(asyncio.BufferedProtocol):
         started = time.perf_counter()
         self.reads += 1
         parser = self._parser
-        s = self.session
-        if (
-            self._parked
-            and parser.can_take
-            and s.identity is not None
-            and not s.channels
-            and not self._closing
-        ):
+        if parser.can_take and self._may_answer_inline():
             # The fast path: complete small commands straight from the scratch buffer,
             # the plain GET/SETs among them answered here, with nothing queued between.
             cmds = parser.take_commands(nbytes, INLINE_MAX_COMMANDS)
@@ -234,6 +228,12 @@ class RespConnection(asyncio.BufferedProtocol):
             self._after_read()
         if time.perf_counter() - started > READ_SLICE_S:
             self._yield_reading()
+
+    def _may_answer_inline(self) -> bool:
+        """Whether the read callback may answer commands itself: the task is parked (so
+        nothing of this connection runs), authenticated, not subscribed, not closing."""
+        s = self.session
+        return self._parked and s.identity is not None and not s.channels and not self._closing
 
     def _answer_fast(self, cmds: list[Command]) -> int:
         """Run the fast path over `cmds`, writing replies as they reach the flush size;
@@ -263,14 +263,7 @@ class RespConnection(asyncio.BufferedProtocol):
         if not self._account_input():
             return
         s = self.session
-        if (
-            self._parked
-            and parser.has_ready
-            and s.identity is not None
-            and not s.channels
-            and not self._closing
-            and self._can_write.is_set()
-        ):
+        if parser.has_ready and self._can_write.is_set() and self._may_answer_inline():
             self._dispatcher.run_inline(self._write_more, parser.ready_commands, parser.drop_ready)
             self._settle()
             if not parser.has_ready and not parser.has_error:
@@ -285,6 +278,13 @@ class RespConnection(asyncio.BufferedProtocol):
         if over:
             self._reading_paused = True
             self._apply_reading()
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        # A cancelled task keeps its CancelledError, whose traceback holds the task's
+        # frame and with it this connection: without this link dropped, a client that
+        # hung up mid-command left a reference cycle for the garbage collector.
+        if self._task is task:
+            self._task = None
 
     def eof_received(self) -> bool:
         self._eof = True

@@ -40,6 +40,7 @@ from epistemic_kvcache.proto.resp import (
     Command,
     ErrorReply,
     RefusedCommand,
+    args_size,
     serialize,
 )
 from epistemic_kvcache.server.resp.common import (
@@ -172,7 +173,7 @@ class CommandQueue(Protocol):
 
 
 def command_bytes(cmd: Command) -> int:
-    return sum(len(a) for a in cmd)
+    return args_size(cmd)
 
 
 def reply_bytes(reply: object) -> int:
@@ -370,18 +371,16 @@ class Dispatcher:
         first command not answered: one that needs the task (another command, a durable
         or large SET, a cold GET), or the one after the replies reached
         `FAST_FLUSH_BYTES` (the caller writes them and decides whether to go on).
-        Metrics and activity are counted here, per command, without the general
-        `observe` unless the access log is on.
+        Successes are counted straight into their metric series, the rest (errors, or
+        everything while the access log is on) through `observe`.
         """
         ctx = self.ctx
         s = self.session
         ns = s.namespace
-        get = ctx.get_nowait
         put = ctx.put_nowait if ctx.inline_puts else None
-        access = ctx.access_log.enabled
+        plain = not ctx.access_log.enabled
         series = self._series
         perf = time.perf_counter
-        nil = b"$-1\r\n" if s.protocol_version == 2 else b"_\r\n"
         n = len(cmds)
         i = start
         queued = 0
@@ -389,80 +388,46 @@ class Dispatcher:
         while i < n and queued < FAST_FLUSH_BYTES:
             cmd = cmds[i]
             argc = len(cmd)
-            if argc == 3:
-                name = cmd[0]
-                kind = _FAST_NAMES.get(name) if type(name) is bytes else None
-                if kind != "set" and (kind is not None or _fast_name(name) != "set"):
-                    break
-                if put is None:
-                    break
-                reply: object
-                try:
+            if argc not in {2, 3}:  # (a refused command is empty: the task answers it)
+                break
+            name = cmd[0]
+            kind = _FAST_NAMES.get(name) if type(name) is bytes else None
+            if kind is None:
+                kind = _fast_name(name)
+            if kind == "get" and argc == 2:
+                route = "get"
+            elif kind == "set" and argc == 3 and put is not None:
+                route = "set"
+            else:
+                break
+            reply: object
+            try:
+                if route == "get":
+                    reply = ctx.get_nowait(ns, to_key(cmd[1]))
+                    if reply is WOULD_BLOCK:
+                        break
+                elif put is not None:  # always, for "set"
                     result = put(ns, to_key(cmd[1]), cmd[2])
-                except Reply as exc:
-                    reply = exc.reply
-                except StoreError as exc:
-                    reply = store_error_reply(exc, "set")
-                else:
                     if result is WOULD_BLOCK:
                         break
                     if not isinstance(result, PutResult):  # inline_puts: never a future
                         raise RuntimeError("put_nowait returned a future on an inline store")
-                    if result.applied:
-                        out.append(b"+OK\r\n")
-                        queued += 5
-                    else:
-                        out.append(nil)
-                    t1 = perf()
-                    i += 1
-                    if access:
-                        self.observe(
-                            "set", OK if result.applied else None, t1 - t0, count_activity=False
-                        )
-                    else:
-                        series["set"].observe(t1 - t0)
-                    t0 = t1
-                    continue
-                route = "set"
-            elif argc == 2:
-                name = cmd[0]
-                kind = _FAST_NAMES.get(name) if type(name) is bytes else None
-                if kind != "get" and (kind is not None or _fast_name(name) != "get"):
-                    break
-                try:
-                    reply = get(ns, to_key(cmd[1]))
-                except Reply as exc:
-                    reply = exc.reply
-                except StoreError as exc:
-                    reply = store_error_reply(exc, "get")
+                    reply = OK if result.applied else None
                 else:
-                    if reply is WOULD_BLOCK:
-                        break
-                    if reply is None:
-                        out.append(nil)
-                    else:
-                        size = len(reply)
-                        if size < SMALL_REPLY:
-                            out.append(b"".join((b"$%d\r\n" % size, reply, b"\r\n")))
-                        else:
-                            out += (b"$%d\r\n" % size, reply, b"\r\n")
-                        queued += size
-                    t1 = perf()
-                    i += 1
-                    if access:
-                        self.observe("get", reply, t1 - t0, count_activity=False)
-                    else:
-                        series["get"].observe(t1 - t0)
-                    t0 = t1
-                    continue
-                route = "get"
-            else:
-                break
-            # an error reply (bad key, store error): the general encoding and metrics
-            out += self.encode(reply)
+                    break
+            except Reply as exc:
+                reply = exc.reply
+            except StoreError as exc:
+                reply = store_error_reply(exc, route)
+            for buf in self.encode(reply):
+                out.append(buf)
+                queued += len(buf)
             t1 = perf()
             i += 1
-            self.observe(route, reply, t1 - t0, count_activity=False)
+            if plain and not isinstance(reply, ErrorReply):
+                series[route].observe(t1 - t0)
+            else:
+                self.observe(route, reply, t1 - t0, count_activity=False)
             t0 = t1
         if i > start and s.identity is not None:
             s.shared.activity(s.identity.tenant).commands += i - start
@@ -495,8 +460,8 @@ class Dispatcher:
 
     def encode(self, reply: object) -> list[Buffer]:
         """`serialize`, with the replies of GET and SET written without its machinery."""
-        if isinstance(reply, bytes | bytearray):
-            n = len(reply)
+        if isinstance(reply, bytes | bytearray | memoryview):
+            n = reply.nbytes if isinstance(reply, memoryview) else len(reply)
             if n < SMALL_REPLY:
                 return [b"".join((b"$%d\r\n" % n, reply, b"\r\n"))]
             return [b"$%d\r\n" % n, reply, b"\r\n"]

@@ -176,7 +176,9 @@ class Session:
         self.shared = shared
         self.ctx = shared.ctx
         self.account = account
-        self.hooks = hooks
+        # a proxy: the connection owns its session, so the session must not hold the
+        # connection (that cycle kept every closed connection for the garbage collector)
+        self.hooks: SessionHooks = weakref.proxy(hooks)
         self.client_id = secrets.randbits(62) + 1
         """Random per connection: a counter would tell one tenant the others' rate."""
         self.identity: Identity | None = None
