@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 import http.client
 import socket
-import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 import redis
 
+import hangup
 from epistemic_kvcache.client import EpistemicGraphKVBackend, KvCacheConfig
 from epistemic_kvcache.config import load_config
 from epistemic_kvcache.proto.http import encode_batch_put_request
@@ -58,10 +58,8 @@ def _hang_up(server: ServerHandle, i: int) -> None:
         f"Content-Length: {len(body)}\r\n\r\n".encode()
         + body[: len(body) // 2]
     )
-    time.sleep(0.02)
     for sock in (resp, http_):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        sock.close()
+        hangup.reset(sock, settle_s=0.01)
 
 
 def test_the_chunked_json_encoder_makes_no_cycles() -> None:
