@@ -35,10 +35,17 @@ def test_receive_buffers_are_writable_heap_views_handed_to_the_store() -> None:
             True,
         )
         assert buffers.handed_over(buf)
-        # a slice is not: the store would keep the whole buffer behind a smaller size
-        assert not buffers.handed_over(buf[1:])
+        # a smaller slice is not: the store would keep the whole buffer behind it
+        if size > buffers.MAX_SLACK:
+            assert not buffers.handed_over(buf[buffers.MAX_SLACK + 1 :])
+        # a buffer with room for the wire's framing after the block: the block is
+        roomy = buffers.alloc_block(size, slack=buffers.MAX_SLACK)
+        assert len(roomy) == size + buffers.MAX_SLACK
+        assert buffers.handed_over(roomy[:size])
         buf[-1:] = b"x"
         assert bytes(buf[-1:]) == b"x"
+    with pytest.raises(ValueError, match="invalid slack"):
+        buffers.alloc_block(8, slack=buffers.MAX_SLACK + 1)
     assert not buffers.handed_over(memoryview(bytearray(8)))
     assert not buffers.handed_over(memoryview(b"bytes"))
 

@@ -18,6 +18,7 @@ from redis.connection import PythonRespSerializer
 
 from epistemic_kvcache.errors import LocalProtocolError, RemoteProtocolError
 from epistemic_kvcache.proto.resp import (
+    FIRST_READ_AFTER_BIG,
     NEED_DATA,
     NULL_ARRAY,
     ErrorReply,
@@ -64,6 +65,12 @@ def feed_reads(p: RespParser, data: bytes, rng: random.Random | None = None) -> 
     _feed_reads(p, data, rng or random.Random(1), 300)
 
 
+def feed_greedy(p: RespParser, data: bytes) -> None:
+    """Like a socket with everything already queued: each read fills what is lent (a
+    large bulk's rest with its CRLF, the short first read after a large bulk)."""
+    _feed_reads(p, data, random.Random(2), len(data) or 1)
+
+
 FEEDERS: list[tuple[str, Feeder, int]] = [
     ("whole", feed_whole, 32 * 1024),
     ("bytewise", feed_bytewise, 32 * 1024),
@@ -71,6 +78,8 @@ FEEDERS: list[tuple[str, Feeder, int]] = [
     ("bytewise-big", feed_bytewise, 4),
     ("reads", feed_reads, 32 * 1024),
     ("reads-big", feed_reads, 4),
+    ("greedy", feed_greedy, 32 * 1024),
+    ("greedy-big", feed_greedy, 4),
 ]
 
 
@@ -261,8 +270,9 @@ def test_large_bulk_is_read_into_one_preallocated_buffer() -> None:
     p = RespParser(authenticated=True)
     p.receive_data(b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$%d\r\n" % size + payload[:100])
     first = p.get_buffer(65536)
-    # The buffer lent to the socket is the unfilled tail of the final argument.
-    assert len(first) == size - 100
+    # The buffer lent to the socket is the unfilled tail of the final argument and room
+    # for the CRLF after it.
+    assert len(first) == size - 100 + 2
     views: list[memoryview] = []
     pos = 100
     while pos < size:
@@ -299,7 +309,7 @@ def test_large_bulk_starting_in_a_read_goes_straight_into_its_buffer() -> None:
     started = first - len(head)
     assert p.buffered_bytes == started + len(b"SETk")  # nothing left in the receive buffer
     lent = p.get_buffer(65536)
-    assert len(lent) == size - started  # the rest is read in place
+    assert len(lent) == size - started + 2  # the rest is read in place, and its CRLF
     lent[:] = wire[first : first + len(lent)]
     p.buffer_updated(len(lent))
     p.receive_data(wire[first + len(lent) :])
@@ -328,6 +338,37 @@ def test_a_large_bulk_is_not_started_beyond_max_ready() -> None:
     assert [bytes(a) for a in cmd] == [b"SET", b"b", body]
 
 
+def test_after_a_large_bulk_the_next_read_asks_for_a_header_first() -> None:
+    """Large SETs back to back: the read after one asks for a header's worth, so the next
+    bulk goes into its own buffer in place instead of being copied out of the scratch
+    buffer; a read that fills it (more than large bulks follow) gets the whole scratch
+    buffer again."""
+    size = 64 << 10
+    p = RespParser(authenticated=True)
+    full = len(p.get_buffer(-1))
+    assert full > FIRST_READ_AFTER_BIG
+    one = b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$%d\r\n" % size + b"v" * size + b"\r\n"
+    feed_greedy(p, one)
+    assert len(p.get_buffer(-1)) == FIRST_READ_AFTER_BIG
+    scratch = p.get_buffer(-1)
+    head = b"*3\r\n$3\r\nSET\r\n$1\r\nj\r\n$%d\r\n" % size
+    scratch[: len(head) + 10] = head + b"w" * 10
+    p.buffer_updated(len(head) + 10)  # less than asked: still between large bulks
+    lent = p.get_buffer(-1)
+    assert len(lent) == size - 10 + 2  # in place, with its CRLF
+    lent[:] = b"w" * (size - 10) + b"\r\n"
+    p.buffer_updated(len(lent))
+    small = b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n" * 400
+    scratch = p.get_buffer(-1)
+    assert len(scratch) == FIRST_READ_AFTER_BIG
+    scratch[:] = small[: len(scratch)]
+    p.buffer_updated(len(scratch))  # it filled: whole reads again
+    assert len(p.get_buffer(-1)) == full
+    cmds, error = drain(p)
+    assert error is None
+    assert [bytes(c[2]) for c in cmds[:2]] == [b"v" * size, b"w" * size]
+
+
 def test_take_commands_then_a_large_bulk_in_the_same_read() -> None:
     p = RespParser(authenticated=True, large_bulk_threshold=64)
     body = b"v" * 100
@@ -340,10 +381,9 @@ def test_take_commands_then_a_large_bulk_in_the_same_read() -> None:
     p.defer(taken)  # handed back: it comes first
     p.advance()
     rest = p.get_buffer(-1)
-    assert len(rest) == 90  # the large bulk's buffer, 10 bytes already in
-    rest[:] = body[10:]
-    p.buffer_updated(90)
-    p.receive_data(b"\r\n")
+    assert len(rest) == 92  # the large bulk's buffer, 10 bytes already in, and its CRLF
+    rest[:] = body[10:] + b"\r\n"
+    p.buffer_updated(92)  # the CRLF came in the payload's read: the command is complete
     assert p.next_event() == [b"GET", b"a"]
     cmd = p.next_event()
     assert isinstance(cmd, list)

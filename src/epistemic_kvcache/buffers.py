@@ -49,6 +49,8 @@ from typing import Any, Final
 
 log = logging.getLogger("epistemic_kvcache.buffers")
 
+MAX_SLACK: Final = 2
+"""Bytes a receive buffer may have after its block (RESP reads a bulk's CRLF with it)."""
 POOL_MIN_BYTES: Final = 1 << 20
 """Sizes below this are never pooled: for 256 KiB SETs the pool thread's GIL hand-offs
 cost more (CPU per SET 156 -> 220-330 us in steady state) than the faults it takes over."""
@@ -104,23 +106,32 @@ def disable_huge_pages() -> None:
         switch(False)
 
 
-def alloc_block(size: int) -> memoryview:
-    """A writable buffer of exactly `size` bytes for a block being received, NOT
-    zero-filled (the caller overwrites all of it before it is read); from the prefault
-    pool when it has one of that size. The store keeps it without a copy
+def alloc_block(size: int, slack: int = 0) -> memoryview:
+    """A writable buffer of `size` bytes for a block being received, plus `slack` (at
+    most `MAX_SLACK`) bytes after it for the wire's framing, NOT zero-filled (the caller
+    overwrites the block before it is read); from the prefault pool when it has one of
+    that size. The store keeps the block (the first `size` bytes) without a copy
     (`handed_over`)."""
-    arr = _prefaulter.take(size) if size >= POOL_MIN_BYTES else None
+    if not 0 <= slack <= MAX_SLACK:
+        raise ValueError(f"invalid slack: expected 0..{MAX_SLACK} bytes (got {slack})")
+    total = size + slack
+    arr = _prefaulter.take(total) if total >= POOL_MIN_BYTES else None
     if arr is None:
-        arr = _receive_buffer(size)
+        arr = _receive_buffer(total)
     return memoryview(arr)
 
 
 def handed_over(buf: memoryview) -> bool:
-    """Whether `buf` is a whole receive buffer from `alloc_block`: its owner hands it to
-    the store and never touches it again, so the store may keep it without copying. (A
-    slice is not: keeping it would keep the whole buffer alive behind a smaller size.)"""
+    """Whether `buf` is a receive buffer from `alloc_block`, whole or but for its slack:
+    its owner hands it to the store and never touches it again, so the store may keep
+    it without copying. (A smaller slice is not: keeping it would keep the whole buffer
+    alive behind a smaller size.)"""
     obj = buf.obj
-    return _heap_type is not None and isinstance(obj, _heap_type) and buf.nbytes == obj.nbytes
+    return (
+        _heap_type is not None
+        and isinstance(obj, _heap_type)
+        and 0 <= obj.nbytes - buf.nbytes <= MAX_SLACK
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,6 +88,11 @@ DEFAULT_LARGE_BULK_THRESHOLD: Final = 32 * KiB
 """Bulks this long or longer get a preallocated buffer (Redis PROTO_MBULK_BIG_ARG, 32 KiB)."""
 DEFAULT_READ_BUFFER_BYTES: Final = 256 * KiB
 """Size of the scratch buffer lent to the socket for everything but large bulks."""
+_NO_ROOM: Final = memoryview(b"")
+FIRST_READ_AFTER_BIG: Final = 4 * KiB
+"""After a large bulk, the next read into the scratch buffer asks for this much: enough
+for the next command's header, so a following large bulk is read in place (not copied
+out of a full scratch read); a read that fills it asks for the whole buffer again."""
 DEFAULT_SERIALIZE_CUTOFF: Final = 16 * KiB
 """Bulk replies this long or longer are returned as their own buffer, never copied."""
 
@@ -296,6 +301,7 @@ class RespParser:
         self._shared_scratch = scratch is not None
         self._scratch = scratch if scratch is not None else bytearray(read_buffer_bytes)
         self._lent_big = False
+        self._after_big = False
         self.max_ready = max_ready
         """Frame at most this many commands ahead (None: all that are complete); the rest
         stays buffered and is framed as commands are taken, which bounds the work one
@@ -308,6 +314,9 @@ class RespParser:
         self._bulk_len = 0
         self._args_held = 0
         self._big: bytearray | memoryview = bytearray()
+        self._big_room: memoryview = _NO_ROOM
+        """`_big` and two bytes after it: lent to the socket, so the CRLF that ends the
+        bulk arrives in the payload's read, not in a read of its own."""
         self._big_filled = 0
         self._refused = False
         self._refusal = ""
@@ -343,19 +352,27 @@ class RespParser:
             and self._error is None
         ):
             self._lent_big = True
-            return memoryview(big)[self._big_filled :]
+            return self._big_room[self._big_filled :]
         self._lent_big = False
         if sizehint > len(self._scratch) and not self._shared_scratch:
             self._scratch = bytearray(sizehint)
+        if self._after_big:
+            return memoryview(self._scratch)[:FIRST_READ_AFTER_BIG]
         return memoryview(self._scratch)
 
     def buffer_updated(self, nbytes: int) -> None:
         """`nbytes` were written into the buffer from the last `get_buffer()`."""
         if nbytes <= 0:
             return
+        if nbytes >= FIRST_READ_AFTER_BIG and not self._lent_big:
+            self._after_big = False
         if self._lent_big:
             self._lent_big = False
-            self._big_filled += nbytes
+            filled = self._big_filled + nbytes
+            if filled > len(self._big):  # the read went on into the room for the CRLF
+                self._buf += self._big_room[len(self._big) : filled]
+                filled = len(self._big)
+            self._big_filled = filled
         elif (
             self._state is _State.START
             and self._pos >= len(self._buf)
@@ -403,6 +420,8 @@ class RespParser:
         the kept bytes (which may hold more commands, a large bulk's start or bad input).
         What is taken is exactly what `buffer_updated` would have framed.
         """
+        if nbytes >= FIRST_READ_AFTER_BIG:
+            self._after_big = False
         framed: list[Command] = []
         done = self._scan_scratch(nbytes, limit, framed)
         self.commands_parsed += len(framed)
@@ -537,8 +556,7 @@ class RespParser:
         self._pos = 0
         self._args = []
         self._args_bytes = self._args_held = self._args_cost = 0
-        self._big = bytearray()
-        self._big_filled = 0
+        self._drop_big()
         self._ready.clear()
         self._ready_bytes = self._ready_cost = 0
         self.held_bytes = 0
@@ -629,8 +647,7 @@ class RespParser:
     def _fail(self, exc: RemoteProtocolError) -> None:
         self._error = exc
         self.held_bytes -= len(self._big) + self._args_held
-        self._big = bytearray()
-        self._big_filled = 0
+        self._drop_big()
         self._args = []
         self._args_held = 0
         self._args_cost = 0
@@ -740,8 +757,7 @@ class RespParser:
                 if buf[self._pos : self._pos + 2] != b"\r\n":
                     raise _perr("expected '\\r\\n' after bulk data")
                 self._pos += 2
-                self._big = bytearray()
-                self._big_filled = 0
+                self._drop_big()
                 self._args_held += len(big)
                 self._push_arg(big, big=True)
 
@@ -753,10 +769,17 @@ class RespParser:
             self._skip = length
             self._state = _State.SKIP_BODY
         else:
-            self._big = alloc_block(length)
+            self._big_room = alloc_block(length, slack=2)
+            self._big = self._big_room[:length]
             self._big_filled = 0
+            self._after_big = True
             self.held_bytes += length
             self._state = _State.BIG_BODY
+
+    def _drop_big(self) -> None:
+        self._big = bytearray()
+        self._big_room = _NO_ROOM
+        self._big_filled = 0
 
     def _begin_command(self, count: int) -> None:
         """A multibulk header `*<count>` was read: expect its `count` arguments."""
