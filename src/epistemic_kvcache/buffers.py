@@ -70,11 +70,12 @@ _heap_type_lock = threading.Lock()
 
 
 def _receive_buffer(size: int) -> Any:
-    """An uninitialized heap array of `size` bytes of the marker type."""
+    """An uninitialized heap array of the marker type for a block of `size` bytes (and
+    `MAX_SLACK` after it, so one pooled buffer serves a size with or without slack)."""
     kind = _heap_type
     if kind is None:
         kind = _make_heap_type()
-    return kind((size,), dtype="u1")
+    return kind((size + MAX_SLACK,), dtype="u1")
 
 
 def _make_heap_type() -> type[Any]:
@@ -114,11 +115,10 @@ def alloc_block(size: int, slack: int = 0) -> memoryview:
     (`handed_over`)."""
     if not 0 <= slack <= MAX_SLACK:
         raise ValueError(f"invalid slack: expected 0..{MAX_SLACK} bytes (got {slack})")
-    total = size + slack
-    arr = _prefaulter.take(total) if total >= POOL_MIN_BYTES else None
+    arr = _prefaulter.take(size) if size >= POOL_MIN_BYTES else None
     if arr is None:
-        arr = _receive_buffer(total)
-    return memoryview(arr)
+        arr = _receive_buffer(size)
+    return memoryview(arr)[: size + slack]
 
 
 def handed_over(buf: memoryview) -> bool:
