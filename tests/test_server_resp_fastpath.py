@@ -62,6 +62,7 @@ class _Server:
         asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        self.loop.close()
         self.ctx.executor.shutdown(wait=True)
         self.store.close()
 
