@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.bench_cpu [--sizes 4KiB,256KiB] [--op set] [--repeat 3]
     .venv/bin/python -m bench.bench_cpu --gil [--conns 1,2,4]   # needs py-spy (dev extra)
+    .venv/bin/python -m bench.bench_cpu --perf-stat [--sizes 256KiB]  # needs perf, as root
 
 Throughput ratios on a shared 2-core machine move with whatever else runs; the CPU time
 the *server process* spends per request (utime + stime from /proc, the load generator
@@ -9,6 +10,11 @@ excluded) is steadier and says directly how much work each server does per reque
 same load generator as `bench_server` (bench/loadgen.py: unique payloads, one request in
 flight per connection) drives a redis-server without persistence and our memory backend,
 one after the other, `--repeat` times; medians are printed.
+
+`--perf-stat` adds, per request, the server's `read` system calls and the page faults
+taken in user mode (`perf stat` on the server process during the measured pass; the
+faults the kernel takes inside `read`, copying into fresh memory, are not among them):
+how many reads a request costs, and whether a payload is copied in user space.
 
 `--gil` instead runs only our server, at 1, 2 and 4 connections, and reports CPU seconds
 per GB stored: in the kernel (stime: the socket copies, page faults), by thread (event
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -78,40 +85,78 @@ def thread_cpu(pid: int) -> dict[str, tuple[float, float]]:
     return out
 
 
+PERF_EVENTS = ("syscalls:sys_enter_read", "exceptions:page_fault_user")
+
+
+def perf_stat(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    """`perf stat` of PERF_EVENTS on process `pid` until SIGINT, CSV into `out`."""
+    cmd = ["perf", "stat", "-x", ",", "-e", ",".join(PERF_EVENTS), "-p", str(pid), "-o", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.3)  # attached before the pass starts
+    return proc
+
+
+def perf_counts(proc: subprocess.Popen[bytes], out: Path) -> list[float]:
+    """Stop `perf stat` and return the PERF_EVENTS counts (NaN where not counted)."""
+    proc.send_signal(signal.SIGINT)
+    proc.wait()
+    counts = dict.fromkeys(PERF_EVENTS, float("nan"))
+    for line in out.read_text().splitlines():
+        fields = line.split(",")
+        if len(fields) > 2 and fields[2] in counts and fields[0].isdigit():
+            counts[fields[2]] = float(fields[0])
+    return [counts[e] for e in PERF_EVENTS]
+
+
 def per_request(args: argparse.Namespace, tmp: Path) -> None:
+    if args.perf_stat and shutil.which("perf") is None:
+        raise SystemExit("--perf-stat needs perf (Debian: apt-get install linux-perf), as root")
     print(f"# server CPU per {args.op.upper()}, {args.clients} connections, medians of "
           f"{args.repeat} runs\n")  # fmt: skip
-    print("| block | redis-server us/op | ours us/op | ours / redis | redis GB/s | ours GB/s |")
-    print("|---|---|---|---|---|---|")
+    extra = " redis reads/op | ours reads/op | redis user faults/op | ours user faults/op |"
+    print("| block | redis-server us/op | ours us/op | ours / redis | redis GB/s | ours GB/s |"
+          + (extra if args.perf_stat else ""))  # fmt: skip
+    print("|---|---|---|---|---|---|" + ("---|" * 4 if args.perf_stat else ""))
     for size in args.sizes:
-        got: dict[str, list[tuple[float, float]]] = {"redis": [], "ours": []}
+        got: dict[str, list[tuple[float, ...]]] = {"redis": [], "ours": []}
         for _ in range(args.repeat):
             for who in ("redis", "ours"):
                 cm = redis_server(tmp, fsync_always=False) if who == "redis" else None
                 if cm is not None:
                     with cm as port:
-                        got[who].append(_one(port, None, args, size))
+                        got[who].append(_one(port, None, args, size, tmp))
                 else:
                     with our_server(tmp, "memory") as (_, rport):
-                        got[who].append(_one(rport, TOKEN, args, size))
+                        got[who].append(_one(rport, TOKEN, args, size, tmp))
         r_us = statistics.median(x[0] for x in got["redis"])
         o_us = statistics.median(x[0] for x in got["ours"])
         r_gb = statistics.median(x[1] for x in got["redis"])
         o_gb = statistics.median(x[1] for x in got["ours"])
-        print(f"| {human(size)} | {r_us:.1f} | {o_us:.1f} | {o_us / r_us:.2f}x | "
-              f"{r_gb:.3f} | {o_gb:.3f} |", flush=True)  # fmt: skip
+        row = f"| {human(size)} | {r_us:.1f} | {o_us:.1f} | {o_us / r_us:.2f}x | {r_gb:.3f} | {o_gb:.3f} |"
+        if args.perf_stat:
+            for i in (2, 3):  # reads, then user-mode page faults
+                for who in ("redis", "ours"):
+                    row += f" {statistics.median(x[i] for x in got[who]):.2f} |"
+        print(row, flush=True)
 
 
-def _one(port: int, token: str | None, args: argparse.Namespace, size: int) -> tuple[float, float]:
+def _one(
+    port: int, token: str | None, args: argparse.Namespace, size: int, tmp: Path
+) -> tuple[float, ...]:
     pid = pid_listening(port)
     keys, payloads = workload(size, args.budget_mib * MiB, args.clients)
     if args.op == "get":
         loadgen.run(loadgen.run_resp("127.0.0.1", port, token, "set", keys, payloads, args.clients))
+    stat_out = tmp / "perf-stat.csv"
+    stat = perf_stat(pid, stat_out) if args.perf_stat else None
     before = cpu_seconds(pid)
     r = loadgen.run(
         loadgen.run_resp("127.0.0.1", port, token, args.op, keys, payloads, args.clients)
     )
-    return (cpu_seconds(pid) - before) / r.ops * 1e6, r.gbps
+    used = cpu_seconds(pid) - before
+    counts = perf_counts(stat, stat_out) if stat is not None else []
+    stat_out.unlink(missing_ok=True)
+    return (used / r.ops * 1e6, r.gbps, *(c / r.ops for c in counts))
 
 
 def gil_split(args: argparse.Namespace, tmp: Path) -> None:
@@ -175,6 +220,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--budget-mib", type=int, default=160, help="bytes per pass")
     ap.add_argument("--gil", action="store_true", help="CPU per GB and the GIL's share")
+    ap.add_argument("--perf-stat", action="store_true", help="reads and user page faults per op")
     ap.add_argument("--conns", default="1,2,4", help="with --gil")
     ap.add_argument("--seconds", type=float, default=6.0, help="with --gil, per cell")
     args = ap.parse_args()
