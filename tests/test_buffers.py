@@ -36,12 +36,18 @@ def test_receive_buffers_are_writable_heap_views_handed_to_the_store() -> None:
         )
         assert buffers.handed_over(buf)
         # a smaller slice is not: the store would keep the whole buffer behind it
-        if size > buffers.MAX_SLACK:
-            assert not buffers.handed_over(buf[buffers.MAX_SLACK + 1 :])
-        # a buffer with room for the wire's framing after the block: the block is
+        assert not buffers.handed_over(buf[1:])
+        assert not buffers.handed_over(buf[:-1])
+        # a buffer with room for the wire's framing after the block: the block is, and
+        # shifted views of it are not (their owner may still write where they start)
         roomy = buffers.alloc_block(size, slack=buffers.MAX_SLACK)
         assert len(roomy) == size + buffers.MAX_SLACK
         assert buffers.handed_over(roomy[:size])
+        assert buffers.handed_over(roomy[: size + 1])
+        assert not buffers.handed_over(roomy[1:])
+        assert not buffers.handed_over(roomy[2:])
+        assert not buffers.handed_over(roomy[1 : size + 1])
+        assert not buffers.handed_over(roomy[:0])
         buf[-1:] = b"x"
         assert bytes(buf[-1:]) == b"x"
     with pytest.raises(ValueError, match="invalid slack"):

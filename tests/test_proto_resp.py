@@ -68,7 +68,13 @@ def feed_reads(p: RespParser, data: bytes, rng: random.Random | None = None) -> 
 def feed_greedy(p: RespParser, data: bytes) -> None:
     """Like a socket with everything already queued: each read fills what is lent (a
     large bulk's rest with its CRLF, the short first read after a large bulk)."""
-    _feed_reads(p, data, random.Random(2), len(data) or 1)
+    pos = 0
+    while pos < len(data):
+        buf = p.get_buffer(-1)
+        n = min(len(buf), len(data) - pos)
+        buf[:n] = data[pos : pos + n]
+        p.buffer_updated(n)
+        pos += n
 
 
 FEEDERS: list[tuple[str, Feeder, int]] = [
@@ -367,6 +373,63 @@ def test_after_a_large_bulk_the_next_read_asks_for_a_header_first() -> None:
     cmds, error = drain(p)
     assert error is None
     assert [bytes(c[2]) for c in cmds[:2]] == [b"v" * size, b"w" * size]
+
+
+@pytest.mark.parametrize(
+    ("room", "then", "expected", "error"),
+    [
+        (b"\r\n", b"*1\r\n$4\r\nPING\r\n", [[b"SET", b"k", b"v" * 40], [b"PING"]], None),
+        (b"\r", b"\n*1\r\n$4\r\nPING\r\n", [[b"SET", b"k", b"v" * 40], [b"PING"]], None),
+        (b"XY", b"*1\r\n$4\r\nPING\r\n", [], "Protocol error: expected '\\r\\n' after bulk data"),
+    ],
+    ids=["crlf", "half", "garbage"],
+)
+def test_what_lands_in_a_large_bulks_room_is_parsed_in_order(
+    room: bytes, then: bytes, expected: list[list[bytes]], error: str | None
+) -> None:
+    p = RespParser(authenticated=True, large_bulk_threshold=32)
+    p.receive_data(b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$40\r\n")
+    lent = p.get_buffer(-1)
+    assert len(lent) == 42
+    got = b"v" * 40 + room
+    lent[: len(got)] = got
+    p.buffer_updated(len(got))
+    feed_greedy(p, then)
+    cmds, message = drain(p)
+    assert [[bytes(a) for a in c] for c in cmds] == expected
+    assert message == error
+    assert p.held_bytes == 0
+
+
+def test_refusing_a_command_mid_large_bulk_lets_its_buffer_go() -> None:
+    size = 64 << 10
+    p = RespParser(authenticated=True)
+    p.receive_data(b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$%d\r\n" % size + b"v" * 100)
+    assert p.held_bytes == size
+    assert p.refuse_partial("over the query buffer limit")
+    assert p.held_bytes == 0  # at once, not when the connection closes
+    feed_greedy(p, b"v" * (size - 100) + b"\r\n*1\r\n$4\r\nPING\r\n")
+    refused = p.next_event()
+    assert isinstance(refused, RefusedCommand)
+    assert refused.reason == "over the query buffer limit"
+    assert p.next_event() == [b"PING"]
+    assert (p.held_bytes, p.buffered_bytes) == (0, 0)
+
+
+def test_a_full_read_through_take_commands_ends_the_short_reads() -> None:
+    p = RespParser(authenticated=True, large_bulk_threshold=32)
+    feed_greedy(p, b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$40\r\n" + b"v" * 40 + b"\r\n")
+    assert p.next_event() == [b"SET", b"k", b"v" * 40]
+    scratch = p.get_buffer(-1)
+    assert len(scratch) == FIRST_READ_AFTER_BIG
+    small = b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n" * 400
+    scratch[:] = small[: len(scratch)]
+    assert p.can_take
+    taken = p.take_commands(len(scratch), 1000)
+    assert taken
+    assert all(c == [b"GET", b"k"] for c in taken)
+    p.advance()
+    assert len(p.get_buffer(-1)) > FIRST_READ_AFTER_BIG
 
 
 def test_take_commands_then_a_large_bulk_in_the_same_read() -> None:

@@ -62,7 +62,8 @@ class _Server:
         asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
-        self.loop.close()
+        if not self.thread.is_alive():  # else closing would raise and hide why it hung
+            self.loop.close()
         self.ctx.executor.shutdown(wait=True)
         self.store.close()
 

@@ -122,16 +122,20 @@ def alloc_block(size: int, slack: int = 0) -> memoryview:
 
 
 def handed_over(buf: memoryview) -> bool:
-    """Whether `buf` is a receive buffer from `alloc_block`, whole or but for its slack:
-    its owner hands it to the store and never touches it again, so the store may keep
-    it without copying. (A smaller slice is not: keeping it would keep the whole buffer
-    alive behind a smaller size.)"""
+    """Whether `buf` is a receive buffer from `alloc_block`, whole or but for the slack at
+    its end: its owner hands it to the store and never touches it again, so the store may
+    keep it without copying. (A smaller or shifted slice is not: keeping it would keep the
+    whole buffer alive behind a smaller size, or keep bytes its owner still writes.)"""
     obj = buf.obj
-    return (
-        _heap_type is not None
-        and isinstance(obj, _heap_type)
-        and 0 <= obj.nbytes - buf.nbytes <= MAX_SLACK
-    )
+    if _heap_type is None or not isinstance(obj, _heap_type):
+        return False
+    spare = obj.nbytes - buf.nbytes
+    if spare == 0:
+        return True
+    if not 0 < spare <= MAX_SLACK or not buf.nbytes or buf.readonly or not buf.c_contiguous:
+        return False
+    start: int = obj.ctypes.data
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf)) == start  # the block starts it
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +202,8 @@ class Prefaulter:
 
     # -- the event loop's side ------------------------------------------------------------
     def take(self, size: int) -> Any | None:
-        """A ready buffer (array) of exactly `size` bytes, or None (allocate one then)."""
+        """A ready buffer (array) for a block of `size` bytes (`MAX_SLACK` more in all),
+        or None (allocate one then)."""
         with self._cond:
             if self._budget <= 0 or self._closed or size > self._budget:
                 return None

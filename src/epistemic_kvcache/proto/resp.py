@@ -806,6 +806,12 @@ class RespParser:
             self._refusal = reason
         self._refused = True
         self.held_bytes -= self._args_held
+        if self._state is _State.BIG_BODY and not self._lent_big:
+            # refused while its large bulk arrives: let the buffer go, skip the rest
+            self.held_bytes -= len(self._big)
+            self._skip = len(self._big) - self._big_filled
+            self._drop_big()
+            self._state = _State.SKIP_BODY
         self._args = []
         self._args_bytes = 0
         self._args_held = 0
@@ -821,6 +827,7 @@ class RespParser:
             self._state = _State.ARG_HEADER
             return
         if self._refused:
+            self.held_bytes -= self._args_held  # large bulks read after the refusal
             self._finish(RefusedCommand(self._refusal), 0)
         else:
             self._finish(self._args, self._args_bytes, self._args_held)
