@@ -543,6 +543,7 @@ def test_batch_routes(srv: Server) -> None:
         ("/kv/batch/exists", b'{"keys": "k"}', 400),
         ("/kv/batch/get", b'{"keys": [1, 2]}', 400),
         ("/kv/batch/get", b'{"keys": [""]}', 400),
+        ("/kv/batch/put", b"", 400),
         ("/kv/batch/put", b"\x00\x00", 400),
         ("/kv/batch/put", b"\x00\x00\x00\x02{}", 400),
         ("/kv/batch/put", struct.pack(">I", 27) + b'{"keys":["a"],"sizes":[5]}xx', 400),

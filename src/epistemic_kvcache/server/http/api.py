@@ -264,6 +264,14 @@ class Request:
         return body
 
     @property
+    def batch(self) -> BatchPutReceiver:
+        """The batch PUT body, its blocks received into buffers of their own."""
+        body = self.body
+        if not isinstance(body, BatchPutReceiver):
+            raise TypeError(f"route {self.route} has no batch body")
+        return body
+
+    @property
     def plain(self) -> bytearray | memoryview | None:
         """The body's bytes, None when the request has none."""
         body = self.body

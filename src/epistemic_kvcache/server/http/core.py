@@ -9,9 +9,7 @@ from epistemic_kvcache.proto.errors import row_for
 from epistemic_kvcache.proto.http import (
     BATCH_CONTENT_TYPE,
     OCTET_CONTENT_TYPE,
-    BatchPutReceiver,
     Buffer,
-    decode_batch_put_request,
     decode_key_list,
     encode_batch_get_response,
 )
@@ -87,19 +85,7 @@ async def batch_get(req: Request) -> Response:
 
 
 async def batch_put(req: Request) -> Response:
-    limits = req.ctx.limits
-    body = req.body
-    items: list[tuple[str, Buffer]]
-    if isinstance(body, BatchPutReceiver):  # blocks received into buffers of their own
-        items = body.items()
-    else:
-        items = list(
-            decode_batch_put_request(
-                body if body is not None else b"",
-                max_keys=limits.max_batch_keys,
-                max_header_bytes=batch_header_limit(limits.max_batch_keys),
-            )
-        )
+    items = req.batch.items()  # raises the body's RemoteProtocolError, if any
     results = await req.ctx.run(_batch_put, req, items)
     return await large_json(req.ctx, 200, {"results": results})
 

@@ -172,10 +172,6 @@ class CommandQueue(Protocol):
         """Put commands back at the front, in order."""
 
 
-def command_bytes(cmd: Command) -> int:
-    return args_size(cmd)
-
-
 def reply_bytes(reply: object) -> int:
     """Approximate payload size of a reply (bulk strings, arrays of them, SCAN's)."""
     if isinstance(reply, bytes | bytearray | memoryview):
@@ -306,7 +302,7 @@ class Dispatcher:
 
     async def _batch(self, route: str, handler: BlockingHandler, cmd: Command) -> list[object]:
         batch = [(route, handler, cmd)]
-        size = command_bytes(cmd)
+        size = args_size(cmd)
         queue = self.queue
         while len(batch) < MAX_BATCH_COMMANDS and size < MAX_BATCH_ARG_BYTES:
             following = queue.peek()
@@ -317,7 +313,7 @@ class Dispatcher:
                 break
             queue.pop()
             batch.append((route2, spec2.blocking_handler, following))
-            size += command_bytes(following)
+            size += args_size(following)
         self.busy = True
         try:
             results = await self.ctx.run(self._run_batch, batch)
@@ -406,15 +402,14 @@ class Dispatcher:
                     reply = ctx.get_nowait(ns, to_key(cmd[1]))
                     if reply is WOULD_BLOCK:
                         break
-                elif put is not None:  # always, for "set"
+                else:
+                    assert put is not None  # "set" is routed here only with inline puts
                     result = put(ns, to_key(cmd[1]), cmd[2])
                     if result is WOULD_BLOCK:
                         break
                     if not isinstance(result, PutResult):  # inline_puts: never a future
                         raise RuntimeError("put_nowait returned a future on an inline store")
                     reply = OK if result.applied else None
-                else:
-                    break
             except Reply as exc:
                 reply = exc.reply
             except StoreError as exc:
