@@ -8,6 +8,7 @@ import, so the fallback (the connector driven directly) is exercised too.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -132,3 +133,38 @@ def test_standalone_module_entry_point(server: Server, tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     assert "validate-adapter: PASS" in done.stdout
+
+
+@pytest.mark.lmcache
+def test_sigterm_still_deletes_what_it_wrote(server: Server) -> None:
+    """A run stopped by SIGTERM deletes its keys and says so (it used to leave them).
+
+    The run is frozen (SIGSTOP) at a moment one of its keys is stored, SIGTERM is queued,
+    and the run resumes: the signal lands while the checks are mid-way, never after."""
+    pytest.importorskip("lmcache")
+    code = "import sys\nfrom epistemic_kvcache.cli import main\nsys.exit(main())"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "validate-adapter", "--url", server.url(), "--token", TOKEN,
+         "--resp-addr", f"127.0.0.1:{server.ports['resp']}", "--block-bytes", str(32 << 20)],
+        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        frozen = False
+        while not frozen and proc.poll() is None:
+            if leftover(server):
+                proc.send_signal(signal.SIGSTOP)
+                frozen = bool(leftover(server))  # still there once it cannot move
+                if not frozen:
+                    proc.send_signal(signal.SIGCONT)
+        assert frozen, "the run ended before one of its keys was seen"
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGCONT)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, out + err[-3000:]
+    assert "stopped by SIGTERM before every check had run" in out
+    assert "cleanup: deleted" in out
+    assert "Traceback" not in err
+    assert leftover(server) == []

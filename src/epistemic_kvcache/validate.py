@@ -15,7 +15,9 @@ is installed (`integrations/lmcache/checks.py`):
 A path that cannot be checked is reported as SKIP with the reason (LMCache not
 installed, `--resp-addr off`, no RESP listener at the default address, TLS on a path
 whose LMCache client has none). Every key written is deleted at the end, whatever
-happened (keys live under a per-run model name, `epistemic-kvcache-validate-<hex>`).
+happened (keys live under a per-run model name, `epistemic-kvcache-validate-<hex>`),
+also when the run is stopped by SIGTERM, SIGHUP or Ctrl-C: those signals end the
+checks, the cleanup runs to its end, and the exit status is 128 + the signal.
 Exit status 0 when every checked path passed and at least one was checked, 1 otherwise
 (2 for a configuration error, e.g. a missing or rejected token). Other clients writing
 to the same namespace at the same time can move the `native` path's stats counters.
@@ -25,10 +27,13 @@ from __future__ import annotations
 
 import argparse
 import secrets
+import signal
 import socket
 import sys
+import threading
 import urllib.parse
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import TextIO
 
 from epistemic_kvcache.client.backend import EpistemicGraphKVBackend, KvCacheUnavailableError
@@ -56,11 +61,13 @@ class ValidationReport:
 
     paths: list[PathReport] = field(default_factory=list)
     cleanup: tuple[int, str] = (0, "")
+    stopped: int | None = None
+    """The signal number that ended the run early (SIGTERM, SIGHUP), if one did."""
 
     @property
     def ok(self) -> bool:
         checked = [p for p in self.paths if p.skipped is None]
-        return bool(checked) and all(p.ok for p in checked)
+        return self.stopped is None and bool(checked) and all(p.ok for p in checked)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +104,41 @@ def _listening(host: str, port: int, timeout_s: float = 1.0) -> bool:
         return False
 
 
+class Stopped(BaseException):
+    """A stop signal arrived: unwinds the checks (which catch `Exception`) to the cleanup."""
+
+
+class _StopGuard:
+    """SIGTERM, SIGHUP and SIGINT end the checks, never the cleanup.
+
+    Python's default for SIGTERM ends the process without running `finally` blocks, so a
+    stopped run left its (up to `--block-bytes` large) keys behind. While `armed`, the
+    first stop signal raises `Stopped` in the main thread; once disarmed (the cleanup
+    runs), a signal is only recorded. Off the main thread (a library caller) handlers
+    cannot be set: the caller owns the signals.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.armed = True
+        self._previous: dict[int, object] = {}
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        if self.signum is None:
+            self.signum = signum
+        if self.armed:
+            self.armed = False
+            raise Stopped(signal.Signals(signum).name)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+
+
 def validate_adapter(
     client: EpistemicGraphKVBackend,
     connector: EpistemicGraphL2Connector,
@@ -108,37 +150,59 @@ def validate_adapter(
 ) -> ValidationReport:
     """Run the checks of each path in `paths`; never raises for a failed check.
 
-    `connector` is consumed (closed). Keys written are deleted through `client`.
+    `connector` is consumed (closed). Keys written are deleted through `client`, also
+    when SIGTERM, SIGHUP or SIGINT (Ctrl-C) ends the checks: the report then says
+    which, in `stopped`.
     """
     model = f"epistemic-kvcache-validate-{secrets.token_hex(6)}"
     report = ValidationReport()
     no_lmcache = lmcache_missing()
     https = client.config.scheme == "https"
+    guard = _StopGuard()
     try:
-        for name in paths:
-            path = PathReport(name)
-            report.paths.append(path)
-            try:
-                _run_path(
-                    name,
-                    path,
-                    client,
-                    connector,
-                    resp,
-                    no_lmcache,
-                    https,
-                    model,
-                    block_bytes,
-                    timeout_s,
-                )
-            except KvCacheError as exc:
-                path.check("completed", False, f"{type(exc).__name__}: {exc}")
-            except Exception as exc:  # an LMCache internals change: report, go on
-                path.check("completed", False, f"unexpected {type(exc).__name__}: {exc}")
+        try:
+            _run_paths(
+                paths, report, client, connector, resp, no_lmcache, https, model,
+                block_bytes, timeout_s,
+            )  # fmt: skip
+        finally:
+            guard.armed = False  # a signal before this line lands in `except Stopped`
+    except Stopped:
+        pass
     finally:
-        connector.close()
-        report.cleanup = _cleanup(client, model)
+        try:
+            connector.close()
+            report.cleanup = _cleanup(client, model)
+        finally:
+            guard.uninstall()
+            report.stopped = guard.signum
     return report
+
+
+def _run_paths(
+    paths: tuple[str, ...],
+    report: ValidationReport,
+    client: EpistemicGraphKVBackend,
+    connector: EpistemicGraphL2Connector,
+    resp: RespTarget | str,
+    no_lmcache: str | None,
+    https: bool,
+    model: str,
+    block_bytes: int,
+    timeout_s: float,
+) -> None:
+    for name in paths:
+        path = PathReport(name)
+        report.paths.append(path)
+        try:
+            _run_path(
+                name, path, client, connector, resp, no_lmcache, https, model,
+                block_bytes, timeout_s,
+            )  # fmt: skip
+        except KvCacheError as exc:
+            path.check("completed", False, f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # an LMCache internals change: report, go on
+            path.check("completed", False, f"unexpected {type(exc).__name__}: {exc}")
 
 
 def _run_path(
@@ -229,6 +293,9 @@ def print_report(report: ValidationReport, out: TextIO = sys.stdout) -> None:
             print(f"{label:{width}}  {values}", file=out)
     deleted, problem = report.cleanup
     print("", file=out)
+    if report.stopped is not None:
+        name = signal.Signals(report.stopped).name
+        print(f"stopped by {name} before every check had run", file=out)
     print(
         f"cleanup: deleted {deleted} keys written by this run"
         + (f"; {problem}" if problem else ""),
@@ -268,7 +335,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, *, out: TextIO = sys.stdout) -> int:
-    """Run the checks from parsed arguments; 0 on pass, 1 on fail.
+    """Run the checks from parsed arguments; 0 on pass, 1 on fail, 128 + N when signal N
+    (SIGTERM, SIGHUP, SIGINT) stopped it (after deleting what it wrote).
 
     Raises `ConfigurationError` (exit 2) for bad flags, a missing or rejected token, or a
     server that does not answer."""
@@ -302,6 +370,8 @@ def run(args: argparse.Namespace, *, out: TextIO = sys.stdout) -> int:
         connector.close()
         client.close()
     print_report(report, out)
+    if report.stopped is not None:
+        return 128 + report.stopped
     return 0 if report.ok else 1
 
 
