@@ -140,18 +140,59 @@ def test_json_formatter_keeps_extra_fields() -> None:
     )
 
 
+def _resp(*args: bytes) -> bytes:
+    """A command as a RESP array, the way client libraries send it."""
+    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+
+
+def _exchange(sock: socket.socket, request: bytes, answer_bytes: int) -> bytes:
+    sock.sendall(request)
+    got = b""
+    while len(got) < answer_bytes:
+        chunk = sock.recv(1 << 20)
+        assert chunk, got
+        got += chunk
+    return got
+
+
 def test_access_log(tmp_path: Path, servers: list[Server]) -> None:
+    """One line per request or command with the bytes it took: HTTP bodies in and out;
+    RESP the command and its reply as sent (issue 23: RESP logged in=0 out=0)."""
     server = start(servers, tmp_path, "--token", TOKEN, "--access-log")
     assert server.http is not None
     assert server.resp is not None
     assert _get(server.http, "/kv/a1", method="PUT", body=b"12345")[0] == 201
+    assert _get(server.http, "/kv/a1", method="HEAD")[0] == 200
     r = redis.Redis(host=server.resp.host, port=server.resp.port, password=TOKEN)
     try:
         assert r.get("a1") == b"12345"
     finally:
         r.close()
-    server.wait_for(r"epistemic_kvcache\.access: http 127\.0\.0\.1 default 'PUT /kv/a1' 201 in=5")
-    server.wait_for(r"epistemic_kvcache\.access: resp 127\.0\.0\.1 default 'get' ok")
+    big = bytes(range(256)) * 400  # 100 KiB: the reply goes out as separate buffers
+    exchanges = [
+        (_resp(b"AUTH", TOKEN.encode()), b"+OK\r\n", "auth"),
+        (_resp(b"SET", b"r1", b"12345"), b"+OK\r\n", "set"),
+        (_resp(b"GET", b"r1"), b"$5\r\n12345\r\n", "get"),
+        (_resp(b"GET", b"r0"), b"$-1\r\n", "get"),
+        (_resp(b"SET", b"r2", big), b"+OK\r\n", "set"),
+        (_resp(b"GET", b"r2"), b"$%d\r\n%s\r\n" % (len(big), big), "get"),
+        (_resp(b"EXISTS", b"r1", b"r2", b"r0"), b":2\r\n", "exists"),
+    ]
+    with socket.create_connection((server.resp.host, server.resp.port), timeout=10) as sock:
+        for request, answer, _ in exchanges:
+            assert _exchange(sock, request, len(answer)) == answer
+    server.wait_for(
+        r"epistemic_kvcache\.access: http 127\.0\.0\.1 default 'PUT /kv/a1' 201 in=5 out="
+    )
+    server.wait_for(
+        r"epistemic_kvcache\.access: http 127\.0\.0\.1 default 'HEAD /kv/a1' 200 in=0 out=0 "
+    )
+    server.wait_for(r"epistemic_kvcache\.access: resp 127\.0\.0\.1 default 'get' ok in=21 out=11 ")
+    for request, answer, route in exchanges:
+        server.wait_for(
+            rf"epistemic_kvcache\.access: resp 127\.0\.0\.1 \S+ '{route}' ok "
+            rf"in={len(request)} out={len(answer)} "
+        )
     assert server.stop() == 0
 
 

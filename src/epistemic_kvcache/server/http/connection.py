@@ -669,7 +669,7 @@ class HttpConnection(asyncio.BufferedProtocol):
                 f"{req.method} {bytes(req.url[:200]).decode('latin-1')}",
                 str(resp.status),
                 req.content_length,
-                resp.length or 0,
+                0 if req.method == "HEAD" else resp.length or 0,  # HEAD sends no body
                 elapsed,
             )
         return close
