@@ -267,6 +267,40 @@ def test_bad_tenant_claim_refused() -> None:
             auth.authenticate(jwt.encode(claims, SECRET, algorithm="HS256"))
 
 
+@pytest.mark.parametrize(
+    ("tenant", "where"),
+    [
+        ("t\r\n2026-01-01 00:00:00,000 INFO forged", "U+000D at index 1"),
+        ("team\nb", "U+000A at index 4"),
+        ("\x1b[31mred", "U+001B at index 0"),
+        ("tab\there", "U+0009 at index 3"),
+        ("a\x7fb", "U+007F at index 1"),
+        ("a\x85b", "U+0085 at index 1"),
+        ("a\u2028b", "U+2028 at index 1"),
+    ],
+)
+def test_control_characters_in_a_tenant_claim_refused(tenant: str, where: str) -> None:
+    """Issue 23: a tenant claim with CR/LF wrote forged lines into the text log. Refused
+    at verification, saying which character and where (never echoing the claim)."""
+    auth = _auth(jwt_secret=SECRET)
+    for claims in (_claims(tenant=tenant), _claims(tenant=None, sub=tenant)):
+        token = jwt.encode(claims, SECRET, algorithm="HS256")
+        with pytest.raises(AuthError) as info:
+            auth.authenticate(token)
+        claim = "tenant" if claims.get("tenant") else "sub"
+        assert str(info.value) == (
+            f"invalid token: claim {claim!r} is not a valid tenant name: control character "
+            f"{where} (tenant names may not hold control characters or line breaks)"
+        )
+    ok = jwt.encode(_claims(tenant="t\u00e9am-\u00fc\\x0d"), SECRET, algorithm="HS256")
+    assert auth.authenticate(ok).tenant == "t\u00e9am-\u00fc\\x0d"  # printable: fine
+
+
+def test_control_characters_in_a_configured_tenant_refused() -> None:
+    with pytest.raises(ConfigurationError, match=r"invalid tenant in --token: control char"):
+        TokenTable([("tok-0123456789abcdef", "a\x1bb")])
+
+
 # -- JWT: the attack matrix ------------------------------------------------------------
 
 

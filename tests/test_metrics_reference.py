@@ -3,6 +3,7 @@ request labels use one vocabulary on both wires."""
 
 from __future__ import annotations
 
+import http.client
 import re
 import urllib.request
 from collections.abc import Iterator
@@ -82,6 +83,14 @@ def test_reference_matches_a_real_server(server: ServerHandle) -> None:
     for name, kind in exported.items():
         expected = "gauge" if kind == "info" else kind
         assert docs[name][0] == expected, name
+    for name, fam in families.items():
+        if not name.startswith("kvcache_") or fam.type == "info":
+            continue
+        labels = {k for s in fam.samples for k in s.labels if k != "le"}
+        wire_name = name + "_total" if fam.type == "counter" else name
+        doc_labels = docs[wire_name][1]
+        want = set() if doc_labels == "—" else {x.strip() for x in doc_labels.split(",")}
+        assert labels == want, f"{wire_name}: exported labels {labels}, documented {want}"
 
 
 def test_labels_and_build_info(server: ServerHandle) -> None:
@@ -105,3 +114,53 @@ CASES += [("413", "error"), ("503", "error"), ("507", "error"), ("ok", "ok"), ("
 @pytest.mark.parametrize(("status", "label"), CASES)
 def test_status_label(status: str, label: str) -> None:
     assert status_label(status) == label
+
+
+def _latency(text: str, wire: str, route: str) -> tuple[float, float, float]:
+    """(count, sum, observations at or under 1 ms) of one latency series."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name != "kvcache_request_duration_seconds":
+            continue
+        for s in fam.samples:
+            if s.labels.get("wire") != wire or s.labels.get("route") != route:
+                continue
+            assert "code" not in s.labels, s  # the histogram has no per-code series
+            if s.name.endswith("_bucket"):
+                if s.labels["le"] == "0.001":
+                    out["fast"] = out.get("fast", 0.0) + s.value
+            else:
+                suffix = s.name.rsplit("_", 1)[1]
+                out[suffix] = out.get(suffix, 0.0) + s.value
+    return out["count"], out["sum"], out["fast"]
+
+
+def test_latencies_resolve_below_a_millisecond(server: ServerHandle) -> None:
+    """Issue 22: HTTP durations came from `loop.time()` (1 ms steps under uvloop): every
+    HTTP sum was a whole number of milliseconds and a request either cost 0 or >= 1 ms.
+    200 cheap requests on each wire (`/healthz`, `PING`): sub-millisecond observations,
+    and a sum that is no whole number of milliseconds (odds of that by chance: ~1e-6)."""
+    assert server.resp is not None
+    conn = http.client.HTTPConnection(server.http.host, server.http.port, timeout=10)
+    try:
+        for _ in range(200):
+            conn.request("GET", "/healthz")
+            r = conn.getresponse()
+            r.read()
+            assert r.status == 200
+    finally:
+        conn.close()
+    r = redis.Redis(host=server.resp.host, port=server.resp.port, password=TOKEN)
+    try:
+        for _ in range(200):
+            assert r.ping()
+    finally:
+        r.close()
+    text = scrape(server)
+    for wire, route in (("http", "/healthz"), ("resp", "ping")):
+        count, total, fast = _latency(text, wire, route)
+        assert count >= 200, (wire, count)
+        assert fast >= 1, (wire, fast)
+        millis = total * 1000
+        assert total > 0, (wire, total)
+        assert abs(millis - round(millis)) > 1e-6, (wire, total)

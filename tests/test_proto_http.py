@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import http.client
+import io
 import json
 import struct
 from collections.abc import Callable
+from http import HTTPStatus
+from pathlib import Path
 
 import httptools
 import pytest
@@ -13,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from epistemic_kvcache.errors import RemoteProtocolError
+from epistemic_kvcache.proto.errors import ERROR_ROWS
 from epistemic_kvcache.proto.http import (
     ROUTE_BATCH_EXISTS,
     ROUTE_BATCH_GET,
@@ -34,6 +40,7 @@ from epistemic_kvcache.proto.http import (
     quote_key,
     request_path,
     response_head,
+    status_line,
 )
 
 keys = st.text(min_size=1, max_size=200).filter(lambda k: 0 < len(k.encode("utf-8")) <= 1024)
@@ -373,6 +380,75 @@ def test_response_head_variants() -> None:
     assert b"Connection: keep-alive\r\n" in head
     with pytest.raises(ValueError, match="line break"):
         response_head(200, [("X", "a\r\nInjected: yes")], content_length=0)
+
+
+def _statuses_in_source() -> set[int]:
+    """Every HTTP status the server's code can answer with, read from the source: the
+    first argument of the calls that make answers (`HttpError`, `Response.*`), every
+    `status=`/`status_hint=` keyword, what functions named `*status*` return, every
+    row of the error table, and 100 Continue."""
+    root = Path(__file__).resolve().parent.parent / "src" / "epistemic_kvcache"
+    makers = {"HttpError", "Response", "error", "json", "encoded_json", "empty", "large_json"}
+    found = {100} | {row.status for row in ERROR_ROWS}
+
+    def codes(node: ast.AST) -> set[int]:
+        return {
+            n.value
+            for n in ast.walk(node)
+            if isinstance(n, ast.Constant) and type(n.value) is int and 100 <= n.value <= 599
+        }
+
+    for path in [*root.glob("server/**/*.py"), *root.glob("proto/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.id if isinstance(f, ast.Name) else getattr(f, "attr", "")
+                if name in makers and node.args:
+                    found |= codes(node.args[0])
+                for kw in node.keywords:
+                    if kw.arg in ("status", "status_hint"):
+                        found |= codes(kw.value)
+            elif isinstance(node, ast.FunctionDef) and "status" in node.name:
+                for ret in ast.walk(node):
+                    if isinstance(ret, ast.Return) and ret.value is not None:
+                        found |= codes(ret.value)
+    return found
+
+
+def test_every_status_the_server_sends_has_its_standard_reason() -> None:
+    """Issue 22: a hand-written reason table lacked 409 and 412 (`HTTP/1.1 412 Unknown`).
+    Every status the server can send gets `http.HTTPStatus`'s phrase, and the standard
+    library's client reads it back."""
+    statuses = _statuses_in_source()
+    # the scan sees what it must (a scan that finds nothing would pass vacuously)
+    assert {100, 200, 201, 204, 404, 409, 412, 413, 429, 431, 503, 507} <= statuses
+    for status in sorted(statuses):
+        phrase = HTTPStatus(status).phrase  # ValueError: a status the stdlib does not know
+        head = response_head(status, [], content_length=0)
+        assert head.startswith(f"HTTP/1.1 {status} {phrase}\r\n".encode()), head
+        assert b"Unknown" not in head
+        if status >= 200:
+            resp = http.client.HTTPResponse(_FakeSocket(head))  # type: ignore[arg-type]
+            resp.begin()
+            assert (resp.status, resp.reason) == (status, phrase)
+
+
+def test_status_line_of_a_code_the_stdlib_does_not_know() -> None:
+    assert status_line(599) == b"HTTP/1.1 599 \r\n"  # empty reason: RFC 9112 section 4
+    assert parse_response(response_head(599, [], content_length=0))[0] == 599
+    for bad in (99, 1000, -200):
+        with pytest.raises(ValueError, match="invalid HTTP status"):
+            status_line(bad)
+
+
+class _FakeSocket:
+    """What `http.client.HTTPResponse` reads a response from."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+
+    def makefile(self, mode: str) -> io.BufferedReader:
+        return io.BufferedReader(io.BytesIO(self._data))
 
 
 def test_error_body() -> None:

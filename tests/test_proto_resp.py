@@ -26,6 +26,7 @@ from epistemic_kvcache.proto.resp import (
     RespParser,
     SimpleString,
     Verbatim,
+    command_size,
     pack_command,
     serialize,
     split_inline,
@@ -690,3 +691,12 @@ def test_serialize_refuses_what_resp_cannot_carry(value: object) -> None:
 def test_serialize_refuses_unknown_protocol() -> None:
     with pytest.raises(LocalProtocolError):
         serialize(1, 4)
+
+
+@given(st.lists(st.binary(max_size=300), min_size=1, max_size=12))
+def test_command_size_is_the_multibulk_encoding(args: list[bytes]) -> None:
+    """The access log's `in=` for RESP: the command's bytes as a client sends them."""
+    wire = sum(len(b) for b in pack_command(*args))
+    assert command_size(args) == wire
+    assert command_size([memoryview(a) for a in args]) == wire
+    assert command_size(RefusedCommand("too big")) == 0

@@ -26,7 +26,13 @@ import trustme
 from cryptography.hazmat.primitives.asymmetric import ec
 from jwt.algorithms import ECAlgorithm
 
-from epistemic_kvcache.server.oplog import AuthFailureLog, JsonFormatter
+from epistemic_kvcache.server.oplog import (
+    AccessLog,
+    AuthFailureLog,
+    JsonFormatter,
+    TextFormatter,
+    escape_text,
+)
 from test_server_app import (  # the subprocess harness of the runner's own tests
     NO_RETRY,
     TOKEN,
@@ -134,19 +140,140 @@ def test_json_formatter_keeps_extra_fields() -> None:
     )
 
 
+def _resp(*args: bytes) -> bytes:
+    """A command as a RESP array, the way client libraries send it."""
+    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+
+
+def _exchange(sock: socket.socket, request: bytes, answer_bytes: int) -> bytes:
+    sock.sendall(request)
+    got = b""
+    while len(got) < answer_bytes:
+        chunk = sock.recv(1 << 20)
+        assert chunk, got
+        got += chunk
+    return got
+
+
 def test_access_log(tmp_path: Path, servers: list[Server]) -> None:
+    """One line per request or command with the bytes it took: HTTP bodies in and out;
+    RESP the command and its reply as sent (issue 23: RESP logged in=0 out=0)."""
     server = start(servers, tmp_path, "--token", TOKEN, "--access-log")
     assert server.http is not None
     assert server.resp is not None
     assert _get(server.http, "/kv/a1", method="PUT", body=b"12345")[0] == 201
+    assert _get(server.http, "/kv/a1", method="HEAD")[0] == 200
     r = redis.Redis(host=server.resp.host, port=server.resp.port, password=TOKEN)
     try:
         assert r.get("a1") == b"12345"
     finally:
         r.close()
-    server.wait_for(r"epistemic_kvcache\.access: http 127\.0\.0\.1 default 'PUT /kv/a1' 201 in=5")
-    server.wait_for(r"epistemic_kvcache\.access: resp 127\.0\.0\.1 default 'get' ok")
+    big = bytes(range(256)) * 400  # 100 KiB: the reply goes out as separate buffers
+    exchanges = [
+        (_resp(b"AUTH", TOKEN.encode()), b"+OK\r\n", "auth"),
+        (_resp(b"SET", b"r1", b"12345"), b"+OK\r\n", "set"),
+        (_resp(b"GET", b"r1"), b"$5\r\n12345\r\n", "get"),
+        (_resp(b"GET", b"r0"), b"$-1\r\n", "get"),
+        (_resp(b"SET", b"r2", big), b"+OK\r\n", "set"),
+        (_resp(b"GET", b"r2"), b"$%d\r\n%s\r\n" % (len(big), big), "get"),
+        (_resp(b"EXISTS", b"r1", b"r2", b"r0"), b":2\r\n", "exists"),
+    ]
+    with socket.create_connection((server.resp.host, server.resp.port), timeout=10) as sock:
+        for request, answer, _ in exchanges:
+            assert _exchange(sock, request, len(answer)) == answer
+    server.wait_for(
+        r"epistemic_kvcache\.access: http 127\.0\.0\.1 default 'PUT /kv/a1' 201 in=5 out="
+    )
+    server.wait_for(
+        r"epistemic_kvcache\.access: http 127\.0\.0\.1 default 'HEAD /kv/a1' 200 in=0 out=0 "
+    )
+    server.wait_for(r"epistemic_kvcache\.access: resp 127\.0\.0\.1 default 'get' ok in=21 out=11 ")
+    for request, answer, route in exchanges:
+        server.wait_for(
+            rf"epistemic_kvcache\.access: resp 127\.0\.0\.1 \S+ '{route}' ok "
+            rf"in={len(request)} out={len(answer)} "
+        )
     assert server.stop() == 0
+
+
+FORGED = "2026-01-01 00:00:00,000 INFO epistemic_kvcache.access: http 10.9.9.9 root 'DELETE /'"
+
+
+def test_a_tenant_claim_with_line_breaks_forges_no_log_line(
+    tmp_path: Path, servers: list[Server]
+) -> None:
+    """Issue 23: a JWT whose tenant claim held CR/LF wrote forged records into the text
+    access log. Now the token is refused at verification, the reason says why, and no
+    line of the log is the forged one."""
+    secret = tmp_path / "jwt.secret"
+    secret.write_text("s" * 40)
+    server = start(
+        servers, tmp_path, "--token", TOKEN, "--jwt-secret-file", str(secret), "--access-log"
+    )
+    assert server.http is not None
+    claims = {"tenant": "t\r\n" + FORGED, "exp": int(time.time()) + 600}
+    token = jwt.encode(claims, "s" * 40, algorithm="HS256")
+    assert _get(server.http, "/kv/stats", token=token)[0] == 401
+    server.wait_for(
+        r"authentication failed wire=http peer=127\.0\.0\.1 reason=invalid token: claim "
+        r"'tenant' is not a valid tenant name: control character U\+000D at index 1"
+    )
+    server.wait_for(r"epistemic_kvcache\.access: http 127\.0\.0\.1 - 'GET /kv/stats' 401")
+    assert not [line for line in server.lines if line.startswith(FORGED[:24])], server.log()
+    assert server.stop() == 0
+
+
+def _record(msg: str, *args: object, exc: BaseException | None = None) -> logging.LogRecord:
+    return logging.makeLogRecord(
+        {
+            "name": "epistemic_kvcache.test",
+            "levelno": 30,
+            "levelname": "WARNING",
+            "msg": msg,
+            "args": args,
+            "exc_info": (type(exc), exc, exc.__traceback__) if exc is not None else None,
+        }
+    )
+
+
+def test_text_log_lines_escape_control_characters() -> None:
+    """Whatever a value holds, a text record is one line, and a traceback's lines are
+    indented: a line at column 0 is always the start of a real record."""
+    fmt = TextFormatter("%(levelname)s %(name)s: %(message)s")
+    evil = "a\r\n" + FORGED + "\x1b[2J\x85\u2028\tz"
+    line = fmt.format(_record("tenant=%s key=%r", evil, "k\n"))
+    assert line == (
+        "WARNING epistemic_kvcache.test: tenant=a\\r\\n" + FORGED + "\\x1b[2J\\x85\\u2028\\tz"
+        " key='k\\n'"
+    )
+    assert fmt.format(_record("pre-formatted " + evil)).count("\n") == 0
+    assert escape_text(escape_text(evil)) == escape_text(evil)  # idempotent
+    assert escape_text("plain, printable: \u00e9\\n") == "plain, printable: \u00e9\\n"
+    try:
+        raise ValueError("bad\n" + FORGED)
+    except ValueError as exc:
+        text = fmt.format(_record("failed: %s", "x", exc=exc))
+    first, *rest = text.split("\n")
+    assert first == "WARNING epistemic_kvcache.test: failed: x"
+    assert rest
+    assert all(line.startswith("    ") for line in rest), text
+    assert all("\r" not in line for line in rest)
+
+
+def test_access_and_refusal_logs_escape_their_fields_with_any_formatter(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An embedder's own formatter (caplog's plain one here) gets escaped fields too."""
+    evil = "t\r\n" + FORGED
+    with caplog.at_level(logging.INFO):
+        AccessLog(enabled=True).record("resp", evil, evil, "get", "ok", 3, 4, 0.001)
+        AuthFailureLog().failed("http", "10.0.0.1\n", "bad " + evil)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2
+    assert all("\n" not in m and "\r" not in m for m in messages), messages
+    assert (
+        messages[0] == f"resp {escape_text(evil)} {escape_text(evil)} 'get' ok in=3 out=4 1.000ms"
+    )
 
 
 # -- SIGHUP ----------------------------------------------------------------------------------

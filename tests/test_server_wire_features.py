@@ -155,6 +155,7 @@ def test_first_write_wins_tenant_refuses_overwrites(srv: Srv) -> None:
     resp = pool.request("PUT", "/kv/fw", body=b"third", headers=auth("tok-f"))
     doc = json.loads(resp.data)
     assert (resp.status, doc["error"], doc["outcome"]) == (409, "conflict", "conflict")
+    assert resp.reason == "Conflict"  # http.HTTPStatus's phrase, not "Unknown"
     assert resp.headers["X-Kv-Outcome"] == "conflict"
     assert pool.request("GET", "/kv/fw", headers=auth("tok-f")).data == b"first"
 
@@ -164,6 +165,7 @@ def test_http_statuses_and_preconditions(srv: Srv) -> None:
     pool.request("DELETE", "/kv/p1", headers=auth())
     r = pool.request("PUT", "/kv/p1", body=b"x", headers={**auth(), "If-Match": "*"})
     assert (r.status, json.loads(r.data)["error"]) == (412, "precondition_failed")
+    assert r.reason == "Precondition Failed"  # http.HTTPStatus's phrase, not "Unknown"
     assert r.headers["X-Kv-Outcome"] == "missing"
     assert pool.request("GET", "/kv/p1", headers=auth()).status == 404
     r = pool.request("PUT", "/kv/p1", body=b"x", headers={**auth(), "If-None-Match": "*"})

@@ -40,14 +40,15 @@ class Subcommand:
 
 
 def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
-    """Log to stderr, one line per record (the `listening ...` lines are parsed by tools);
+    """Log to stderr, one line per record (the `listening ...` lines are parsed by tools;
+    control characters that clients sent are escaped, see `server/oplog.py`);
     `fmt="json"`: one JSON object per line."""
-    logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr, force=True)
-    if fmt == "json":
-        from epistemic_kvcache.server.oplog import JsonFormatter
+    from epistemic_kvcache.server.oplog import JsonFormatter, TextFormatter
 
-        for handler in logging.getLogger().handlers:
-            handler.setFormatter(JsonFormatter())
+    logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr, force=True)
+    formatter = JsonFormatter() if fmt == "json" else TextFormatter(LOG_FORMAT)
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(formatter)
 
 
 def _serve_arguments(parser: argparse.ArgumentParser) -> None:

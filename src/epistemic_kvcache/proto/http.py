@@ -19,9 +19,11 @@ from __future__ import annotations
 import json
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from email.utils import formatdate
-from typing import Any
+from http import HTTPStatus
+from types import MappingProxyType
+from typing import Any, Final
 from urllib.parse import quote, unquote_to_bytes
 
 from epistemic_kvcache.errors import RemoteProtocolError
@@ -455,25 +457,23 @@ def decode_key_list(body: Buffer, *, max_keys: int) -> list[str]:
 
 # -- responses ----------------------------------------------------------------------------
 
-REASONS: dict[int, str] = {
-    100: "Continue",
-    200: "OK",
-    201: "Created",
-    204: "No Content",
-    400: "Bad Request",
-    401: "Unauthorized",
-    403: "Forbidden",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    408: "Request Timeout",
-    411: "Length Required",
-    413: "Content Too Large",
-    429: "Too Many Requests",
-    431: "Request Header Fields Too Large",
-    500: "Internal Server Error",
-    503: "Service Unavailable",
-    507: "Insufficient Storage",
-}
+STATUS_LINES: Final[Mapping[int, bytes]] = MappingProxyType(
+    {int(s): f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode("ascii") for s in HTTPStatus}
+)
+"""The status line of every status `http.HTTPStatus` knows, with its standard reason
+phrase (a hand-written table lacked 409 and 412 and sent `412 Unknown`)."""
+
+
+def status_line(status: int) -> bytes:
+    """`HTTP/1.1 <status> <reason>` and CRLF; a code the standard library does not know
+    gets an empty reason (RFC 9112 section 4 allows it), never an invented one."""
+    line = STATUS_LINES.get(status)
+    if line is None:
+        if not 100 <= status <= 999:
+            raise ValueError(f"invalid HTTP status {status!r}: expected three digits")
+        line = b"HTTP/1.1 %d \r\n" % status
+    return line
+
 
 _date_cache: tuple[int, bytes] = (0, b"")
 
@@ -500,8 +500,7 @@ def response_head(
     `content_length=None` omits the header (204, 1xx). `close` adds `Connection: close`;
     `keep_alive_header` adds `Connection: keep-alive` (HTTP/1.0 clients).
     """
-    reason = REASONS.get(status, "Unknown")
-    parts = [f"HTTP/1.1 {status} {reason}\r\n".encode("ascii"), b"Date: ", http_date(), b"\r\n"]
+    parts = [status_line(status), b"Date: ", http_date(), b"\r\n"]
     for name, value in headers:
         if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
             raise ValueError(f"header {name!r} holds a line break")

@@ -132,6 +132,20 @@ def args_size(cmd: Command) -> int:
     return size
 
 
+def command_size(cmd: Command) -> int:
+    """Bytes of `cmd` as a RESP array on the wire: `*<n>\\r\\n`, then `$<len>\\r\\n`,
+    the argument and `\\r\\n` for each (what client libraries send; an inline command
+    is counted as if sent this way). 0 for a `RefusedCommand` (its arguments were
+    dropped as they arrived)."""
+    if isinstance(cmd, RefusedCommand):
+        return 0
+    size = 3 + len(str(len(cmd)))
+    for arg in cmd:
+        n = len(arg)
+        size += 5 + len(str(n)) + n
+    return size
+
+
 def _perr(detail: str) -> RemoteProtocolError:
     return RemoteProtocolError(f"Protocol error: {detail}")
 

@@ -49,6 +49,7 @@ from epistemic_kvcache.config import (
 )
 from epistemic_kvcache.errors import AuthError, ConfigurationError, InvalidKeyError
 from epistemic_kvcache.server.context import Identity
+from epistemic_kvcache.server.oplog import UNSAFE_TEXT
 from epistemic_kvcache.shared import validate_namespace
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,19 @@ _EC_CURVES = {"secp256r1": "P-256", "secp384r1": "P-384", "secp521r1": "P-521"}
 MIN_RSA_BITS = 2048
 
 
+def check_tenant_name(tenant: str) -> None:
+    """Raise `InvalidKeyError` for a name that is no valid namespace or that holds a
+    control character or line separator: tenant names are written into log lines, where
+    a CR or LF would forge records (issue 23). Says which character, and where."""
+    validate_namespace(tenant)
+    bad = UNSAFE_TEXT.search(tenant)
+    if bad is not None:
+        raise InvalidKeyError(
+            f"control character U+{ord(bad.group()):04X} at index {bad.start()} "
+            "(tenant names may not hold control characters or line breaks)"
+        )
+
+
 def looks_like_jwt(credential: str) -> bool:
     """Three base64url segments separated by dots."""
     return _JWT_SHAPE.fullmatch(credential) is not None
@@ -107,7 +121,7 @@ class TokenTable:
         if not token or any(c.isspace() for c in token):
             raise ConfigurationError(f"invalid token in {source}: empty or contains whitespace")
         try:
-            validate_namespace(tenant)
+            check_tenant_name(tenant)
         except InvalidKeyError as exc:
             raise ConfigurationError(f"invalid tenant in {source}: {exc}") from None
         digest = _digest(token)
@@ -446,9 +460,11 @@ class JwtVerifier:
         if not isinstance(tenant, str):
             raise AuthError(f"invalid token: no string {self._tenant_claim!r} or 'sub' claim")
         try:
-            validate_namespace(tenant)
-        except InvalidKeyError:
-            raise AuthError(f"invalid token: claim {claim!r} is not a valid tenant name") from None
+            check_tenant_name(tenant)
+        except InvalidKeyError as exc:
+            raise AuthError(
+                f"invalid token: claim {claim!r} is not a valid tenant name: {exc}"
+            ) from None
         subject = claims.get("sub")
         identity = Identity(
             tenant=tenant,

@@ -244,9 +244,17 @@ class RequestSeries:
 
 
 class _RequestCollector(Collector):
-    """Turns the `RequestSeries` into the request counter and latency histogram."""
+    """Turns the `RequestSeries` into the request counter and latency histogram.
 
-    _LABELS = ("wire", "route", "status", "code")
+    The counter keeps the HTTP `code`; the histogram does not: a latency histogram is
+    19 series a label set (17 buckets, +Inf, sum; plus count and created), and one per
+    HTTP code multiplied them for no question an operator asks of latencies (after a
+    few minutes of traffic 700 of a server's 852 series were latency series split by
+    code). Latencies are by wire, route and ok/error; what failed how is the counter's
+    `code`."""
+
+    _COUNTER_LABELS = ("wire", "route", "status", "code")
+    _LATENCY_LABELS = ("wire", "route", "status")
 
     def __init__(self, series: dict[tuple[str, str, str], RequestSeries]) -> None:
         self._series = series
@@ -255,26 +263,33 @@ class _RequestCollector(Collector):
         requests = CounterMetricFamily(
             "kvcache_requests",
             "Requests answered, by wire, route, status (ok/error) and HTTP code.",
-            labels=self._LABELS,
+            labels=self._COUNTER_LABELS,
         )
         latency = HistogramMetricFamily(
             "kvcache_request_duration_seconds",
-            "Time from a request's first byte to its response being queued for sending.",
-            labels=self._LABELS,
+            "Time from a request's first byte (RESP: its dispatch) to its response being "
+            "queued for sending, by wire, route and status (ok/error).",
+            labels=self._LATENCY_LABELS,
         )
-        merged: dict[tuple[str, str, str, str], tuple[int, float, list[int], float]] = {}
+        counts: dict[tuple[str, ...], tuple[int, float]] = {}
+        latencies: dict[tuple[str, ...], tuple[float, list[int]]] = {}
         for s in list(self._series.values()):
-            counts = list(s.buckets)  # a copy: the event loop keeps counting
+            buckets = list(s.buckets)  # a copy: the event loop keeps counting
             n, total = s.count, s.total_s
-            have = merged.get(s.labels)
-            if have is not None:  # two statuses with one label (e.g. "ok" via 200 and 404)
-                n, total = n + have[0], total + have[1]
-                counts = [a + b for a, b in zip(counts, have[2], strict=True)]
-            merged[s.labels] = (n, total, counts, min(s.created, have[3]) if have else s.created)
-        for labels, (n, total, counts, created) in sorted(merged.items()):
+            # two raw statuses may share labels (e.g. RESP "ok" via fast and slow paths)
+            have_n, have_created = counts.get(s.labels, (0, s.created))
+            counts[s.labels] = (have_n + n, min(have_created, s.created))
+            key = s.labels[:3]
+            have = latencies.get(key)
+            if have is not None:
+                total += have[0]
+                buckets = [a + b for a, b in zip(buckets, have[1], strict=True)]
+            latencies[key] = (total, buckets)
+        for labels, (n, created) in sorted(counts.items()):
             requests.add_metric(list(labels), n, created=created)
+        for labels, (total, buckets) in sorted(latencies.items()):
             cumulative, running = [], 0
-            for bound, c in zip((*LATENCY_BUCKETS_S, float("inf")), counts, strict=True):
+            for bound, c in zip((*LATENCY_BUCKETS_S, float("inf")), buckets, strict=True):
                 running += c
                 cumulative.append((_bound_text(bound), running))
             latency.add_metric(list(labels), cumulative, total)
@@ -312,7 +327,10 @@ class Metrics:
 
         `status` is what the wire reports: an HTTP status code (`"201"`) or a RESP
         outcome (`"ok"` / `"error"`); the exported label is `status_label(status)`, the
-        same two values on both wires, and HTTP keeps its code in the `code` label.
+        same two values on both wires, and HTTP keeps its code in the counter's `code`
+        label (the latency histogram has no `code`). `seconds` comes from a monotonic
+        high-resolution clock (`time.perf_counter`), never `loop.time()` (1 ms steps
+        under uvloop: every sub-millisecond request fell into one bucket).
         """
         self.series(wire, route, status).observe(seconds)
 

@@ -10,12 +10,21 @@
   `epistemic_kvcache.access`: wire, peer, tenant, request, status, bytes and duration.
 - `JsonFormatter`: `--log-format json` writes each record as one JSON object per line
   (`ts`, `level`, `logger`, `msg`, and the fields a record carries in `extra`).
+- `TextFormatter`: the text format (the default). Log lines carry what clients sent
+  (tenant names from JWT claims, keys, request targets, command names, reasons quoting
+  them): a CR or LF among them would write a forged record into the log. Every
+  control character (and line or paragraph separator) of a message is written as an
+  escape (`\\r`, `\\n`, `\\t`, `\\x1b`, `\\u2028`), so one record is one line; traceback
+  lines are indented, so a line that starts at column 0 is always a record's first.
+  `AccessLog` and the rate-limited logs also escape their fields themselves, for
+  embedders who install their own formatter. JSON escapes them by construction.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from typing import Any, Final
 
@@ -24,6 +33,32 @@ ACCESS_LOG: Final = logging.getLogger("epistemic_kvcache.access")
 LIMIT_LOG: Final = logging.getLogger("epistemic_kvcache.limits")
 
 _STD_ATTRS: Final = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
+
+UNSAFE_TEXT: Final = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+"""Characters that end, rewrite or hide a log line: C0 and C1 controls (CR, LF, NEL,
+ESC...), DEL, and the Unicode line and paragraph separators."""
+_NAMED: Final = {"\r": "\\r", "\n": "\\n", "\t": "\\t"}
+
+
+def _escaped(match: re.Match[str]) -> str:
+    c = match.group()
+    named = _NAMED.get(c)
+    if named is not None:
+        return named
+    return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+
+
+def escape_text(text: str) -> str:
+    """`text` with every control character or line separator written as an escape
+    (`\\r`, `\\n`, `\\t`, `\\xNN`, `\\uNNNN`): safe to put in one line of a text log.
+    Printable text, backslashes included, is kept as it is (so escaping is idempotent)."""
+    if UNSAFE_TEXT.search(text) is None:
+        return text
+    return UNSAFE_TEXT.sub(_escaped, text)
+
+
+def _field(value: str | None) -> str:
+    return "-" if value is None else escape_text(value)
 
 
 class RateLimitedLog:
@@ -75,8 +110,8 @@ class RateLimitedLog:
             "%s wire=%s peer=%s reason=%s",
             self.one,
             wire,
-            peer,
-            reason,
+            escape_text(peer),
+            escape_text(reason),
             extra={"event": self.event, "wire": wire, "peer": peer, "reason": reason},
         )
 
@@ -127,8 +162,8 @@ class AccessLog:
         ACCESS_LOG.info(
             "%s %s %s %r %s in=%d out=%d %.3fms",
             wire,
-            peer,
-            tenant or "-",
+            _field(peer),
+            _field(tenant),
             request,
             status,
             bytes_in,
@@ -169,13 +204,42 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(doc, ensure_ascii=False)
 
 
+class TextFormatter(logging.Formatter):
+    """The text log format: one record, one line, whatever its values hold.
+
+    The message (template and values) has its control characters escaped
+    (`escape_text`); a traceback or stack keeps its line breaks but every line of it is
+    indented and escaped, so no text in it can pass for a record of its own."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        safe = escape_text(message)
+        if safe is not message:
+            record = logging.makeLogRecord(vars(record))
+            record.msg, record.args = safe, None
+        return super().format(record)
+
+    def formatException(self, ei: Any) -> str:
+        return _indented(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:
+        return _indented(super().formatStack(stack_info))
+
+
+def _indented(text: str) -> str:
+    return "\n".join("    " + escape_text(line) for line in text.split("\n"))
+
+
 __all__ = [
     "ACCESS_LOG",
     "AUTH_LOG",
     "LIMIT_LOG",
+    "UNSAFE_TEXT",
     "AccessLog",
     "AuthFailureLog",
     "JsonFormatter",
     "RateLimitedLog",
     "RefusalLog",
+    "TextFormatter",
+    "escape_text",
 ]

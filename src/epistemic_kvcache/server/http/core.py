@@ -8,14 +8,15 @@ from epistemic_kvcache.errors import InvalidKeyError, StoreError
 from epistemic_kvcache.proto.errors import row_for
 from epistemic_kvcache.proto.http import (
     BATCH_CONTENT_TYPE,
+    JSON_CONTENT_TYPE,
     OCTET_CONTENT_TYPE,
     Buffer,
     decode_key_list,
     encode_batch_get_response,
+    error_body,
 )
 from epistemic_kvcache.server.http.api import (
     OUTCOME_WORD,
-    HttpError,
     Request,
     Response,
     large_json,
@@ -26,7 +27,20 @@ from epistemic_kvcache.server.http.engine import EPOCH_SCOPE_HEADER, scoped_put
 from epistemic_kvcache.shared import MAX_KEY_BYTES, validate_key
 from epistemic_kvcache.store.api import PutOutcome
 
-NOT_FOUND: Final = HttpError(404, "not_found", "no such key")
+_NOT_FOUND_BODY: Final = error_body("not_found", "no such key")
+
+
+def not_found() -> Response:
+    """The answer to a miss: a fresh `Response` each time, never a shared exception.
+
+    A module-level exception instance raised again and again keeps every raise's
+    frames: each `raise` prepends the raising frames to the instance's `__traceback__`,
+    so a shared `HttpError(404)` held every missed request's handler frames (and what
+    they referenced) for good, ~1.6 KB per miss (issue 22). A miss is normal cache
+    traffic: it is answered, not raised."""
+    return Response(
+        404, [("Content-Type", JSON_CONTENT_TYPE)], [_NOT_FOUND_BODY], len(_NOT_FOUND_BODY)
+    )
 
 
 def batch_header_limit(max_batch_keys: int) -> int:
@@ -141,11 +155,11 @@ async def key_get(req: Request) -> Response:
     if req.method == "HEAD":
         size = await ctx.run(ctx.store.size, req.ns, key)
         if size is None:
-            raise NOT_FOUND
+            return not_found()
         return Response(200, [("Content-Type", OCTET_CONTENT_TYPE)], [], size)
     data = await ctx.get(req.ns, key, req.account)
     if data is None:
-        raise NOT_FOUND
+        return not_found()
     return Response.octets(data)
 
 
@@ -153,7 +167,7 @@ async def key_delete(req: Request) -> Response:
     assert req.key is not None
     if await req.ctx.run(req.ctx.store.delete, req.ns, req.key):
         return Response.empty(204)
-    raise NOT_FOUND
+    return not_found()
 
 
 async def key_put(req: Request) -> Response:

@@ -332,8 +332,9 @@ class RespConnection(asyncio.BufferedProtocol):
                 try:
                     event = self._queue.next()
                 except RemoteProtocolError as exc:
-                    self._dispatcher.observe("protocol_error", ErrorReply(""), 0.0)
-                    self._write(serialize(ErrorReply(f"ERR {exc}"), self.session.protocol_version))
+                    error = ErrorReply(f"ERR {exc}")
+                    self._dispatcher.observe("protocol_error", error, 0.0)
+                    self._write(serialize(error, self.session.protocol_version))
                     self._close()
                     return
                 if event is NEED_DATA:

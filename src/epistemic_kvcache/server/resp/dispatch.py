@@ -41,6 +41,7 @@ from epistemic_kvcache.proto.resp import (
     ErrorReply,
     RefusedCommand,
     args_size,
+    command_size,
     serialize,
 )
 from epistemic_kvcache.server.resp.common import (
@@ -236,8 +237,17 @@ class Dispatcher:
         return spec.name, spec, None
 
     def observe(
-        self, route: str, reply: object, seconds: float, *, count_activity: bool = True
+        self,
+        route: str,
+        reply: object,
+        seconds: float,
+        cmd: Command | None = None,
+        *,
+        count_activity: bool = True,
     ) -> None:
+        """Count one answered command; with the access log on, log it with the bytes it
+        took on the wire: `cmd` as a RESP array (`command_size`; 0 when unknown) and the
+        reply as this connection's protocol encodes it."""
         status = "error" if isinstance(reply, ErrorReply) else "ok"
         s = self.session
         if count_activity and s.identity is not None:
@@ -250,8 +260,8 @@ class Dispatcher:
                 s.identity.tenant if s.identity is not None else None,
                 route,
                 status,
-                0,
-                reply_bytes(reply),
+                command_size(cmd) if cmd is not None else 0,
+                sum(memoryview(b).nbytes for b in self.encode(reply)),
                 seconds,
             )
         try:
@@ -265,7 +275,7 @@ class Dispatcher:
         started = time.perf_counter()
         route, spec, error = self.check(cmd)
         if error is not None or spec is None:
-            self.observe(route, error, time.perf_counter() - started)
+            self.observe(route, error, time.perf_counter() - started, cmd)
             return [error]
         if route == "get" and len(cmd) == 2:
             try:
@@ -273,7 +283,7 @@ class Dispatcher:
             except Reply as exc:
                 fast = exc.reply
             if fast is not WOULD_BLOCK:
-                self.observe(route, fast, time.perf_counter() - started)
+                self.observe(route, fast, time.perf_counter() - started, cmd)
                 return [fast]
         elif route == "set" and len(cmd) == 3:
             replies = await self._plain_sets(cmd, started)
@@ -297,7 +307,7 @@ class Dispatcher:
             reply = INTERNAL_ERROR
         finally:
             self.busy = False
-        self.observe(route, reply, time.perf_counter() - started)
+        self.observe(route, reply, time.perf_counter() - started, cmd)
         return [reply]
 
     async def _batch(self, route: str, handler: BlockingHandler, cmd: Command) -> list[object]:
@@ -319,8 +329,8 @@ class Dispatcher:
             results = await self.ctx.run(self._run_batch, batch)
         finally:
             self.busy = False
-        for (route_i, _, _), (reply_i, seconds) in zip(batch, results, strict=False):
-            self.observe(route_i, reply_i, seconds)
+        for (route_i, _, cmd_i), (reply_i, seconds) in zip(batch, results, strict=False):
+            self.observe(route_i, reply_i, seconds, cmd_i)
         # Commands the job left undone (replies grew too big) run next, in order.
         queue.unshift([item[2] for item in batch[len(results) :]])
         return [reply_i for reply_i, _ in results]
@@ -422,7 +432,7 @@ class Dispatcher:
             if plain and not isinstance(reply, ErrorReply):
                 series[route].observe(t1 - t0)
             else:
-                self.observe(route, reply, t1 - t0, count_activity=False)
+                self.observe(route, reply, t1 - t0, cmd, count_activity=False)
             t0 = t1
         if i > start and s.identity is not None:
             s.shared.activity(s.identity.tenant).commands += i - start
@@ -484,7 +494,7 @@ class Dispatcher:
         """
         ns = self.session.namespace
         ctx = self.ctx
-        begun: list[tuple[object, float]] = []
+        begun: list[tuple[object, float, Command]] = []
         current: Command | None = cmd
         while current is not None:
             t0 = started if not begun else time.perf_counter()
@@ -499,7 +509,7 @@ class Dispatcher:
                 break
             if begun:
                 self.queue.pop()  # consume what was peeked
-            begun.append((outcome, t0))
+            begun.append((outcome, t0, current))
             if len(begun) >= MAX_PIPELINED_SETS:
                 break
             following = self.queue.peek()
@@ -509,7 +519,7 @@ class Dispatcher:
         replies: list[object] = []
         self.busy = True
         try:
-            for outcome, t0 in begun:
+            for outcome, t0, sent in begun:
                 reply = outcome
                 if isinstance(outcome, concurrent.futures.Future):
                     try:
@@ -520,7 +530,7 @@ class Dispatcher:
                 elif isinstance(outcome, PutResult):
                     reply = OK if outcome.applied else None
                 replies.append(reply)
-                self.observe("set", reply, time.perf_counter() - t0)
+                self.observe("set", reply, time.perf_counter() - t0, sent)
         finally:
             self.busy = False
         return replies
