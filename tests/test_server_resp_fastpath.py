@@ -161,3 +161,39 @@ def test_clients_hanging_up_mid_large_set_release_everything(server: _Server) ->
     assert r.exists("cut-me") == 0
     assert r.set("cut-me", value)
     assert r.get("cut-me") == value
+
+
+def test_lookups_are_answered_inline_while_the_thread_pool_is_busy(server: _Server) -> None:
+    """EXISTS (one key or many, a key counted per mention) and STRLEN never wait for the
+    thread pool: the store's index is in RAM. With every worker held, they still answer
+    (before, each one was a thread-pool job: LMCache's per-chunk lookups queued behind
+    loads, at a quarter of redis-server's rate)."""
+    r = server.client()
+    r.set("present", b"x" * 1000)
+    r.set("other", b"y")
+    executor = server.ctx.executor
+    release = threading.Event()
+    held = [executor.submit(release.wait, 60) for _ in range(executor._max_workers)]
+    try:
+        quick = redis.Redis(port=server.port, password=TOKEN, socket_timeout=20)
+        assert quick.exists("present") == 1
+        assert quick.exists("present", "absent", "present", "other") == 3
+        assert quick.exists("absent") == 0
+        assert quick.strlen("present") == 1000
+        assert quick.strlen("absent") == 0
+        assert quick.get("other") == b"y"
+        pipe = quick.pipeline(transaction=False)
+        for i in range(200):
+            pipe.exists("present", f"absent-{i}")
+            pipe.strlen("other")
+        assert pipe.execute() == [1, 1] * 200
+        assert quick.execute_command("exists", "other") == 1  # any spelling
+        assert quick.execute_command("StrLen", "present") == 1000
+        quick.close()
+    finally:
+        release.set()
+        for f in held:
+            f.result(10)
+    counted = {route: server.ctx.metrics.series("resp", route, "ok").count
+               for route in ("exists", "strlen")}  # fmt: skip
+    assert counted == {"exists": 204, "strlen": 203}

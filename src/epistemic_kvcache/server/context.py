@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
@@ -239,6 +239,21 @@ class ServerContext:
         if engine is None:
             return WOULD_BLOCK
         return engine.get_nowait(ns, key)
+
+    def exists_nowait(self, ns: str, keys: Sequence[str]) -> int | WouldBlock:
+        """How many of `keys` exist (Redis `EXISTS`, a key counted once per mention) when
+        RAM answers at once: the tiered engine's index is in RAM. Else `WOULD_BLOCK`."""
+        engine = self._engine
+        if engine is None:
+            return WOULD_BLOCK
+        return sum(engine.exists_many(ns, keys))
+
+    def size_nowait(self, ns: str, key: str) -> int | WouldBlock | None:
+        """The value's length (None: absent) when RAM answers at once, else `WOULD_BLOCK`."""
+        engine = self._engine
+        if engine is None:
+            return WOULD_BLOCK
+        return engine.size(ns, key)
 
     def put_nowait(
         self, ns: str, key: str, data: Buffer, cond: PutCond = None

@@ -8,7 +8,9 @@ on the store's thread pool). The handlers live in server/resp/commands.py.
 
 A connection owns one `Dispatcher`. `execute(cmd)` checks the command (known, allowed
 before AUTH, arity, subscribed mode) and runs it:
-- a plain `GET key` that RAM answers at once (`ServerContext.get_nowait`) inline;
+- a plain `GET key`, `EXISTS key...` or `STRLEN key` that RAM answers at once
+  (`ServerContext.get_nowait`, `exists_nowait`, `size_nowait`: the tiered engine's index
+  is in RAM, so only a cold GET or the cluster backend needs the thread pool) inline;
 - a plain `SET key value` started inline (`put_nowait`) together with the plain SETs
   pipelined right behind it, so durable ones share one group commit;
 - a blocking command in one thread-pool job together with the blocking commands framed
@@ -17,8 +19,8 @@ before AUTH, arity, subscribed mode) and runs it:
   back to the front of the queue;
 - anything else by awaiting its loop handler.
 `run_fast` is the connection's fast path while its task is parked: it answers plain
-GET/SET commands RAM answers at once (commands taken straight from the read, or framed
-ones through `run_inline`), counting their metrics per series without the general
+GET/SET and EXISTS/STRLEN commands RAM answers at once (commands taken straight from the
+read, or framed ones through `run_inline`), counting their metrics per series without the general
 `observe`; it stops at the first command that needs the task, and the connection hands
 that one and the rest to the task in order.
 """
@@ -78,15 +80,19 @@ INLINE_MAX_COMMANDS: Final = 64
 connection's task (which yields to other connections between time slices)."""
 SMALL_REPLY: Final = 16 * 1024
 """Bulk replies shorter than this are sent as one buffer (head + bytes + CRLF)."""
-_FAST_NAMES: Final = {b"get": "get", b"GET": "get", b"set": "set", b"SET": "set"}
+_FAST_NAMES: Final = {
+    b"get": "get", b"GET": "get", b"set": "set", b"SET": "set",
+    b"exists": "exists", b"EXISTS": "exists", b"strlen": "strlen", b"STRLEN": "strlen",
+}  # fmt: skip
+_FAST_ROUTES: Final = ("get", "set", "exists", "strlen")
 FAST_FLUSH_BYTES: Final = 64 * 1024
 """The fast path hands its replies to the transport once they reach this many bytes,
 so a client that does not read is noticed (`pause_writing`) before more are made."""
 
 
 def _fast_name(name: Arg) -> str | None:
-    """ "get" / "set" for any spelling of GET / SET (the fast path's commands), else None."""
-    if len(name) != 3:
+    """The fast path's route for any spelling of GET, SET, EXISTS, STRLEN, else None."""
+    if len(name) not in {3, 6}:
         return None
     return _FAST_NAMES.get(bytes(name).lower())
 
@@ -207,10 +213,7 @@ class Dispatcher:
         self.busy = False
         """A command is running (the connection is not idle)."""
         metrics = self.ctx.metrics
-        self._series = {
-            "get": metrics.series(WIRE, "get", "ok"),
-            "set": metrics.series(WIRE, "set", "ok"),
-        }
+        self._series = {route: metrics.series(WIRE, route, "ok") for route in _FAST_ROUTES}
 
     # -- checks and metrics ---------------------------------------------------------------
     def check(self, cmd: Command) -> tuple[str, CommandSpec | None, ErrorReply | None]:
@@ -277,9 +280,9 @@ class Dispatcher:
         if error is not None or spec is None:
             self.observe(route, error, time.perf_counter() - started, cmd)
             return [error]
-        if route == "get" and len(cmd) == 2:
+        if route in _READ_NOWAIT:
             try:
-                fast = self.get_nowait(cmd[1])
+                fast = _READ_NOWAIT[route](self, cmd)
             except Reply as exc:
                 fast = exc.reply
             if fast is not WOULD_BLOCK:
@@ -362,12 +365,27 @@ class Dispatcher:
         return out
 
     # -- fast paths -------------------------------------------------------------------------
-    def get_nowait(self, arg: Buffer) -> object:
-        """A plain GET's reply if RAM answers it, else `WOULD_BLOCK`."""
+    def get_nowait(self, cmd: Command) -> object:
+        """A plain GET's reply if RAM answers it, else `WOULD_BLOCK` (arity checked)."""
         try:
-            return self.ctx.get_nowait(self.session.namespace, to_key(arg))
+            return self.ctx.get_nowait(self.session.namespace, to_key(cmd[1]))
         except StoreError as exc:
             raise Reply(store_error_reply(exc, "get")) from None
+
+    def exists_nowait(self, cmd: Command) -> object:
+        """EXISTS's reply (the count) if RAM answers it, else `WOULD_BLOCK`."""
+        try:
+            return self.ctx.exists_nowait(self.session.namespace, [to_key(k) for k in cmd[1:]])
+        except StoreError as exc:
+            raise Reply(store_error_reply(exc, "exists")) from None
+
+    def strlen_nowait(self, cmd: Command) -> object:
+        """STRLEN's reply (0 for an absent key) if RAM answers it, else `WOULD_BLOCK`."""
+        try:
+            size = self.ctx.size_nowait(self.session.namespace, to_key(cmd[1]))
+        except StoreError as exc:
+            raise Reply(store_error_reply(exc, "strlen")) from None
+        return 0 if size is None else size
 
     def run_fast(self, cmds: list[Command], out: list[Buffer], start: int = 0) -> int:
         """Answer the plain GET/SET commands at `cmds[start:]` that RAM answers at once
@@ -394,7 +412,7 @@ class Dispatcher:
         while i < n and queued < FAST_FLUSH_BYTES:
             cmd = cmds[i]
             argc = len(cmd)
-            if argc not in {2, 3}:  # (a refused command is empty: the task answers it)
+            if argc < 2:  # (a refused command is empty: the task answers it)
                 break
             name = cmd[0]
             kind = _FAST_NAMES.get(name) if type(name) is bytes else None
@@ -404,12 +422,18 @@ class Dispatcher:
                 route = "get"
             elif kind == "set" and argc == 3 and put is not None:
                 route = "set"
+            elif kind == "exists" or (kind == "strlen" and argc == 2):
+                route = kind
             else:
                 break
             reply: object
             try:
                 if route == "get":
                     reply = ctx.get_nowait(ns, to_key(cmd[1]))
+                    if reply is WOULD_BLOCK:
+                        break
+                elif route != "set":
+                    reply = _READ_NOWAIT[route](self, cmd)
                     if reply is WOULD_BLOCK:
                         break
                 else:
@@ -464,7 +488,8 @@ class Dispatcher:
                 return
 
     def encode(self, reply: object) -> list[Buffer]:
-        """`serialize`, with the replies of GET and SET written without its machinery."""
+        """`serialize`, with the fast path's replies (bulk, OK, nil, integer) written
+        without its machinery."""
         if isinstance(reply, bytes | bytearray | memoryview):
             n = reply.nbytes if isinstance(reply, memoryview) else len(reply)
             if n < SMALL_REPLY:
@@ -472,6 +497,8 @@ class Dispatcher:
             return [b"$%d\r\n" % n, reply, b"\r\n"]
         if reply is OK:
             return [b"+OK\r\n"]
+        if type(reply) is int:
+            return [b":%d\r\n" % reply]
         if reply is None:
             return [b"$-1\r\n" if self.session.protocol_version == 2 else b"_\r\n"]
         if isinstance(reply, Frames):
@@ -534,3 +561,11 @@ class Dispatcher:
         finally:
             self.busy = False
         return replies
+
+
+_READ_NOWAIT: Final[dict[str, Callable[[Dispatcher, Command], object]]] = {
+    "get": Dispatcher.get_nowait,
+    "exists": Dispatcher.exists_nowait,
+    "strlen": Dispatcher.strlen_nowait,
+}
+"""Read-only commands RAM answers inline (arity already checked): their `*_nowait`."""
