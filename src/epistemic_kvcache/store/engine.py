@@ -570,7 +570,7 @@ class TieredEngine(SharedKvBackend):
             b.seg, b.off = e.seg, e.off
             b.owner = {} if self.dedup_scope == "global" else tenant
             self._blobs[e.sdig] = b
-            if e.data is not None and self._admit_hot(e.size):
+            if e.data is not None and self._hot_room(e.size):
                 b.hot = e.data  # counted hot by the footprints below
                 self._hot[e.sdig] = b
             self._footprint(b, self._total, +1)
@@ -663,9 +663,51 @@ class TieredEngine(SharedKvBackend):
         if was != (b.pins > 0):
             self._pinned_bytes += b.size if b.pins > 0 else -b.size
 
-    def _admit_hot(self, size: int) -> bool:
-        """Whether a new block's bytes go into the hot tier (lock held)."""
-        return size <= self.hot_capacity_bytes
+    def _hot_room(self, size: int) -> bool:
+        """Whether `size` more bytes fit in the hot tier now (lock held): the one
+        admission test of the tier, so it never holds more than its capacity.
+
+        Victims that leave hot without codec work (no warm copy to make: the warm tier is
+        off or too small for them) are demoted here, under the lock. A victim that needs
+        compressing is not: the block is refused (`_hot_full`), and the caller keeps it
+        where it is (the durable backend: on disk) or places it itself; blocking callers
+        make room beforehand with `_make_hot_room`, the codec work outside the lock."""
+        cap = self.hot_capacity_bytes
+        if size > cap:
+            return False
+        while self._total.hot_bytes + size > cap:
+            victim = self._pick_victim(self._hot)
+            if victim is None or 0 < victim.size <= self.warm_capacity_bytes:
+                self._hot_full()
+                return False
+            self._demote(victim, None)
+        return True
+
+    def _hot_full(self) -> None:
+        """A block was refused by the hot tier (lock held): hook for the durable backend,
+        whose tier thread then makes room for the next ones."""
+
+    def _warm_room(self, nbytes: int) -> bool:
+        """Whether a warm copy of `nbytes` fits, after the least valuable warm blocks
+        left RAM for it (lock held): every block enters warm through it."""
+        cap = self.warm_capacity_bytes
+        if nbytes > cap:
+            return False
+        while self._total.warm_bytes + nbytes > cap:
+            victim = self._pick_victim(self._warm)
+            if victim is None:
+                return False
+            self._leave_ram(victim)
+        return True
+
+    def _make_hot_room(self, sizes: Iterable[int]) -> None:
+        """Before blocks of `sizes` enter hot (a blocking caller, off the event loop):
+        demote until they fit, compressing the victims outside the lock. Their admission
+        (`_hot_room`) stays the bound; this only keeps new blocks from being refused."""
+        cap = self.hot_capacity_bytes
+        need = min(sum(n for n in sizes if n <= cap), cap)
+        if need and self._total.hot_bytes + need > cap:  # unlocked look: a hint
+            self._rebalance(cap - need)
 
     def _on_blob_created(self, b: _Blob) -> None:
         """Hook for the durable backend (segment accounting)."""
@@ -743,8 +785,9 @@ class TieredEngine(SharedKvBackend):
                 self._leave_ram(victim)
 
     def _demote(self, b: _Blob, warm_copy: bytes | None) -> None:
-        """Move `b` out of hot, into warm when `warm_copy` is given (lock held)."""
-        if warm_copy is not None:
+        """Move `b` out of hot, into warm when `warm_copy` is given and warm has room
+        for it (lock held)."""
+        if warm_copy is not None and self._warm_room(len(warm_copy)):
             self._set_warm(b, warm_copy)
         elif not self._has_lower_tier():
             # No warm copy and no disk: the block leaves the store.
@@ -937,17 +980,17 @@ class TieredEngine(SharedKvBackend):
                 c.get_misses += 1
                 self._total.get_misses += 1
             return None
+        self._make_hot_room((b.size,))
         with self._lock:
             c.get_hits += 1
             self._total.get_hits += 1
-            if self._blobs.get(b.sdig) is b and b.hot is None and b.size <= self.hot_capacity_bytes:
+            if self._blobs.get(b.sdig) is b and b.hot is None and self._hot_room(b.size):
                 if b.warm is not None:
                     self._set_warm(b, None)
                 self._set_hot(b, data)
                 self._total.promotions += 1
                 for o in b.owners():
                     self._counters(o).promotions += 1
-        self._rebalance()
         return data
 
     def size(self, ns: str, key: str) -> int | None:
