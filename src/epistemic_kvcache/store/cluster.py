@@ -1148,8 +1148,8 @@ class ClusterBackend(SharedKvBackend):
         )
         s.tiers["hot"] = local.tiers["hot"]
         s.tiers["warm"] = local.tiers["warm"]
-        s.tiers["cluster"] = TierStats(
-            c.get("unique_blocks", 0), resident, self.capacity_bytes, resident
+        s.tiers["cluster"] = TierStats(  # no high-water mark kept: the peak reads as now
+            c.get("unique_blocks", 0), resident, self.capacity_bytes, resident, resident
         )
         if ns is None:
             s.extra.update(self._fe)

@@ -192,6 +192,7 @@ class _Counters:
 
     cold_blocks: int = 0
     cold_bytes: int = 0
+    cold_peak: int = 0
     dedup_hits: int = 0
     demotions: int = 0
     evictions: int = 0
@@ -199,6 +200,7 @@ class _Counters:
     get_misses: int = 0
     hot_blocks: int = 0
     hot_bytes: int = 0
+    hot_peak: int = 0
     integrity_failures: int = 0
     logical_bytes: int = 0
     pinned_blocks: int = 0
@@ -214,6 +216,7 @@ class _Counters:
     warm_blocks: int = 0
     warm_bytes: int = 0
     warm_logical: int = 0
+    warm_peak: int = 0
 
 
 # AddKey and DelKey are built once per PUT/DELETE: not frozen, because a frozen
@@ -450,13 +453,19 @@ class TieredEngine(SharedKvBackend):
         if b.hot is not None:
             c.hot_blocks += sign
             c.hot_bytes += sign * b.size
+            if c.hot_bytes > c.hot_peak:
+                c.hot_peak = c.hot_bytes
         if b.warm is not None:
             c.warm_blocks += sign
             c.warm_bytes += sign * len(b.warm)
             c.warm_logical += sign * b.size
+            if c.warm_bytes > c.warm_peak:
+                c.warm_peak = c.warm_bytes
         if b.seg >= 0:
             c.cold_blocks += sign
             c.cold_bytes += sign * b.size
+            if c.cold_bytes > c.cold_peak:
+                c.cold_peak = c.cold_bytes
         if b.pins:
             c.pinned_blocks += sign
             c.pinned_bytes += sign * b.size
@@ -1422,10 +1431,16 @@ class TieredEngine(SharedKvBackend):
                 pinned_blocks=c.pinned_blocks,
             )
             caps = self._tier_caps()
-            s.tiers["hot"] = TierStats(c.hot_blocks, c.hot_bytes, caps["hot"], c.hot_bytes)
-            s.tiers["warm"] = TierStats(c.warm_blocks, c.warm_bytes, caps["warm"], c.warm_logical)
+            s.tiers["hot"] = TierStats(
+                c.hot_blocks, c.hot_bytes, caps["hot"], c.hot_bytes, c.hot_peak
+            )
+            s.tiers["warm"] = TierStats(
+                c.warm_blocks, c.warm_bytes, caps["warm"], c.warm_logical, c.warm_peak
+            )
             if "cold" in caps:
-                s.tiers["cold"] = TierStats(c.cold_blocks, c.cold_bytes, caps["cold"], c.cold_bytes)
+                s.tiers["cold"] = TierStats(
+                    c.cold_blocks, c.cold_bytes, caps["cold"], c.cold_bytes, c.cold_peak
+                )
             if ns is None:
                 s.extra.update(self._extra_stats())
         return s
