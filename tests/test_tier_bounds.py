@@ -162,19 +162,24 @@ def test_reads_that_promote_keep_every_tier_within_capacity(
 
 
 def test_a_block_that_fits_no_tier_is_refused_and_nothing_is_lost() -> None:
-    """Memory backend: hot full of pinned blocks and no warm tier: the PUT is refused
-    with a precise error (before, the block entered hot past its capacity)."""
+    """Memory backend: hot holds 768 KiB of pinned blocks, warm is 256 KiB; a 512 KiB
+    block fits neither. Before, it entered hot past its capacity and was evicted at once
+    (the PUT said stored, the key was gone): now the PUT is refused with a precise error
+    and the store is unchanged."""
     store = SharedKvIndex(
-        hot_capacity_bytes=1 * MiB, warm_capacity_bytes=0, max_pinned_fraction=1.0
+        hot_capacity_bytes=1 * MiB, warm_capacity_bytes=256 * KiB, max_pinned_fraction=1.0
     )
-    for i in range(4):
+    for i in range(3):
         store.put(NS, f"pin{i}", bf16(i, 256 * KiB))
         assert store.pin(NS, f"pin{i}")
-    with pytest.raises(CapacityError, match="no room for a 262144-byte block"):
-        store.put(NS, "one-more", bf16(99, 256 * KiB))
+    with pytest.raises(CapacityError, match="no room for a 524288-byte block"):
+        store.put(NS, "one-more", os.urandom(512 * KiB))
     assert not store.exists(NS, "one-more")
-    assert store.count(NS) == 4
+    assert store.count(NS) == 3
+    assert store.stats(NS).evictions == 0
     assert over_capacity(store_tiers(store)) == []
+    assert store.put(NS, "small", bf16(7, 128 * KiB)).applied  # what fits still goes in
+    assert store.check(deep=True).ok
     store.close()
 
 
