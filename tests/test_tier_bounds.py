@@ -150,10 +150,7 @@ def test_reads_that_promote_keep_every_tier_within_capacity(
     try:
         keys = list(data)
         for _ in range(2):
-            if read == "get":
-                got = [store.get(NS, k) for k in keys]
-            else:
-                got = store.get_many(NS, keys)
+            got = [store.get(NS, k) for k in keys] if read == "get" else store.get_many(NS, keys)
             assert [bytes(g) if g is not None else None for g in got] == list(data.values())
             assert over_capacity(store_tiers(store)) == []
         assert store.stats(None).promotions > 0

@@ -453,19 +453,16 @@ class TieredEngine(SharedKvBackend):
         if b.hot is not None:
             c.hot_blocks += sign
             c.hot_bytes += sign * b.size
-            if c.hot_bytes > c.hot_peak:
-                c.hot_peak = c.hot_bytes
+            c.hot_peak = max(c.hot_peak, c.hot_bytes)
         if b.warm is not None:
             c.warm_blocks += sign
             c.warm_bytes += sign * len(b.warm)
             c.warm_logical += sign * b.size
-            if c.warm_bytes > c.warm_peak:
-                c.warm_peak = c.warm_bytes
+            c.warm_peak = max(c.warm_peak, c.warm_bytes)
         if b.seg >= 0:
             c.cold_blocks += sign
             c.cold_bytes += sign * b.size
-            if c.cold_bytes > c.cold_peak:
-                c.cold_peak = c.cold_bytes
+            c.cold_peak = max(c.cold_peak, c.cold_bytes)
         if b.pins:
             c.pinned_blocks += sign
             c.pinned_bytes += sign * b.size
