@@ -147,8 +147,11 @@ class SharedKvIndex(TieredEngine):
         if existing is None and internal is None:
             self._check_key_quota(ns)
         shared = sdig in self._blobs
+        # the same bytes over a stale entry that is their only reference: the blob goes
+        # with the entry, and this PUT brings its bytes back
+        reborn = shared and existing is not None and existing.sdig == sdig and existing.refs == 1
         warm_copy: bytes | None = None
-        if not shared:
+        if not shared or reborn:
             self._check_ram_room(size)
             if not self._hot_room(size):
                 # larger than the hot tier, or hot is full of blocks that cannot leave it
@@ -166,7 +169,7 @@ class SharedKvIndex(TieredEngine):
         if existing is not None:  # replaced, or stale (a stale entry is replaced, not kept)
             pins = self._pins.get((ns, key), 0)
             effects.append(DelKey(ns, key))
-        hot_data = None if shared or warm_copy is not None else data
+        hot_data = None if (shared and not reborn) or warm_copy is not None else data
         effects.append(AddKey(ns, key, sdig, size, hot_data, tag=tag))
         if pins:
             effects.append(PinDelta(ns, key, pins))  # pins belong to the key: they stay
