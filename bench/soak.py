@@ -75,7 +75,7 @@ class SoakConfig:
     reuse_window: int = 64
     """A prompt's stored prefix comes from one of the last `reuse_window` batches."""
     hot_capacity_bytes: int = 32 * MiB
-    warm_capacity_bytes: int = 32 * MiB
+    warm_capacity_bytes: int = 64 * MiB
     cold_capacity_bytes: int = 2048 * MiB
     max_inflight_body_bytes: int = 512 * MiB
     receive_prefault_bytes: int = 64 * MiB
@@ -155,6 +155,16 @@ def rss_bound_mib(cfg: SoakConfig, baseline_mib: float, connections: int) -> flo
         + cfg.receive_prefault_bytes / MiB
         + SLACK_MIB
     )
+
+
+def slope_allowance_mib_per_min(cfg: SoakConfig) -> float:
+    """The RSS slope a bounded server may show over the fit window: twice what one lasting
+    step of one batch (the allocator keeping one more batch's worth of freed memory, a
+    legitimate plateau change) makes in the middle of the window, `1.5 * step / window`.
+    A server whose tiers grow with the data written climbs by a batch every round, many
+    times faster (see docs/benchmarks.md, "Sustained LMCache load")."""
+    window_s = max(1.0, cfg.duration_s - cfg.warmup_s)
+    return 2 * 1.5 * (cfg.batch * cfg.block_bytes / MiB) / window_s * 60
 
 
 def slope_mib_per_min(points: Sequence[tuple[float, float]]) -> float:
@@ -579,7 +589,7 @@ def table(results: Sequence[SoakResult]) -> str:
         )
         share = r.exists_hits / r.exists_asked if r.exists_asked else 0.0
         rows.append(
-            f"| {r.wire} | {r.duration_s / 60:.0f} min | {r.iterations} | "
+            f"| {r.wire} | {r.duration_s / 60:.1f} min | {r.iterations} | "
             f"{r.bytes_written / 2**30:.1f} / {r.bytes_read / 2**30:.1f} | {share:.2f} | "
             f"{r.errors} | {r.vanished} | {r.baseline_rss_mib:.0f} → {r.rss_max_mib:.0f} → "
             f"{r.rss_last_mib:.0f} | {r.rss_slope_mib_per_min:+.2f} | {r.rss_bound_mib:.0f} | "
