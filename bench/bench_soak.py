@@ -68,7 +68,7 @@ def main() -> None:
     print(soak.table(results))
     for r in results:
         print(f"\n[{r.wire}] batch GET p99 per {cfg.window_s:.0f} s window (ms):")
-        print("  " + ", ".join(f"{w / 60:.0f}m {ms:.0f}" for w, ms, _n in r.get_p99_ms_by_window))
+        print("  " + ", ".join(f"{w:.0f}s {ms:.0f}" for w, ms, _n in r.get_p99_ms_by_window))
         if r.error_samples:
             print(f"[{r.wire}] errors: {r.error_samples}")
     print("\n" + "\n".join(f"wrote {p}" for p in paths.values()))

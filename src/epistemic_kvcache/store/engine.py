@@ -12,9 +12,11 @@ How it works
   them at once; the durable backend decides them inside an LMDB write transaction, makes
   them durable, and only then applies them (so nothing unacknowledged is ever visible).
 - Tiers: `hot` holds uncompressed bytes (an LRU `OrderedDict`), `warm` compressed bytes
-  (also LRU). When hot is over capacity, `_rebalance` picks a victim among the least
-  recently used few, blending recency with value (hits, external importance); pinned
-  blocks are never chosen. The victim is compressed *outside* the lock and moved to warm;
+  (also LRU). A block enters hot only through `_hot_room` and warm only through
+  `_warm_room` (lock held), so neither ever holds more than its capacity, whatever the
+  path (single or batch PUT, a read that promotes). To make room, `_rebalance` picks a
+  victim among the least recently used few, blending recency with value (hits, external
+  importance); pinned blocks are never chosen. The victim is compressed *outside* the lock and moved to warm;
   a block that does not compress below the codec's ratio is kept raw (memory backend)
   or just dropped from RAM (durable backend: it is on disk). When warm is over capacity
   its victims leave RAM: dropped (durable) or evicted with all their keys (memory).
