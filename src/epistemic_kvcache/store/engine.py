@@ -16,10 +16,11 @@ How it works
   `_warm_room` (lock held), so neither ever holds more than its capacity, whatever the
   path (single or batch PUT, a read that promotes). To make room, `_rebalance` picks a
   victim among the least recently used few, blending recency with value (hits, external
-  importance); pinned blocks are never chosen. The victim is compressed *outside* the lock and moved to warm;
-  a block that does not compress below the codec's ratio is kept raw (memory backend)
-  or just dropped from RAM (durable backend: it is on disk). When warm is over capacity
-  its victims leave RAM: dropped (durable) or evicted with all their keys (memory).
+  importance); pinned blocks are never chosen. The victim is compressed *outside* the
+  lock and moved to warm; a block that does not compress below the codec's ratio is kept
+  raw (memory backend) or just dropped from RAM (durable backend: it is on disk). When
+  warm has no room for a copy, its victims leave RAM: dropped (durable) or evicted with
+  all their keys (memory).
 - Every read from warm (and from disk, in the durable backend) is verified against the
   digest and counts `integrity_failures` on a mismatch. A bad disk copy (or, in the
   memory backend, a bad warm copy: the only one) quarantines the blob and is a miss; a bad
