@@ -139,7 +139,8 @@ DEFAULT_SEGMENT_BYTES = 256 << 20
 _CHECKPOINT_TRIGGER_BYTES = 32 << 20
 """Log bytes after which the checkpointer runs without waiting for its interval."""
 _HOT_LOW_WATER = 0.8
-"""When a PUT from an event loop found no room in hot, the tier thread demotes to here."""
+"""When the hot tier refused a block (no room it could make without codec work), the tier
+thread demotes to here."""
 
 
 def _rebuild_hint(path: Path) -> str:

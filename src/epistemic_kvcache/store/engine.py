@@ -904,8 +904,7 @@ class TieredEngine(SharedKvBackend):
 
     def _cheap_room(self) -> bool:
         """Whether a PUT into a full hot tier may still run on the caller's thread (the
-        demotion it causes is cheap). Not here: the durable backend's tier thread keeps
-        room in hot off the caller; the memory backend answers for itself."""
+        demotion it causes is cheap). Not by default; each backend answers for itself."""
         return False
 
     def _put_start(
