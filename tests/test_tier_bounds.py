@@ -314,6 +314,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield c
 
 
+@pytest.mark.redis
 @pytest.mark.parametrize("warm", [0, 1 * MiB], ids=["no-warm", "warm"])
 def test_cluster_ram_tiers_stay_within_capacity(cluster: Any, warm: int) -> None:
     """Writes admit their blocks into the front-end's RAM tiers, and reads from the
