@@ -216,7 +216,7 @@ def test_stats_fields_defined_once() -> None:
     assert [f.name for f in dataclasses.fields(TierOccupancy)] == [*tier_names, "compression_ratio"]
     # The server's JSON parses into the client's view field for field.
     stats = StoreStats(**{n: i + 1 for i, n in enumerate(names)})
-    stats.tiers["hot"] = TierStats(1, 2, 3, 4)
+    stats.tiers["hot"] = TierStats(1, 2, 3, 4, 5)
     parsed = KvCacheStats.from_json(stats.to_dict())
     assert [getattr(parsed, n) for n in names] == list(range(1, len(names) + 1))
-    assert parsed.tiers["hot"] == TierOccupancy(1, 2, 3, 4, 0.5)
+    assert parsed.tiers["hot"] == TierOccupancy(1, 2, 3, 4, 5, 0.5)

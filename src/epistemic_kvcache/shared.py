@@ -192,6 +192,7 @@ TIER_FIELDS: tuple[StatField, ...] = (
     StatField("bytes", "gauge", "Physical bytes in the tier (compressed in warm).", "bytes"),
     StatField("capacity_bytes", "gauge", "Configured capacity of the tier.", "bytes"),
     StatField("logical_bytes", "gauge", "Uncompressed bytes in the tier.", "bytes"),
+    StatField("peak_bytes", "gauge", "Most physical bytes the tier held since start.", "bytes"),
 )
 """Per-tier integer fields (`tiers.<name>.<field>`); each tier also has `compression_ratio`."""
 

@@ -32,6 +32,7 @@ class TierOccupancy:
     bytes: int = 0
     capacity_bytes: int = 0
     logical_bytes: int = 0
+    peak_bytes: int = 0
     compression_ratio: float = 1.0
 
     @classmethod

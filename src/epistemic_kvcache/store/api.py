@@ -138,6 +138,9 @@ class TierStats:
     capacity_bytes: int = 0
     logical_bytes: int = 0
     """Uncompressed size of the blocks in the tier (differs from `bytes` in warm)."""
+    peak_bytes: int = 0
+    """The most `bytes` the tier has held since the store was opened (a high-water mark
+    that no sampling can miss: the RAM tiers keep it under their capacities)."""
 
     @property
     def compression_ratio(self) -> float:
@@ -179,6 +182,7 @@ class StoreStats:
                 "bytes": t.bytes,
                 "capacity_bytes": t.capacity_bytes,
                 "logical_bytes": t.logical_bytes,
+                "peak_bytes": t.peak_bytes,
                 "compression_ratio": round(t.compression_ratio, 4),
             }
             for name, t in self.tiers.items()

@@ -229,14 +229,13 @@ class _BlockCache(SharedKvIndex):
         """Cache a verified block; a block the tiers cannot hold is simply not cached."""
         data = owned_buffer(data)
         sdig = self._scoped(ns.encode(), digest)
+        if sdig not in self._blobs:  # unlocked look: new bytes will need room in hot
+            self._make_hot_room((len(data),))  # codec work outside the lock
         with self._lock:
             if self._lookup(ns, digest.hex()) is not None:
                 return
-            try:
+            with contextlib.suppress(CapacityError):  # within the tiers' capacities, always
                 self._put_locked(ns, digest.hex(), sdig, digest, data)
-            except CapacityError:
-                return
-        self._rebalance()
 
     def has(self, ns: str, digest: bytes) -> bool:
         with self._lock:
@@ -1149,8 +1148,8 @@ class ClusterBackend(SharedKvBackend):
         )
         s.tiers["hot"] = local.tiers["hot"]
         s.tiers["warm"] = local.tiers["warm"]
-        s.tiers["cluster"] = TierStats(
-            c.get("unique_blocks", 0), resident, self.capacity_bytes, resident
+        s.tiers["cluster"] = TierStats(  # no high-water mark kept: the peak reads as now
+            c.get("unique_blocks", 0), resident, self.capacity_bytes, resident, resident
         )
         if ns is None:
             s.extra.update(self._fe)

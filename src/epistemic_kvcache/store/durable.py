@@ -139,7 +139,8 @@ DEFAULT_SEGMENT_BYTES = 256 << 20
 _CHECKPOINT_TRIGGER_BYTES = 32 << 20
 """Log bytes after which the checkpointer runs without waiting for its interval."""
 _HOT_LOW_WATER = 0.8
-"""When a PUT from an event loop found no room in hot, the tier thread demotes to here."""
+"""When the hot tier refused a block (no room it could make without codec work), the tier
+thread demotes to here."""
 
 
 def _rebuild_hint(path: Path) -> str:
@@ -163,7 +164,6 @@ class _Op:
     tag: tuple[str, int] | None = None  # put: the epoch tag to write with the entry
     payload: Any = None  # snapshot / drop / meta_put arguments
     cond: PutCond = None
-    nowait: bool = False  # put from an event loop: nobody rebalances the hot tier after it
     future: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
 
     @property
@@ -202,8 +202,6 @@ class _View:
         self.touched: set[bytes] = set()
         self.pinned_extra: dict[str, int] = {}
         self.new_data = False
-        self.hot_bytes = 0
-        self.hot_refused = False
         self.segdel: list[int] = []
 
     def key(self, ns: str, key: str) -> _KS | None:
@@ -656,6 +654,14 @@ class SharedKvStoreBackend(TieredEngine):
     def _has_lower_tier(self) -> bool:
         return True
 
+    def _hot_full(self) -> None:
+        self._tier_event.set()  # the tier thread makes room in hot for the next blocks
+
+    def _cheap_room(self) -> bool:
+        """Without a warm tier, a block leaves hot by being dropped (it is on disk): a PUT
+        into a full hot tier may start on the event loop."""
+        return self.warm_capacity_bytes == 0
+
     def _on_blob_created(self, b: _Blob) -> None:
         n = records.blob_header_length(b.sdig) + b.size
         self._seg_live[b.seg] = self._seg_live.get(b.seg, 0) + n
@@ -775,12 +781,10 @@ class SharedKvStoreBackend(TieredEngine):
         tag: tuple[str, int] | None,
         cond: PutCond,
     ) -> PutResult:
-        started = self._put_submit(ns, scope_raw, key, data, tag, cond)
+        started = self._put_submit(ns, scope_raw, key, data, tag, cond, make_room=True)
         if isinstance(started, PutResult):
             return started
         result: PutResult = started.result()
-        if result.outcome is PutOutcome.NEW or result.outcome is PutOutcome.REPLACED:
-            self._rebalance()
         return result
 
     def _put_start(
@@ -791,7 +795,7 @@ class SharedKvStoreBackend(TieredEngine):
         validate_cond(cond)
         self._check_open()
         tag = self._tag_for(ns, epoch_scope)
-        return self._put_submit(ns, ns_raw, key, data, tag, cond, nowait=True)
+        return self._put_submit(ns, ns_raw, key, data, tag, cond)
 
     def _put_submit(
         self,
@@ -802,9 +806,11 @@ class SharedKvStoreBackend(TieredEngine):
         tag: tuple[str, int] | None,
         cond: PutCond,
         *,
-        nowait: bool = False,
+        make_room: bool = False,
     ) -> PutResult | concurrent.futures.Future[PutResult]:
-        """Hash, answer a PUT that writes nothing at once, else queue it for the committer."""
+        """Hash, answer a PUT that writes nothing at once, else queue it for the committer
+        (`make_room`: a blocking caller, which first demotes what the block displaces
+        from hot, so that it enters hot when committed)."""
         data = owned_buffer(data)  # the hot tier keeps it
         digest = digest_of(data)
         sdig = self._scoped(scope_raw, digest)
@@ -824,8 +830,9 @@ class SharedKvStoreBackend(TieredEngine):
                     assert existing is not None
                     self._count_put(ns, outcome, False)
                     return PutResult(outcome, existing.digest, existing.size)
+        if make_room and sdig not in self._blobs:  # unlocked look: a hint
+            self._make_hot_room((len(data),))
         op = _Op("put", ns, key, sdig=sdig, digest=digest, data=data, tag=tag, cond=cond)
-        op.nowait = nowait
         self._submit(op)
         return op.future
 
@@ -849,6 +856,8 @@ class SharedKvStoreBackend(TieredEngine):
             digest = digest_of(data)
             sdig = self._scoped(ns_raw, digest)
             ops.append(_Op("put", ns, key, sdig=sdig, digest=digest, data=data, cond=cond))
+        new = {op.sdig: op.nbytes for op in ops if op.sdig not in self._blobs}  # a hint
+        self._make_hot_room(new.values())
         self._submit_many(ops)
         concurrent.futures.wait([op.future for op in ops])
         return [op.future.result() for op in ops]
@@ -1087,8 +1096,6 @@ class SharedKvStoreBackend(TieredEngine):
         for op, res in zip(batch, results, strict=True):
             settle(op.future, res)
         self._checkpoint_due(w.last_batch_bytes)
-        if v.hot_refused:
-            self._tier_event.set()  # make room in hot for the next blocks
 
     def _emit(self, v: _View, header: bytearray, payload: Buffer | None = None) -> tuple[int, int]:
         return self._writer.alloc(header, payload)
@@ -1205,14 +1212,7 @@ class SharedKvStoreBackend(TieredEngine):
             v.placed[op.sdig] = loc
             v.new_bytes += size
             v.new_data = True
-            data = op.data
-            if op.nowait:
-                # nobody rebalances after a put from an event loop: its block enters hot
-                # only if it fits now (it is on disk either way; the tier thread keeps room)
-                room = self.hot_capacity_bytes - self._total.hot_bytes - v.hot_bytes
-                data = op.data if size <= room else None
-                v.hot_bytes += size if data is not None else 0
-                v.hot_refused |= data is None
+            data = op.data  # enters hot when applied if the tier has room (`_hot_room`)
         else:
             op.deduped = True
         size, sid, data_off = loc

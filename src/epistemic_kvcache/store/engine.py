@@ -12,12 +12,15 @@ How it works
   them at once; the durable backend decides them inside an LMDB write transaction, makes
   them durable, and only then applies them (so nothing unacknowledged is ever visible).
 - Tiers: `hot` holds uncompressed bytes (an LRU `OrderedDict`), `warm` compressed bytes
-  (also LRU). When hot is over capacity, `_rebalance` picks a victim among the least
-  recently used few, blending recency with value (hits, external importance); pinned
-  blocks are never chosen. The victim is compressed *outside* the lock and moved to warm;
-  a block that does not compress below the codec's ratio is kept raw (memory backend)
-  or just dropped from RAM (durable backend: it is on disk). When warm is over capacity
-  its victims leave RAM: dropped (durable) or evicted with all their keys (memory).
+  (also LRU). A block enters hot only through `_hot_room` and warm only through
+  `_warm_room` (lock held), so neither ever holds more than its capacity, whatever the
+  path (single or batch PUT, a read that promotes). To make room, `_rebalance` picks a
+  victim among the least recently used few, blending recency with value (hits, external
+  importance); pinned blocks are never chosen. The victim is compressed *outside* the
+  lock and moved to warm; a block that does not compress below the codec's ratio is kept
+  raw (memory backend) or just dropped from RAM (durable backend: it is on disk). When
+  warm has no room for a copy, its victims leave RAM: dropped (durable) or evicted with
+  all their keys (memory).
 - Every read from warm (and from disk, in the durable backend) is verified against the
   digest and counts `integrity_failures` on a mismatch. A bad disk copy (or, in the
   memory backend, a bad warm copy: the only one) quarantines the blob and is a miss; a bad
@@ -192,6 +195,7 @@ class _Counters:
 
     cold_blocks: int = 0
     cold_bytes: int = 0
+    cold_peak: int = 0
     dedup_hits: int = 0
     demotions: int = 0
     evictions: int = 0
@@ -199,6 +203,7 @@ class _Counters:
     get_misses: int = 0
     hot_blocks: int = 0
     hot_bytes: int = 0
+    hot_peak: int = 0
     integrity_failures: int = 0
     logical_bytes: int = 0
     pinned_blocks: int = 0
@@ -214,6 +219,7 @@ class _Counters:
     warm_blocks: int = 0
     warm_bytes: int = 0
     warm_logical: int = 0
+    warm_peak: int = 0
 
 
 # AddKey and DelKey are built once per PUT/DELETE: not frozen, because a frozen
@@ -450,13 +456,16 @@ class TieredEngine(SharedKvBackend):
         if b.hot is not None:
             c.hot_blocks += sign
             c.hot_bytes += sign * b.size
+            c.hot_peak = max(c.hot_peak, c.hot_bytes)
         if b.warm is not None:
             c.warm_blocks += sign
             c.warm_bytes += sign * len(b.warm)
             c.warm_logical += sign * b.size
+            c.warm_peak = max(c.warm_peak, c.warm_bytes)
         if b.seg >= 0:
             c.cold_blocks += sign
             c.cold_bytes += sign * b.size
+            c.cold_peak = max(c.cold_peak, c.cold_bytes)
         if b.pins:
             c.pinned_blocks += sign
             c.pinned_bytes += sign * b.size
@@ -570,7 +579,7 @@ class TieredEngine(SharedKvBackend):
             b.seg, b.off = e.seg, e.off
             b.owner = {} if self.dedup_scope == "global" else tenant
             self._blobs[e.sdig] = b
-            if e.data is not None and self._admit_hot(e.size):
+            if e.data is not None and self._hot_room(e.size):
                 b.hot = e.data  # counted hot by the footprints below
                 self._hot[e.sdig] = b
             self._footprint(b, self._total, +1)
@@ -663,9 +672,51 @@ class TieredEngine(SharedKvBackend):
         if was != (b.pins > 0):
             self._pinned_bytes += b.size if b.pins > 0 else -b.size
 
-    def _admit_hot(self, size: int) -> bool:
-        """Whether a new block's bytes go into the hot tier (lock held)."""
-        return size <= self.hot_capacity_bytes
+    def _hot_room(self, size: int) -> bool:
+        """Whether `size` more bytes fit in the hot tier now (lock held): the one
+        admission test of the tier, so it never holds more than its capacity.
+
+        Victims that leave hot without codec work (no warm copy to make: the warm tier is
+        off or too small for them) are demoted here, under the lock. A victim that needs
+        compressing is not: the block is refused (`_hot_full`), and the caller keeps it
+        where it is (the durable backend: on disk) or places it itself; blocking callers
+        make room beforehand with `_make_hot_room`, the codec work outside the lock."""
+        cap = self.hot_capacity_bytes
+        if size > cap:
+            return False
+        while self._total.hot_bytes + size > cap:
+            victim = self._pick_victim(self._hot)
+            if victim is None or 0 < victim.size <= self.warm_capacity_bytes:
+                self._hot_full()
+                return False
+            self._demote(victim, None)
+        return True
+
+    def _hot_full(self) -> None:
+        """A block was refused by the hot tier (lock held): hook for the durable backend,
+        whose tier thread then makes room for the next ones."""
+
+    def _warm_room(self, nbytes: int) -> bool:
+        """Whether a warm copy of `nbytes` fits, after the least valuable warm blocks
+        left RAM for it (lock held): every block enters warm through it."""
+        cap = self.warm_capacity_bytes
+        if nbytes > cap:
+            return False
+        while self._total.warm_bytes + nbytes > cap:
+            victim = self._pick_victim(self._warm)
+            if victim is None:
+                return False
+            self._leave_ram(victim)
+        return True
+
+    def _make_hot_room(self, sizes: Iterable[int]) -> None:
+        """Before blocks of `sizes` enter hot (a blocking caller, off the event loop):
+        demote until they fit, compressing the victims outside the lock. Their admission
+        (`_hot_room`) stays the bound; this only keeps new blocks from being refused."""
+        cap = self.hot_capacity_bytes
+        need = min(sum(n for n in sizes if n <= cap), cap)
+        if need and self._total.hot_bytes + need > cap:  # unlocked look: a hint
+            self._rebalance(cap - need)
 
     def _on_blob_created(self, b: _Blob) -> None:
         """Hook for the durable backend (segment accounting)."""
@@ -743,8 +794,9 @@ class TieredEngine(SharedKvBackend):
                 self._leave_ram(victim)
 
     def _demote(self, b: _Blob, warm_copy: bytes | None) -> None:
-        """Move `b` out of hot, into warm when `warm_copy` is given (lock held)."""
-        if warm_copy is not None:
+        """Move `b` out of hot, into warm when `warm_copy` is given and warm has room
+        for it (lock held)."""
+        if warm_copy is not None and self._warm_room(len(warm_copy)):
             self._set_warm(b, warm_copy)
         elif not self._has_lower_tier():
             # No warm copy and no disk: the block leaves the store.
@@ -852,8 +904,7 @@ class TieredEngine(SharedKvBackend):
 
     def _cheap_room(self) -> bool:
         """Whether a PUT into a full hot tier may still run on the caller's thread (the
-        demotion it causes is cheap). Not here: the durable backend's tier thread keeps
-        room in hot off the caller; the memory backend answers for itself."""
+        demotion it causes is cheap). Not by default; each backend answers for itself."""
         return False
 
     def _put_start(
@@ -937,17 +988,17 @@ class TieredEngine(SharedKvBackend):
                 c.get_misses += 1
                 self._total.get_misses += 1
             return None
+        self._make_hot_room((b.size,))
         with self._lock:
             c.get_hits += 1
             self._total.get_hits += 1
-            if self._blobs.get(b.sdig) is b and b.hot is None and b.size <= self.hot_capacity_bytes:
+            if self._blobs.get(b.sdig) is b and b.hot is None and self._hot_room(b.size):
                 if b.warm is not None:
                     self._set_warm(b, None)
                 self._set_hot(b, data)
                 self._total.promotions += 1
                 for o in b.owners():
                     self._counters(o).promotions += 1
-        self._rebalance()
         return data
 
     def size(self, ns: str, key: str) -> int | None:
@@ -1379,10 +1430,16 @@ class TieredEngine(SharedKvBackend):
                 pinned_blocks=c.pinned_blocks,
             )
             caps = self._tier_caps()
-            s.tiers["hot"] = TierStats(c.hot_blocks, c.hot_bytes, caps["hot"], c.hot_bytes)
-            s.tiers["warm"] = TierStats(c.warm_blocks, c.warm_bytes, caps["warm"], c.warm_logical)
+            s.tiers["hot"] = TierStats(
+                c.hot_blocks, c.hot_bytes, caps["hot"], c.hot_bytes, c.hot_peak
+            )
+            s.tiers["warm"] = TierStats(
+                c.warm_blocks, c.warm_bytes, caps["warm"], c.warm_logical, c.warm_peak
+            )
             if "cold" in caps:
-                s.tiers["cold"] = TierStats(c.cold_blocks, c.cold_bytes, caps["cold"], c.cold_bytes)
+                s.tiers["cold"] = TierStats(
+                    c.cold_blocks, c.cold_bytes, caps["cold"], c.cold_bytes, c.cold_peak
+                )
             if ns is None:
                 s.extra.update(self._extra_stats())
         return s

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from epistemic_kvcache.errors import NotFoundError
+from epistemic_kvcache.errors import CapacityError, NotFoundError
 from epistemic_kvcache.store.api import (
     Buffer,
     ConsistencyReport,
@@ -112,11 +112,10 @@ class SharedKvIndex(TieredEngine):
         data = owned_buffer(data)  # the hot tier keeps it
         digest = digest_of(data)
         sdig = self._scoped(scope_raw, digest)
+        if sdig not in self._blobs:  # unlocked look: new bytes will need room in hot
+            self._make_hot_room((len(data),))
         with self._lock:
-            result = self._put_locked(ns, key, sdig, digest, data, tag, cond)
-        if result.outcome is PutOutcome.NEW or result.outcome is PutOutcome.REPLACED:
-            self._rebalance()
-        return result
+            return self._put_locked(ns, key, sdig, digest, data, tag, cond)
 
     def _put_locked(
         self,
@@ -148,22 +147,35 @@ class SharedKvIndex(TieredEngine):
         if existing is None and internal is None:
             self._check_key_quota(ns)
         shared = sdig in self._blobs
-        if not shared:
+        # the same bytes over a stale entry that is their only reference: the blob goes
+        # with the entry, and this PUT brings its bytes back
+        reborn = shared and existing is not None and existing.sdig == sdig and existing.refs == 1
+        warm_copy: bytes | None = None
+        if not shared or reborn:
             self._check_ram_room(size)
+            if not self._hot_room(size):
+                # larger than the hot tier, or hot is full of blocks that cannot leave it
+                # now (pinned, being demoted): straight to warm, compressed when worth it
+                warm_copy = self._codec.compress(data) or bytes(data)
+                if not self._warm_room(len(warm_copy)):
+                    raise CapacityError(
+                        f"no room for a {size}-byte block: the hot tier "
+                        f"({self.hot_capacity_bytes} bytes) and the warm tier "
+                        f"({self.warm_capacity_bytes} bytes) are full of pinned blocks "
+                        "or too small for it"
+                    )
         effects: list[Effect] = []
         pins = 0
         if existing is not None:  # replaced, or stale (a stale entry is replaced, not kept)
             pins = self._pins.get((ns, key), 0)
             effects.append(DelKey(ns, key))
-        effects.append(AddKey(ns, key, sdig, size, None if shared else data, tag=tag))
+        hot_data = None if (shared and not reborn) or warm_copy is not None else data
+        effects.append(AddKey(ns, key, sdig, size, hot_data, tag=tag))
         if pins:
             effects.append(PinDelta(ns, key, pins))  # pins belong to the key: they stay
         self._apply(effects)
-        b = self._blobs[sdig]
-        if b.hot is None and b.warm is None:
-            # larger than the hot tier: straight to warm (compressed when worth it)
-            comp = self._codec.compress(data) or bytes(data)
-            self._set_warm(b, comp)
+        if warm_copy is not None:
+            self._set_warm(self._blobs[sdig], warm_copy)
         self._count_put(ns, outcome, shared)
         return PutResult(outcome, digest, size)
 
