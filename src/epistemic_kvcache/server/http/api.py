@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
-from epistemic_kvcache.buffers import received_block
+from epistemic_kvcache.buffers import Handover, received_block
 from epistemic_kvcache.errors import RemoteProtocolError
 from epistemic_kvcache.proto.http import (
     JSON_CONTENT_TYPE,
@@ -266,9 +266,13 @@ class Request:
 
     @property
     def block(self) -> BlockData:
-        """The body as the store takes it: its receive buffer handed over (a `block` route:
-        the connection never touches it again, the store keeps it without a copy)."""
-        return received_block(self.data)
+        """The body as the store takes it, handed over: the connection never touches a
+        body again once its request is dispatched (a `block` route's receive buffer, or a
+        plain body's own bytearray), so the store keeps it without a copy."""
+        body = self.data
+        if isinstance(body, bytearray):
+            return Handover(body)
+        return received_block(body)
 
     @property
     def batch(self) -> BatchPutReceiver:
