@@ -256,7 +256,8 @@ class SharedKvBackend(abc.ABC):
     ) -> PutResult:
         """Store `data` under `key`, replacing what the key held (see `decide_put` and
         `PutOutcome`; `cond` makes it create-only or replace-only). Durable before it
-        returns (durable backend).
+        returns (durable backend). A mutable `data` is copied (`owned_buffer`): the
+        caller may reuse it at once; a `Handover` is kept as it is.
 
         With `epoch_scope`, the entry is tagged with the scope's current epoch and goes
         stale (reads miss, `stale_missed` counts) once `epoch_bump(ns, scope)` runs; a
@@ -268,7 +269,8 @@ class SharedKvBackend(abc.ABC):
 
     @abc.abstractmethod
     def get(self, ns: str, key: str) -> Buffer | None:
-        """The block's bytes (verified against its digest when read from disk or warm)."""
+        """The block's bytes, read-only (verified against its digest when read from disk
+        or warm)."""
 
     @abc.abstractmethod
     def size(self, ns: str, key: str) -> int | None:
