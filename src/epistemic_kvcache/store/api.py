@@ -26,8 +26,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-# Re-exported for the store's modules; shared.py defines them once (the client uses them).
+# A PUT's explicit transfer of a buffer (re-exported: part of the store's interface).
 from epistemic_kvcache.buffers import Handover as Handover  # noqa: PLC0414
+
+# Re-exported for the store's modules; shared.py defines them once (the client uses them).
 from epistemic_kvcache.shared import MAX_KEY_BYTES as MAX_KEY_BYTES  # noqa: PLC0414
 from epistemic_kvcache.shared import MAX_NAMESPACE_BYTES as MAX_NAMESPACE_BYTES  # noqa: PLC0414
 from epistemic_kvcache.shared import BranchInfo as BranchInfo  # noqa: PLC0414
@@ -56,6 +58,7 @@ def owned_buffer(data: BlockData) -> Buffer:
     if (
         isinstance(data, memoryview)
         and type(data.obj) is bytes
+        and data.format == "B"
         and data.c_contiguous
         and data.nbytes == len(data.obj)
     ):
