@@ -1,4 +1,4 @@
-"""Receive buffers: large ones are mmap-backed and owned by the store without a copy."""
+"""Receive buffers: handed over to the store (`Handover`), which keeps them without a copy."""
 
 from __future__ import annotations
 
@@ -66,26 +66,32 @@ def test_numpy_does_not_ask_for_huge_pages_once_buffers_are_made() -> None:
     assert multiarray._set_madvise_hugepage(False) is False
 
 
-def test_the_store_keeps_receive_buffers_and_copies_other_views() -> None:
+def test_the_store_keeps_handed_over_receive_buffers_and_copies_other_views() -> None:
     import numpy as np
 
     big = buffers.alloc_block(1 << 20)
     assert isinstance(big, memoryview)
-    assert owned_buffer(big) is big
+    assert owned_buffer(buffers.Handover(big)).obj is big.obj  # kept, read-only
+    assert isinstance(owned_buffer(big), bytes)  # not handed over: copied
     mid = buffers.alloc_block(256 << 10)
-    assert owned_buffer(mid) is mid
-    assert isinstance(owned_buffer(mid[:10]), bytes)  # a slice of one is copied
+    assert isinstance(buffers.received_block(mid), buffers.Handover)
+    assert buffers.received_block(mid[:10]) is not None
+    assert isinstance(owned_buffer(buffers.received_block(mid[:10])), bytes)  # a slice
     # a view of someone else's numpy array is not a receive buffer: copied
     theirs = memoryview(np.zeros(64, dtype=np.uint8))
     assert not buffers.handed_over(theirs)
+    assert buffers.received_block(theirs) is theirs
     assert isinstance(owned_buffer(theirs), bytes)
     borrowed = memoryview(bytearray(b"reused later"))
     kept = owned_buffer(borrowed)
     assert isinstance(kept, bytes)
     store = SharedKvIndex()
     big[:3] = b"abc"
-    store.put("t", "k", big)
-    assert store.get("t", "k") is big  # the hot tier holds the received buffer itself
+    store.put("t", "k", buffers.Handover(big))
+    got = store.get("t", "k")
+    assert isinstance(got, memoryview)
+    assert got.obj is big.obj  # the hot tier holds the received buffer itself
+    assert got.readonly
     store.put("t", "v", borrowed)
     borrowed[:6] = b"CHANGE"
     assert store.get("t", "v") == b"reused later"
@@ -172,6 +178,8 @@ def test_alloc_block_uses_the_process_pool_and_the_store_keeps_its_buffer() -> N
     assert len(block) == size
     block[-3:] = b"end"
     store = SharedKvIndex()
-    store.put("t", "pooled", block)
-    assert store.get("t", "pooled") is block
+    store.put("t", "pooled", buffers.Handover(block))
+    got = store.get("t", "pooled")
+    assert isinstance(got, memoryview)
+    assert got.obj is block.obj  # kept, not copied
     assert bytes(store.get("t", "pooled")[-3:]) == b"end"  # type: ignore[index]

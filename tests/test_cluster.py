@@ -843,3 +843,46 @@ def test_a_front_end_that_loses_the_cluster_serves_ram_and_recovers(tmp_path: Pa
             assert bytes(s.get("t", "k3") or b"") == blocks["k3"]
         finally:
             s.close()
+
+
+def test_the_cluster_backend_owns_its_bytes(store: ClusterBackend) -> None:
+    """Issue 22 item 3 on the cluster backend: a caller's buffer changed after a PUT (or
+    a branch PUT) changes nothing stored, the original bytes deduplicate correctly
+    under another key, and no read (RAM tier, cluster fetch, batch, snapshot, branch)
+    hands out writable bytes."""
+    from epistemic_kvcache.buffers import Handover
+
+    ns = "owned"
+    a, b = b"A" * 4096, b"B" * 4096
+    mine = bytearray(a)
+    assert store.put(ns, "k1", mine).created
+    mine[:] = b
+    assert store.get(ns, "k1") == a
+    assert store.put(ns, "k2", a).created  # deduplicated onto k1's block
+    assert store.get(ns, "k2") == a
+    assert store.stats(ns).unique_blocks == 1
+    handed = bytearray(b)
+    store.put(ns, "h", Handover(handed))
+    sid = store.snapshot_create(ns).id
+    bid = store.branch_create(ns, sid).id
+    theirs = bytearray(b"C" * 4096)
+    store.branch_put(ns, bid, "br", theirs)
+    theirs[:] = a
+    assert store.branch_get(ns, bid, "br") == b"C" * 4096
+    reads = [
+        store.get(ns, "k1"),
+        store.get(ns, "h"),
+        *store.get_many(ns, ["k1", "k2", "h"]),
+        store.snapshot_get(ns, sid, "k1"),
+        store.branch_get(ns, bid, "br"),
+    ]
+    store._cache.flush(ns)  # the cluster's copies, fetched again
+    reads += [store.get(ns, "k1"), *store.get_many(ns, ["k2", "h"])]
+    for data in reads:
+        assert data is not None
+        with pytest.raises(TypeError):
+            memoryview(data)[0] = 0
+    assert [store.get(ns, k) for k in ("k1", "k2", "h")] == [a, a, b]
+    store.snapshot_delete(ns, sid)
+    store.flush(ns)
+    assert store.check().ok

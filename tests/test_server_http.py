@@ -32,7 +32,7 @@ import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 
 import hangup
-from epistemic_kvcache.buffers import handed_over
+from epistemic_kvcache import buffers
 from epistemic_kvcache.errors import (
     AuthError,
     CapacityError,
@@ -587,7 +587,10 @@ def test_batch_put_blocks_are_kept_as_received(srv: Server) -> None:
         kept = store.get("tenant-a", key)
         assert isinstance(kept, memoryview)
         assert kept == block
-        assert handed_over(kept)  # the receive buffer itself, not a copy of a slice
+        # the receive buffer itself (handed over), read-only, not a copy of a slice
+        assert kept.readonly
+        assert isinstance(kept.obj, buffers._heap_type)
+        assert kept.nbytes + buffers.MAX_SLACK == kept.obj.nbytes
 
 
 def test_clients_hanging_up_mid_batch_put_release_everything(srv: Server) -> None:
@@ -1153,5 +1156,64 @@ def test_tls_listener_with_verified_clients() -> None:
         conn.request("GET", "/healthz")
         assert conn.getresponse().read() == b'{"status":"ok"}'
         assert conn.sock is first
+    finally:
+        s.stop()
+
+
+def _received_and_kept(kept: Buffer | None, block: bytes) -> None:
+    """`kept` is the block's receive buffer itself, handed over (no copy), read-only."""
+    assert isinstance(kept, memoryview)
+    assert kept == block
+    assert kept.readonly
+    assert isinstance(kept.obj, buffers._heap_type)
+    assert kept.nbytes + buffers.MAX_SLACK == kept.obj.nbytes
+    with pytest.raises(TypeError):
+        kept[0] = 0
+
+
+@pytest.mark.parametrize("backend", ["memory", "durable"])
+def test_every_http_write_hands_its_receive_buffer_to_the_store(
+    backend: str, tmp_path: Any
+) -> None:
+    """The zero-copy path of the wire, explicit (`Handover`): a PUT, a scoped PUT, a
+    branch PUT and a batch PUT's blocks are kept as they were received; a read hands
+    them out read-only."""
+    from epistemic_kvcache.store import SharedKvStoreBackend
+
+    store: SharedKvIndex = (
+        SharedKvIndex()
+        if backend == "memory"
+        else SharedKvStoreBackend(tmp_path / "d", map_size_bytes=64 * MiB)  # type: ignore[assignment]
+    )
+    s = start_server(store=store)
+    try:
+        pool = s.pool()
+        blocks = [os.urandom(300 * 1024) for _ in range(5)]
+        assert pool.request("PUT", "/kv/plain", body=blocks[0], headers=A).status == 201
+        scoped = {**A, "X-Kv-Epoch-Scope": "docs"}
+        assert pool.request("PUT", "/kv/scoped", body=blocks[1], headers=scoped).status == 201
+        body = b"".join(bytes(p) for p in encode_batch_put_request(["b1", "b2"], blocks[2:4]))
+        r = pool.request("POST", "/kv/batch/put", body=body, headers=A)
+        assert json.loads(r.data) == {"results": ["created", "created"]}
+        r = pool.request("POST", "/kv/snapshot", body=b"{}", headers=A)
+        assert r.status == 201, r.data
+        r = pool.request("POST", f"/kv/snapshot/{json.loads(r.data)['id']}/fork", headers=A)
+        assert r.status == 201, r.data
+        bid = json.loads(r.data)["id"]
+        assert pool.request("PUT", f"/kv/branch/{bid}/br", body=blocks[4], headers=A).status in (
+            200,
+            201,
+        )
+        ns = "tenant-a"
+        for key, block in (("plain", blocks[0]), ("b1", blocks[2]), ("b2", blocks[3])):
+            _received_and_kept(store.get(ns, key), block)
+        assert store.get(ns, "scoped") == blocks[1]  # (epoch-tagged: kept the same way)
+        _received_and_kept(store.get(ns, "scoped"), blocks[1])
+        kept = store.branch_get(ns, bid, "br")  # a plain body: its own bytearray
+        assert isinstance(kept, memoryview)
+        assert kept == blocks[4]
+        assert kept.readonly
+        assert isinstance(kept.obj, bytearray)
+        assert store.check(deep=True).ok
     finally:
         s.stop()

@@ -887,3 +887,40 @@ def test_client_not_reading_stops_being_served(server: ServerThread, raw: Raw) -
         assert server.store.stats("alpha").get_hits - hits0 == n
     finally:
         server.store.delete("alpha", "wp")
+
+
+@pytest.mark.parametrize("backend", ["memory", "durable"])
+def test_set_and_mset_hand_their_receive_buffers_to_the_store(backend: str, tmp_path: Any) -> None:
+    """The zero-copy path of the wire, explicit (`Handover`): a large SET's or MSET's
+    bulk is kept as it was received, and handed out read-only; a small one (bytes) is
+    kept as it is."""
+    import os
+
+    from epistemic_kvcache import buffers
+    from epistemic_kvcache.store import SharedKvStoreBackend
+
+    store: SharedKvIndex = (
+        SharedKvIndex()
+        if backend == "memory"
+        else SharedKvStoreBackend(tmp_path / "d", map_size_bytes=64 * MiB)  # type: ignore[assignment]
+    )
+    srv = ServerThread(store=store)
+    try:
+        blocks = [os.urandom(256 * 1024) for _ in range(3)]
+        with srv.client() as c:
+            assert c.set("one", blocks[0]) is True
+            assert c.mset({"m1": blocks[1], "m2": blocks[2]}) is True
+            assert c.set("small", b"tiny") is True
+            assert c.get("one") == blocks[0]
+        for key, block in (("one", blocks[0]), ("m1", blocks[1]), ("m2", blocks[2])):
+            kept = store.get("alpha", key)
+            assert isinstance(kept, memoryview)
+            assert kept == block
+            assert kept.readonly
+            assert isinstance(kept.obj, buffers._heap_type)  # the receive buffer itself
+            with pytest.raises(TypeError):
+                kept[0] = 0
+        assert store.get("alpha", "small") == b"tiny"
+        assert store.check(deep=True).ok
+    finally:
+        srv.close()

@@ -45,7 +45,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, final
 
 log = logging.getLogger("epistemic_kvcache.buffers")
 
@@ -136,6 +136,70 @@ def handed_over(buf: memoryview) -> bool:
         return False
     start: int = obj.ctypes.data
     return ctypes.addressof(ctypes.c_char.from_buffer(buf)) == start  # the block starts it
+
+
+@final
+class Handover:
+    """A block whose buffer its owner gives to the store for keeps: the store holds the
+    memory as it is (no copy) and the owner never writes into it, nor reads it expecting
+    its own changes, again. This is how the wires hand over their receive buffers
+    (`received_block`); a library caller may hand over a whole `bytearray` the same way.
+
+    The store copies any other mutable input (`bytearray`, `memoryview`, arrays) at its
+    edge, so a caller can only give a buffer away on purpose, by wrapping it here.
+    Accepted: a receive buffer from `alloc_block` (whole, or but for its slack:
+    `handed_over`), or a whole `bytearray` (or a view of all of it). A part of a buffer is
+    refused: its owner still holds the rest, and the store would keep all of it alive.
+    """
+
+    __slots__ = ("_view",)
+
+    def __init__(self, buf: bytearray | memoryview) -> None:
+        if isinstance(buf, bytearray):
+            view = memoryview(buf)
+        elif isinstance(buf, memoryview):
+            view = buf
+            obj = buf.obj
+            whole_bytearray = (
+                isinstance(obj, bytearray) and buf.c_contiguous and buf.nbytes == len(obj)
+            )
+            if not whole_bytearray and not handed_over(buf):
+                raise ValueError(
+                    "a Handover takes a whole bytearray or a whole receive buffer from "
+                    f"alloc_block (got a view of {len(buf)} bytes of a "
+                    f"{type(obj).__name__}); pass anything else as it is (it is copied)"
+                )
+        else:
+            raise TypeError(
+                "a Handover takes a bytearray or a receive buffer's memoryview "
+                f"(got {type(buf).__name__})"
+            )
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        self._view = view.toreadonly()
+
+    @property
+    def view(self) -> memoryview:
+        """The block, read-only (what the store keeps)."""
+        return self._view
+
+    def __len__(self) -> int:
+        return self._view.nbytes
+
+    def __repr__(self) -> str:
+        return f"Handover({self._view.nbytes} bytes)"
+
+
+def received_block(
+    buf: bytes | bytearray | memoryview,
+) -> Handover | bytes | bytearray | memoryview:
+    """What a wire passes to the store for a block it received into `buf`: a `Handover`
+    when `buf` is a whole receive buffer (`handed_over`: the wire never touches it
+    again, the store keeps it without a copy), else `buf` itself (a part of a buffer the
+    wire reuses, e.g. a small bulk in a RESP read buffer: the store copies it)."""
+    if isinstance(buf, memoryview) and handed_over(buf):
+        return Handover(buf)
+    return buf
 
 
 @dataclass(frozen=True, slots=True)

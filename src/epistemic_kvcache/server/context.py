@@ -29,7 +29,7 @@ from epistemic_kvcache.server.budget import (
 )
 from epistemic_kvcache.server.oplog import AccessLog, AuthFailureLog, RefusalLog
 from epistemic_kvcache.shared import ServerLimits
-from epistemic_kvcache.store.api import Buffer, PutCond, PutResult, SharedKvBackend
+from epistemic_kvcache.store.api import BlockData, Buffer, PutCond, PutResult, SharedKvBackend
 from epistemic_kvcache.store.engine import WOULD_BLOCK, TieredEngine, WouldBlock
 
 if TYPE_CHECKING:
@@ -256,7 +256,7 @@ class ServerContext:
         return engine.size(ns, key)
 
     def put_nowait(
-        self, ns: str, key: str, data: Buffer, cond: PutCond = None
+        self, ns: str, key: str, data: BlockData, cond: PutCond = None
     ) -> PutResult | concurrent.futures.Future[PutResult] | WouldBlock:
         """Start a PUT inline when that is cheap (see `TieredEngine.put_nowait`)."""
         engine = self._engine
@@ -309,7 +309,7 @@ class ServerContext:
             raise BatchTooLarge(got, limit)
         return blocks
 
-    async def put(self, ns: str, key: str, data: Buffer, cond: PutCond = None) -> PutResult:
+    async def put(self, ns: str, key: str, data: BlockData, cond: PutCond = None) -> PutResult:
         """`store.put`: small PUTs start inline and a durable one is awaited as a future;
         the others run on the thread pool."""
         started = self.put_nowait(ns, key, data, cond)

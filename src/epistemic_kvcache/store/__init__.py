@@ -5,8 +5,10 @@ durable cold tier under a persist directory. Both implement `SharedKvBackend`.
 """
 
 from epistemic_kvcache.store.api import (
+    BlockData,
     Buffer,
     ConsistencyReport,
+    Handover,
     PutCond,
     PutOutcome,
     PutResult,
@@ -21,9 +23,11 @@ from epistemic_kvcache.store.engine import digest_of
 from epistemic_kvcache.store.memory import SharedKvIndex
 
 __all__ = [
+    "BlockData",
     "Buffer",
     "ConsistencyReport",
     "DiskIO",
+    "Handover",
     "PutCond",
     "PutOutcome",
     "PutResult",

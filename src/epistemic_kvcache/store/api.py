@@ -9,8 +9,13 @@ Conventions:
   key; both are `str`. Keys are 1..`MAX_KEY_BYTES` bytes of UTF-8; namespaces
   1..`MAX_NAMESPACE_BYTES` and may not contain NUL.
 - A miss is `None` / `False`; a failure is a `StoreError` subclass.
-- Blocks come back as a bytes-like object (`bytes`, `bytearray` or `memoryview`); treat
-  it as read-only.
+- The store owns its bytes. A PUT's `data` may be anything bytes-like: `bytes` are kept
+  as they are, any mutable buffer (`bytearray`, `memoryview`, an array) is copied before
+  the PUT returns, so the caller may reuse it at once. A caller that gives its buffer
+  away wraps it in a `Handover` (the wires do, for their receive buffers): kept without
+  a copy, and never touched by the caller again.
+- Blocks come back read-only: `bytes` or a read-only `memoryview` (writing into one
+  raises TypeError); copy one (`bytearray(block)`) to change it.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+# A PUT's explicit transfer of a buffer (re-exported: part of the store's interface).
+from epistemic_kvcache.buffers import Handover as Handover  # noqa: PLC0414
+
 # Re-exported for the store's modules; shared.py defines them once (the client uses them).
-from epistemic_kvcache.buffers import handed_over
 from epistemic_kvcache.shared import MAX_KEY_BYTES as MAX_KEY_BYTES  # noqa: PLC0414
 from epistemic_kvcache.shared import MAX_NAMESPACE_BYTES as MAX_NAMESPACE_BYTES  # noqa: PLC0414
 from epistemic_kvcache.shared import BranchInfo as BranchInfo  # noqa: PLC0414
@@ -31,19 +38,40 @@ from epistemic_kvcache.shared import validate_key as validate_key  # noqa: PLC04
 from epistemic_kvcache.shared import validate_namespace as validate_namespace  # noqa: PLC0414
 
 Buffer = bytes | bytearray | memoryview
+"""A block's bytes. What the store returns is always read-only (see the module doc)."""
+BlockData = Buffer | Handover
+"""What a PUT takes: bytes-like (copied when mutable), or a `Handover` (kept as it is)."""
 
 
-def owned_buffer(data: Buffer) -> Buffer:
-    """What the store may keep of a caller's block without the caller changing it later.
+def owned_buffer(data: BlockData) -> Buffer:
+    """What the store keeps of a PUT's `data`: something nobody can change afterwards.
 
-    `bytes` are immutable; a `bytearray`, or a wire's receive buffer
-    (`buffers.alloc_block`: `buffers.handed_over` says which memoryviews are), is handed
-    over by the caller and never touched again. Any other memoryview may be reused by its
-    owner, so it is copied.
+    `bytes` (and a read-only view of all of a `bytes`) as they are; a `Handover`'s
+    buffer as it is, read-only (its owner gave it away); any other buffer is copied
+    (its owner may write into it later: a `bytearray`, a writable or read-only view of
+    one, an array, a receive buffer passed without a `Handover`).
     """
-    if isinstance(data, memoryview) and not handed_over(data):
-        return bytes(data)
-    return data
+    if type(data) is bytes:
+        return data
+    if isinstance(data, Handover):
+        return data.view
+    if (
+        isinstance(data, memoryview)
+        and type(data.obj) is bytes
+        and data.format == "B"
+        and data.c_contiguous
+        and data.nbytes == len(data.obj)
+    ):
+        return data  # the whole of an immutable object (a part would keep all of it)
+    return bytes(data)
+
+
+def read_only(data: Buffer) -> Buffer:
+    """`data` as the store hands it out: `bytes` or a read-only memoryview of the same
+    memory (no copy)."""
+    if type(data) is bytes or (isinstance(data, memoryview) and data.readonly):
+        return data
+    return memoryview(data).toreadonly()
 
 
 PutCond = Literal["nx", "xx"] | None
@@ -228,14 +256,15 @@ class SharedKvBackend(abc.ABC):
         self,
         ns: str,
         key: str,
-        data: Buffer,
+        data: BlockData,
         *,
         epoch_scope: str | None = None,
         cond: PutCond = None,
     ) -> PutResult:
         """Store `data` under `key`, replacing what the key held (see `decide_put` and
         `PutOutcome`; `cond` makes it create-only or replace-only). Durable before it
-        returns (durable backend).
+        returns (durable backend). A mutable `data` is copied (`owned_buffer`): the
+        caller may reuse it at once; a `Handover` is kept as it is.
 
         With `epoch_scope`, the entry is tagged with the scope's current epoch and goes
         stale (reads miss, `stale_missed` counts) once `epoch_bump(ns, scope)` runs; a
@@ -247,7 +276,8 @@ class SharedKvBackend(abc.ABC):
 
     @abc.abstractmethod
     def get(self, ns: str, key: str) -> Buffer | None:
-        """The block's bytes (verified against its digest when read from disk or warm)."""
+        """The block's bytes, read-only (verified against its digest when read from disk
+        or warm)."""
 
     @abc.abstractmethod
     def size(self, ns: str, key: str) -> int | None:
@@ -368,7 +398,7 @@ class SharedKvBackend(abc.ABC):
         """Like `branch_get` without reading the block."""
 
     @abc.abstractmethod
-    def branch_put(self, ns: str, branch_id: str, key: str, data: Buffer) -> PutResult:
+    def branch_put(self, ns: str, branch_id: str, key: str, data: BlockData) -> PutResult:
         """Write into the overlay only (a key written twice in the overlay is replaced).
 
         Raises `NotFoundError` when the branch does not exist."""
@@ -399,7 +429,7 @@ class SharedKvBackend(abc.ABC):
 
     # -- batch forms (one lock acquisition / one group commit where it matters) ---------
     def put_many(
-        self, ns: str, items: Sequence[tuple[str, Buffer]], *, cond: PutCond = None
+        self, ns: str, items: Sequence[tuple[str, BlockData]], *, cond: PutCond = None
     ) -> list[PutResult]:
         """PUT each item; raises on the first failure (earlier items stay stored)."""
         return [self.put(ns, key, data, cond=cond) for key, data in items]

@@ -71,6 +71,7 @@ from epistemic_kvcache.errors import (
 )
 from epistemic_kvcache.store import cluster_lua as L
 from epistemic_kvcache.store.api import (
+    BlockData,
     BranchInfo,
     Buffer,
     ConsistencyReport,
@@ -226,8 +227,8 @@ class _BlockCache(SharedKvIndex):
     warm are verified by the engine as usual."""
 
     def admit(self, ns: str, digest: bytes, data: Buffer) -> None:
-        """Cache a verified block; a block the tiers cannot hold is simply not cached."""
-        data = owned_buffer(data)
+        """Cache a verified block that the store owns already (`owned_buffer`'s answer, or
+        bytes read from the cluster); a block the tiers cannot hold is simply not cached."""
         sdig = self._scoped(ns.encode(), digest)
         if sdig not in self._blobs:  # unlocked look: new bytes will need room in hot
             self._make_hot_room((len(data),))  # codec work outside the lock
@@ -720,7 +721,7 @@ class ClusterBackend(SharedKvBackend):
         self,
         ns: str,
         key: str,
-        data: Buffer,
+        data: BlockData,
         *,
         epoch_scope: str | None = None,
         cond: PutCond = None,
@@ -1550,7 +1551,7 @@ class ClusterBackend(SharedKvBackend):
     def branch_size(self, ns: str, branch_id: str, key: str) -> int | None:
         return self._snaps.branch_size(ns, branch_id, key)
 
-    def branch_put(self, ns: str, branch_id: str, key: str, data: Buffer) -> PutResult:
+    def branch_put(self, ns: str, branch_id: str, key: str, data: BlockData) -> PutResult:
         return self._snaps.branch_put(ns, branch_id, key, data)
 
 

@@ -40,6 +40,7 @@ from epistemic_kvcache.errors import (
 )
 from epistemic_kvcache.store import cluster_lua as L
 from epistemic_kvcache.store.api import (
+    BlockData,
     BranchInfo,
     Buffer,
     PutResult,
@@ -504,7 +505,7 @@ class ClusterSnapshots:
         e = self._branch_entry(ns, bid, key)
         return e.size if e is not None else None
 
-    def branch_put(self, ns: str, bid: str, key: str, data: Buffer) -> PutResult:
+    def branch_put(self, ns: str, bid: str, key: str, data: BlockData) -> PutResult:
         validate_namespace(ns)
         validate_key(key)
         s = self.s

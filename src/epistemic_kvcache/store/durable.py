@@ -71,6 +71,7 @@ from epistemic_kvcache.errors import (
 )
 from epistemic_kvcache.store import compaction, records
 from epistemic_kvcache.store.api import (
+    BlockData,
     Buffer,
     ConsistencyReport,
     PutCond,
@@ -761,7 +762,7 @@ class SharedKvStoreBackend(TieredEngine):
         self,
         ns: str,
         key: str,
-        data: Buffer,
+        data: BlockData,
         *,
         epoch_scope: str | None = None,
         cond: PutCond = None,
@@ -777,7 +778,7 @@ class SharedKvStoreBackend(TieredEngine):
         ns: str,
         scope_raw: bytes,
         key: str,
-        data: Buffer,
+        data: BlockData,
         tag: tuple[str, int] | None,
         cond: PutCond,
     ) -> PutResult:
@@ -788,7 +789,7 @@ class SharedKvStoreBackend(TieredEngine):
         return result
 
     def _put_start(
-        self, ns: str, key: str, data: Buffer, epoch_scope: str | None, cond: PutCond
+        self, ns: str, key: str, data: BlockData, epoch_scope: str | None, cond: PutCond
     ) -> PutResult | concurrent.futures.Future[PutResult]:
         ns_raw = self._validate(ns, key)
         self._check_size(data)
@@ -802,7 +803,7 @@ class SharedKvStoreBackend(TieredEngine):
         ns: str,
         scope_raw: bytes,
         key: str,
-        data: Buffer,
+        data: BlockData,
         tag: tuple[str, int] | None,
         cond: PutCond,
         *,
@@ -837,7 +838,7 @@ class SharedKvStoreBackend(TieredEngine):
         return op.future
 
     def put_many(
-        self, ns: str, items: Sequence[tuple[str, Buffer]], *, cond: PutCond = None
+        self, ns: str, items: Sequence[tuple[str, BlockData]], *, cond: PutCond = None
     ) -> list[PutResult]:
         """Queue every item before waiting, so the batch shares one group commit.
 
@@ -851,8 +852,8 @@ class SharedKvStoreBackend(TieredEngine):
             self._check_size(data)
         self._check_open()
         ops = []
-        for key, data in items:  # hash everything first: then the committer sees them all
-            data = owned_buffer(data)  # noqa: PLW2901 (the hot tier keeps it)
+        for key, given in items:  # hash everything first: then the committer sees them all
+            data = owned_buffer(given)  # the hot tier keeps it (copied when mutable)
             digest = digest_of(data)
             sdig = self._scoped(ns_raw, digest)
             ops.append(_Op("put", ns, key, sdig=sdig, digest=digest, data=data, cond=cond))

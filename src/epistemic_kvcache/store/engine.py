@@ -58,6 +58,7 @@ from epistemic_kvcache.errors import (
 )
 from epistemic_kvcache.shared import MAX_SCOPE_BYTES
 from epistemic_kvcache.store.api import (
+    BlockData,
     BranchInfo,
     Buffer,
     ConsistencyReport,
@@ -68,6 +69,7 @@ from epistemic_kvcache.store.api import (
     SnapshotInfo,
     StoreStats,
     TierStats,
+    read_only,
     validate_key,
     validate_namespace,
 )
@@ -435,7 +437,7 @@ class TieredEngine(SharedKvBackend):
             self._valid_ns[ns] = raw
         return raw
 
-    def _check_size(self, data: Buffer) -> None:
+    def _check_size(self, data: BlockData) -> None:
         if len(data) > self.max_block_bytes:
             raise BlockTooLargeError(
                 f"block of {len(data)} bytes exceeds max_block_bytes={self.max_block_bytes}"
@@ -477,6 +479,10 @@ class TieredEngine(SharedKvBackend):
             self._footprint(b, self._counters(ns), sign)
 
     def _set_hot(self, b: _Blob, data: Buffer | None) -> None:
+        """Put `data` (owned by the store: nobody else writes it) in hot, or take `b` out.
+        The hot copy is what a GET hands out, so it is kept read-only."""
+        if data is not None:
+            data = read_only(data)
         self._account(b, -1)
         if b.hot is not None:
             self._hot.pop(b.sdig, None)
@@ -580,7 +586,7 @@ class TieredEngine(SharedKvBackend):
             b.owner = {} if self.dedup_scope == "global" else tenant
             self._blobs[e.sdig] = b
             if e.data is not None and self._hot_room(e.size):
-                b.hot = e.data  # counted hot by the footprints below
+                b.hot = read_only(e.data)  # counted hot by the footprints below
                 self._hot[e.sdig] = b
             self._footprint(b, self._total, +1)
             if isinstance(b.owner, str):
@@ -883,7 +889,7 @@ class TieredEngine(SharedKvBackend):
         self,
         ns: str,
         key: str,
-        data: Buffer,
+        data: BlockData,
         *,
         epoch_scope: str | None = None,
         cond: PutCond = None,
@@ -908,7 +914,7 @@ class TieredEngine(SharedKvBackend):
         return False
 
     def _put_start(
-        self, ns: str, key: str, data: Buffer, epoch_scope: str | None, cond: PutCond
+        self, ns: str, key: str, data: BlockData, epoch_scope: str | None, cond: PutCond
     ) -> PutResult | concurrent.futures.Future[PutResult]:
         """A PUT up to (not including) waiting for durability; the memory backend's is
         the whole PUT."""
@@ -988,6 +994,7 @@ class TieredEngine(SharedKvBackend):
                 c.get_misses += 1
                 self._total.get_misses += 1
             return None
+        data = read_only(data)  # handed out, and maybe kept in hot: nobody writes it
         self._make_hot_room((b.size,))
         with self._lock:
             c.get_hits += 1
@@ -1323,7 +1330,7 @@ class TieredEngine(SharedKvBackend):
             b = self._live(src, key) if src is not None else None
             return b.size if b is not None else None
 
-    def branch_put(self, ns: str, branch_id: str, key: str, data: Buffer) -> PutResult:
+    def branch_put(self, ns: str, branch_id: str, key: str, data: BlockData) -> PutResult:
         ns_raw = self._validate(ns, key)
         self._check_size(data)
         self._check_open()
@@ -1339,7 +1346,7 @@ class TieredEngine(SharedKvBackend):
         ns: str,
         scope_raw: bytes,
         key: str,
-        data: Buffer,
+        data: BlockData,
         tag: tuple[str, int] | None,
         cond: PutCond,
     ) -> PutResult:

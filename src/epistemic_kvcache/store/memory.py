@@ -11,6 +11,7 @@ from typing import Any
 
 from epistemic_kvcache.errors import CapacityError, NotFoundError
 from epistemic_kvcache.store.api import (
+    BlockData,
     Buffer,
     ConsistencyReport,
     PutCond,
@@ -89,7 +90,7 @@ class SharedKvIndex(TieredEngine):
         self,
         ns: str,
         key: str,
-        data: Buffer,
+        data: BlockData,
         *,
         epoch_scope: str | None = None,
         cond: PutCond = None,
@@ -105,7 +106,7 @@ class SharedKvIndex(TieredEngine):
         ns: str,
         scope_raw: bytes,
         key: str,
-        data: Buffer,
+        data: BlockData,
         tag: tuple[str, int] | None,
         cond: PutCond,
     ) -> PutResult:
@@ -180,7 +181,7 @@ class SharedKvIndex(TieredEngine):
         return PutResult(outcome, digest, size)
 
     def put_many(
-        self, ns: str, items: Sequence[tuple[str, Buffer]], *, cond: PutCond = None
+        self, ns: str, items: Sequence[tuple[str, BlockData]], *, cond: PutCond = None
     ) -> list[PutResult]:
         return [self.put(ns, key, data, cond=cond) for key, data in items]
 

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
+from epistemic_kvcache.buffers import Handover, received_block
 from epistemic_kvcache.errors import RemoteProtocolError
 from epistemic_kvcache.proto.http import (
     JSON_CONTENT_TYPE,
@@ -26,7 +27,7 @@ from epistemic_kvcache.proto.http import (
 from epistemic_kvcache.server.budget import Account
 from epistemic_kvcache.server.context import ServerContext
 from epistemic_kvcache.shared import ServerLimits
-from epistemic_kvcache.store.api import Buffer, PutCond, PutOutcome, PutResult
+from epistemic_kvcache.store.api import BlockData, Buffer, PutCond, PutOutcome, PutResult
 
 LARGE_JSON: Final = 64 * 1024
 """JSON answers that may be larger than this are encoded on the thread pool."""
@@ -262,6 +263,16 @@ class Request:
         if body is None:
             raise TypeError(f"route {self.route} has no plain body")
         return body
+
+    @property
+    def block(self) -> BlockData:
+        """The body as the store takes it, handed over: the connection never touches a
+        body again once its request is dispatched (a `block` route's receive buffer, or a
+        plain body's own bytearray), so the store keeps it without a copy."""
+        body = self.data
+        if isinstance(body, bytearray):
+            return Handover(body)
+        return received_block(body)
 
     @property
     def batch(self) -> BatchPutReceiver:

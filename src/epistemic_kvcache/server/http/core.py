@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Final
 
+from epistemic_kvcache.buffers import received_block
 from epistemic_kvcache.errors import InvalidKeyError, StoreError
 from epistemic_kvcache.proto.errors import row_for
 from epistemic_kvcache.proto.http import (
     BATCH_CONTENT_TYPE,
     JSON_CONTENT_TYPE,
     OCTET_CONTENT_TYPE,
-    Buffer,
     decode_key_list,
     encode_batch_get_response,
     error_body,
@@ -25,7 +25,7 @@ from epistemic_kvcache.server.http.api import (
 )
 from epistemic_kvcache.server.http.engine import EPOCH_SCOPE_HEADER, scoped_put
 from epistemic_kvcache.shared import MAX_KEY_BYTES, validate_key
-from epistemic_kvcache.store.api import PutOutcome
+from epistemic_kvcache.store.api import BlockData, PutOutcome
 
 _NOT_FOUND_BODY: Final = error_body("not_found", "no such key")
 
@@ -99,12 +99,14 @@ async def batch_get(req: Request) -> Response:
 
 
 async def batch_put(req: Request) -> Response:
-    items = req.batch.items()  # raises the body's RemoteProtocolError, if any
+    # raises the body's RemoteProtocolError, if any; each block's own receive buffer is
+    # handed over to the store
+    items = [(key, received_block(block)) for key, block in req.batch.items()]
     results = await req.ctx.run(_batch_put, req, items)
     return await large_json(req.ctx, 200, {"results": results})
 
 
-def _batch_put(req: Request, items: list[tuple[str, Buffer]]) -> list[str]:
+def _batch_put(req: Request, items: list[tuple[str, BlockData]]) -> list[str]:
     """Runs on the store pool: one `put_many` for the valid items, per-key errors."""
     store, ns = req.ctx.store, req.ns
     max_block = min(req.ctx.limits.max_block_bytes, store.max_block_bytes)
@@ -175,5 +177,5 @@ async def key_put(req: Request) -> Response:
         return await scoped_put(req)
     assert req.key is not None
     cond = put_condition(req)
-    result = await req.ctx.put(req.ns, req.key, req.data, cond)
+    result = await req.ctx.put(req.ns, req.key, req.block, cond)
     return put_answer(result, conditional=cond is not None)

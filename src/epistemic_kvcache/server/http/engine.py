@@ -205,7 +205,7 @@ async def scoped_put(req: Request) -> Response:
         raise bad_request("X-Kv-Epoch-Scope must be UTF-8") from exc
     assert req.key is not None
     cond = put_condition(req)
-    put = functools.partial(ctx.store.put, req.ns, req.key, req.data, epoch_scope=scope, cond=cond)
+    put = functools.partial(ctx.store.put, req.ns, req.key, req.block, epoch_scope=scope, cond=cond)
     result = await ctx.run(put)
     ctx.watch_epoch(req.ns, scope)  # publish bumps other processes make to this scope
     return put_answer(result, {"epoch_scope": scope}, conditional=cond is not None)
@@ -216,7 +216,7 @@ async def branch_key(req: Request) -> Response:
     store, ns, key = ctx.store, req.ns, req.key
     assert key is not None
     if req.method == "PUT":
-        return put_answer(await ctx.run(store.branch_put, ns, branch_id, key, req.data))
+        return put_answer(await ctx.run(store.branch_put, ns, branch_id, key, req.block))
     missing = "no such key in the branch (or no such branch)"
     if req.method == "HEAD":
         size = await ctx.run(store.branch_size, ns, branch_id, key)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Final
 
+from epistemic_kvcache.buffers import received_block
 from epistemic_kvcache.proto.glob import Glob
 from epistemic_kvcache.proto.resp import (
     Buffer,
@@ -318,7 +319,7 @@ def _set(s: Session, cmd: Command) -> object:
         old = _get(s, [b"get", cmd[1]])
     cond: PutCond = "nx" if nx else "xx" if xx else None
     put = store.put if cond is None else functools.partial(store.put, cond=cond)
-    result = s.call(put, ns, key, cmd[2])
+    result = s.call(put, ns, key, received_block(cmd[2]))
     if get:
         return old
     return OK if result.applied else None
@@ -346,7 +347,7 @@ def _mget(s: Session, cmd: Command) -> object:
 def _mset(s: Session, cmd: Command) -> object:
     if len(cmd) % 2 == 0:
         return wrong_args("mset")
-    items = [(to_key(cmd[i]), cmd[i + 1]) for i in range(1, len(cmd), 2)]
+    items = [(to_key(cmd[i]), received_block(cmd[i + 1])) for i in range(1, len(cmd), 2)]
     s.call(s.store.put_many, s.namespace, items)
     return OK
 

@@ -35,6 +35,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol
 
+from epistemic_kvcache.buffers import received_block
 from epistemic_kvcache.errors import StoreError
 from epistemic_kvcache.proto.resp import (
     Arg,
@@ -438,7 +439,7 @@ class Dispatcher:
                         break
                 else:
                     assert put is not None  # "set" is routed here only with inline puts
-                    result = put(ns, to_key(cmd[1]), cmd[2])
+                    result = put(ns, to_key(cmd[1]), received_block(cmd[2]))
                     if result is WOULD_BLOCK:
                         break
                     if not isinstance(result, PutResult):  # inline_puts: never a future
@@ -527,7 +528,7 @@ class Dispatcher:
             t0 = started if not begun else time.perf_counter()
             outcome: object
             try:
-                outcome = ctx.put_nowait(ns, to_key(current[1]), current[2])
+                outcome = ctx.put_nowait(ns, to_key(current[1]), received_block(current[2]))
             except Reply as exc:
                 outcome = exc.reply
             except StoreError as exc:
