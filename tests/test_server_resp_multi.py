@@ -24,7 +24,7 @@ from epistemic_kvcache.errors import AuthError
 from epistemic_kvcache.server.context import Identity, ServerContext, ServerLimits
 from epistemic_kvcache.server.metrics import Metrics
 from epistemic_kvcache.server.resp import make_resp_factory
-from epistemic_kvcache.server.resp.session import MAX_MULTI_COMMANDS
+from epistemic_kvcache.server.resp.session import MAX_MULTI_COMMANDS, TenantGates
 from epistemic_kvcache.store import SharedKvIndex, SharedKvStoreBackend
 from epistemic_kvcache.store.api import SharedKvBackend
 
@@ -402,3 +402,47 @@ def test_redis_cli_transaction_typed_in_one_session(server: _Server) -> None:
     assert out == ["OK", "QUEUED", "QUEUED", "OK", "1", "OK", "QUEUED", "OK"], out
     assert bytes(server.store.get("alpha", "cli-a") or b"") == b"1"
     assert server.store.get("alpha", "cli-b") is None
+
+
+def test_closing_inside_multi_returns_the_queued_bytes(tmp_path: Path) -> None:
+    s = _Server(_store("memory", tmp_path))
+    conn = _Raw(s.port)
+    try:
+        assert conn.call("MULTI") == b"+OK"
+        assert conn.call("SET", "a", b"x" * (300 << 10)) == b"+QUEUED"
+        assert s.ctx.budget.used_by("alpha") >= 300 << 10
+        conn.close()
+        deadline = time.monotonic() + 10
+        while s.ctx.budget.used_by("alpha") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert s.ctx.budget.used_by("alpha") == 0
+        assert s.store.count("alpha") == 0
+    finally:
+        s.close()
+
+
+def test_tenant_gates_drain_hold_and_forget() -> None:
+    """The gate's own rules, step by step on one event loop (no timing involved)."""
+
+    async def main() -> None:
+        gates = TenantGates()
+        assert gates.enter_nowait("a")  # a plain command of tenant a runs
+        hold = asyncio.ensure_future(gates.hold("a"))
+        await asyncio.sleep(0)  # let EXEC run up to its wait
+        assert not hold.done()  # it waits for the running command
+        assert "a" in gates.held
+        assert not gates.enter_nowait("a")  # new commands of a wait ...
+        assert gates.enter_nowait("b")  # ... other tenants do not
+        gates.leave("b")
+        gates.leave("a")
+        await hold  # drained: EXEC holds a
+        waiter = asyncio.ensure_future(gates.enter("a"))
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        gates.release("a")
+        await waiter
+        gates.leave("a")
+        assert len(gates) == 0  # nothing kept for idle tenants
+        assert not gates.held
+
+    asyncio.run(main())

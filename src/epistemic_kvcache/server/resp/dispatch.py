@@ -301,7 +301,11 @@ class Dispatcher:
         tenant = identity.tenant
         gates = s.shared.gates
         if not gates.enter_nowait(tenant):
-            await gates.enter(tenant)  # a transaction of this tenant runs: wait for it
+            self.busy = True  # waiting on a transaction of this tenant is not idling
+            try:
+                await gates.enter(tenant)
+            finally:
+                self.busy = False
         try:
             return await self._execute(cmd, route, spec, started)
         finally:
