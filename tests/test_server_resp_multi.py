@@ -446,3 +446,17 @@ def test_tenant_gates_drain_hold_and_forget() -> None:
         assert not gates.held
 
     asyncio.run(main())
+
+
+def test_large_values_inside_exec(server: _Server) -> None:
+    """Values over the inline size take the store's blocking path inside EXEC."""
+    r = server.client()
+    big = [os.urandom(1 << 20), os.urandom((1 << 20) + 3)]
+    with r.pipeline() as pipe:
+        pipe.set("big0", big[0])
+        pipe.set("small", b"s")
+        pipe.set("big1", big[1])
+        pipe.get("big0")
+        pipe.strlen("big1")
+        assert pipe.execute() == [True, True, True, big[0], len(big[1])]
+    assert r.mget(["big0", "big1", "small"]) == [big[0], big[1], b"s"]
