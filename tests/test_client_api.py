@@ -44,7 +44,7 @@ def test_put_outcomes_are_explicit(kv: EpistemicGraphKVBackend) -> None:
 
 
 def test_outcome_truthiness_and_words() -> None:
-    assert [bool(o) for o in PutOutcome] == [True, True, True, False, False, False]
+    assert [bool(o) for o in PutOutcome] == [True, True, True, False, False, False, False]
     assert [o.stored for o in PutOutcome] == [bool(o) for o in PutOutcome]
     assert PutOutcome.from_word("created") is PutOutcome.NEW
     assert PutOutcome.from_word("replaced") is PutOutcome.REPLACED

@@ -73,10 +73,17 @@ class StorageIOError(StoreError):
     """A write or sync to disk failed (EIO, ...). Nothing was acknowledged."""
 
 
-class ClusterUnavailableError(StorageIOError):
+class OutcomeUnknownError(StoreError):
+    """The operation may or may not have been applied: the answer was lost after the
+    request reached the store (or the server). Do not assume either; read back (or
+    retry a write that is safe to repeat) once the server answers again."""
+
+
+class ClusterUnavailableError(StorageIOError, OutcomeUnknownError):
     """Cluster mode: the shared Redis/Valkey Cluster cannot be reached, or did not accept
-    (or replicate) the write within the retry window. Retry later (HTTP 503, RESP -ERR);
-    a write that failed this way may or may not have been applied."""
+    (or replicate) the write within the retry window. Retry later (HTTP 503
+    `outcome_unknown`, RESP -ERR); a write that failed this way may or may not have been
+    applied."""
 
 
 class StoreFaultError(StoreError):

@@ -1,7 +1,9 @@
 """The Python client of epistemic-kvcache: `KvCacheConfig` and `EpistemicGraphKVBackend`."""
 
 from epistemic_kvcache.client.backend import (
+    RETRY_ON_RESET,
     EpistemicGraphKVBackend,
+    KvCacheOutcomeUnknownError,
     KvCacheUnavailableError,
     PutOutcome,
 )
@@ -11,10 +13,12 @@ from epistemic_kvcache.client.stats import ClientCounters, KvCacheStats, TierOcc
 from epistemic_kvcache.shared import is_loopback_host
 
 __all__ = [
+    "RETRY_ON_RESET",
     "CircuitBreaker",
     "ClientCounters",
     "EpistemicGraphKVBackend",
     "KvCacheConfig",
+    "KvCacheOutcomeUnknownError",
     "KvCacheStats",
     "KvCacheUnavailableError",
     "PutOutcome",

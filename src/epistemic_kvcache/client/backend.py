@@ -6,8 +6,13 @@ How it works:
 - A transport failure (refused, reset, timeout, 5xx/429/408) never raises: reads become
   misses, writes fail (`PutOutcome.FAILED`, False), the failure is counted and logged
   (rate-limited, since an unreachable cache would otherwise log once per prompt chunk).
-  A reset on a kept-alive socket is retried once, because the server may have closed it
-  while idle.
+  A connection reset is retried once only for a request that is safe to repeat
+  (`RETRY_ON_RESET`: reads, and PUTs that replace a key's bytes); a snapshot, fork, epoch
+  bump, DELETE or conditional PUT is never sent twice, since the first may have been
+  applied.
+- Error answers are read through the one error table (`proto.errors.client_rule`): each
+  JSON error code says whether to raise, degrade, split a batch, or report a write whose
+  outcome is unknown (`PutOutcome.UNKNOWN`, `OutcomeUnknownError`).
 - Two timeouts: lookups (HEAD, batch exists) wait `lookup_timeout_s` (1 s), transfers
   `read_timeout_s` (2 s) for the next byte. A timeout or a refused connection opens a
   circuit breaker (`client.breaker`): every request is then answered at once without
@@ -40,7 +45,7 @@ import urllib.parse
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import fields
-from typing import Any, Literal, Self
+from typing import Any, Final, Literal, Self
 
 import urllib3
 import urllib3.exceptions
@@ -51,13 +56,14 @@ from epistemic_kvcache.client.stats import ClientCounters, KvCacheStats
 from epistemic_kvcache.errors import (
     AuthError,
     ConfigurationError,
-    ForbiddenError,
-    InvalidKeyError,
     KvCacheError,
     LocalProtocolError,
+    OutcomeUnknownError,
+    ProtocolError,
     RemoteProtocolError,
 )
 from epistemic_kvcache.graph import Edge, PageInResult
+from epistemic_kvcache.proto.errors import client_rule
 from epistemic_kvcache.proto.http import encode_batch_put_request, quote_key
 from epistemic_kvcache.shared import (
     DEFAULT_LIMITS,
@@ -102,6 +108,9 @@ class PutOutcome(enum.Enum):
     """Refused: an `xx` condition and the key does not exist."""
     FAILED = "failed"
     """Not stored: unreachable or failing server, block refused (too large, quota)."""
+    UNKNOWN = "unknown"
+    """The server could not say whether the write was applied (cluster mode: the shared
+    cluster did not confirm it, HTTP 503 `outcome_unknown`); read the key back."""
 
     @property
     def stored(self) -> bool:
@@ -113,18 +122,69 @@ class PutOutcome(enum.Enum):
 
     @classmethod
     def from_word(cls, word: object) -> PutOutcome:
-        """The outcome named by a server result word (`error:*` and unknown: FAILED)."""
+        """The outcome named by a server result word; `error:<code>` is UNKNOWN when the
+        error table says such a write may have been applied, else (and for words it
+        does not know) FAILED."""
         for member in cls:
             if member.value == word:
                 return member
+        if (
+            isinstance(word, str)
+            and word.startswith("error:")
+            and client_rule(500, word[6:]).action == "unknown"
+        ):
+            return cls.UNKNOWN
         return cls.FAILED
 
 
 _STORED = frozenset({PutOutcome.NEW, PutOutcome.DUPLICATE, PutOutcome.REPLACED})
 
 
+RETRY_ON_RESET: Final[dict[str, bool]] = {
+    # reads: repeating them changes nothing
+    "GET": True,
+    "HEAD": True,
+    "stats": True,
+    "connection check": True,
+    "healthz": True,
+    "snapshot probe": True,
+    "batch exists": True,
+    "batch get": True,
+    "snapshot info": True,
+    "branch info": True,
+    "snapshots": True,
+    "branches": True,
+    "epoch": True,
+    "list keys": True,
+    # a plain PUT replaces the key's bytes with the same bytes: applied once or twice,
+    # the key holds them (a second application answers "duplicate"); a batch PUT is such
+    # PUTs; page-in only promotes blocks to RAM
+    "PUT": True,
+    "batch put": True,
+    "page-in": True,
+    # not safe to send twice once the first may have been applied
+    "conditional PUT": False,  # another writer may act between the two (NX recreates)
+    "epoch-tagged PUT": False,  # a bump between the two tags the retry with a new epoch
+    "DELETE": False,  # a key recreated between the two would be deleted again
+    "snapshot": False,  # a second snapshot
+    "fork": False,  # a second branch
+    "epoch bump": False,  # a double bump
+    "branch PUT": False,
+    "snapshot delete": False,
+    "branch delete": False,
+}
+"""Which requests are sent a second time when the connection is reset (by `what`, the
+request's name in logs); a name not listed is not retried. docs/client.md explains it."""
+
+
 class _TransportFailure(Exception):
-    """Internal: a request failed in a way that degrades to a miss."""
+    """Internal: a request failed in a way that degrades to a miss. `outcome_unknown`:
+    a write may have been applied (the server said so, or the connection broke after
+    the request went out and it was not safe to repeat)."""
+
+    def __init__(self, message: str, *, outcome_unknown: bool = False) -> None:
+        super().__init__(message)
+        self.outcome_unknown = outcome_unknown
 
 
 class _BatchTooLarge(_TransportFailure):
@@ -138,6 +198,13 @@ class KvCacheUnavailableError(KvCacheError):
     `epoch_get`, `list_keys`, `list_snapshots`, `list_branches`); the data-path calls
     degrade to a miss / False instead. Retrying later may help.
     """
+
+
+class KvCacheOutcomeUnknownError(KvCacheUnavailableError, OutcomeUnknownError):
+    """A request that is not safe to repeat (`snapshot`, `fork`, `epoch_bump`) may or may
+    not have been applied: the connection broke after it was sent, or the server said
+    it cannot tell (cluster mode, `outcome_unknown`). It was not retried; look before
+    repeating it (`list_snapshots`, `list_branches`, `epoch_get`)."""
 
 
 def _fields_of(doc: object, names: Sequence[str], what: str) -> dict[str, Any]:
@@ -506,13 +573,16 @@ class EpistemicGraphKVBackend:
                 self._trip(what, exc)
                 raise _TransportFailure(str(exc)) from exc
             except urllib3.exceptions.ProtocolError as exc:
-                # Reset / disconnected: possibly a kept-alive socket the server closed.
-                # (A read timeout is not retried: it is a ReadTimeoutError, not this.)
-                if attempt == 0 and not self._closed:
+                # Reset / disconnected after the request went out (a kept-alive socket the
+                # server closed, or a server that died mid-request): the request may have
+                # been applied, so only one that is safe to repeat is sent again. (A read
+                # timeout is not retried: it is a ReadTimeoutError, not this.)
+                retry = RETRY_ON_RESET.get(what, False)
+                if attempt == 0 and retry and not self._closed:
                     continue
                 self._count(requests=1)
                 self._trip(what, exc)
-                raise _TransportFailure(str(exc)) from exc
+                raise _TransportFailure(str(exc), outcome_unknown=not retry) from exc
             except urllib3.exceptions.EmptyPoolError as exc:
                 # Every pooled connection busy for the whole timeout: our own overload
                 # (or requests stuck on a stall that has tripped the breaker already).
@@ -532,30 +602,33 @@ class EpistemicGraphKVBackend:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _check_status(self, resp: urllib3.BaseHTTPResponse, what: str) -> None:
+        """Act on an error answer as the error table says (`proto.errors.client_rule`)."""
         status = resp.status
         if status < 400 or status == 404:
             return
-        detail = self._error_text(resp)
-        if status == 401:
-            raise AuthError(f"kv-cache {what}: 401 unauthorized ({detail}); check the token")
-        if status == 403:
-            raise ForbiddenError(f"kv-cache {what}: 403 forbidden ({detail})")
-        if status >= 500 or status in (408, 429):
+        code, detail = self._error_doc(resp)
+        rule = client_rule(status, code)
+        text = f"kv-cache {what}: HTTP {status} ({detail})"
+        if rule.action == "split" and what == "batch get":
+            raise _BatchTooLarge(detail)  # the caller splits the batch
+        if rule.action in ("degrade", "unknown"):
             self._count(server_errors=1)
             self._degraded("server", what, f"HTTP {status} {detail}")
-            raise _TransportFailure(f"HTTP {status}")
-        if status == 413 and what == "batch get":
-            raise _BatchTooLarge(detail)  # the caller splits the batch
-        if status in (411, 413):
-            # Block too large or similar: the write fails, the caller carries on.
+            raise _TransportFailure(text, outcome_unknown=rule.applied == "unknown")
+        if rule.action in ("refused", "split"):
+            # Block too large, no room, quota: the write fails, the caller carries on.
             self._degraded("refused", what, f"HTTP {status} {detail}")
-            raise _TransportFailure(f"HTTP {status}")
-        if status == 400 and "bad_key" in detail:
-            raise InvalidKeyError(f"kv-cache {what}: server refused the key ({detail})")
-        raise LocalProtocolError(f"kv-cache {what}: HTTP {status} ({detail})", status_hint=status)
+            raise _TransportFailure(text)
+        exc = rule.exc
+        if issubclass(exc, ProtocolError):  # the server says our request was malformed
+            raise LocalProtocolError(text, status_hint=status)
+        if exc is AuthError:
+            raise AuthError(f"{text}; check the token")
+        raise exc(text)
 
     @staticmethod
-    def _error_text(resp: urllib3.BaseHTTPResponse) -> str:
+    def _error_doc(resp: urllib3.BaseHTTPResponse) -> tuple[str | None, str]:
+        """The answer's JSON error code (None when it has none) and a short detail."""
         try:
             data = resp.data if resp.data is not None else b""
         except (urllib3.exceptions.HTTPError, OSError):
@@ -565,10 +638,12 @@ class EpistemicGraphKVBackend:
         try:
             doc = json.loads(data)
         except ValueError:
-            return data[:200].decode("utf-8", "replace")
+            return None, data[:200].decode("utf-8", "replace")
         if isinstance(doc, dict):
-            return f"{doc.get('error', '')}: {doc.get('message', '')}"
-        return str(doc)[:200]
+            code = doc.get("error")
+            detail = f"{code or ''}: {doc.get('message', '')}"
+            return (code if isinstance(code, str) else None), detail
+        return None, str(doc)[:200]
 
     @staticmethod
     def _discard(resp: urllib3.BaseHTTPResponse) -> None:
@@ -705,13 +780,18 @@ class EpistemicGraphKVBackend:
             path = f"{self._prefix}/kv/{quote_key(key)}"
         elif key in RESERVED_SEGMENTS and cond is None:
             return self.put_many([(key, view)])[0]
+        what = "PUT"
+        if epoch_scope is not None:
+            what = "epoch-tagged PUT"
+        elif cond is not None:
+            what = "conditional PUT"
         try:
             resp = self._request(
-                "PUT", path, body=view, headers=headers, what="PUT", accept=(409, 412)
+                "PUT", path, body=view, headers=headers, what=what, accept=(409, 412)
             )
-        except _TransportFailure:
+        except _TransportFailure as exc:
             self._count(puts_failed=1)
-            return PutOutcome.FAILED
+            return PutOutcome.UNKNOWN if exc.outcome_unknown else PutOutcome.FAILED
         resp.release_conn()
         outcome = self._put_outcome(resp, cond)
         self._count(**({"puts_ok": 1} if outcome.stored else {"puts_failed": 1}))
@@ -1003,9 +1083,10 @@ class EpistemicGraphKVBackend:
                 headers={"Content-Type": BATCH_CONTENT_TYPE, "Content-Length": str(length)},
                 what="batch put",
             )
-        except _TransportFailure:
+        except _TransportFailure as exc:
             self._count(puts_failed=len(batch))
-            return [PutOutcome.FAILED] * len(batch)
+            outcome = PutOutcome.UNKNOWN if exc.outcome_unknown else PutOutcome.FAILED
+            return [outcome] * len(batch)
         data = resp.data
         resp.release_conn()
         try:
@@ -1065,9 +1146,15 @@ class EpistemicGraphKVBackend:
         try:
             return self._call(method, path, doc=doc, what=what)
         except _TransportFailure as exc:
-            raise KvCacheUnavailableError(
-                f"kv-cache {what} at {self.config.base_url} failed: {exc}"
-            ) from exc
+            raise self._unavailable(what, exc) from exc
+
+    def _unavailable(self, what: str, exc: _TransportFailure) -> KvCacheUnavailableError:
+        if exc.outcome_unknown:
+            return KvCacheOutcomeUnknownError(
+                f"kv-cache {what} at {self.config.base_url}: the outcome is unknown (it may "
+                f"or may not have been applied; not retried): {exc}"
+            )
+        return KvCacheUnavailableError(f"kv-cache {what} at {self.config.base_url} failed: {exc}")
 
     def _id_path(self, kind: str, ident: str, suffix: str = "") -> str:
         if not ident:
@@ -1098,7 +1185,9 @@ class EpistemicGraphKVBackend:
             status, answer = self._call(
                 "POST", f"{self._prefix}/kv/snapshot", doc=doc, what="snapshot"
             )
-        except _TransportFailure:
+        except _TransportFailure as exc:
+            if exc.outcome_unknown:
+                raise self._unavailable("snapshot", exc) from exc
             return None
         except LocalProtocolError as exc:
             if exc.status_hint in (404, 405):  # a server without the route
@@ -1161,7 +1250,9 @@ class EpistemicGraphKVBackend:
             status, answer = self._call(
                 "POST", self._id_path("snapshot", snapshot_id, "/fork"), what="fork"
             )
-        except _TransportFailure:
+        except _TransportFailure as exc:
+            if exc.outcome_unknown:
+                raise self._unavailable("fork", exc) from exc
             return None
         except LocalProtocolError as exc:
             if exc.status_hint in (404, 405):

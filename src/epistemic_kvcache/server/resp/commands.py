@@ -266,6 +266,52 @@ async def _client(s: Session, cmd: Command) -> object:
     return unknown_subcommand(cmd[1], "CLIENT")
 
 
+# -- transactions (the dispatcher queues commands after MULTI and runs EXEC) ---------------
+
+
+@command(
+    "multi",
+    1,
+    ("noscript", "loading", "stale", "fast", "allow_busy"),
+    (0, 0, 0),
+    "transactions",
+    "Start a transaction: the commands that follow are queued until EXEC or DISCARD.",
+)
+async def _multi(s: Session, cmd: Command) -> object:
+    if s.multi is not None:
+        return ErrorReply("ERR MULTI calls can not be nested")
+    s.begin_multi()
+    return OK
+
+
+@command(
+    "exec",
+    1,
+    ("noscript", "loading", "stale", "skip_slowlog"),
+    (0, 0, 0),
+    "transactions",
+    "Run the commands queued since MULTI, with no other command of the tenant between.",
+)
+async def _exec(s: Session, cmd: Command) -> object:
+    # Inside MULTI the dispatcher runs EXEC itself (Dispatcher.exec_transaction).
+    return ErrorReply("ERR EXEC without MULTI")
+
+
+@command(
+    "discard",
+    1,
+    ("noscript", "loading", "stale", "fast", "allow_busy"),
+    (0, 0, 0),
+    "transactions",
+    "Drop the commands queued since MULTI.",
+)
+async def _discard(s: Session, cmd: Command) -> object:
+    if s.multi is None:
+        return ErrorReply("ERR DISCARD without MULTI")
+    s.end_multi()
+    return OK
+
+
 # -- key commands ---------------------------------------------------------------------------
 
 

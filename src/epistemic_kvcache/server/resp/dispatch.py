@@ -43,6 +43,7 @@ from epistemic_kvcache.proto.resp import (
     Command,
     ErrorReply,
     RefusedCommand,
+    SimpleString,
     args_size,
     command_size,
     serialize,
@@ -60,7 +61,7 @@ from epistemic_kvcache.server.resp.common import (
     to_key,
     wrong_args,
 )
-from epistemic_kvcache.store.api import PutResult
+from epistemic_kvcache.store.api import PutCond, PutResult
 from epistemic_kvcache.store.engine import WOULD_BLOCK
 
 if TYPE_CHECKING:
@@ -97,6 +98,20 @@ def _fast_name(name: Arg) -> str | None:
         return None
     return _FAST_NAMES.get(bytes(name).lower())
 
+
+_RUN_INSIDE_MULTI: Final = frozenset({"exec", "discard", "multi", "quit", "reset"})
+"""Commands that run at once inside MULTI (Redis also runs WATCH, which we do not have)."""
+_NOT_IN_MULTI: Final = frozenset(
+    {"subscribe", "unsubscribe", "psubscribe", "punsubscribe", "auth", "hello"}
+)
+"""Commands refused inside MULTI (which aborts it): pub/sub changes the connection's
+mode, AUTH/HELLO its tenant, and a transaction runs in one tenant."""
+NOT_IN_MULTI: Final = ErrorReply("ERR Command not allowed inside a transaction")
+EXECABORT: Final = ErrorReply("EXECABORT Transaction discarded because of previous errors.")
+QUEUED: Final = SimpleString("QUEUED")
+_NO_BARRIER: Final = frozenset({"mset", "del", "unlink", "flushdb"})
+"""Writes inside EXEC that go to the store's committer in order behind the SETs started
+before them, so they need not wait for those SETs first (a read does)."""
 
 _SUBSCRIBED_MODE_COMMANDS: Final = frozenset(
     {"subscribe", "unsubscribe", "psubscribe", "punsubscribe", "ping", "quit", "reset"}
@@ -275,12 +290,44 @@ class Dispatcher:
 
     # -- execution ------------------------------------------------------------------------
     async def execute(self, cmd: Command) -> list[object]:
-        """Run `cmd`, and the store commands framed right behind it in the same job."""
+        """Run `cmd`, and the store commands framed right behind it in the same job
+        (inside MULTI: queue it; EXEC: run the transaction)."""
         started = time.perf_counter()
         route, spec, error = self.check(cmd)
+        s = self.session
+        if s.multi is not None:
+            if error is not None or spec is None:
+                s.multi_aborted = True  # Redis: a refused command aborts the transaction
+                self.observe(route, error, time.perf_counter() - started, cmd)
+                return [error]
+            if route not in _RUN_INSIDE_MULTI:
+                reply = self._queue_in_multi(spec, cmd)
+                self.observe(route, reply, time.perf_counter() - started, cmd)
+                return [reply]
+            if route == "exec":
+                return [await self.exec_transaction(started)]
         if error is not None or spec is None:
             self.observe(route, error, time.perf_counter() - started, cmd)
             return [error]
+        identity = s.identity
+        if identity is None:
+            return await self._execute(cmd, route, spec, started)
+        tenant = identity.tenant
+        gates = s.shared.gates
+        if not gates.enter_nowait(tenant):
+            self.busy = True  # waiting on a transaction of this tenant is not idling
+            try:
+                await gates.enter(tenant)
+            finally:
+                self.busy = False
+        try:
+            return await self._execute(cmd, route, spec, started)
+        finally:
+            gates.leave(tenant)
+
+    async def _execute(
+        self, cmd: Command, route: str, spec: CommandSpec, started: float
+    ) -> list[object]:
         if route in _READ_NOWAIT:
             try:
                 fast = _READ_NOWAIT[route](self, cmd)
@@ -365,6 +412,163 @@ class Dispatcher:
                 break
         return out
 
+    # -- MULTI / EXEC -----------------------------------------------------------------------
+    def _queue_in_multi(self, spec: CommandSpec, cmd: Command) -> object:
+        """A command after MULTI: +QUEUED, or an error that aborts the transaction."""
+        s = self.session
+        if spec.name in _NOT_IN_MULTI:
+            s.multi_aborted = True
+            return NOT_IN_MULTI
+        # A large bulk was counted under "bulk" while it arrived; from now on the
+        # transaction holds it (so it is not counted twice).
+        large = sum(len(arg) for arg in cmd if type(arg) is not bytes)
+        if large:
+            s.account.give_back("bulk", large)
+        refused = s.queue_command(cmd, args_size(cmd))
+        return refused if refused is not None else QUEUED
+
+    async def exec_transaction(self, started: float) -> object:
+        """EXEC: the queued commands' replies as one array, or EXECABORT.
+
+        The tenant's gate is held throughout (no other RESP command of the tenant runs
+        in between); store commands run on the thread pool in as few jobs as the queue
+        allows, SETs started back to back so that durable ones share one group commit,
+        and the reply is sent only once every write of the transaction is acknowledged.
+        """
+        s = self.session
+        queued, aborted = s.end_multi()
+        if aborted:
+            self.observe("exec", EXECABORT, time.perf_counter() - started)
+            return EXECABORT
+        tenant = s.namespace
+        gates = s.shared.gates
+        self.busy = True
+        await gates.hold(tenant)
+        replies: list[object] = []
+        try:
+            i = 0
+            while i < len(queued):
+                spec = COMMANDS[bytes(queued[i][0]).lower()]
+                if spec.blocking_handler is None:
+                    replies.append(await self._run_loop_handler(spec, queued[i]))
+                    i += 1
+                    continue
+                j = i + 1
+                while j < len(queued):
+                    if COMMANDS[bytes(queued[j][0]).lower()].blocking_handler is None:
+                        break
+                    j += 1
+                done, observed = await self.ctx.run(self._run_transaction_job, queued[i:j])
+                replies += done
+                for route, reply, seconds, cmd in observed:  # metrics: event loop only
+                    self.observe(route, reply, seconds, cmd)
+                i = j
+        finally:
+            gates.release(tenant)
+            self.busy = False
+        self.observe("exec", replies, time.perf_counter() - started)
+        return replies
+
+    async def _run_loop_handler(self, spec: CommandSpec, cmd: Command) -> object:
+        handler = spec.handler
+        if handler is None:  # every spec has exactly one of the two handlers
+            raise RuntimeError(f"command {spec.name!r} has no handler")
+        t0 = time.perf_counter()
+        reply: object
+        try:
+            reply = await handler(self.session, cmd)
+        except Reply as exc:
+            reply = exc.reply
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("RESP %s failed", spec.name)
+            reply = INTERNAL_ERROR
+        self.observe(spec.name, reply, time.perf_counter() - t0, cmd)
+        return reply
+
+    def _run_transaction_job(
+        self, cmds: list[Command]
+    ) -> tuple[list[object], list[tuple[str, object, float, Command]]]:
+        """Thread-pool job: run a transaction's store commands in order; returns their
+        replies and what the event loop counts (route, reply, seconds, command).
+
+        A SET (plain, NX or XX) is started without waiting for it (`put_nowait`), so the
+        SETs of a transaction reach a durable store's committer together; a command that
+        reads first waits for the SETs started before it (it sees their writes)."""
+        s = self.session
+        ns = s.namespace
+        replies: list[object] = [None] * len(cmds)
+        observed: list[tuple[str, object, float, Command]] = []
+        pending: list[tuple[int, concurrent.futures.Future[PutResult], float]] = []
+
+        def settle() -> None:
+            for index, future, t0 in pending:
+                reply: object
+                try:
+                    reply = OK if future.result().applied else None
+                except StoreError as exc:
+                    reply = store_error_reply(exc, "set")
+                except Exception:
+                    log.exception("RESP set failed")
+                    reply = INTERNAL_ERROR
+                replies[index] = reply
+                observed.append(("set", reply, time.perf_counter() - t0, cmds[index]))
+            pending.clear()
+
+        try:
+            for index, cmd in enumerate(cmds):
+                spec = COMMANDS[bytes(cmd[0]).lower()]
+                t0 = time.perf_counter()
+                reply: object = WOULD_BLOCK
+                if spec.name == "set":
+                    reply = self._start_set(ns, cmd)
+                    if isinstance(reply, concurrent.futures.Future):
+                        pending.append((index, reply, t0))
+                        continue
+                if reply is WOULD_BLOCK:
+                    if spec.name not in _NO_BARRIER:
+                        settle()
+                    handler = spec.blocking_handler
+                    if handler is None:  # the caller sends only blocking commands
+                        raise RuntimeError(f"command {spec.name!r} has no blocking handler")
+                    try:
+                        reply = handler(s, cmd)
+                    except Reply as exc:
+                        reply = exc.reply
+                    except Exception:
+                        log.exception("RESP %s failed", spec.name)
+                        reply = INTERNAL_ERROR
+                replies[index] = reply
+                observed.append((spec.name, reply, time.perf_counter() - t0, cmd))
+        finally:
+            settle()
+        return replies, observed
+
+    def _start_set(self, ns: str, cmd: Command) -> object:
+        """Start `SET key value [NX|XX]` without waiting: a reply, a future, or
+        `WOULD_BLOCK` (another form of SET, or the store cannot start it inline)."""
+        cond: PutCond = None
+        if len(cmd) == 4:
+            opt = bytes(cmd[3]).upper()
+            if opt == b"NX":
+                cond = "nx"
+            elif opt == b"XX":
+                cond = "xx"
+            else:
+                return WOULD_BLOCK
+        elif len(cmd) != 3:
+            return WOULD_BLOCK
+        try:
+            started = self.ctx.put_nowait(ns, to_key(cmd[1]), cmd[2], cond)
+        except Reply as exc:
+            return exc.reply
+        except StoreError as exc:
+            return store_error_reply(exc, "set")
+        if isinstance(started, PutResult):
+            return OK if started.applied else None
+        return started
+
     # -- fast paths -------------------------------------------------------------------------
     def get_nowait(self, cmd: Command) -> object:
         """A plain GET's reply if RAM answers it, else `WOULD_BLOCK` (arity checked)."""
@@ -402,6 +606,8 @@ class Dispatcher:
         ctx = self.ctx
         s = self.session
         ns = s.namespace
+        if s.multi is not None or ns in s.shared.gates.held:
+            return start  # queued for a transaction, or one of the tenant runs: the task
         put = ctx.put_nowait if ctx.inline_puts else None
         plain = not ctx.access_log.enabled
         series = self._series

@@ -10,6 +10,7 @@ per-tenant SCAN cursor tables, the start time and version.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import threading
 import time
@@ -21,11 +22,13 @@ from importlib import metadata
 from typing import Final, Protocol, TypeVar
 
 from epistemic_kvcache.errors import AuthError, StoreError
-from epistemic_kvcache.proto.resp import Buffer, ErrorReply
+from epistemic_kvcache.proto.resp import Buffer, Command, ErrorReply
 from epistemic_kvcache.server.budget import Account
 from epistemic_kvcache.server.context import Identity, ServerContext
 from epistemic_kvcache.server.resp.common import (
+    BUSY,
     NOAUTH,
+    TENANT_BUSY,
     WIRE,
     WRONGPASS,
     Reply,
@@ -97,6 +100,106 @@ class Activity:
     commands: int = 0
 
 
+MAX_MULTI_COMMANDS: Final = 10_000
+"""Commands one connection may queue after MULTI (more: the transaction is aborted).
+Redis has no such cap; its queue is bounded only by `client-query-buffer-limit`-like
+output limits. Ours also counts the queued arguments against the in-flight budget."""
+MULTI_COMMAND_OVERHEAD: Final = 64
+"""Bytes a queued command is counted for beyond its arguments (the list and its items)."""
+
+
+class _Gate:
+    __slots__ = ("active", "held", "waiters")
+
+    def __init__(self) -> None:
+        self.active = 0
+        """Plain commands of the tenant running now."""
+        self.held = False
+        """An EXEC holds (or is draining) the tenant."""
+        self.waiters: list[asyncio.Future[None]] = []
+
+
+class TenantGates:
+    """Per tenant, on the event loop: plain commands share the tenant, EXEC holds it alone.
+
+    A RESP command of a tenant enters its gate while it runs (`enter_nowait`/`enter`,
+    then `leave`); `EXEC` takes it exclusively (`hold`): new commands of the tenant wait,
+    the running ones finish, then the transaction's commands run with no other RESP
+    command of that tenant in between. `held` is the set the fast path checks."""
+
+    def __init__(self) -> None:
+        self._gates: dict[str, _Gate] = {}
+        self.held: set[str] = set()
+
+    def enter_nowait(self, tenant: str) -> bool:
+        """Enter as a plain command; False while an EXEC holds the tenant."""
+        gate = self._gates.get(tenant)
+        if gate is None:
+            gate = self._gates[tenant] = _Gate()
+        elif gate.held:
+            return False
+        gate.active += 1
+        return True
+
+    async def enter(self, tenant: str) -> None:
+        """Enter as a plain command, waiting for an EXEC that holds the tenant."""
+        while not self.enter_nowait(tenant):
+            await self._wait(self._gates[tenant])
+
+    def leave(self, tenant: str) -> None:
+        gate = self._gates[tenant]
+        gate.active -= 1
+        if gate.active == 0:
+            if gate.held:
+                self._wake(gate)
+            elif not gate.waiters:
+                del self._gates[tenant]
+
+    async def hold(self, tenant: str) -> None:
+        """Take the tenant alone: wait for another EXEC, then for running commands."""
+        gate = self._gates.get(tenant)
+        if gate is None:
+            gate = self._gates[tenant] = _Gate()
+        while gate.held:
+            await self._wait(gate)
+        gate.held = True
+        self.held.add(tenant)
+        try:
+            while gate.active:
+                await self._wait(gate)
+        except BaseException:
+            self.release(tenant)
+            raise
+
+    def release(self, tenant: str) -> None:
+        gate = self._gates[tenant]
+        gate.held = False
+        self.held.discard(tenant)
+        self._wake(gate)
+        if gate.active == 0 and not gate.waiters:
+            del self._gates[tenant]
+
+    @staticmethod
+    async def _wait(gate: _Gate) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        gate.waiters.append(fut)
+        try:
+            await fut
+        finally:
+            if fut in gate.waiters:
+                gate.waiters.remove(fut)
+
+    @staticmethod
+    def _wake(gate: _Gate) -> None:
+        waiters, gate.waiters = gate.waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    def __len__(self) -> int:
+        return len(self._gates)
+
+
 MAX_ACTIVITY_TENANTS: Final = 10_000
 """Tenants whose activity counters are kept (the least recently active dropped first)."""
 
@@ -118,6 +221,8 @@ class Shared:
         self.durable = _is_durable(ctx.store)
         self._activity: OrderedDict[str, Activity] = OrderedDict()
         self.live: weakref.WeakSet[LiveConnection] = weakref.WeakSet()
+        self.gates = TenantGates()
+        """MULTI/EXEC isolation per tenant (see `TenantGates`)."""
         ctx.reload_hooks.append(self.revalidate)
 
     def revalidate(self) -> None:
@@ -191,6 +296,10 @@ class Session:
         self.channels: dict[bytes, None] = {}
         """Subscribed pub/sub channels, in subscription order."""
         self.quit_requested = False
+        self.multi: list[Command] | None = None
+        """Commands queued since MULTI (None: no transaction open)."""
+        self.multi_aborted = False
+        """A command was refused while queuing: EXEC answers EXECABORT."""
         self.peer = "?"
         """The client's address (for the log)."""
 
@@ -248,8 +357,41 @@ class Session:
             return False
         return identity.tenant == self.identity.tenant
 
+    # -- MULTI / EXEC -----------------------------------------------------------------------
+    def begin_multi(self) -> None:
+        self.multi = []
+        self.multi_aborted = False
+
+    def queue_command(self, cmd: Command, nbytes: int) -> ErrorReply | None:
+        """Queue `cmd` (counting `nbytes` under the "multi" purpose of the account); an
+        error reply (and the transaction marked aborted) when a limit refuses it."""
+        queued = self.multi
+        if queued is None:  # the dispatcher queues only inside MULTI
+            raise RuntimeError("queue_command outside MULTI")
+        if len(queued) >= MAX_MULTI_COMMANDS:
+            self.multi_aborted = True
+            return ErrorReply(
+                f"ERR too many commands queued in this transaction (at most {MAX_MULTI_COMMANDS})"
+            )
+        refused = self.account.take("multi", nbytes + MULTI_COMMAND_OVERHEAD)
+        if refused is not None:
+            self.multi_aborted = True
+            return TENANT_BUSY if refused == "tenant" else BUSY
+        queued.append(cmd)
+        return None
+
+    def end_multi(self) -> tuple[list[Command], bool]:
+        """Close the transaction: its queued commands and whether it was aborted; the
+        bytes counted for them go back to the budget."""
+        queued, aborted = self.multi or [], self.multi_aborted
+        self.multi = None
+        self.multi_aborted = False
+        self.account.give_back("multi")
+        return queued, aborted
+
     def reset(self) -> None:
-        """RESET: RESP2, no name, unauthenticated, no subscriptions."""
+        """RESET: RESP2, no name, unauthenticated, no subscriptions, no transaction."""
+        self.end_multi()
         self.channels.clear()
         self.hooks.on_subscriptions()
         self.protocol_version = 2
