@@ -59,6 +59,10 @@ MAX_CREDENTIAL_BYTES = 16 * 1024
 GENERATED_TOKEN_FILENAME = "token"  # noqa: S105 - a file name, not a secret
 
 _JWT_SHAPE = re.compile(r"^[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*$")
+_VISIBLE_ASCII = re.compile(r"[!-~]+")
+# Refused anywhere in a token file: control characters (C0, DEL, C1) other than tab, CR
+# and LF, and the Unicode line separators (`splitlines` would split a line on them).
+_FILE_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u2028\u2029]")
 
 _FAMILY_ALGS: dict[str, frozenset[str]] = {
     "hmac": frozenset({"HS256", "HS384", "HS512"}),
@@ -103,9 +107,19 @@ class TokenTable:
             self.add(token, tenant)
 
     def add(self, token: str, tenant: str, *, source: str = "--token") -> None:
-        """Accept `token` for `tenant`. A token may map to one tenant only."""
+        """Accept `token` for `tenant`. A token may map to one tenant only.
+
+        A token is 1.. visible ASCII characters (`!`..`~`): what an HTTP `Authorization`
+        header and `redis-cli -a` carry unchanged. Anything else (control characters, NUL,
+        non-ASCII) could never be presented by a client, so it is refused, never stored.
+        """
         if not token or any(c.isspace() for c in token):
             raise ConfigurationError(f"invalid token in {source}: empty or contains whitespace")
+        if not _VISIBLE_ASCII.fullmatch(token):
+            raise ConfigurationError(
+                f"invalid token in {source}: expected visible ASCII characters only "
+                "(it holds a control or non-ASCII character)"
+            )
         try:
             validate_namespace(tenant)
         except InvalidKeyError as exc:
@@ -142,7 +156,9 @@ def load_token_file(path: Path, table: TokenTable | None = None) -> TokenTable:
     Format: one token per line, optionally followed by whitespace and a tenant (default
     `default`); blank lines and lines starting with `#` are ignored. A world-writable
     file is refused (anyone could add a token); a group- or world-readable one is
-    accepted with a warning.
+    accepted with a warning. A file that is not text (invalid UTF-8, a control character
+    such as NUL anywhere) or holds no valid token is refused whole: a SIGHUP reload of a
+    damaged file keeps the credentials in force instead of revoking them.
     """
     table = TokenTable() if table is None else table
     try:
@@ -152,10 +168,19 @@ def load_token_file(path: Path, table: TokenTable | None = None) -> TokenTable:
         raise ConfigurationError(
             f"invalid token_file: cannot read '{path}': {exc.strerror}"
         ) from None
-    except UnicodeDecodeError:
-        raise ConfigurationError(f"invalid token_file: '{path}' is not UTF-8 text") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigurationError(
+            f"invalid token_file: '{path}' is not UTF-8 text (invalid byte at offset {exc.start})"
+        ) from None
     if st.st_mode & stat.S_IWOTH:
         raise ConfigurationError(f"invalid token_file: '{path}' is world-writable; chmod 600 it")
+    bad = _FILE_CONTROL.search(text)
+    if bad is not None:
+        lineno = text.count("\n", 0, bad.start()) + 1
+        raise ConfigurationError(
+            f"invalid token_file: '{path}' line {lineno}: control character "
+            f"U+{ord(bad.group()):04X} (a token file is text: 'token [tenant]' lines)"
+        )
     if st.st_mode & (stat.S_IROTH | stat.S_IRGRP):
         log.warning("token file %s is readable by group/others; chmod 600 it", path)
     count = 0
