@@ -288,6 +288,36 @@ def test_bad_tenant_claim_refused() -> None:
             auth.authenticate(jwt.encode(claims, SECRET, algorithm="HS256"))
 
 
+@pytest.mark.parametrize(
+    ("claim", "value", "message"),
+    [
+        ("exp", "9999999999", "claim 'exp' must be a number (got a string)"),
+        ("exp", True, "claim 'exp' must be a number (got a boolean)"),
+        ("exp", None, "claim 'exp' must be a number (got null)"),
+        ("exp", [9999999999], "claim 'exp' must be a number (got an array)"),
+        ("exp", float("inf"), "claim 'exp' must be a finite number"),
+        ("nbf", "0", "claim 'nbf' must be a number (got a string)"),
+        ("iat", "0", "claim 'iat' must be a number (got a string)"),
+        ("iat", {"t": 0}, "claim 'iat' must be a number (got an object)"),
+    ],
+)
+def test_registered_time_claims_must_be_numbers(claim: str, value: Any, message: str) -> None:
+    """Signed with the right key, but a NumericDate claim of another JSON type: refused
+    with the claim's name (PyJWT alone ran `int()` on it: `"exp": "9999999999"` passed)."""
+    auth = _auth(jwt_secret=SECRET)
+    claims = _claims()
+    claims[claim] = value
+    token = _forge(
+        {"alg": "HS256", "typ": "JWT"},
+        claims,
+        lambda data: hmac.new(SECRET.encode(), data, hashlib.sha256).digest(),
+    )
+    with pytest.raises(AuthError, match=re.escape(message)):
+        auth.authenticate(token)
+    ok = jwt.encode(_claims(exp=time.time() + 300.5, nbf=1.5), SECRET, algorithm="HS256")
+    assert auth.authenticate(ok).tenant == "tenant-a"  # floats are numbers
+
+
 # -- JWT: the attack matrix ------------------------------------------------------------
 
 

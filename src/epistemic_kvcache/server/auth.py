@@ -10,6 +10,7 @@ How it works:
   an RSA public key can never act as an HMAC secret (key confusion) and `none` is never
   accepted. Keys come from an HMAC secret, a PEM public key or a JWKS file (selected by
   `kid`, an unknown `kid` is refused). `exp` is required; `nbf`/`iat` are honoured;
+  all three must be JSON numbers (a string `"exp": "9999999999"` is refused by name);
   `iss`/`aud` are enforced when configured. The tenant comes from the configured claim
   (default `tenant`, else `sub`). Verified tokens are cached until their `exp`.
 - A credential shaped like a JWT (three base64url segments) goes to JWT verification
@@ -24,6 +25,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -310,6 +312,52 @@ def _load_jwks(path: Path, configured: Sequence[str]) -> list[_JwtKey]:
     return out
 
 
+_NUMERIC_CLAIMS = ("exp", "nbf", "iat")
+"""RFC 7519 §4.1.4-6: NumericDate claims, JSON numbers (PyJWT alone takes `"exp": "99"`)."""
+
+
+class _ClaimTypeError(jwt.DecodeError):
+    """A registered claim of the wrong JSON type (the message names claim and type)."""
+
+
+class _StrictJWT(jwt.PyJWT):
+    """PyJWT whose payload check (after the signature, before the time checks) refuses
+    NumericDate claims that are not finite JSON numbers: PyJWT runs `int()` on them, so
+    a string `"exp": "9999999999"` was accepted, and `true` read as 1."""
+
+    def _decode_payload(self, decoded: dict[str, Any]) -> dict[str, Any]:
+        payload = super()._decode_payload(decoded)
+        for name in _NUMERIC_CLAIMS:
+            if name not in payload:
+                continue
+            value = payload[name]
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise _ClaimTypeError(
+                    f"invalid token: claim {name!r} must be a number (got {_json_type(value)})"
+                )
+            if isinstance(value, float) and not math.isfinite(value):
+                raise _ClaimTypeError(f"invalid token: claim {name!r} must be a finite number")
+        return payload
+
+
+def _json_type(value: object) -> str:
+    """`value`'s JSON type with its article, for an error message."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return f"a {type(value).__name__}"
+
+
+_JWT = _StrictJWT()
+
+
 class JwtVerifier:
     """Verifies JWTs against configured keys; see the module docstring for the rules."""
 
@@ -446,7 +494,7 @@ class JwtVerifier:
         error: AuthError | None = None
         for candidate in candidates:
             try:
-                claims = jwt.decode(
+                claims = _JWT.decode(
                     token,
                     candidate.key,
                     algorithms=[alg],
@@ -485,6 +533,8 @@ class JwtVerifier:
 
 def _describe(exc: Exception) -> str:
     """A short reason for a rejected JWT that never contains the token."""
+    if isinstance(exc, _ClaimTypeError):
+        return str(exc)
     if isinstance(exc, jwt.ExpiredSignatureError):
         return "invalid token: expired"
     if isinstance(exc, jwt.ImmatureSignatureError):
