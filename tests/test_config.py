@@ -326,6 +326,21 @@ def test_unknown_env_vars_warn_with_hint() -> None:
     )
 
 
+def test_per_tenant_connection_cap_is_clamped_to_half_with_a_warning() -> None:
+    c = load_config({"max_connections": "100"}, {})
+    assert c.limits.max_connections_per_tenant == 512  # as set (the default)
+    assert c.limits.tenant_connection_cap == 50  # in force
+    assert c.warnings == (
+        "max_connections_per_tenant = 512 is clamped to 50, half of max_connections = 100: "
+        "one tenant may hold at most half of a listener's connections (raise "
+        "max_connections to let a tenant hold more)",
+    )
+    fits = load_config({"max_connections": "100", "max_connections_per_tenant": "50"}, {})
+    assert (fits.limits.tenant_connection_cap, fits.warnings) == (50, ())
+    assert load_config({}, {}).limits.tenant_connection_cap == 512  # 1024 / 2: no warning
+    assert load_config({"max_connections": "1"}, {}).limits.tenant_connection_cap == 1
+
+
 def test_bool_env_values() -> None:
     for raw, expected in [("1", True), ("yes", True), ("OFF", False), ("false", False)]:
         env = {"EPISTEMIC_GRAPH_KVCACHE_ALLOW_INSECURE_BIND": raw}

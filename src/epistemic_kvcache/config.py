@@ -586,7 +586,9 @@ _LIMIT_HELP = {
     "max_unauthenticated_connections_per_peer": "unauthenticated connections per client "
     "address (over it: its oldest is closed)",
     "max_connections_per_peer": "connections per client address and listener",
-    "max_connections_per_tenant": "authenticated connections per tenant and listener",
+    "max_connections_per_tenant": (
+        "authenticated connections per tenant and listener (at most half of max_connections)"
+    ),
     "subscriber_idle_timeout_s": "RESP subscribers sending nothing this long are closed",
     "client_output_buffer_limit_bytes": "unread replies one connection may hold; over it "
     "the client is disconnected",
@@ -1295,6 +1297,14 @@ def _disk_size_bytes(path: Path) -> int | None:
 def _resource_warnings(c: ServerConfig, explicit: set[str]) -> list[str]:
     """Settings that are valid but cannot work as written on this machine."""
     out: list[str] = []
+    lim = c.limits
+    if lim.tenant_connection_cap < lim.max_connections_per_tenant:
+        out.append(
+            f"max_connections_per_tenant = {lim.max_connections_per_tenant} is clamped to "
+            f"{lim.tenant_connection_cap}, half of max_connections = {lim.max_connections}: "
+            "one tenant may hold at most half of a listener's connections (raise "
+            "max_connections to let a tenant hold more)"
+        )
     ram = _memory_limit_bytes()
     tiers = c.hot_capacity_bytes + c.warm_capacity_bytes
     if ram is not None and tiers > ram:
