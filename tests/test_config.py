@@ -88,6 +88,41 @@ def test_precedence_flag_env_toml_default(tmp_path: Path) -> None:
     assert c.log_level == "ERROR"
 
 
+def test_a_toml_key_overridden_by_a_higher_layer_is_named(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("tok-0123456789abcdef\n")
+    path = _toml(
+        tmp_path,
+        'token_file = "tokens"\nlog_level = "debug"\naddr = "127.0.0.1:7000"\n'
+        'jwt_secret = "' + "s" * 40 + '"\n',
+    )
+    env = {
+        "EPISTEMIC_GRAPH_KVCACHE_LOG_LEVEL": "debug",  # the same value: nothing lost
+        "EPISTEMIC_GRAPH_KVCACHE_JWT_SECRET": "t" * 40,  # a secret: no value shown
+    }
+    c = load_config(_parse_flags("--config", str(path), "--addr", "127.0.0.1:7001"), env)
+    assert c.warnings == (
+        f"{path} key addr is overridden by --addr ('127.0.0.1:7000' -> '127.0.0.1:7001'): "
+        "the file's value is not used (precedence: flag > environment > config file)",
+        f"{path} key jwt_secret is overridden by environment EPISTEMIC_GRAPH_KVCACHE_JWT_SECRET: "
+        "the file's value is not used (precedence: flag > environment > config file)",
+    )
+    # the deploy failure this explains: the image's variable names a file nobody mounted
+    env = {"EPISTEMIC_GRAPH_KVCACHE_TOKEN_FILE": str(tmp_path / "run" / "kvcache-tokens")}
+    with pytest.raises(ConfigurationError) as info:
+        load_config(_parse_flags("--config", str(path)), env)
+    assert str(info.value) == (
+        f"invalid token_file: file not found (got '{tmp_path}/run/kvcache-tokens') ({path} key "
+        f"token_file is overridden by environment EPISTEMIC_GRAPH_KVCACHE_TOKEN_FILE "
+        f"('{tokens}' -> '{tmp_path}/run/kvcache-tokens'))"
+    )
+    assert load_config(
+        {}, {"EPISTEMIC_GRAPH_KVCACHE_TOKEN_FILE": ""}, config_file=path
+    ).token_file == (
+        tokens  # an empty variable is unset: the file's value stands
+    )
+
+
 def test_special_names() -> None:
     env = {
         "EPISTEMIC_GRAPH_KVCACHE_ADDR": "0.0.0.0:9000",
