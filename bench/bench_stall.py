@@ -8,7 +8,11 @@ cold, on disk only), reads the small key once (now hot), then lets a prober read
 small key over one keep-alive connection as fast as it can: for a second alone (the
 baseline), then while `curl` (another process, so the prober shares no GIL with it)
 fetches the big block, whose GET reads it from disk, verifies it and promotes it to hot
-(the page-in). The prober's largest latency in each window is the stall.
+(the page-in). The prober's largest latency in each window is the stall (the window runs on for
+`--tail-s` after the GET, so that work it set off in the background counts).
+`--scenario warm`: the page-in comes from the warm tier instead (hot holds one big block:
+the big block and a second one are read in turn, which compresses the first into warm,
+then the first is read again: decompressed from warm, and the second compressed).
 Compare two checkouts side by side: `PYTHONPATH=<checkout>/src` picks the server's code.
 Prints one markdown table; the numbers are this machine's, compare them side by side.
 """
@@ -30,6 +34,14 @@ from pathlib import Path
 
 TOKEN = "bench-stall-token-0123456789abcdef"
 MiB = 1 << 20
+
+
+def _bf16(size: int, seed: int) -> bytes:
+    """Normally distributed values truncated to bfloat16, like KV cache contents."""
+    import numpy as np
+
+    vals = np.random.default_rng(seed).standard_normal(size // 2).astype(np.float32)
+    return bytes((vals.view(np.uint32) >> 16).astype(np.uint16).tobytes())
 
 
 def free_port() -> int:
@@ -95,12 +107,18 @@ def probe(port: int, stop: threading.Event, out: list[float]) -> None:
     conn.close()
 
 
-def one_round(server: Server) -> tuple[float, float, float, int]:
-    """(max stall during the big cold GET, its duration, baseline max, probes)."""
+def one_round(server: Server, scenario: str, tail_s: float) -> tuple[float, float, float, int]:
+    """(max stall during the big GET, its duration, baseline max, probes)."""
     server.start()
     try:
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
         assert request(conn, "GET", "/kv/small")[0] == 200  # promoted: hot from now on
+        if scenario == "warm":
+            assert request(conn, "GET", "/kv/big")[0] == 200  # cold -> hot
+            assert request(conn, "GET", "/kv/big2")[0] == 200  # cold -> hot, big -> warm
+            deadline = time.monotonic() + 30
+            while b'"blocks": 1' not in _warm(conn) and time.monotonic() < deadline:
+                time.sleep(0.05)
         conn.close()
         # baseline: the prober alone for a second
         stop = threading.Event()
@@ -124,14 +142,22 @@ def one_round(server: Server) -> tuple[float, float, float, int]:
             check=True,
         )  # fmt: skip
         took = time.perf_counter() - t0
-        after = len(during)
-        time.sleep(0.1)  # the probe running when curl ended counts too
+        time.sleep(tail_s)  # what the page-in set off (a demotion to make room) counts too
         stop.set()
         t.join()
-        window = during[before : after + 1]
+        window = during[before:]
         return max(window), took, max(base), len(window)
     finally:
         server.stop()
+
+
+def _warm(conn: http.client.HTTPConnection) -> bytes:
+    """The warm tier's stats, as JSON text."""
+    import json
+
+    status, body = request(conn, "GET", "/kv/stats")
+    assert status == 200
+    return json.dumps(json.loads(body)["tiers"]["warm"]).encode()
 
 
 def main() -> None:
@@ -139,19 +165,25 @@ def main() -> None:
     ap.add_argument("--block-mib", type=int, default=128)
     ap.add_argument("--hot-mib", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--scenario", choices=("cold", "warm"), default="cold")
+    ap.add_argument("--tail-s", type=float, default=1.0, help="probing after the GET ends")
     args = ap.parse_args()
+    if args.scenario == "warm":
+        args.hot_mib = args.block_mib + args.block_mib // 4  # room for one big block
     with tempfile.TemporaryDirectory(prefix="bench-stall-") as tmp:
         server = Server(Path(tmp) / "data", args.hot_mib, args.block_mib)
         server.start()
         try:
             conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
-            assert request(conn, "PUT", "/kv/big", os.urandom(args.block_mib * MiB))[0] == 201
+            for seed, name in enumerate(("big", "big2") if args.scenario == "warm" else ("big",)):
+                block = _bf16(args.block_mib * MiB, seed)  # KV-like: compresses, goes to warm
+                assert request(conn, "PUT", f"/kv/{name}", block)[0] == 201
             assert request(conn, "PUT", "/kv/small", b"s" * 1024)[0] == 201
             conn.close()
         finally:
             server.stop()
-        rows = [one_round(server) for _ in range(args.rounds)]
-    print(f"| round | big cold GET ({args.block_mib} MiB) s | small GET max during it ms "
+        rows = [one_round(server, args.scenario, args.tail_s) for _ in range(args.rounds)]
+    print(f"| round | big {args.scenario} GET ({args.block_mib} MiB) s | small GET max during it ms "
           "| small GETs during it | small GET max alone ms |")  # fmt: skip
     print("|---|---|---|---|---|")
     for i, (stall, took, base, n) in enumerate(rows, 1):
