@@ -297,6 +297,7 @@ class RespConnection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
         self._ctx.live.discard(self)
+        self._shared.live.discard(self)  # CLIENT LIST shows open connections only
         self._parser.close()  # buffered commands go now, not at the next full GC
         self._queue.pending.clear()
         self._account.close()

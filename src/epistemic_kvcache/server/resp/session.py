@@ -176,10 +176,14 @@ class TenantGates:
 
     async def hold(self, tenant: str) -> None:
         """Take the tenant alone: wait for another EXEC, then for running commands."""
-        gate = self._gates.get(tenant)
-        if gate is None:
-            gate = self._gates[tenant] = _Gate()
-        while gate.held:
+        while True:
+            # fetched again after each wait: `release` drops a gate nobody is using, and
+            # the waiters it wakes must take the tenant's current gate, not the dropped one
+            gate = self._gates.get(tenant)
+            if gate is None:
+                gate = self._gates[tenant] = _Gate()
+            if not gate.held:
+                break
             await self._wait(gate)
         gate.held = True
         self.held.add(tenant)
