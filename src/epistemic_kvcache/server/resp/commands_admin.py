@@ -173,6 +173,7 @@ def _kill(s: Session, c: LiveConnection) -> None:
 )
 async def _client(s: Session, cmd: Command) -> object:
     sub = bytes(cmd[1]).upper()
+    s.last_route = "client"  # the command in progress, as Redis lists it
     if sub == b"SETNAME" and len(cmd) == 3:
         s.name = valid_client_name(cmd[2]) or None
         return OK

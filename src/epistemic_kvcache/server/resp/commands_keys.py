@@ -107,13 +107,11 @@ def _getdel(s: Session, cmd: Command) -> object:
     "GETEX key [PERSIST]: GET (entries never expire; EX/PX/EXAT/PXAT are refused).",
 )
 def _getex(s: Session, cmd: Command) -> object:
-    if len(cmd) > 3:
-        return SYNTAX_ERROR
-    if len(cmd) == 3:
+    if len(cmd) > 2:
         opt = bytes(cmd[2]).upper()
-        if opt in (b"EX", b"PX", b"EXAT", b"PXAT"):
+        if opt in (b"EX", b"PX", b"EXAT", b"PXAT") and len(cmd) == 4:
             return NO_EXPIRY["getex"]
-        if opt != b"PERSIST":
+        if opt != b"PERSIST" or len(cmd) != 3:
             return SYNTAX_ERROR
     return _read(s, to_key(cmd[1]))
 
