@@ -312,6 +312,9 @@ def test_client_list_info_kill_own_tenant_only(server: ServerHandle) -> None:
         with pytest.raises(redis.ResponseError, match="No such client"):
             a1.client_kill(b_addr)
         assert b1.ping() is True
+        own_id = a1.client_id()
+        assert a1.client_kill(a1.client_info()["addr"]) is True  # answered, then closed
+        assert a1.client_id() != own_id  # redis-py reconnected
     text = cli(server, "CLIENT", "LIST")
     assert text.startswith("id=")
     assert "cmd=client" in text
