@@ -140,7 +140,7 @@ def redis_benchmark(srv: Server, clients: int, requests: int, row: Row) -> None:
     if srv.password:
         cmd += ["-a", srv.password]
     c0 = cpu_s(srv.pid)
-    out = subprocess.run(cmd + ["EXISTS", "k"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([*cmd, "EXISTS", "k"], capture_output=True, text=True, timeout=120)
     c1 = cpu_s(srv.pid)
     last = [ln for ln in out.stdout.splitlines() if ln.startswith('"EXISTS')]
     if not last:
@@ -189,7 +189,7 @@ def lmcache_lookups(srv: Server, nkeys: int, n: int, row: Row, paths: list[str])
 
     r = redis.Redis(port=srv.port, password=srv.password or None)
     names = [f"bench/lookup/{i:04d}" for i in range(nkeys)]
-    r.mset({k: b"v" for k in names})
+    r.mset(dict.fromkeys(names, b"v"))
     r.set("k", b"v")
     if "mp-resp" in paths:
         client = LMCacheRedisClient("127.0.0.1", srv.port, WORKERS, "", srv.password)
@@ -242,7 +242,7 @@ def table(rows: list[Row], paths: list[str]) -> str:
     ref = rows[-1]
     head = ["server"]
     for c in (1, 8):
-        head += [f"EXISTS -c {c} req/s", "ratio", f"p50 ms", f"CPU us/req", "ratio"]
+        head += [f"EXISTS -c {c} req/s", "ratio", "p50 ms", "CPU us/req", "ratio"]
     for p in paths:
         head += [f"{p} p50 ms", "ratio", "p99 ms", "CPU us/key"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
