@@ -306,7 +306,8 @@ def main() -> None:
         tmp = Path(d)
         plan: list[Callable[[], Any]] = []
         for i, tree in enumerate(trees):
-            rev = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+            # the last commit that changed src/: the code the server runs
+            rev = subprocess.run(["git", "-C", str(tree), "log", "-1", "--format=%h", "--", "src"],
                                  capture_output=True, text=True).stdout.strip() or tree.name  # fmt: skip
             for backend in args.backends.split(","):
                 label = f"ours {backend} @{rev}"
