@@ -102,6 +102,8 @@ from epistemic_kvcache.store.engine import (
 )
 from epistemic_kvcache.store.epochs import DEFAULT_MAX_SCOPES_PER_TENANT, EpochRegistry
 from epistemic_kvcache.store.index import (
+    FORMAT_VERSION,
+    OLD_FORMATS,
     Changes,
     Index,
     IndexError_,
@@ -474,14 +476,24 @@ class SharedKvStoreBackend(TieredEngine):
                     why = "index is empty"
                 else:
                     fmt = ix.meta(b"format")
-                    if fmt != b"4":
+                    if fmt in OLD_FORMATS:
+                        # an index is a checkpoint of the log: an older one is rebuilt
+                        log.warning(
+                            "the index of %s has format %s (no row checksums); rebuilding "
+                            "it from the log",
+                            self.path,
+                            (fmt or b"?").decode(),
+                        )
+                        rebuild = True
+                        why = f"index format {(fmt or b'?').decode()}"
+                    elif fmt != FORMAT_VERSION:
                         raise ConfigurationError(
                             f"invalid persist_dir: {self.path} holds a store of format "
-                            f"{(fmt or b'?').decode()}; this version reads format 4 "
-                            f"(move it aside or run `epistemic-kvcache store upgrade "
-                            f"--persist-dir {self.path}`)"
+                            f"{(fmt or b'?').decode()}; this version reads format "
+                            f"{FORMAT_VERSION.decode()} (move it aside or run "
+                            f"`epistemic-kvcache store upgrade --persist-dir {self.path}`)"
                         )
-                    if ix.checkpoint() is None:
+                    elif ix.checkpoint() is None:
                         why = "index has no checkpoint"
             except IndexError_ as exc:
                 why = str(exc)
@@ -499,7 +511,14 @@ class SharedKvStoreBackend(TieredEngine):
             if why is None and ix is not None:
                 self._ix = ix
                 self._say(f"loading the index of {self.path}")
-                st = load_index(ix, self._say)
+                try:
+                    st = load_index(ix, self._say)
+                except IndexError_ as exc:
+                    raise ConfigurationError(
+                        f"the store in {self.path} has segment files but its index cannot "
+                        f"be used ({exc}); refusing to start over damaged rows: "
+                        f"{_rebuild_hint(self.path)}"
+                    ) from exc
                 read_seals(self._segs, st)
                 start = ix.checkpoint()
                 assert start is not None

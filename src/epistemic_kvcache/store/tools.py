@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from epistemic_kvcache.errors import ConfigurationError
-from epistemic_kvcache.store.index import IndexError_, open_index
+from epistemic_kvcache.store import records
+from epistemic_kvcache.store.index import Index, IndexError_, open_index
 from epistemic_kvcache.store.recovery import (
     LogState,
     finish,
@@ -153,34 +154,73 @@ def check(
             out.index = f"unusable ({exc}): run `epistemic-kvcache store rebuild-index`"
         else:
             try:
-                start = ix.checkpoint()
-                if ix.is_empty() or start is None:
-                    out.index = "empty: run `epistemic-kvcache store rebuild-index`"
-                else:
-                    st = load_index(ix)
-                    read_seals(segs, st)
-                    replay(segs, st, start, verify=False)
-                    finish(st, segs, valid_ends(st, segs, start))
-                    behind = st.replayed_bytes
-                    if behind:
-                        out.index = f"ok ({behind} bytes of log after its checkpoint)"
-                    mine = {k: v.sdig for k, v in st.keys.items()}
-                    truth = {k: v.sdig for k, v in full.keys.items()}
-                    for k in sorted(set(mine) | set(truth)):
-                        if mine.get(k) != truth.get(k):
-                            out.index_mismatches.append(
-                                f"{k[0]}/{k[1]}: index {'has' if k in mine else 'lacks'} it"
-                                + (" (other bytes)" if k in mine and k in truth else "")
-                            )
-                        if len(out.index_mismatches) >= 100:
-                            out.index_mismatches.append("... (more)")
-                            break
+                _check_index(out, ix, segs, full)
+            except IndexError_ as exc:
+                out.index = f"unusable ({exc}): run `epistemic-kvcache store rebuild-index`"
             finally:
                 ix.close()
         out.seconds = time.perf_counter() - t0
         return out
     finally:
         os.close(fd)
+
+
+def _check_index(out: CheckSummary, ix: Index, segs: dict[int, Segment], full: LogState) -> None:
+    """Compare what a server would open (the index plus the log after its checkpoint)
+    with the whole log: keys and their blocks, where each block is, and what is lost."""
+    start = ix.checkpoint()
+    if ix.is_empty() or start is None:
+        out.index = "empty: run `epistemic-kvcache store rebuild-index`"
+        return
+    st = load_index(ix)
+    read_seals(segs, st)
+    replay(segs, st, start, verify=False)
+    finish(st, segs, valid_ends(st, segs, start))
+    if st.replayed_bytes:
+        out.index = f"ok ({st.replayed_bytes} bytes of log after its checkpoint)"
+    found = out.index_mismatches
+
+    def note(line: str) -> bool:
+        found.append(line)
+        if len(found) >= 100:
+            found.append("... (more)")
+            return False
+        return True
+
+    mine = {k: v.sdig for k, v in st.keys.items()}
+    truth = {k: v.sdig for k, v in full.keys.items()}
+    for k in sorted(set(mine) | set(truth)):
+        if mine.get(k) != truth.get(k):
+            line = f"{k[0]}/{k[1]}: index {'has' if k in mine else 'lacks'} it"
+            if not note(line + (" (other bytes)" if k in mine and k in truth else "")):
+                return
+    # a key the log serves but the index's view loses (its block row points elsewhere)
+    lost_here = {(ns, key) for ns, key, _d in st.lost_keys}
+    lost_there = {(ns, key) for ns, key, _d in full.lost_keys}
+    for ns, key in sorted(lost_here - lost_there):
+        if not note(f"{ns}/{key}: the index loses its bytes, the log has them"):
+            return
+    for sdig in sorted(set(st.blobs) & set(full.blobs)):
+        if sdig in full.lost_blobs or st.blobs[sdig] == full.blobs[sdig]:
+            continue
+        # the log may hold several valid copies (compaction): the index's must be one
+        size, off, sid = st.blobs[sdig]
+        if not _blob_at(segs, sdig, size, off, sid):
+            if not note(f"block {sdig[-32:].hex()}: the index places it where it is not"):
+                return
+
+
+def _blob_at(segs: dict[int, Segment], sdig: bytes, size: int, off: int, sid: int) -> bool:
+    """Whether segment `sid` holds a BLOB record of `sdig` with `size` bytes at `off`."""
+    seg = segs.get(sid)
+    hlen = records.blob_header_length(sdig)
+    if seg is None or off < hlen or off + size > seg.size():
+        return False
+    try:
+        rec = records.decode(seg.read(off - hlen, hlen))
+    except (OSError, records.RecordError):
+        return False
+    return rec.op is records.Op.BLOB and rec.sdig == sdig and rec.plen == size
 
 
 @dataclass(slots=True)
