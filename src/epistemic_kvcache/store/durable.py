@@ -91,6 +91,7 @@ from epistemic_kvcache.store.engine import (
     Effect,
     MetaDel,
     MetaPut,
+    Move,
     PinDelta,
     TieredEngine,
     _Blob,
@@ -122,14 +123,17 @@ from epistemic_kvcache.store.recovery import (
     load_index,
     read_seals,
     replay,
+    reverify_quarantine,
     valid_ends,
 )
 from epistemic_kvcache.store.segments import (
     DELETE_RESERVE_BYTES,
+    Damage,
     DiskIO,
     LogWriter,
     Segment,
     SyncFailed,
+    scan,
     seg_id_of,
 )
 
@@ -385,6 +389,9 @@ class SharedKvStoreBackend(TieredEngine):
         self._segments_deleted = 0
         self._checkpoints = 0
         self._checkpoint_failures = 0
+        self._index_repairs = 0
+        self._recover_lock = threading.Lock()
+        self._unfound: dict[bytes, tuple[int, int]] = {}
         self._recovering = True
         self._compact: compaction.Compactor | None = None
         self._maint_lock = threading.Lock()
@@ -530,6 +537,8 @@ class SharedKvStoreBackend(TieredEngine):
                 st = LogState()
                 read_seals(self._segs, st)
                 replay(self._segs, st, None, progress=self._say)
+                for ns, key, hexd in reverify_quarantine(st):
+                    self._say(f"block {hexd} verifies in the log: {ns}/{key} is back")
                 self._set_index_aside()
                 self._ix = create_index(
                     self._index_dir, map_size, st.store_id or secrets.token_hex(8)
@@ -712,6 +721,7 @@ class SharedKvStoreBackend(TieredEngine):
             segments_deleted=self._segments_deleted,
             checkpoints=self._checkpoints,
             checkpoint_failures=self._checkpoint_failures,
+            index_repairs=self._index_repairs,
             checkpoint_lag_bytes=self._ckpt_lag,
             lost_keys=len(self._lost),
             quarantined_blocks=len(self._quarantined),
@@ -748,6 +758,92 @@ class SharedKvStoreBackend(TieredEngine):
         except OSError as exc:
             log.error("read of %s failed: %s", b.digest.hex(), exc)
             return None
+
+    def _blob_placed(self, sdig: bytes, size: int, loc: tuple[int, int]) -> bool:
+        """Whether the log holds a BLOB record of `sdig` with `size` bytes at `loc`."""
+        seg = self._segs.get(loc[0])
+        hlen = records.blob_header_length(sdig)
+        if seg is None or loc[1] < hlen:
+            return False
+        try:
+            rec = records.decode(seg.read(loc[1] - hlen, hlen))
+        except (OSError, records.RecordError):
+            return False
+        return rec.op is Op.BLOB and rec.sdig == sdig and rec.plen == size
+
+    def _find_in_log(self, sdig: bytes, size: int, first: int) -> tuple[int, int, Buffer] | None:
+        """A copy of `sdig` in the log whose bytes verify: (segment, payload offset, bytes).
+        Reads record headers only, from segment `first`, then newest first."""
+        with self._lock:
+            segs = dict(self._segs)
+            ends = dict(self._seg_len)
+        if self._writer.active is not None:
+            ends[self._writer.active.id] = self._writer.pos
+        order = sorted(segs, reverse=True)
+        if first in segs:
+            order.remove(first)
+            order.insert(0, first)
+        for sid in order:
+            seg = segs[sid]
+            try:
+                for item in scan(seg, 0, ends.get(sid, 0), payloads=False, verify=False):
+                    if isinstance(item, Damage) or item.rec.op is not Op.BLOB:
+                        continue
+                    if item.rec.sdig != sdig or item.rec.plen != size:
+                        continue
+                    data = seg.read(item.data_off, size)
+                    if digest_of(data) == sdig[-32:]:
+                        return sid, item.data_off, data
+            except OSError as exc:
+                log.error("reading segment %08d failed: %s", sid, exc)
+        return None
+
+    def _recover_lower(self, b: _Blob, loc: tuple[int, int]) -> Buffer | None:
+        """A read at `loc` failed or did not verify. Distrust the location before the
+        bytes: if the log holds the block's BLOB record at `loc`, the bytes are damaged
+        (None: the caller quarantines them). Otherwise the location is wrong (a damaged
+        index row): look for a copy in the log whose bytes verify, point RAM at it (the
+        index row is rewritten at the next checkpoint) and serve it."""
+        if self._blob_placed(b.sdig, b.size, loc):
+            return None
+        with self._recover_lock:
+            if self._unfound.get(b.sdig) == loc:
+                return None  # looked already: nothing in the log
+            with self._lock:
+                if self._blobs.get(b.sdig) is not b or (b.seg, b.off) != loc:
+                    return None  # moved or gone meanwhile: the caller's read was stale
+            found = self._find_in_log(b.sdig, b.size, loc[0])
+            if found is None:
+                self._unfound[b.sdig] = loc
+                log.error(
+                    "block %s is not at segment %08d offset %d where the index puts it, "
+                    "and no copy in the log verifies",
+                    b.digest.hex(),
+                    loc[0],
+                    loc[1],
+                )
+                return None
+            sid, off, data = found
+            self._relocate(b, loc, (sid, off))
+            return data
+
+    def _relocate(self, b: _Blob, wrong: tuple[int, int], right: tuple[int, int]) -> None:
+        """Point RAM (and, at the next checkpoint, the index row) at the verified copy."""
+        with self._lock:
+            if self._blobs.get(b.sdig) is not b or (b.seg, b.off) != wrong:
+                return
+            self._apply([Move(b.sdig, right[0], right[1])])
+            self._dirty.blobs.add(b.sdig)
+            self._index_repairs += 1
+        log.warning(
+            "block %s was not where the index put it (segment %08d offset %d): found "
+            "intact in segment %08d at %d; the index row is repaired",
+            b.digest.hex(),
+            wrong[0],
+            wrong[1],
+            right[0],
+            right[1],
+        )
 
     def _quarantine(self, b: _Blob, reason: str, loc: tuple[int, int]) -> None:
         log.error("integrity failure: blob %s (%s); quarantined", b.digest.hex(), reason)
@@ -1118,9 +1214,11 @@ class SharedKvStoreBackend(TieredEngine):
         v.key_recs[(ns, key)] = (pack_loc(sid, off), len(hdr))
         v.keys[(ns, key)] = ks
 
-    def _emit_del(self, v: _View, ns: str, key: str, *, evicted: bool = False) -> None:
+    def _emit_del(
+        self, v: _View, ns: str, key: str, *, evicted: bool = False, aux: int = 0
+    ) -> None:
         cur = v.key(ns, key)
-        hdr = records.encode(Op.DEL, ns=ns, key=key, aux=1 if evicted else 0)
+        hdr = records.encode(Op.DEL, ns=ns, key=key, aux=records.DEL_EVICTED if evicted else aux)
         sid, _off = self._emit(v, hdr)
         v.tomb[sid] = v.tomb.get(sid, 0) + len(hdr)
         v.key_recs[(ns, key)] = None
@@ -1309,7 +1407,7 @@ class SharedKvStoreBackend(TieredEngine):
         v.tomb[sid] = v.tomb.get(sid, 0) + len(hdr)
         v.quarantine[op.sdig] = now
         for ns, key in self._keys_of_blob(v, op.sdig):
-            self._emit_del(v, ns, key)
+            self._emit_del(v, ns, key, aux=records.DEL_QUARANTINED)
         v.dropped.add(op.sdig)
 
     def _make_room(self, v: _View, size: int) -> None:

@@ -23,7 +23,8 @@ Operations
 ----------
 BLOB  sdig, payload = the block (content-addressed: any valid copy of a digest will do)
 KEY   ns, key -> sdig, pins, epoch tag: the key's whole state (pins change = a new KEY)
-DEL   ns, key: the key is gone (a tombstone); `aux` = 1 when the cache evicted it
+DEL   ns, key: the key is gone (a tombstone); `aux` = 1 when the cache evicted it, 2 when
+      its block was quarantined (a rebuild brings the key back if the block verifies)
 META  ns = tenant, key = id, aux = kind (1 snapshot, 2 branch), payload = JSON record
 MDEL  a snapshot or branch record is gone (tombstone)
 QUAR  sdig quarantined (its bytes failed verification); `aux` = unix time in ms
@@ -76,6 +77,8 @@ class Op(enum.IntEnum):
 
 
 TOMBSTONES = frozenset({Op.DEL, Op.MDEL})
+DEL_EVICTED = 1
+DEL_QUARANTINED = 2
 
 
 @dataclass(slots=True)

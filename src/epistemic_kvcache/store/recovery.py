@@ -73,6 +73,8 @@ class LogState:
     lost_keys: list[tuple[str, str, bytes]] = field(default_factory=list)
     lost_blobs: set[bytes] = field(default_factory=set)
     counters: dict[str, int] = field(default_factory=dict)
+    quar_dels: dict[tuple[str, str], KeyState] = field(default_factory=dict)
+    """Keys deleted because their block was quarantined (and not written since)."""
 
 
 def load_index(ix: Index, progress: Progress | None = None) -> LogState:
@@ -190,8 +192,13 @@ def _apply(st: LogState, sid: int, item: Scanned) -> None:
         ks = KeyState(rec.sdig, rec.pins, rec.tag, pack_loc(sid, item.off))
         st.keys[(rec.ns, rec.key)] = ks
         ch.keys[(rec.ns, rec.key)] = ks
+        st.quar_dels.pop((rec.ns, rec.key), None)
     elif op is Op.DEL:
-        st.keys.pop((rec.ns, rec.key), None)
+        prior = st.keys.pop((rec.ns, rec.key), None)
+        if rec.aux == records.DEL_QUARANTINED and prior is not None:
+            st.quar_dels[(rec.ns, rec.key)] = prior
+        else:
+            st.quar_dels.pop((rec.ns, rec.key), None)
         ch.keys[(rec.ns, rec.key)] = None
         _tomb(st, sid, size)
     elif op is Op.META:
@@ -217,6 +224,24 @@ def _apply(st: LogState, sid: int, item: Scanned) -> None:
     elif op is Op.SEGDEL:
         st.segdel.add(rec.aux)
         _tomb(st, sid, size)
+
+
+def reverify_quarantine(st: LogState) -> list[tuple[str, str, str]]:
+    """After a whole-log replay that verified every block: a quarantined block with a
+    copy in the log that verifies was quarantined by mistake (say, a read at a wrong
+    location). Lift its quarantine and bring back the keys the quarantine deleted (unless
+    written since). Returns (namespace, key, digest hex) of each key brought back."""
+    back: list[tuple[str, str, str]] = []
+    for sdig in [d for d in st.quarantine if d in st.blobs]:
+        del st.quarantine[sdig]
+        st.changes.quarantine.pop(sdig, None)
+        for ref, ks in list(st.quar_dels.items()):
+            if ks.sdig == sdig and ref not in st.keys:
+                st.keys[ref] = ks
+                st.changes.keys[ref] = ks
+                del st.quar_dels[ref]
+                back.append((ref[0], ref[1], sdig[-32:].hex()))
+    return back
 
 
 def _tomb(st: LogState, sid: int, size: int) -> None:

@@ -29,6 +29,7 @@ from epistemic_kvcache.store.recovery import (
     load_index,
     read_seals,
     replay,
+    reverify_quarantine,
     valid_ends,
 )
 from epistemic_kvcache.store.segments import Segment, seg_id_of
@@ -130,6 +131,8 @@ def check(
         if progress is not None:
             progress(f"replaying the whole log of {path} ({out.log_bytes >> 20} MiB)")
         replay(segs, full, None, verify=deep, progress=progress)
+        if deep:  # what a rebuild would bring back (a quarantined block that verifies)
+            reverify_quarantine(full)
         finish(full, segs, valid_ends(full, segs, (0, 0)))
         out.records, out.batches = full.records, full.batches
         out.keys = len(full.keys) - len(full.lost_keys)
