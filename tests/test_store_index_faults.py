@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -61,8 +62,7 @@ def blob_rows(path: Path) -> dict[bytes, tuple[int, int, int]]:
         db = env.open_db(b"blobs", create=False)
         with env.begin() as txn:
             return {
-                bytes(k): _BLOB_ROW.unpack(bytes(v)[: _BLOB_ROW.size])
-                for k, v in txn.cursor(db=db)
+                bytes(k): _BLOB_ROW.unpack(bytes(v)[: _BLOB_ROW.size]) for k, v in txn.cursor(db=db)
             }
     finally:
         env.close()
@@ -209,10 +209,12 @@ def test_a_flipped_byte_in_a_blob_row_is_refused_not_blamed_on_the_log(tmp_path:
     proc = _start(tmp_path)
     assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr)
     last = proc.stderr.strip().splitlines()[-1]
-    assert "index row damaged" in last and "store rebuild-index" in last, last
+    assert "index row damaged" in last, last
+    assert "store rebuild-index" in last, last
     assert "lost their bytes" not in proc.stderr
     out = run_cli("check", "--persist-dir", str(tmp_path))
-    assert out.returncode == 1 and "index: unusable" in out.stdout, out.stdout
+    assert out.returncode == 1, out.stdout
+    assert "index: unusable" in out.stdout, out.stdout
     assert run_cli("rebuild-index", "--persist-dir", str(tmp_path)).returncode == 0
     with open_store(tmp_path) as store:
         assert_all(store, data)
@@ -309,6 +311,39 @@ def test_rebuild_without_an_old_index_names_the_keys_it_lost(tmp_path: Path) -> 
     for key in ("k3", "k11", "k20"):
         assert f"{NS}/{key}" in out.stdout, out.stdout
     with open_store(tmp_path) as store:
-        assert sorted(store.keys(NS, limit=1000)) == sorted(
-            set(data) - {"k3", "k11", "k20"}
-        )
+        assert sorted(store.keys(NS, limit=1000)) == sorted(set(data) - {"k3", "k11", "k20"})
+
+
+def test_a_page_pointer_past_the_end_is_refused_with_the_way_out(tmp_path: Path) -> None:
+    """A branch page naming a page past the end of the file (or anything else LMDB's
+    page checks stop at, or do not: then it touches unmapped memory, SIGBUS): the file is
+    validated with `pread` before LMDB maps it, so starts and `store check` refuse and
+    name the way out instead of dying on an uncaught LMDB error."""
+    data = fill(tmp_path, n=400)
+    f = tmp_path / "index" / "data.mdb"
+    raw = bytearray(f.read_bytes())
+    psize = struct.unpack_from("<I", raw, 16 + 24)[0]
+    branches = [
+        pg
+        for pg in range(2, len(raw) // psize)
+        if struct.unpack_from("<Q", raw, pg * psize)[0] == pg
+        and struct.unpack_from("<H", raw, pg * psize + 10)[0] & 0x01
+    ]
+    assert branches, "400 keys make a tree with a branch page"
+    base = branches[-1] * psize
+    ptr = struct.unpack_from("<H", raw, base + 16)[0]  # the first node of the page
+    far = len(raw) // psize + 1000  # inside LMDB's map, past the end of the file
+    struct.pack_into("<HH", raw, base + ptr, far & 0xFFFF, far >> 16)
+    f.write_bytes(raw)
+    for _ in range(2):
+        proc = _start(tmp_path)
+        assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+        last = proc.stderr.strip().splitlines()[-1]
+        assert "index file is damaged" in last, last
+        assert "store rebuild-index" in last, last
+    out = run_cli("check", "--persist-dir", str(tmp_path))
+    assert out.returncode == 1, (out.returncode, out.stderr)
+    assert "index: unusable" in out.stdout, (out.returncode, out.stderr)
+    assert run_cli("rebuild-index", "--persist-dir", str(tmp_path)).returncode == 0
+    with open_store(tmp_path) as store:
+        assert_all(store, data)

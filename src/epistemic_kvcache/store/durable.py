@@ -118,12 +118,14 @@ from epistemic_kvcache.store.records import Op
 from epistemic_kvcache.store.recovery import (
     META_CODES,
     LogState,
+    Salvage,
     StoreMismatchError,
     finish,
     load_index,
     read_seals,
     replay,
     reverify_quarantine,
+    salvage,
     valid_ends,
 )
 from epistemic_kvcache.store.segments import (
@@ -390,6 +392,9 @@ class SharedKvStoreBackend(TieredEngine):
         self._checkpoints = 0
         self._checkpoint_failures = 0
         self._index_repairs = 0
+        self._rewrite: list[tuple[str, str]] = []  # keys whose state the log must state again
+        self.salvaged: Salvage | None = None
+        """What a rebuild took from the old index, and what it could not restore."""
         self._recover_lock = threading.Lock()
         self._unfound: dict[bytes, tuple[int, int]] = {}
         self._recovering = True
@@ -442,6 +447,12 @@ class SharedKvStoreBackend(TieredEngine):
         self._ckpt_thread.start()
         self._tier_thread.start()
         self._committer.start()
+        if self._rewrite:
+            # restored keys: their state goes into the log again (their record there is
+            # damaged or followed by a quarantine's DEL), so no later rebuild needs the index
+            ops = [_Op("rewrite", ns, key) for ns, key in self._rewrite]
+            self._submit_many(ops)
+            concurrent.futures.wait([op.future for op in ops])
         log.info(
             "opened %d blocks, %d keys, %d segments in %.2f s (%s)",
             len(self._blobs),
@@ -539,6 +550,8 @@ class SharedKvStoreBackend(TieredEngine):
                 replay(self._segs, st, None, progress=self._say)
                 for ns, key, hexd in reverify_quarantine(st):
                     self._say(f"block {hexd} verifies in the log: {ns}/{key} is back")
+                    self._rewrite.append((ns, key))
+                self._salvage(st, map_size)
                 self._set_index_aside()
                 self._ix = create_index(
                     self._index_dir, map_size, st.store_id or secrets.token_hex(8)
@@ -558,6 +571,41 @@ class SharedKvStoreBackend(TieredEngine):
                 )
         self._store_id = st.store_id or secrets.token_hex(8)
         self._finish_open(st)
+
+    def _salvage(self, st: LogState, map_size: int) -> None:
+        """A rebuild: take what damaged log records hide from the old index where it
+        still reads (rows that fail their checksum are skipped), and name every key that
+        cannot be restored (`salvaged`)."""
+        old: LogState | None = None
+        if (self._index_dir / "data.mdb").exists():
+            try:
+                ix = open_index(self._index_dir, map_size)
+            except IndexError_ as exc:
+                self._say(f"the old index cannot be read ({exc}): the log alone decides")
+            else:
+                try:
+                    ix.tolerant = True
+                    start = ix.checkpoint()
+                    if start is not None and ix.meta(b"format") == FORMAT_VERSION:
+                        old = load_index(ix)
+                        old.seals = dict(st.seals)
+                        replay(self._segs, old, start, verify=False)
+                        if ix.damaged_rows:
+                            self._say(f"the old index has {ix.damaged_rows} damaged rows")
+                except (IndexError_, StoreMismatchError) as exc:
+                    self._say(f"the old index cannot be read ({exc}): the log alone decides")
+                    old = None
+                finally:
+                    ix.close()
+        sv = salvage(st, old, self._segs)
+        self.salvaged = sv
+        for ns, key in sv.restored:
+            self._say(f"{ns}/{key}: its log record is damaged; restored from the old index")
+            self._rewrite.append((ns, key))
+        for ns, key, why in sv.unrestored:
+            log.error("%s/%s is lost: %s", ns, key, why)
+        for ns, key, what in sv.suspects:
+            log.error("%s/%s may be lost: %s", ns, key, what)
 
     def _set_index_aside(self) -> None:
         """Move an unusable index out of the way (kept for inspection, never deleted)."""
@@ -1281,6 +1329,12 @@ class SharedKvStoreBackend(TieredEngine):
             if cur is None or not self._is_stale(op.ns, cur):
                 return False
             self._emit_del(v, op.ns, op.key)
+            return True
+        if kind == "rewrite":
+            cur = v.key(op.ns, op.key)
+            if cur is None:
+                return False
+            self._emit_key(v, op.ns, op.key, cur)
             return True
         if kind == "flush":
             names = v.ns_keys(op.ns)

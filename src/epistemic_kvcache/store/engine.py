@@ -937,11 +937,14 @@ class TieredEngine(SharedKvBackend):
                 if data is None:  # where RAM says holds nothing: perhaps RAM is wrong
                     data = self._recover_lower(b, loc)  # (verified, or None: a miss)
                     verified = data is not None
-            if not verified and data is not None:
-                if len(data) != b.size or digest_of(data) != b.digest:
-                    # distrust the location before the bytes: look for them in the log
-                    data = self._recover_lower(b, loc)
-                    corrupt = data is None
+            if (
+                not verified
+                and data is not None
+                and (len(data) != b.size or digest_of(data) != b.digest)
+            ):
+                # distrust the location before the bytes: look for them in the log
+                data = self._recover_lower(b, loc)
+                corrupt = data is None
         if data is None:
             if corrupt:
                 self._quarantine(b, "digest mismatch", loc)

@@ -410,6 +410,9 @@ class Index:
 
     def __init__(self, index_dir: Path, *, map_size: int, create: bool) -> None:
         self.dir = index_dir
+        self.tolerant = False
+        """Skip damaged rows instead of refusing (salvage during a rebuild)."""
+        self.damaged_rows = 0
         if not create:
             why = validate_file(index_dir)
             if why is not None:
@@ -483,7 +486,14 @@ class Index:
                     kb = bytes(k)
                     if name == b"meta" and kb == b"format":
                         continue  # the one row read before its format is known
-                    yield kb, open_row(name, kb, v)
+                    try:
+                        value = open_row(name, kb, v)
+                    except IndexError_:
+                        if not self.tolerant:
+                            raise
+                        self.damaged_rows += 1
+                        continue
+                    yield kb, value
         except lmdb.Error as exc:
             raise IndexError_(f"index unreadable: {exc}") from exc
 
@@ -493,6 +503,9 @@ class Index:
                 st, longkey = unpack_key(v)
                 ns, key = split_key_row(krow, longkey)
             except (struct.error, UnicodeDecodeError, ValueError) as exc:
+                if self.tolerant:
+                    self.damaged_rows += 1
+                    continue
                 raise IndexError_(f"index row damaged (keys {krow[:40]!r}: {exc})") from exc
             yield ns, key, st
 
@@ -564,7 +577,9 @@ class Index:
                     if b is None:
                         txn.delete(sdig, db=self.db_blobs)
                     else:
-                        txn.put(sdig, seal_row(b"blobs", sdig, _BLOB_ROW.pack(*b)), db=self.db_blobs)
+                        txn.put(
+                            sdig, seal_row(b"blobs", sdig, _BLOB_ROW.pack(*b)), db=self.db_blobs
+                        )
                 for (kind, tenant, rid), m in ch.metas.items():
                     row = meta_row(kind, tenant, rid)
                     if m is None:

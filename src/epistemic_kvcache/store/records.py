@@ -232,6 +232,39 @@ def decode(buf: bytes | bytearray | memoryview) -> Record:
     return Record(kind, flags, ns, key, sdig, pins, scope, epoch, aux, plen, pcrc, hlen)
 
 
+def decode_unchecked(buf: bytes | bytearray | memoryview) -> Record:
+    """Decode a header whose checksum fails, to name what a damaged record was (the
+    result is a guess: never applied, only reported). `RecordError` if it cannot be."""
+    if len(buf) < FIXED_BYTES or bytes(buf[:4]) != MAGIC:
+        raise RecordError("no record magic")
+    fields = _FIXED.unpack_from(buf, 0)
+    op, flags, plen, pins, epoch, aux = (
+        fields[2],
+        fields[3],
+        fields[7],
+        fields[8],
+        fields[9],
+        fields[10],
+    )
+    n_ns, n_key, n_sdig, n_scope = fields[12:16]
+    pos = FIXED_BYTES
+    if pos + n_ns + n_key + n_sdig + n_scope > len(buf):
+        raise RecordError("header fields run past the bytes read")
+    try:
+        kind = Op(op)
+        ns = bytes(buf[pos : pos + n_ns]).decode()
+        pos += n_ns
+        key = bytes(buf[pos : pos + n_key]).decode()
+        pos += n_key
+        sdig = bytes(buf[pos : pos + n_sdig])
+        pos += n_sdig
+        scope = bytes(buf[pos : pos + n_scope]).decode()
+    except (ValueError, UnicodeDecodeError):
+        raise RecordError("not a readable header") from None
+    hlen = FIXED_BYTES + n_ns + n_key + n_sdig + n_scope
+    return Record(kind, flags, ns, key, sdig, pins, scope, epoch, aux, plen, fields[11], hlen)
+
+
 def record_length(op: Op, ns: str = "", key: str = "", sdig: bytes = b"", scope: str = "") -> int:
     """Header length of a record with these variable fields (for space accounting)."""
     return FIXED_BYTES + len(ns.encode()) + len(key.encode()) + len(sdig) + len(scope.encode())

@@ -208,9 +208,9 @@ def _check_index(out: CheckSummary, ix: Index, segs: dict[int, Segment], full: L
             continue
         # the log may hold several valid copies (compaction): the index's must be one
         size, off, sid = st.blobs[sdig]
-        if not _blob_at(segs, sdig, size, off, sid):
-            if not note(f"block {sdig[-32:].hex()}: the index places it where it is not"):
-                return
+        where = f"block {sdig[-32:].hex()}: the index places it where it is not"
+        if not _blob_at(segs, sdig, size, off, sid) and not note(where):
+            return
 
 
 def _blob_at(segs: dict[int, Segment], sdig: bytes, size: int, off: int, sid: int) -> bool:
@@ -228,7 +228,7 @@ def _blob_at(segs: dict[int, Segment], sdig: bytes, size: int, off: int, sid: in
 
 @dataclass(slots=True)
 class RebuildSummary:
-    """What `rebuild_index` made."""
+    """What `rebuild_index` made, and every key it could not restore."""
 
     blocks: int
     keys: int
@@ -237,13 +237,20 @@ class RebuildSummary:
     damaged: int
     lost_keys: int
     seconds: float
+    lost: list[str] = field(default_factory=list)
+    """Each key the rebuild cannot serve, by name, with why."""
+    restored: int = 0
+    """Keys whose newest log record is damaged, taken from the old index."""
 
     def lines(self) -> list[str]:
-        return [
+        out = [
             f"rebuilt the index from {self.segments} segments ({self.log_bytes} bytes) in "
             f"{self.seconds:.2f} s: {self.blocks} blocks, {self.keys} keys",
-            f"damaged log regions: {self.damaged}, keys whose bytes are gone: {self.lost_keys}",
+            f"damaged log regions: {self.damaged}, keys whose bytes are gone: {self.lost_keys}, "
+            f"restored from the old index: {self.restored}",
         ]
+        out += [f"lost: {line}" for line in self.lost]
+        return out
 
 
 def rebuild_index(
@@ -264,14 +271,21 @@ def rebuild_index(
     )
     try:
         extra = store.stats(None).extra
+        lost = [f"{ns}/{key} (its bytes are gone)" for ns, key, _d in store.lost_keys()]
+        sv = store.salvaged
+        if sv is not None:
+            lost += [f"{ns}/{key} ({why})" for ns, key, why in sv.unrestored]
+            lost += [f"{ns}/{key} (probably: {what})" for ns, key, what in sv.suspects]
         return RebuildSummary(
             blocks=len(store._blobs),
             keys=sum(len(v) for v in store._index.values()),
             segments=int(extra["segments"]),
             log_bytes=int(extra["segment_bytes"]),
             damaged=int(extra["damaged_log_regions"]),
-            lost_keys=int(extra["lost_keys"]),
+            lost_keys=len(lost),
             seconds=time.perf_counter() - t0,
+            lost=lost,
+            restored=len(sv.restored) if sv is not None else 0,
         )
     finally:
         store.close()
