@@ -70,7 +70,8 @@ class Compactor:
     # -- policy --------------------------------------------------------------------------
     def _dead(self, sid: int) -> int:
         s = self.s
-        return max(0, s._seg_len.get(sid, 0) - s._seg_live.get(sid, 0) - s._seg_tomb.get(sid, 0))
+        dead = s._seg_len.get(sid, 0) - s._seg_live.get(sid, 0) - s._seg_tomb.get(sid, 0)
+        return max(0, dead - s._seg_punched.get(sid, 0))  # punched bytes are back already
 
     def _sealed(self) -> list[int]:
         w = self.s._writer
@@ -416,6 +417,7 @@ class Compactor:
             s._seg_len.pop(sid, None)
             s._seg_live.pop(sid, None)
             s._seg_tomb.pop(sid, None)
+            s._seg_punched.pop(sid, None)
             s._seg_tomb[tsid] = s._seg_tomb.get(tsid, 0) + len(hdr)
             for wsid, wend in written:
                 s._seg_len[wsid] = wend

@@ -130,6 +130,7 @@ from epistemic_kvcache.store.recovery import (
 )
 from epistemic_kvcache.store.segments import (
     DELETE_RESERVE_BYTES,
+    PUNCH_ALIGN,
     Damage,
     DiskIO,
     LogWriter,
@@ -392,6 +393,9 @@ class SharedKvStoreBackend(TieredEngine):
         self._checkpoints = 0
         self._checkpoint_failures = 0
         self._index_repairs = 0
+        self._seg_punched: dict[int, int] = {}  # bytes of dead payloads punched out
+        self._punched_bytes = 0
+        self._punch_ok = True
         self._rewrite: list[tuple[str, str]] = []  # keys whose state the log must state again
         self.salvaged: Salvage | None = None
         """What a rebuild took from the old index, and what it could not restore."""
@@ -649,6 +653,11 @@ class SharedKvStoreBackend(TieredEngine):
                 len(st.lost_blobs),
             )
         self._seg_len = valid
+        for sid, seg in self._segs.items():  # holes punched before this open
+            with contextlib.suppress(OSError):
+                on_disk = os.fstat(seg.fd).st_blocks * 512
+                if on_disk < valid.get(sid, 0):
+                    self._seg_punched[sid] = valid[sid] - on_disk
         self._seg_tomb = {sid: n for sid, n in st.tomb.items() if sid in self._segs}
         self._quarantined = dict(st.quarantine)
         failures = max(st.counters.get("integrity_failures", 0), len(st.quarantine))
@@ -749,8 +758,11 @@ class SharedKvStoreBackend(TieredEngine):
         return self.live_capacity_bytes
 
     def disk_bytes(self) -> int:
-        """Bytes of the segment files (what the cold capacity bounds)."""
-        return sum(self._seg_len.values()) + max(0, self._writer.zeroed_to - self._writer.pos)
+        """Bytes of the segment files on disk (what the cold capacity bounds): their
+        lengths less the dead payloads punched out, plus the zeroed space ahead."""
+        w = self._writer
+        punched = sum(self._seg_punched.values())
+        return sum(self._seg_len.values()) - punched + max(0, w.zeroed_to - w.pos)
 
     def _extra_stats(self) -> dict[str, int | float]:
         out = super()._extra_stats()
@@ -766,6 +778,7 @@ class SharedKvStoreBackend(TieredEngine):
             disk_bytes=self.disk_bytes(),
             compactions=self._compactions,
             compacted_bytes=self._compacted_bytes,
+            punched_bytes=self._punched_bytes,
             segments_deleted=self._segments_deleted,
             checkpoints=self._checkpoints,
             checkpoint_failures=self._checkpoint_failures,
@@ -1201,6 +1214,12 @@ class SharedKvStoreBackend(TieredEngine):
         w = self._writer
         with self._lock:
             dirty = self._dirty  # (swapped by the checkpointer under this lock)
+            # where the blobs this batch may destroy are: their bytes go back to the disk
+            doomed = {}
+            for sdig in [*(d for d, n in v.ref_delta.items() if n < 0), *v.dropped]:
+                b = self._blobs.get(sdig)
+                if b is not None and b.seg >= 0 and sdig not in v.quarantine:
+                    doomed[sdig] = (b, b.seg, b.off, b.size)
             for ns, key in v.key_recs:  # the old record of each rewritten key goes dead
                 old = self._kloc.get(ns, {}).get(key)
                 b = self._lookup(ns, key)
@@ -1247,11 +1266,45 @@ class SharedKvStoreBackend(TieredEngine):
             self._committed_ops += len(batch)
             if w.active is not None:
                 self._log_end = (w.active.id, w.pos)
+            dead = [
+                (sid, off, size)
+                for sdig, (b, sid, off, size) in doomed.items()
+                if self._blobs.get(sdig) is not b
+            ]
         for op, res in zip(batch, results, strict=True):
             settle(op.future, res)
+        if dead:
+            self._punch(dead)
         self._checkpoint_due(w.last_batch_bytes)
         if v.hot_refused:
             self._tier_event.set()  # make room in hot for the next blocks
+
+    def _punch(self, dead: list[tuple[int, int, int]]) -> None:
+        """Give the disk back the payload bytes of blocks that just died (their deleting
+        batch is durable): whole pages inside each payload are punched out of the file,
+        record headers stay, so the log still scans. Deleted data makes room at once,
+        whatever its layout, without copying anything (a full disk has no room to copy
+        into). Replay and compaction never read a dead payload; one that is read back
+        (a whole-log `check`) is not reported, since no key references it."""
+        if not self._punch_ok:
+            return
+        for sid, off, size in dead:
+            seg = self._segs.get(sid)
+            start = -(-off // PUNCH_ALIGN) * PUNCH_ALIGN
+            end = (off + size) // PUNCH_ALIGN * PUNCH_ALIGN
+            if seg is None or end <= start:
+                continue
+            try:
+                if not self._io.punch_hole(seg.fd, start, end - start):
+                    self._punch_ok = False
+                    log.info("%s cannot punch holes: dead bytes wait for compaction", self.path)
+                    return
+            except OSError as exc:
+                log.warning("punching dead bytes out of segment %08d failed: %s", sid, exc)
+                continue
+            with self._lock:
+                self._seg_punched[sid] = self._seg_punched.get(sid, 0) + end - start
+                self._punched_bytes += end - start
 
     def _emit(self, v: _View, header: bytearray, payload: Buffer | None = None) -> tuple[int, int]:
         return self._writer.alloc(header, payload)

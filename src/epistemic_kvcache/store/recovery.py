@@ -319,6 +319,9 @@ def _tomb(st: LogState, sid: int, size: int) -> None:
 def finish(st: LogState, segments: dict[int, Segment], valid_end: dict[int, int]) -> None:
     """Drop unreferenced blobs; find lost blobs (bytes gone) and the keys that lose them."""
     referenced = {ks.sdig for ks in st.keys.values()}
+    # a dead payload that fails verification is no loss (and is punched out on purpose)
+    wanted = {sdig[-32:].hex() for sdig in referenced if sdig not in st.blobs}
+    st.bad_blobs = [bb for bb in st.bad_blobs if bb[2] in wanted]
     for sdig in [s for s in st.blobs if s not in referenced]:
         del st.blobs[sdig]
         st.changes.blobs[sdig] = None
