@@ -70,8 +70,7 @@ class Compactor:
     # -- policy --------------------------------------------------------------------------
     def _dead(self, sid: int) -> int:
         s = self.s
-        dead = s._seg_len.get(sid, 0) - s._seg_live.get(sid, 0) - s._seg_tomb.get(sid, 0)
-        return max(0, dead - s._seg_punched.get(sid, 0))  # punched bytes are back already
+        return max(0, s._seg_len.get(sid, 0) - s._seg_live.get(sid, 0) - s._seg_tomb.get(sid, 0))
 
     def _sealed(self) -> list[int]:
         w = self.s._writer
