@@ -624,9 +624,10 @@ class SharedKvStoreBackend(TieredEngine):
         last = max(self._segs, default=0)
         valid = valid_ends(st, self._segs, ckpt)  # where each segment's trusted bytes end
         if ckpt[0] > 0:
-            for sid in range(ckpt[0], last + 1):
-                if sid not in self._segs and sid not in st.segdel:
-                    self._missing_segments.append(sid)
+            from epistemic_kvcache.store.tools import missing_segments
+
+            later = sorted(sid for sid in self._segs if sid >= ckpt[0])
+            self._missing_segments = missing_segments(later, st.segdel, ckpt[0] - 1)
         for sid in list(self._segs):
             if sid in st.segdel:  # deleted on purpose; the unlink did not happen before a crash
                 with contextlib.suppress(OSError):

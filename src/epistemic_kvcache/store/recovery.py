@@ -284,15 +284,24 @@ def salvage(st: LogState, old: LogState | None, segments: dict[int, Segment]) ->
                 continue  # the log has this record, or a later one
             if cur is None and st.del_locs.get(ref, -1) > oks.loc:
                 continue  # deleted after the old index's record
-            if not _in_damage(oks.loc, regions):
-                continue  # the log says otherwise, undamaged: the log wins
+            # the log lost the record the old index has (damaged, cut short, or its
+            # segment deleted): take it from there when its block verifies in the log
             if oks.sdig in st.blobs and oks.sdig not in st.lost_blobs:
                 st.keys[ref] = oks
                 st.changes.keys[ref] = oks
                 out.restored.append(ref)
-            else:
-                why = "its record is damaged and its block is gone"
-                out.unrestored.append((ref[0], ref[1], why))
+                continue
+            where = "is damaged" if _in_damage(oks.loc, regions) else "is gone"
+            why = f"its newest record {where} and its block is gone"
+            if cur is not None:  # never serve the older value the log still has
+                del st.keys[ref]
+                st.changes.keys[ref] = None
+                why += " (an older value is not served)"
+            out.unrestored.append((ref[0], ref[1], why))
+    for ref, ks in st.quar_dels.items():
+        if ref not in st.keys and ks.sdig in st.quarantine:
+            why = f"its block {ks.sdig[-32:].hex()} failed verification (quarantined)"
+            out.unrestored.append((ref[0], ref[1], why))
     for sid, start, _end, _why in regions:
         seg = segments.get(sid)
         if seg is None:
@@ -321,6 +330,7 @@ def finish(st: LogState, segments: dict[int, Segment], valid_end: dict[int, int]
     referenced = {ks.sdig for ks in st.keys.values()}
     # a dead payload that fails verification is no loss (and is punched out on purpose)
     wanted = {sdig[-32:].hex() for sdig in referenced if sdig not in st.blobs}
+    wanted |= {sdig[-32:].hex() for sdig in st.quarantine}  # still failing: a known loss
     st.bad_blobs = [bb for bb in st.bad_blobs if bb[2] in wanted]
     for sdig in [s for s in st.blobs if s not in referenced]:
         del st.blobs[sdig]

@@ -37,6 +37,22 @@ from epistemic_kvcache.store.segments import Segment, seg_id_of
 Progress = Callable[[str], None]
 
 
+def missing_segments(ids: list[int], deleted: set[int], first: int | None = None) -> list[int]:
+    """Segment ids missing from the sequence `ids` (sorted), not deleted on purpose.
+    Gaps are walked, not the whole id range (a stray file named 99999999.seg must not
+    make this a hundred million steps); a gap longer than 1000 lists its first 1000."""
+    out: list[int] = []
+    prev = ids[0] if first is None and ids else first
+    if prev is None:
+        return out
+    for sid in ids:
+        if sid > prev + 1:
+            gap = [i for i in range(prev + 1, min(sid, prev + 1001)) if i not in deleted]
+            out.extend(gap)
+        prev = max(prev, sid)
+    return out
+
+
 @dataclass(slots=True)
 class CheckSummary:
     """What `check` found. `ok` when nothing is damaged, lost or inconsistent."""
@@ -145,11 +161,7 @@ def check(
         out.damaged = [f"segment {s:08d} at {a}..{b}: {why}" for s, a, b, why in full.damage]
         out.bad_blocks = [f"{d} (segment {s:08d} at {o})" for s, o, d in full.bad_blobs]
         out.lost_keys = [f"{ns}/{key} ({d.hex()})" for ns, key, d in full.lost_keys]
-        ids = sorted(segs)
-        if ids:
-            out.missing_segments = [
-                i for i in range(ids[0], ids[-1] + 1) if i not in segs and i not in full.segdel
-            ]
+        out.missing_segments = missing_segments(sorted(segs), full.segdel)
         # the index, as a server would open it
         try:
             ix = open_index(path / "index", map_size_bytes)
