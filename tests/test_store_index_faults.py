@@ -370,11 +370,10 @@ def test_rebuild_never_reports_fewer_lost_keys_than_it_lost(tmp_path: Path) -> N
 
 def test_rebuild_and_check_name_keys_lost_to_a_quarantine(tmp_path: Path) -> None:
     fill(tmp_path, n=10)
-    with open_store(tmp_path) as store:
-        with store._lock:
-            b = store._lookup(NS, "k4")
-            assert b is not None
-            seg_file, off = store._segs[b.seg].path, b.off
+    with open_store(tmp_path) as store, store._lock:
+        b = store._lookup(NS, "k4")
+        assert b is not None
+        seg_file, off = store._segs[b.seg].path, b.off
     with seg_file.open("r+b") as f:  # damaged for good
         f.seek(off + 10)
         f.write(b"\x00" * 64)
