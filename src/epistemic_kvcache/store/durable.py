@@ -908,6 +908,9 @@ class SharedKvStoreBackend(TieredEngine):
         )
 
     def _quarantine(self, b: _Blob, reason: str, loc: tuple[int, int]) -> None:
+        with self._lock:
+            if self._blobs.get(b.sdig) is not b or (b.seg, b.off) != loc:
+                return  # deleted (its payload punched) or moved while it was read: a miss
         log.error("integrity failure: blob %s (%s); quarantined", b.digest.hex(), reason)
         with self._lock:
             self._total.integrity_failures += 1
