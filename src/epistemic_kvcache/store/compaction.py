@@ -238,8 +238,18 @@ class Compactor:
             here = pack_loc(sid, item.off)
             if op is Op.BLOB:
                 b = s._blobs.get(rec.sdig)
-                if b is None or (b.seg, b.off) != (sid, item.data_off):
+                if b is None:
                     continue
+                if (b.seg, b.off) != (sid, item.data_off):
+                    if not (item.ok and rec.plen == b.size):
+                        continue
+                    # RAM places the block elsewhere: only a copy if that place holds it
+                    # (a damaged index row may have sent it astray; this copy verifies)
+                    if s._blob_placed(b.sdig, b.size, (b.seg, b.off)):
+                        continue
+                    s._relocate(b, (b.seg, b.off), (sid, item.data_off))
+                    if (b.seg, b.off) != (sid, item.data_off):
+                        continue
                 if not item.ok or item.payload is None:
                     bad.append((rec.sdig, (sid, item.data_off)))
                     continue
@@ -406,6 +416,7 @@ class Compactor:
             s._seg_len.pop(sid, None)
             s._seg_live.pop(sid, None)
             s._seg_tomb.pop(sid, None)
+            s._seg_punched.pop(sid, None)
             s._seg_tomb[tsid] = s._seg_tomb.get(tsid, 0) + len(hdr)
             for wsid, wend in written:
                 s._seg_len[wsid] = wend

@@ -92,6 +92,7 @@ from epistemic_kvcache.store.engine import (
     Effect,
     MetaDel,
     MetaPut,
+    Move,
     PinDelta,
     TieredEngine,
     _Blob,
@@ -103,6 +104,8 @@ from epistemic_kvcache.store.engine import (
 )
 from epistemic_kvcache.store.epochs import DEFAULT_MAX_SCOPES_PER_TENANT, EpochRegistry
 from epistemic_kvcache.store.index import (
+    FORMAT_VERSION,
+    OLD_FORMATS,
     Changes,
     Index,
     IndexError_,
@@ -116,19 +119,25 @@ from epistemic_kvcache.store.records import Op
 from epistemic_kvcache.store.recovery import (
     META_CODES,
     LogState,
+    Salvage,
     StoreMismatchError,
     finish,
     load_index,
     read_seals,
     replay,
+    reverify_quarantine,
+    salvage,
     valid_ends,
 )
 from epistemic_kvcache.store.segments import (
     DELETE_RESERVE_BYTES,
+    PUNCH_ALIGN,
+    Damage,
     DiskIO,
     LogWriter,
     Segment,
     SyncFailed,
+    scan,
     seg_id_of,
 )
 
@@ -382,6 +391,15 @@ class SharedKvStoreBackend(TieredEngine):
         self._segments_deleted = 0
         self._checkpoints = 0
         self._checkpoint_failures = 0
+        self._index_repairs = 0
+        self._seg_punched: dict[int, int] = {}  # bytes of dead payloads punched out
+        self._punched_bytes = 0
+        self._punch_ok = True
+        self._rewrite: list[tuple[str, str]] = []  # keys whose state the log must state again
+        self.salvaged: Salvage | None = None
+        """What a rebuild took from the old index, and what it could not restore."""
+        self._recover_lock = threading.Lock()
+        self._unfound: dict[bytes, tuple[int, int]] = {}
         self._recovering = True
         self._compact: compaction.Compactor | None = None
         self._maint_lock = threading.Lock()
@@ -432,6 +450,12 @@ class SharedKvStoreBackend(TieredEngine):
         self._ckpt_thread.start()
         self._tier_thread.start()
         self._committer.start()
+        if self._rewrite:
+            # restored keys: their state goes into the log again (their record there is
+            # damaged or followed by a quarantine's DEL), so no later rebuild needs the index
+            ops = [_Op("rewrite", ns, key) for ns, key in self._rewrite]
+            self._submit_many(ops)
+            concurrent.futures.wait([op.future for op in ops])
         log.info(
             "opened %d blocks, %d keys, %d segments in %.2f s (%s)",
             len(self._blobs),
@@ -473,14 +497,24 @@ class SharedKvStoreBackend(TieredEngine):
                     why = "index is empty"
                 else:
                     fmt = ix.meta(b"format")
-                    if fmt != b"4":
+                    if fmt in OLD_FORMATS:
+                        # an index is a checkpoint of the log: an older one is rebuilt
+                        log.warning(
+                            "the index of %s has format %s (no row checksums); rebuilding "
+                            "it from the log",
+                            self.path,
+                            (fmt or b"?").decode(),
+                        )
+                        rebuild = True
+                        why = f"index format {(fmt or b'?').decode()}"
+                    elif fmt != FORMAT_VERSION:
                         raise ConfigurationError(
                             f"invalid persist_dir: {self.path} holds a store of format "
-                            f"{(fmt or b'?').decode()}; this version reads format 4 "
-                            f"(move it aside or run `epistemic-kvcache store upgrade "
-                            f"--persist-dir {self.path}`)"
+                            f"{(fmt or b'?').decode()}; this version reads format "
+                            f"{FORMAT_VERSION.decode()} (move it aside or run "
+                            f"`epistemic-kvcache store upgrade --persist-dir {self.path}`)"
                         )
-                    if ix.checkpoint() is None:
+                    elif ix.checkpoint() is None:
                         why = "index has no checkpoint"
             except IndexError_ as exc:
                 why = str(exc)
@@ -498,7 +532,14 @@ class SharedKvStoreBackend(TieredEngine):
             if why is None and ix is not None:
                 self._ix = ix
                 self._say(f"loading the index of {self.path}")
-                st = load_index(ix, self._say)
+                try:
+                    st = load_index(ix, self._say)
+                except IndexError_ as exc:
+                    raise ConfigurationError(
+                        f"the store in {self.path} has segment files but its index cannot "
+                        f"be used ({exc}); refusing to start over damaged rows: "
+                        f"{_rebuild_hint(self.path)}"
+                    ) from exc
                 read_seals(self._segs, st)
                 start = ix.checkpoint()
                 assert start is not None
@@ -510,6 +551,10 @@ class SharedKvStoreBackend(TieredEngine):
                 st = LogState()
                 read_seals(self._segs, st)
                 replay(self._segs, st, None, progress=self._say)
+                for ns, key, hexd in reverify_quarantine(st):
+                    self._say(f"block {hexd} verifies in the log: {ns}/{key} is back")
+                    self._rewrite.append((ns, key))
+                self._salvage(st, map_size)
                 self._set_index_aside()
                 self._ix = create_index(
                     self._index_dir, map_size, st.store_id or secrets.token_hex(8)
@@ -530,6 +575,41 @@ class SharedKvStoreBackend(TieredEngine):
         self._store_id = st.store_id or secrets.token_hex(8)
         self._finish_open(st)
 
+    def _salvage(self, st: LogState, map_size: int) -> None:
+        """A rebuild: take what damaged log records hide from the old index where it
+        still reads (rows that fail their checksum are skipped), and name every key that
+        cannot be restored (`salvaged`)."""
+        old: LogState | None = None
+        if (self._index_dir / "data.mdb").exists():
+            try:
+                ix = open_index(self._index_dir, map_size)
+            except IndexError_ as exc:
+                self._say(f"the old index cannot be read ({exc}): the log alone decides")
+            else:
+                try:
+                    ix.tolerant = True
+                    start = ix.checkpoint()
+                    if start is not None and ix.meta(b"format") == FORMAT_VERSION:
+                        old = load_index(ix)
+                        old.seals = dict(st.seals)
+                        replay(self._segs, old, start, verify=False)
+                        if ix.damaged_rows:
+                            self._say(f"the old index has {ix.damaged_rows} damaged rows")
+                except (IndexError_, StoreMismatchError) as exc:
+                    self._say(f"the old index cannot be read ({exc}): the log alone decides")
+                    old = None
+                finally:
+                    ix.close()
+        sv = salvage(st, old, self._segs)
+        self.salvaged = sv
+        for ns, key in sv.restored:
+            self._say(f"{ns}/{key}: its log record is damaged; restored from the old index")
+            self._rewrite.append((ns, key))
+        for ns, key, why in sv.unrestored:
+            log.error("%s/%s is lost: %s", ns, key, why)
+        for ns, key, what in sv.suspects:
+            log.error("%s/%s may be lost: %s", ns, key, what)
+
     def _set_index_aside(self) -> None:
         """Move an unusable index out of the way (kept for inspection, never deleted)."""
         if self._index_dir.exists() and any(self._index_dir.iterdir()):
@@ -543,9 +623,10 @@ class SharedKvStoreBackend(TieredEngine):
         last = max(self._segs, default=0)
         valid = valid_ends(st, self._segs, ckpt)  # where each segment's trusted bytes end
         if ckpt[0] > 0:
-            for sid in range(ckpt[0], last + 1):
-                if sid not in self._segs and sid not in st.segdel:
-                    self._missing_segments.append(sid)
+            from epistemic_kvcache.store.tools import missing_segments
+
+            later = sorted(sid for sid in self._segs if sid >= ckpt[0])
+            self._missing_segments = missing_segments(later, st.segdel, ckpt[0] - 1)
         for sid in list(self._segs):
             if sid in st.segdel:  # deleted on purpose; the unlink did not happen before a crash
                 with contextlib.suppress(OSError):
@@ -572,6 +653,11 @@ class SharedKvStoreBackend(TieredEngine):
                 len(st.lost_blobs),
             )
         self._seg_len = valid
+        for sid, seg in self._segs.items():  # holes punched before this open
+            with contextlib.suppress(OSError):
+                on_disk = os.fstat(seg.fd).st_blocks * 512
+                if on_disk < valid.get(sid, 0):
+                    self._seg_punched[sid] = valid[sid] - on_disk
         self._seg_tomb = {sid: n for sid, n in st.tomb.items() if sid in self._segs}
         self._quarantined = dict(st.quarantine)
         failures = max(st.counters.get("integrity_failures", 0), len(st.quarantine))
@@ -680,8 +766,11 @@ class SharedKvStoreBackend(TieredEngine):
         return self.live_capacity_bytes
 
     def disk_bytes(self) -> int:
-        """Bytes of the segment files (what the cold capacity bounds)."""
-        return sum(self._seg_len.values()) + max(0, self._writer.zeroed_to - self._writer.pos)
+        """Bytes of the segment files on disk (what the cold capacity bounds): their
+        lengths less the dead payloads punched out, plus the zeroed space ahead."""
+        w = self._writer
+        punched = sum(self._seg_punched.values())
+        return sum(self._seg_len.values()) - punched + max(0, w.zeroed_to - w.pos)
 
     def _extra_stats(self) -> dict[str, int | float]:
         out = super()._extra_stats()
@@ -697,9 +786,11 @@ class SharedKvStoreBackend(TieredEngine):
             disk_bytes=self.disk_bytes(),
             compactions=self._compactions,
             compacted_bytes=self._compacted_bytes,
+            punched_bytes=self._punched_bytes,
             segments_deleted=self._segments_deleted,
             checkpoints=self._checkpoints,
             checkpoint_failures=self._checkpoint_failures,
+            index_repairs=self._index_repairs,
             checkpoint_lag_bytes=self._ckpt_lag,
             lost_keys=len(self._lost),
             quarantined_blocks=len(self._quarantined),
@@ -737,7 +828,96 @@ class SharedKvStoreBackend(TieredEngine):
             log.error("read of %s failed: %s", b.digest.hex(), exc)
             return None
 
+    def _blob_placed(self, sdig: bytes, size: int, loc: tuple[int, int]) -> bool:
+        """Whether the log holds a BLOB record of `sdig` with `size` bytes at `loc`."""
+        seg = self._segs.get(loc[0])
+        hlen = records.blob_header_length(sdig)
+        if seg is None or loc[1] < hlen:
+            return False
+        try:
+            rec = records.decode(seg.read(loc[1] - hlen, hlen))
+        except (OSError, records.RecordError):
+            return False
+        return rec.op is Op.BLOB and rec.sdig == sdig and rec.plen == size
+
+    def _find_in_log(self, sdig: bytes, size: int, first: int) -> tuple[int, int, Buffer] | None:
+        """A copy of `sdig` in the log whose bytes verify: (segment, payload offset, bytes).
+        Reads record headers only, from segment `first`, then newest first."""
+        with self._lock:
+            segs = dict(self._segs)
+            ends = dict(self._seg_len)
+        if self._writer.active is not None:
+            ends[self._writer.active.id] = self._writer.pos
+        order = sorted(segs, reverse=True)
+        if first in segs:
+            order.remove(first)
+            order.insert(0, first)
+        for sid in order:
+            seg = segs[sid]
+            try:
+                for item in scan(seg, 0, ends.get(sid, 0), payloads=False, verify=False):
+                    if isinstance(item, Damage) or item.rec.op is not Op.BLOB:
+                        continue
+                    if item.rec.sdig != sdig or item.rec.plen != size:
+                        continue
+                    data = seg.read(item.data_off, size)
+                    if digest_of(data) == sdig[-32:]:
+                        return sid, item.data_off, data
+            except OSError as exc:
+                log.error("reading segment %08d failed: %s", sid, exc)
+        return None
+
+    def _recover_lower(self, b: _Blob, loc: tuple[int, int]) -> Buffer | None:
+        """A read at `loc` failed or did not verify. Distrust the location before the
+        bytes: if the log holds the block's BLOB record at `loc`, the bytes are damaged
+        (None: the caller quarantines them). Otherwise the location is wrong (a damaged
+        index row): look for a copy in the log whose bytes verify, point RAM at it (the
+        index row is rewritten at the next checkpoint) and serve it."""
+        if self._blob_placed(b.sdig, b.size, loc):
+            return None
+        with self._recover_lock:
+            if self._unfound.get(b.sdig) == loc:
+                return None  # looked already: nothing in the log
+            with self._lock:
+                if self._blobs.get(b.sdig) is not b or (b.seg, b.off) != loc:
+                    return None  # moved or gone meanwhile: the caller's read was stale
+            found = self._find_in_log(b.sdig, b.size, loc[0])
+            if found is None:
+                self._unfound[b.sdig] = loc
+                log.error(
+                    "block %s is not at segment %08d offset %d where the index puts it, "
+                    "and no copy in the log verifies",
+                    b.digest.hex(),
+                    loc[0],
+                    loc[1],
+                )
+                return None
+            sid, off, data = found
+            self._relocate(b, loc, (sid, off))
+            return data
+
+    def _relocate(self, b: _Blob, wrong: tuple[int, int], right: tuple[int, int]) -> None:
+        """Point RAM (and, at the next checkpoint, the index row) at the verified copy."""
+        with self._lock:
+            if self._blobs.get(b.sdig) is not b or (b.seg, b.off) != wrong:
+                return
+            self._apply([Move(b.sdig, right[0], right[1])])
+            self._dirty.blobs.add(b.sdig)
+            self._index_repairs += 1
+        log.warning(
+            "block %s was not where the index put it (segment %08d offset %d): found "
+            "intact in segment %08d at %d; the index row is repaired",
+            b.digest.hex(),
+            wrong[0],
+            wrong[1],
+            right[0],
+            right[1],
+        )
+
     def _quarantine(self, b: _Blob, reason: str, loc: tuple[int, int]) -> None:
+        with self._lock:
+            if self._blobs.get(b.sdig) is not b or (b.seg, b.off) != loc:
+                return  # deleted (its payload punched) or moved while it was read: a miss
         log.error("integrity failure: blob %s (%s); quarantined", b.digest.hex(), reason)
         with self._lock:
             self._total.integrity_failures += 1
@@ -1048,6 +1228,12 @@ class SharedKvStoreBackend(TieredEngine):
         w = self._writer
         with self._lock:
             dirty = self._dirty  # (swapped by the checkpointer under this lock)
+            # where the blobs this batch may destroy are: their bytes go back to the disk
+            doomed = {}
+            for sdig in [*(d for d, n in v.ref_delta.items() if n < 0), *v.dropped]:
+                b = self._blobs.get(sdig)
+                if b is not None and b.seg >= 0 and sdig not in v.quarantine:
+                    doomed[sdig] = (b, b.seg, b.off, b.size)
             for ns, key in v.key_recs:  # the old record of each rewritten key goes dead
                 old = self._kloc.get(ns, {}).get(key)
                 b = self._lookup(ns, key)
@@ -1094,9 +1280,43 @@ class SharedKvStoreBackend(TieredEngine):
             self._committed_ops += len(batch)
             if w.active is not None:
                 self._log_end = (w.active.id, w.pos)
+            dead = [
+                (sid, off, size)
+                for sdig, (b, sid, off, size) in doomed.items()
+                if self._blobs.get(sdig) is not b
+            ]
         for op, res in zip(batch, results, strict=True):
             settle(op.future, res)
+        if dead:
+            self._punch(dead)
         self._checkpoint_due(w.last_batch_bytes)
+
+    def _punch(self, dead: list[tuple[int, int, int]]) -> None:
+        """Give the disk back the payload bytes of blocks that just died (their deleting
+        batch is durable): whole pages inside each payload are punched out of the file,
+        record headers stay, so the log still scans. Deleted data makes room at once,
+        whatever its layout, without copying anything (a full disk has no room to copy
+        into). Replay and compaction never read a dead payload; one that is read back
+        (a whole-log `check`) is not reported, since no key references it."""
+        if not self._punch_ok:
+            return
+        for sid, off, size in dead:
+            seg = self._segs.get(sid)
+            start = -(-off // PUNCH_ALIGN) * PUNCH_ALIGN
+            end = (off + size) // PUNCH_ALIGN * PUNCH_ALIGN
+            if seg is None or end <= start:
+                continue
+            try:
+                if not self._io.punch_hole(seg.fd, start, end - start):
+                    self._punch_ok = False
+                    log.info("%s cannot punch holes: dead bytes wait for compaction", self.path)
+                    return
+            except OSError as exc:
+                log.warning("punching dead bytes out of segment %08d failed: %s", sid, exc)
+                continue
+            with self._lock:
+                self._seg_punched[sid] = self._seg_punched.get(sid, 0) + end - start
+                self._punched_bytes += end - start
 
     def _emit(self, v: _View, header: bytearray, payload: Buffer | None = None) -> tuple[int, int]:
         return self._writer.alloc(header, payload)
@@ -1107,9 +1327,11 @@ class SharedKvStoreBackend(TieredEngine):
         v.key_recs[(ns, key)] = (pack_loc(sid, off), len(hdr))
         v.keys[(ns, key)] = ks
 
-    def _emit_del(self, v: _View, ns: str, key: str, *, evicted: bool = False) -> None:
+    def _emit_del(
+        self, v: _View, ns: str, key: str, *, evicted: bool = False, aux: int = 0
+    ) -> None:
         cur = v.key(ns, key)
-        hdr = records.encode(Op.DEL, ns=ns, key=key, aux=1 if evicted else 0)
+        hdr = records.encode(Op.DEL, ns=ns, key=key, aux=records.DEL_EVICTED if evicted else aux)
         sid, _off = self._emit(v, hdr)
         v.tomb[sid] = v.tomb.get(sid, 0) + len(hdr)
         v.key_recs[(ns, key)] = None
@@ -1172,6 +1394,12 @@ class SharedKvStoreBackend(TieredEngine):
             if cur is None or not self._is_stale(op.ns, cur):
                 return False
             self._emit_del(v, op.ns, op.key)
+            return True
+        if kind == "rewrite":
+            cur = v.key(op.ns, op.key)
+            if cur is None:
+                return False
+            self._emit_key(v, op.ns, op.key, cur)
             return True
         if kind == "flush":
             names = v.ns_keys(op.ns)
@@ -1291,7 +1519,7 @@ class SharedKvStoreBackend(TieredEngine):
         v.tomb[sid] = v.tomb.get(sid, 0) + len(hdr)
         v.quarantine[op.sdig] = now
         for ns, key in self._keys_of_blob(v, op.sdig):
-            self._emit_del(v, ns, key)
+            self._emit_del(v, ns, key, aux=records.DEL_QUARANTINED)
         v.dropped.add(op.sdig)
 
     def _make_room(self, v: _View, size: int) -> None:

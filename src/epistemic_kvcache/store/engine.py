@@ -840,6 +840,11 @@ class TieredEngine(SharedKvBackend):
         """Read a block that is in neither RAM tier (durable backend). None = unreadable."""
         return None
 
+    def _recover_lower(self, b: _Blob, loc: tuple[int, int]) -> Buffer | None:
+        """A lower-tier read at `loc` failed or did not verify: the block's verified bytes
+        from elsewhere (durable backend: the log, when the location was wrong), or None."""
+        return None
+
     def _drop_bad_warm(self, b: _Blob, warm: bytes) -> None:
         """A warm copy failed verification: count it and forget the copy (lock NOT held)."""
         with self._lock:
@@ -977,6 +982,7 @@ class TieredEngine(SharedKvBackend):
                 # A damaged RAM copy: drop it, count it, and serve the disk copy instead.
                 self._drop_bad_warm(b, warm)
                 data = None
+        verified = False
         if data is None and not corrupt:
             data = self._read_lower(b, loc)  # None: unreadable right now (I/O error), a miss
             if data is None:
@@ -985,8 +991,17 @@ class TieredEngine(SharedKvBackend):
                     loc = (b.seg, b.off)
                 if moved:  # compaction moved it (and dropped the old segment): read again
                     data = self._read_lower(b, loc)
-            if data is not None and (len(data) != b.size or digest_of(data) != b.digest):
-                data, corrupt = None, True
+                if data is None:  # where RAM says holds nothing: perhaps RAM is wrong
+                    data = self._recover_lower(b, loc)  # (verified, or None: a miss)
+                    verified = data is not None
+            if (
+                not verified
+                and data is not None
+                and (len(data) != b.size or digest_of(data) != b.digest)
+            ):
+                # distrust the location before the bytes: look for them in the log
+                data = self._recover_lower(b, loc)
+                corrupt = data is None
         if data is None:
             if corrupt:
                 self._quarantine(b, "digest mismatch", loc)

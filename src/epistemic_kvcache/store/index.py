@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +42,11 @@ import lmdb
 
 from epistemic_kvcache.errors import ConfigurationError, StorageIOError
 
-FORMAT_VERSION = b"4"
+FORMAT_VERSION = b"5"
+"""5: every row carries a CRC-32 (format 4 had none: such an index is rebuilt from the log)."""
+OLD_FORMATS = (b"4",)
+"""Formats this version does not read but rebuilds from the log without asking."""
+_CRC = struct.Struct(">I")
 _U16 = struct.Struct(">H")
 _U64 = struct.Struct(">Q")
 _KEY_HEAD = struct.Struct(">IQ")  # pins, record location
@@ -122,6 +127,27 @@ def unpack_key(row: bytes) -> tuple[KeyState, bytes]:
     return KeyState(sdig, pins, tag, loc), longkey
 
 
+class IndexError_(StorageIOError):
+    """The index cannot be read (missing, empty, damaged)."""
+
+
+def seal_row(db: bytes, key: bytes, value: bytes) -> bytes:
+    """`value` with a CRC-32 of the database name, the row key and the value appended:
+    damage inside a row that LMDB's page structure does not notice is caught on read."""
+    return value + _CRC.pack(zlib.crc32(value, zlib.crc32(key, zlib.crc32(db))))
+
+
+def open_row(db: bytes, key: bytes, row: bytes | memoryview) -> bytes:
+    """The value of a sealed row (`IndexError_` when its checksum does not match)."""
+    raw = bytes(row)
+    if len(raw) < _CRC.size:
+        raise IndexError_(f"index row damaged ({db.decode()} {key[:40]!r}: {len(raw)} bytes)")
+    value = raw[: -_CRC.size]
+    if _CRC.unpack(raw[-_CRC.size :])[0] != zlib.crc32(value, zlib.crc32(key, zlib.crc32(db))):
+        raise IndexError_(f"index row damaged ({db.decode()} {key[:40]!r}: checksum mismatch)")
+    return value
+
+
 def meta_row(kind: str, tenant: str, rid: str) -> bytes:
     return kind.encode() + b":" + ns_prefix(tenant) + rid.encode()
 
@@ -151,10 +177,6 @@ class Changes:
         return (len(self.keys) + len(self.blobs) + len(self.metas) + len(self.quarantine)) + len(
             self.segs
         )
-
-
-class IndexError_(StorageIOError):
-    """The index cannot be read (missing, empty, damaged)."""
 
 
 def precheck(index_dir: Path) -> str | None:
@@ -200,13 +222,199 @@ def precheck(index_dir: Path) -> str | None:
     return None
 
 
+# -- validating the file before LMDB maps it --------------------------------------------
+_P_BRANCH, _P_LEAF, _P_OVERFLOW = 0x01, 0x02, 0x04
+_F_BIGDATA, _F_SUBDATA, _F_DUPDATA = 0x01, 0x02, 0x04
+_PAGEHDR = 16
+_NODEHDR = 8
+_P_INVALID = (1 << 64) - 1
+_MAX_DEPTH = 32
+
+
+class _Damaged(Exception):
+    pass
+
+
+class _Walker:
+    """Walks every B-tree page reachable from the newest meta page with `pread`, checking
+    what LMDB would dereference: page numbers within the file, page headers, node offsets
+    and sizes within their page, overflow runs, sub-database roots, the free list."""
+
+    def __init__(self, fd: int, psize: int, last_pg: int, size: int) -> None:
+        self.fd = fd
+        self.psize = psize
+        self.last_pg = last_pg
+        self.size = size
+        self.seen: set[int] = set()
+
+    def page(self, pgno: int, what: str) -> bytes:
+        if not 2 <= pgno <= self.last_pg:
+            raise _Damaged(f"{what}: page {pgno} outside the file (last page {self.last_pg})")
+        if pgno in self.seen:
+            raise _Damaged(f"{what}: page {pgno} is reached twice")
+        self.seen.add(pgno)
+        buf = os.pread(self.fd, self.psize, pgno * self.psize)
+        if len(buf) != self.psize:
+            raise _Damaged(f"{what}: page {pgno} is cut short")
+        if struct.unpack_from("<Q", buf, 0)[0] != pgno:
+            raise _Damaged(f"{what}: page {pgno} names itself {struct.unpack_from('<Q', buf)[0]}")
+        return buf
+
+    def tree(self, root: int, what: str, *, collect: bool = True) -> list[tuple[bytes, bytes, int]]:
+        """Walk a B-tree; returns its leaf nodes as (key, data, node flags) if `collect`."""
+        if root == _P_INVALID:
+            return []
+        out: list[tuple[bytes, bytes, int]] | None = [] if collect else None
+        self._node_page(root, what, 0, out)
+        return out or []
+
+    def _node_page(
+        self, pgno: int, what: str, depth: int, out: list[tuple[bytes, bytes, int]] | None
+    ) -> None:
+        if depth > _MAX_DEPTH:
+            raise _Damaged(f"{what}: tree deeper than {_MAX_DEPTH}")
+        buf = self.page(pgno, what)
+        flags, lower, upper = struct.unpack_from("<HHH", buf, 10)
+        kind = flags & (_P_BRANCH | _P_LEAF | _P_OVERFLOW | 0x20 | 0x40 | 0x08)
+        if kind not in (_P_BRANCH, _P_LEAF):
+            raise _Damaged(f"{what}: page {pgno} has flags {flags:#x}")
+        ps = self.psize
+        if lower < _PAGEHDR or lower & 1 or upper > ps or lower > upper:
+            raise _Damaged(f"{what}: page {pgno} has bounds {lower}..{upper}")
+        n = (lower - _PAGEHDR) >> 1
+        if n == 0 and kind == _P_BRANCH:
+            raise _Damaged(f"{what}: branch page {pgno} is empty")
+        prev: bytes | None = None
+        for i in range(n):
+            ptr = struct.unpack_from("<H", buf, _PAGEHDR + 2 * i)[0]
+            if ptr < upper or ptr + _NODEHDR > ps:
+                raise _Damaged(f"{what}: page {pgno} node {i} at {ptr} outside its page")
+            lo, hi, nflags, ksize = struct.unpack_from("<HHHH", buf, ptr)
+            kend = ptr + _NODEHDR + ksize
+            if kend > ps:
+                raise _Damaged(f"{what}: page {pgno} node {i} key runs off its page")
+            key = bytes(buf[ptr + _NODEHDR : kend])
+            if kind == _P_BRANCH:
+                child = lo | hi << 16 | nflags << 32
+                if i > 0 and prev is not None and key <= prev:
+                    raise _Damaged(f"{what}: page {pgno} keys out of order")
+                prev = key if i > 0 else None
+                self._node_page(child, what, depth + 1, out)
+                continue
+            if prev is not None and key <= prev:
+                raise _Damaged(f"{what}: page {pgno} keys out of order")
+            prev = key
+            dsize = lo | hi << 16
+            if nflags & ~(_F_BIGDATA | _F_SUBDATA) or nflags & _F_DUPDATA:
+                raise _Damaged(f"{what}: page {pgno} node {i} has flags {nflags:#x}")
+            if nflags & _F_BIGDATA:
+                if kend + 8 > ps:
+                    raise _Damaged(f"{what}: page {pgno} node {i} runs off its page")
+                opg = struct.unpack_from("<Q", buf, kend)[0]
+                data = self._overflow(opg, dsize, what, out is not None)
+            else:
+                if kend + dsize > ps:
+                    raise _Damaged(f"{what}: page {pgno} node {i} data runs off its page")
+                data = bytes(buf[kend : kend + dsize]) if out is not None else b""
+            if out is not None:
+                out.append((key, data, nflags))
+
+    def _overflow(self, pgno: int, dsize: int, what: str, want: bool) -> bytes:
+        head = self.page(pgno, what)
+        flags = struct.unpack_from("<H", head, 10)[0]
+        pages = struct.unpack_from("<I", head, 12)[0]
+        if not flags & _P_OVERFLOW or pages < 1 or pgno + pages - 1 > self.last_pg:
+            raise _Damaged(f"{what}: overflow page {pgno} is damaged")
+        if pages * self.psize - _PAGEHDR < dsize:
+            raise _Damaged(f"{what}: overflow run at {pgno} is shorter than its data")
+        for extra in range(pgno + 1, pgno + pages):
+            if extra in self.seen:
+                raise _Damaged(f"{what}: page {extra} is reached twice")
+            self.seen.add(extra)
+        raw = os.pread(self.fd, _PAGEHDR + dsize, pgno * self.psize)
+        if len(raw) != _PAGEHDR + dsize:
+            raise _Damaged(f"{what}: overflow run at {pgno} is cut short")
+        return raw[_PAGEHDR:]
+
+
+def validate_file(index_dir: Path) -> str | None:
+    """Why LMDB must not map the file under `index_dir` (None: it is safe to open).
+
+    LMDB trusts its file: a page number past the end makes it touch unmapped memory
+    (SIGBUS, the process dies with nothing logged), a bad node offset reads garbage. So
+    before LMDB maps it, every page reachable from the newest meta page (each database's
+    B-tree, overflow pages, the free list) is read with `pread` and checked."""
+    why = precheck(index_dir)
+    if why is not None:
+        return why
+    data = index_dir / "data.mdb"
+    try:
+        fd = os.open(data, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        return f"index file unreadable ({exc.strerror})"
+    try:
+        size = os.fstat(fd).st_size
+        psize = struct.unpack_from("<I", os.pread(fd, 64, 16 + 24), 0)[0]
+        best: tuple[int, bytes] | None = None
+        for page in (0, 1):
+            raw = os.pread(fd, 16 + 136, page * psize)
+            if len(raw) < 16 + 136:
+                return "index file is not an LMDB database (damaged meta pages)"
+            flags = struct.unpack_from("<H", raw, 10)[0]
+            magic, version = struct.unpack_from("<II", raw, 16)
+            if not flags & 0x08 or magic != 0xBEEFC0DE or version != 1:
+                return f"index meta page {page} is damaged"
+            txnid = struct.unpack_from("<Q", raw, 16 + 128)[0]
+            if best is None or txnid > best[0]:
+                best = (txnid, raw)
+        assert best is not None
+        meta = best[1]
+        free_root = struct.unpack_from("<Q", meta, 16 + 24 + 40)[0]
+        main_root = struct.unpack_from("<Q", meta, 16 + 72 + 40)[0]
+        last_pg = struct.unpack_from("<Q", meta, 16 + 120)[0]
+        if psize < 512 or psize & (psize - 1) or psize > 1 << 16:
+            return f"index meta page names page size {psize}"
+        w = _Walker(fd, psize, last_pg, size)
+        try:
+            for name, data_, nflags in w.tree(main_root, "main database"):
+                if not nflags & _F_SUBDATA:
+                    continue
+                if len(data_) != 48:
+                    raise _Damaged(f"database {name!r}: its record is {len(data_)} bytes")
+                root = struct.unpack_from("<Q", data_, 40)[0]
+                w.tree(root, f"database {name.decode(errors='replace')!r}", collect=False)
+            free: list[int] = []
+            for _k, ids, _f in w.tree(free_root, "free list"):
+                if len(ids) < 8 or len(ids) % 8:
+                    raise _Damaged("free list: a record of odd length")
+                n = struct.unpack_from("<Q", ids, 0)[0]
+                if n != len(ids) // 8 - 1:
+                    raise _Damaged("free list: a record's count does not match its length")
+                free.extend(struct.unpack_from(f"<{n}Q", ids, 8))
+            for pg in free:
+                if not 2 <= pg <= last_pg:
+                    raise _Damaged(f"free list: page {pg} outside the file")
+                if pg in w.seen:
+                    raise _Damaged(f"free list: page {pg} is free and in use")
+        except _Damaged as exc:
+            return f"index file is damaged ({exc})"
+        except (OSError, struct.error) as exc:
+            return f"index file is damaged ({exc})"
+        return None
+    finally:
+        os.close(fd)
+
+
 class Index:
     """The LMDB environment and its rows."""
 
     def __init__(self, index_dir: Path, *, map_size: int, create: bool) -> None:
         self.dir = index_dir
+        self.tolerant = False
+        """Skip damaged rows instead of refusing (salvage during a rebuild)."""
+        self.damaged_rows = 0
         if not create:
-            why = precheck(index_dir)
+            why = validate_file(index_dir)
             if why is not None:
                 raise IndexError_(why)
         try:
@@ -230,76 +438,132 @@ class Index:
         except lmdb.Error as exc:
             raise IndexError_(f"index unreadable: {exc}") from exc
 
-    # -- reading -------------------------------------------------------------------------
+    # -- reading ---------------------------------------------------------------------------
+    # Every row is checked (`open_row`); a row that fails, or a value that does not parse,
+    # is `IndexError_`: the store refuses the index and names the rebuild, as for a
+    # missing one.
     def meta(self, name: bytes) -> bytes | None:
-        with self.env.begin() as txn:
-            v = txn.get(name, db=self.db_meta)
-        return bytes(v) if v is not None else None
+        try:
+            with self.env.begin() as txn:
+                v = txn.get(name, db=self.db_meta)
+                if v is None:
+                    return None
+                return bytes(v) if name == b"format" else open_row(b"meta", name, v)
+        except lmdb.Error as exc:
+            raise IndexError_(f"index unreadable: {exc}") from exc
 
     def checkpoint(self) -> tuple[int, int] | None:
         v = self.meta(b"ckpt")
         if v is None:
             return None
-        seg, off = _CKPT.unpack(v)
+        try:
+            seg, off = _CKPT.unpack(v)
+        except struct.error as exc:
+            raise IndexError_(f"index row damaged (ckpt: {exc})") from exc
         return int(seg), int(off)
 
     def counters(self) -> dict[str, int]:
         v = self.meta(b"counters")
-        return json.loads(v) if v else {}
+        try:
+            out = json.loads(v) if v else {}
+        except ValueError as exc:
+            raise IndexError_(f"index row damaged (counters: {exc})") from exc
+        if not isinstance(out, dict):
+            raise IndexError_("index row damaged (counters)")
+        return out
 
     def is_empty(self) -> bool:
-        with self.env.begin() as txn:
-            return txn.get(b"format", db=self.db_meta) is None
+        try:
+            with self.env.begin() as txn:
+                return txn.get(b"format", db=self.db_meta) is None
+        except lmdb.Error as exc:
+            raise IndexError_(f"index unreadable: {exc}") from exc
+
+    def _rows(self, db: Any, name: bytes) -> Iterator[tuple[bytes, bytes]]:
+        seed = zlib.crc32(name)
+        crc32 = zlib.crc32
+        n = _CRC.size
+        try:
+            with self.env.begin() as txn:
+                for k, v in txn.cursor(db=db):
+                    kb = bytes(k)
+                    raw = bytes(v)
+                    value = raw[:-n]
+                    # (`open_row`, inlined: this runs once per row at every open)
+                    if len(raw) >= n and int.from_bytes(raw[-n:]) == crc32(value, crc32(kb, seed)):
+                        yield kb, value
+                        continue
+                    if name == b"meta" and kb == b"format":
+                        continue  # the one row read before its format is known
+                    try:
+                        open_row(name, kb, raw)  # raises with the reason
+                    except IndexError_:
+                        if not self.tolerant:
+                            raise
+                        self.damaged_rows += 1
+        except lmdb.Error as exc:
+            raise IndexError_(f"index unreadable: {exc}") from exc
 
     def iter_keys(self) -> Iterator[tuple[str, str, KeyState]]:
-        with self.env.begin() as txn:
-            for krow, v in txn.cursor(db=self.db_keys):
+        for krow, v in self._rows(self.db_keys, b"keys"):
+            try:
                 st, longkey = unpack_key(v)
-                ns, key = split_key_row(bytes(krow), longkey)
-                yield ns, key, st
+                ns, key = split_key_row(krow, longkey)
+            except (struct.error, UnicodeDecodeError, ValueError) as exc:
+                if self.tolerant:
+                    self.damaged_rows += 1
+                    continue
+                raise IndexError_(f"index row damaged (keys {krow[:40]!r}: {exc})") from exc
+            yield ns, key, st
 
     def iter_blobs(self) -> Iterator[tuple[bytes, tuple[int, int, int]]]:
-        with self.env.begin() as txn:
-            for sdig, row in txn.cursor(db=self.db_blobs):
-                yield bytes(sdig), _BLOB_ROW.unpack(row)
+        for sdig, row in self._rows(self.db_blobs, b"blobs"):
+            try:
+                yield sdig, _BLOB_ROW.unpack(row)
+            except struct.error as exc:
+                raise IndexError_(f"index row damaged (blobs: {exc})") from exc
 
     def iter_metas(self) -> Iterator[tuple[str, str, str, int, dict[str, Any]]]:
-        with self.env.begin() as txn:
+        for k, v in self._rows(self.db_meta, b"meta"):
             for kind in ("snap", "branch"):
                 prefix = kind.encode() + b":"
-                cur = txn.cursor(db=self.db_meta)
-                if not cur.set_range(prefix):
+                if not k.startswith(prefix):
                     continue
-                for k, v in cur:
-                    if not k.startswith(prefix):
-                        break
+                try:
                     n = _U16.unpack_from(k, len(prefix))[0]
-                    tenant = bytes(k[len(prefix) + 2 : len(prefix) + 2 + n]).decode()
-                    rid = bytes(k[len(prefix) + 2 + n :]).decode()
+                    tenant = k[len(prefix) + 2 : len(prefix) + 2 + n].decode()
+                    rid = k[len(prefix) + 2 + n :].decode()
                     loc = _U64.unpack_from(v, 0)[0]
-                    yield kind, tenant, rid, loc, json.loads(bytes(v[8:]))
+                    rec = json.loads(v[8:])
+                except (struct.error, ValueError) as exc:
+                    raise IndexError_(f"index row damaged ({kind} {k[:40]!r}: {exc})") from exc
+                if not isinstance(rec, dict):
+                    raise IndexError_(f"index row damaged ({kind} {k[:40]!r})")
+                yield kind, tenant, rid, loc, rec
 
     def iter_segs(self) -> Iterator[tuple[int, tuple[int, int]]]:
-        with self.env.begin() as txn:
-            cur = txn.cursor(db=self.db_meta)
-            if cur.set_range(b"seg:"):
-                for k, v in cur:
-                    if not k.startswith(b"seg:"):
-                        break
-                    yield int(k[4:]), _SEG_ROW.unpack(v)
+        for k, v in self._rows(self.db_meta, b"meta"):
+            if not k.startswith(b"seg:"):
+                continue
+            try:
+                yield int(k[4:]), _SEG_ROW.unpack(v)
+            except (struct.error, ValueError) as exc:
+                raise IndexError_(f"index row damaged ({k[:40]!r}: {exc})") from exc
 
     def quarantined(self) -> dict[bytes, float]:
-        with self.env.begin() as txn:
-            return {
-                bytes(k): float(bytes(v).decode() or 0)
-                for k, v in txn.cursor(db=self.db_quarantine)
-            }
+        out = {}
+        for k, v in self._rows(self.db_quarantine, b"quarantine"):
+            try:
+                out[k] = float(v.decode() or 0)
+            except ValueError as exc:
+                raise IndexError_(f"index row damaged (quarantine: {exc})") from exc
+        return out
 
     # -- writing -------------------------------------------------------------------------
     def init(self, store_id: str) -> None:
         with self.env.begin(write=True) as txn:
             txn.put(b"format", FORMAT_VERSION, db=self.db_meta)
-            txn.put(b"store_id", store_id.encode(), db=self.db_meta)
+            txn.put(b"store_id", seal_row(b"meta", b"store_id", store_id.encode()), db=self.db_meta)
 
     def apply(
         self,
@@ -315,29 +579,34 @@ class Index:
                     if st is None:
                         txn.delete(row, db=self.db_keys)
                     else:
-                        txn.put(row, pack_key(ns, key, st), db=self.db_keys)
+                        txn.put(row, seal_row(b"keys", row, pack_key(ns, key, st)), db=self.db_keys)
                 for sdig, b in ch.blobs.items():
                     if b is None:
                         txn.delete(sdig, db=self.db_blobs)
                     else:
-                        txn.put(sdig, _BLOB_ROW.pack(*b), db=self.db_blobs)
+                        txn.put(
+                            sdig, seal_row(b"blobs", sdig, _BLOB_ROW.pack(*b)), db=self.db_blobs
+                        )
                 for (kind, tenant, rid), m in ch.metas.items():
                     row = meta_row(kind, tenant, rid)
                     if m is None:
                         txn.delete(row, db=self.db_meta)
                     else:
-                        txn.put(row, _U64.pack(m[0]) + json.dumps(m[1]).encode(), db=self.db_meta)
+                        body = _U64.pack(m[0]) + json.dumps(m[1]).encode()
+                        txn.put(row, seal_row(b"meta", row, body), db=self.db_meta)
                 for sdig, when in ch.quarantine.items():
-                    txn.put(sdig, str(when).encode(), db=self.db_quarantine)
+                    q = seal_row(b"quarantine", sdig, str(when).encode())
+                    txn.put(sdig, q, db=self.db_quarantine)
                 for seg, srow in ch.segs.items():
                     row = b"seg:%08d" % seg
                     if srow is not None:
-                        txn.put(row, _SEG_ROW.pack(*srow), db=self.db_meta)
+                        txn.put(row, seal_row(b"meta", row, _SEG_ROW.pack(*srow)), db=self.db_meta)
                     else:
                         txn.delete(row, db=self.db_meta)
                 if counters is not None:
-                    txn.put(b"counters", json.dumps(counters).encode(), db=self.db_meta)
-                txn.put(b"ckpt", _CKPT.pack(*ckpt), db=self.db_meta)
+                    cnt = seal_row(b"meta", b"counters", json.dumps(counters).encode())
+                    txn.put(b"counters", cnt, db=self.db_meta)
+                txn.put(b"ckpt", seal_row(b"meta", b"ckpt", _CKPT.pack(*ckpt)), db=self.db_meta)
         except lmdb.Error as exc:
             raise StorageIOError(f"index checkpoint failed in {self.dir}: {exc}") from exc
 

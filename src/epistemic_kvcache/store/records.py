@@ -23,7 +23,8 @@ Operations
 ----------
 BLOB  sdig, payload = the block (content-addressed: any valid copy of a digest will do)
 KEY   ns, key -> sdig, pins, epoch tag: the key's whole state (pins change = a new KEY)
-DEL   ns, key: the key is gone (a tombstone); `aux` = 1 when the cache evicted it
+DEL   ns, key: the key is gone (a tombstone); `aux` = 1 when the cache evicted it, 2 when
+      its block was quarantined (a rebuild brings the key back if the block verifies)
 META  ns = tenant, key = id, aux = kind (1 snapshot, 2 branch), payload = JSON record
 MDEL  a snapshot or branch record is gone (tombstone)
 QUAR  sdig quarantined (its bytes failed verification); `aux` = unix time in ms
@@ -76,6 +77,8 @@ class Op(enum.IntEnum):
 
 
 TOMBSTONES = frozenset({Op.DEL, Op.MDEL})
+DEL_EVICTED = 1
+DEL_QUARANTINED = 2
 
 
 @dataclass(slots=True)
@@ -227,6 +230,39 @@ def decode(buf: bytes | bytearray | memoryview) -> Record:
     except UnicodeDecodeError:
         raise RecordError("header text is not UTF-8") from None
     return Record(kind, flags, ns, key, sdig, pins, scope, epoch, aux, plen, pcrc, hlen)
+
+
+def decode_unchecked(buf: bytes | bytearray | memoryview) -> Record:
+    """Decode a header whose checksum fails, to name what a damaged record was (the
+    result is a guess: never applied, only reported). `RecordError` if it cannot be."""
+    if len(buf) < FIXED_BYTES or bytes(buf[:4]) != MAGIC:
+        raise RecordError("no record magic")
+    fields = _FIXED.unpack_from(buf, 0)
+    op, flags, plen, pins, epoch, aux = (
+        fields[2],
+        fields[3],
+        fields[7],
+        fields[8],
+        fields[9],
+        fields[10],
+    )
+    n_ns, n_key, n_sdig, n_scope = fields[12:16]
+    pos = FIXED_BYTES
+    if pos + n_ns + n_key + n_sdig + n_scope > len(buf):
+        raise RecordError("header fields run past the bytes read")
+    try:
+        kind = Op(op)
+        ns = bytes(buf[pos : pos + n_ns]).decode()
+        pos += n_ns
+        key = bytes(buf[pos : pos + n_key]).decode()
+        pos += n_key
+        sdig = bytes(buf[pos : pos + n_sdig])
+        pos += n_sdig
+        scope = bytes(buf[pos : pos + n_scope]).decode()
+    except (ValueError, UnicodeDecodeError):
+        raise RecordError("not a readable header") from None
+    hlen = FIXED_BYTES + n_ns + n_key + n_sdig + n_scope
+    return Record(kind, flags, ns, key, sdig, pins, scope, epoch, aux, plen, fields[11], hlen)
 
 
 def record_length(op: Op, ns: str = "", key: str = "", sdig: bytes = b"", scope: str = "") -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -73,6 +74,10 @@ class LogState:
     lost_keys: list[tuple[str, str, bytes]] = field(default_factory=list)
     lost_blobs: set[bytes] = field(default_factory=set)
     counters: dict[str, int] = field(default_factory=dict)
+    quar_dels: dict[tuple[str, str], KeyState] = field(default_factory=dict)
+    del_locs: dict[tuple[str, str], int] = field(default_factory=dict)  # the last DEL of a key
+    tail_damage: list[tuple[int, int, int, str]] = field(default_factory=list)
+    """Keys deleted because their block was quarantined (and not written since)."""
 
 
 def load_index(ix: Index, progress: Progress | None = None) -> LogState:
@@ -171,6 +176,7 @@ def replay(
         tail_from = st.ends.get(last, 0)
         tail = [d for d in st.damage if d[0] == last and d[1] >= tail_from]
         st.damage = [d for d in st.damage if d not in tail]
+        st.tail_damage = tail
         st.tail_bytes = sum(d[2] - d[1] for d in tail)
 
 
@@ -190,8 +196,14 @@ def _apply(st: LogState, sid: int, item: Scanned) -> None:
         ks = KeyState(rec.sdig, rec.pins, rec.tag, pack_loc(sid, item.off))
         st.keys[(rec.ns, rec.key)] = ks
         ch.keys[(rec.ns, rec.key)] = ks
+        st.quar_dels.pop((rec.ns, rec.key), None)
     elif op is Op.DEL:
-        st.keys.pop((rec.ns, rec.key), None)
+        prior = st.keys.pop((rec.ns, rec.key), None)
+        st.del_locs[(rec.ns, rec.key)] = pack_loc(sid, item.off)
+        if rec.aux == records.DEL_QUARANTINED and prior is not None:
+            st.quar_dels[(rec.ns, rec.key)] = prior
+        else:
+            st.quar_dels.pop((rec.ns, rec.key), None)
         ch.keys[(rec.ns, rec.key)] = None
         _tomb(st, sid, size)
     elif op is Op.META:
@@ -219,6 +231,96 @@ def _apply(st: LogState, sid: int, item: Scanned) -> None:
         _tomb(st, sid, size)
 
 
+def reverify_quarantine(st: LogState) -> list[tuple[str, str, str]]:
+    """After a whole-log replay that verified every block: a quarantined block with a
+    copy in the log that verifies was quarantined by mistake (say, a read at a wrong
+    location). Lift its quarantine and bring back the keys the quarantine deleted (unless
+    written since). Returns (namespace, key, digest hex) of each key brought back."""
+    back: list[tuple[str, str, str]] = []
+    for sdig in [d for d in st.quarantine if d in st.blobs]:
+        del st.quarantine[sdig]
+        st.changes.quarantine.pop(sdig, None)
+        for ref, ks in list(st.quar_dels.items()):
+            if ks.sdig == sdig and ref not in st.keys:
+                st.keys[ref] = ks
+                st.changes.keys[ref] = ks
+                del st.quar_dels[ref]
+                back.append((ref[0], ref[1], sdig[-32:].hex()))
+    return back
+
+
+@dataclass(slots=True)
+class Salvage:
+    """What a rebuild could not take from the log alone (see `salvage`)."""
+
+    restored: list[tuple[str, str]] = field(default_factory=list)
+    """Keys whose newest record is damaged, taken from the old index (block verified)."""
+    unrestored: list[tuple[str, str, str]] = field(default_factory=list)
+    """(namespace, key, why): keys the old index had that the rebuild cannot serve."""
+    suspects: list[tuple[str, str, str]] = field(default_factory=list)
+    """(namespace, key, what): keys named by a damaged record (its checksum fails, so the
+    name is a best guess) that the rebuild does not hold as that record would have it."""
+
+
+def _in_damage(loc: int, regions: list[tuple[int, int, int, str]]) -> bool:
+    sid, off = loc >> 40, loc & ((1 << 40) - 1)
+    return any(d[0] == sid and d[1] <= off < d[2] for d in regions)
+
+
+def salvage(st: LogState, old: LogState | None, segments: dict[int, Segment]) -> Salvage:
+    """After a whole-log replay (`st`), recover what damaged records hide.
+
+    `old` is the old index's view (its rows plus the log after its checkpoint) when it
+    still reads. A key it holds whose record lies in a damaged region of the log (so the
+    replay never saw it) is taken from it when its block verifies in the log; otherwise
+    it is named as lost. Without an old index, damaged regions are decoded leniently
+    (without their checksum) and the keys they name are reported as suspects."""
+    out = Salvage()
+    regions = st.damage + st.tail_damage
+    if old is not None:
+        for ref, oks in old.keys.items():
+            cur = st.keys.get(ref)
+            if cur is not None and cur.loc >= oks.loc:
+                continue  # the log has this record, or a later one
+            if cur is None and st.del_locs.get(ref, -1) > oks.loc:
+                continue  # deleted after the old index's record
+            # the log lost the record the old index has (damaged, cut short, or its
+            # segment deleted): take it from there when its block verifies in the log
+            if oks.sdig in st.blobs and oks.sdig not in st.lost_blobs:
+                st.keys[ref] = oks
+                st.changes.keys[ref] = oks
+                out.restored.append(ref)
+                continue
+            where = "is damaged" if _in_damage(oks.loc, regions) else "is gone"
+            why = f"its newest record {where} and its block is gone"
+            if cur is not None:  # never serve the older value the log still has
+                del st.keys[ref]
+                st.changes.keys[ref] = None
+                why += " (an older value is not served)"
+            out.unrestored.append((ref[0], ref[1], why))
+    for ref, ks in st.quar_dels.items():
+        if ref not in st.keys and ks.sdig in st.quarantine:
+            why = f"its block {ks.sdig[-32:].hex()} failed verification (quarantined)"
+            out.unrestored.append((ref[0], ref[1], why))
+    for sid, start, _end, _why in regions:
+        seg = segments.get(sid)
+        if seg is None:
+            continue
+        try:
+            rec = records.decode_unchecked(
+                bytes(os.pread(seg.fd, records.FIXED_BYTES + 2048, start))
+            )
+        except (OSError, records.RecordError):
+            continue
+        ref = (rec.ns, rec.key)
+        if rec.op is Op.KEY and (ref not in st.keys or st.keys[ref].sdig != rec.sdig):
+            if ref not in out.restored and ref not in {(n, k) for n, k, _w in out.unrestored}:
+                out.suspects.append((rec.ns, rec.key, "its KEY record is damaged"))
+        elif rec.op is Op.DEL and ref in st.keys and st.keys[ref].loc < pack_loc(sid, start):
+            out.suspects.append((rec.ns, rec.key, "a damaged DEL may have deleted it"))
+    return out
+
+
 def _tomb(st: LogState, sid: int, size: int) -> None:
     st.tomb[sid] = st.tomb.get(sid, 0) + size
 
@@ -226,6 +328,10 @@ def _tomb(st: LogState, sid: int, size: int) -> None:
 def finish(st: LogState, segments: dict[int, Segment], valid_end: dict[int, int]) -> None:
     """Drop unreferenced blobs; find lost blobs (bytes gone) and the keys that lose them."""
     referenced = {ks.sdig for ks in st.keys.values()}
+    # a dead payload that fails verification is no loss (and is punched out on purpose)
+    wanted = {sdig[-32:].hex() for sdig in referenced if sdig not in st.blobs}
+    wanted |= {sdig[-32:].hex() for sdig in st.quarantine}  # still failing: a known loss
+    st.bad_blobs = [bb for bb in st.bad_blobs if bb[2] in wanted]
     for sdig in [s for s in st.blobs if s not in referenced]:
         del st.blobs[sdig]
         st.changes.blobs[sdig] = None

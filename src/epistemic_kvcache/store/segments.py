@@ -39,12 +39,14 @@ magic, so one damaged record never hides the ones after it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from epistemic_kvcache.buffers import read_buffer
 from epistemic_kvcache.store import records
@@ -79,6 +81,44 @@ class DiskIO:
     def free_bytes(self, path: Path) -> int:
         st = os.statvfs(path)
         return st.f_bavail * st.f_frsize
+
+    def total_bytes(self, path: Path) -> int:
+        st = os.statvfs(path)
+        return st.f_blocks * st.f_frsize
+
+    def punch_hole(self, fd: int, offset: int, length: int) -> bool:
+        """Give the file system back the blocks of a byte range (reads then return zeros;
+        the file keeps its size). False where the file system cannot."""
+        return punch_hole(fd, offset, length)
+
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_libc: Any = None
+PUNCH_ALIGN = 4096
+"""Holes are punched in whole pages inside a dead payload (headers are never touched)."""
+
+
+def punch_hole(fd: int, offset: int, length: int) -> bool:
+    """`fallocate(PUNCH_HOLE | KEEP_SIZE)`; False where unsupported (then nothing changed)."""
+    global _libc
+    if length <= 0:
+        return True
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc is False:
+        return False
+    mode = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
+    if _libc.fallocate(fd, mode, offset, length) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        return False
+    raise OSError(err, os.strerror(err))
 
 
 def seg_path(directory: Path, seg_id: int) -> Path:
@@ -291,6 +331,7 @@ class LogWriter:
         self.disk_full = False
         self._free_checked = 0.0
         self._free = 1 << 62
+        self._fs_bytes: int | None = None
         self._batch: list[_Pending] = []
         self._batch_start: tuple[Segment | None, int, int, int, int] = (None, 0, 0, 1, 0)
         self._prev_id = 0  # the segment before the active one (SEGH of the next)
@@ -496,8 +537,15 @@ class LogWriter:
         return self.disk_full
 
     def _room_to_breathe(self) -> int:
-        """Free space at which a full disk counts as not full any more."""
-        return min(LOW_SPACE_BYTES, 2 * self.segment_bytes + self.delete_reserve)
+        """Free space at which a full disk counts as not full any more (bounded by a
+        sixteenth of the file system: a small one never has a segment's worth free)."""
+        if self._fs_bytes is None:
+            try:
+                self._fs_bytes = self.io.total_bytes(self.dir)
+            except OSError:
+                self._fs_bytes = 1 << 62
+        room = min(LOW_SPACE_BYTES, 2 * self.segment_bytes + self.delete_reserve)
+        return min(room, max(2 * self.delete_reserve, self._fs_bytes // 16))
 
     def _prezero(self, batch_bytes: int) -> None:
         """Keep zeroed, allocated space after the active segment's end: the delete reserve

@@ -21,18 +21,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from epistemic_kvcache.errors import ConfigurationError
-from epistemic_kvcache.store.index import IndexError_, open_index
+from epistemic_kvcache.store import records
+from epistemic_kvcache.store.index import Index, IndexError_, open_index
 from epistemic_kvcache.store.recovery import (
     LogState,
     finish,
     load_index,
     read_seals,
     replay,
+    reverify_quarantine,
     valid_ends,
 )
 from epistemic_kvcache.store.segments import Segment, seg_id_of
 
 Progress = Callable[[str], None]
+
+
+def missing_segments(ids: list[int], deleted: set[int], first: int | None = None) -> list[int]:
+    """Segment ids missing from the sequence `ids` (sorted), not deleted on purpose.
+    Gaps are walked, not the whole id range (a stray file named 99999999.seg must not
+    make this a hundred million steps); a gap longer than 1000 lists its first 1000."""
+    out: list[int] = []
+    prev = ids[0] if first is None and ids else first
+    if prev is None:
+        return out
+    for sid in ids:
+        if sid > prev + 1:
+            gap = [i for i in range(prev + 1, min(sid, prev + 1001)) if i not in deleted]
+            out.extend(gap)
+        prev = max(prev, sid)
+    return out
 
 
 @dataclass(slots=True)
@@ -129,6 +147,8 @@ def check(
         if progress is not None:
             progress(f"replaying the whole log of {path} ({out.log_bytes >> 20} MiB)")
         replay(segs, full, None, verify=deep, progress=progress)
+        if deep:  # what a rebuild would bring back (a quarantined block that verifies)
+            reverify_quarantine(full)
         finish(full, segs, valid_ends(full, segs, (0, 0)))
         out.records, out.batches = full.records, full.batches
         out.keys = len(full.keys) - len(full.lost_keys)
@@ -141,11 +161,7 @@ def check(
         out.damaged = [f"segment {s:08d} at {a}..{b}: {why}" for s, a, b, why in full.damage]
         out.bad_blocks = [f"{d} (segment {s:08d} at {o})" for s, o, d in full.bad_blobs]
         out.lost_keys = [f"{ns}/{key} ({d.hex()})" for ns, key, d in full.lost_keys]
-        ids = sorted(segs)
-        if ids:
-            out.missing_segments = [
-                i for i in range(ids[0], ids[-1] + 1) if i not in segs and i not in full.segdel
-            ]
+        out.missing_segments = missing_segments(sorted(segs), full.segdel)
         # the index, as a server would open it
         try:
             ix = open_index(path / "index", map_size_bytes)
@@ -153,28 +169,9 @@ def check(
             out.index = f"unusable ({exc}): run `epistemic-kvcache store rebuild-index`"
         else:
             try:
-                start = ix.checkpoint()
-                if ix.is_empty() or start is None:
-                    out.index = "empty: run `epistemic-kvcache store rebuild-index`"
-                else:
-                    st = load_index(ix)
-                    read_seals(segs, st)
-                    replay(segs, st, start, verify=False)
-                    finish(st, segs, valid_ends(st, segs, start))
-                    behind = st.replayed_bytes
-                    if behind:
-                        out.index = f"ok ({behind} bytes of log after its checkpoint)"
-                    mine = {k: v.sdig for k, v in st.keys.items()}
-                    truth = {k: v.sdig for k, v in full.keys.items()}
-                    for k in sorted(set(mine) | set(truth)):
-                        if mine.get(k) != truth.get(k):
-                            out.index_mismatches.append(
-                                f"{k[0]}/{k[1]}: index {'has' if k in mine else 'lacks'} it"
-                                + (" (other bytes)" if k in mine and k in truth else "")
-                            )
-                        if len(out.index_mismatches) >= 100:
-                            out.index_mismatches.append("... (more)")
-                            break
+                _check_index(out, ix, segs, full)
+            except IndexError_ as exc:
+                out.index = f"unusable ({exc}): run `epistemic-kvcache store rebuild-index`"
             finally:
                 ix.close()
         out.seconds = time.perf_counter() - t0
@@ -183,9 +180,67 @@ def check(
         os.close(fd)
 
 
+def _check_index(out: CheckSummary, ix: Index, segs: dict[int, Segment], full: LogState) -> None:
+    """Compare what a server would open (the index plus the log after its checkpoint)
+    with the whole log: keys and their blocks, where each block is, and what is lost."""
+    start = ix.checkpoint()
+    if ix.is_empty() or start is None:
+        out.index = "empty: run `epistemic-kvcache store rebuild-index`"
+        return
+    st = load_index(ix)
+    read_seals(segs, st)
+    replay(segs, st, start, verify=False)
+    finish(st, segs, valid_ends(st, segs, start))
+    if st.replayed_bytes:
+        out.index = f"ok ({st.replayed_bytes} bytes of log after its checkpoint)"
+    found = out.index_mismatches
+
+    def note(line: str) -> bool:
+        found.append(line)
+        if len(found) >= 100:
+            found.append("... (more)")
+            return False
+        return True
+
+    mine = {k: v.sdig for k, v in st.keys.items()}
+    truth = {k: v.sdig for k, v in full.keys.items()}
+    for k in sorted(set(mine) | set(truth)):
+        if mine.get(k) != truth.get(k):
+            line = f"{k[0]}/{k[1]}: index {'has' if k in mine else 'lacks'} it"
+            if not note(line + (" (other bytes)" if k in mine and k in truth else "")):
+                return
+    # a key the log serves but the index's view loses (its block row points elsewhere)
+    lost_here = {(ns, key) for ns, key, _d in st.lost_keys}
+    lost_there = {(ns, key) for ns, key, _d in full.lost_keys}
+    for ns, key in sorted(lost_here - lost_there):
+        if not note(f"{ns}/{key}: the index loses its bytes, the log has them"):
+            return
+    for sdig in sorted(set(st.blobs) & set(full.blobs)):
+        if sdig in full.lost_blobs or st.blobs[sdig] == full.blobs[sdig]:
+            continue
+        # the log may hold several valid copies (compaction): the index's must be one
+        size, off, sid = st.blobs[sdig]
+        where = f"block {sdig[-32:].hex()}: the index places it where it is not"
+        if not _blob_at(segs, sdig, size, off, sid) and not note(where):
+            return
+
+
+def _blob_at(segs: dict[int, Segment], sdig: bytes, size: int, off: int, sid: int) -> bool:
+    """Whether segment `sid` holds a BLOB record of `sdig` with `size` bytes at `off`."""
+    seg = segs.get(sid)
+    hlen = records.blob_header_length(sdig)
+    if seg is None or off < hlen or off + size > seg.size():
+        return False
+    try:
+        rec = records.decode(seg.read(off - hlen, hlen))
+    except (OSError, records.RecordError):
+        return False
+    return rec.op is records.Op.BLOB and rec.sdig == sdig and rec.plen == size
+
+
 @dataclass(slots=True)
 class RebuildSummary:
-    """What `rebuild_index` made."""
+    """What `rebuild_index` made, and every key it could not restore."""
 
     blocks: int
     keys: int
@@ -194,13 +249,20 @@ class RebuildSummary:
     damaged: int
     lost_keys: int
     seconds: float
+    lost: list[str] = field(default_factory=list)
+    """Each key the rebuild cannot serve, by name, with why."""
+    restored: int = 0
+    """Keys whose newest log record is damaged, taken from the old index."""
 
     def lines(self) -> list[str]:
-        return [
+        out = [
             f"rebuilt the index from {self.segments} segments ({self.log_bytes} bytes) in "
             f"{self.seconds:.2f} s: {self.blocks} blocks, {self.keys} keys",
-            f"damaged log regions: {self.damaged}, keys whose bytes are gone: {self.lost_keys}",
+            f"damaged log regions: {self.damaged}, keys whose bytes are gone: {self.lost_keys}, "
+            f"restored from the old index: {self.restored}",
         ]
+        out += [f"lost: {line}" for line in self.lost]
+        return out
 
 
 def rebuild_index(
@@ -221,14 +283,21 @@ def rebuild_index(
     )
     try:
         extra = store.stats(None).extra
+        lost = [f"{ns}/{key} (its bytes are gone)" for ns, key, _d in store.lost_keys()]
+        sv = store.salvaged
+        if sv is not None:
+            lost += [f"{ns}/{key} ({why})" for ns, key, why in sv.unrestored]
+            lost += [f"{ns}/{key} (probably: {what})" for ns, key, what in sv.suspects]
         return RebuildSummary(
             blocks=len(store._blobs),
             keys=sum(len(v) for v in store._index.values()),
             segments=int(extra["segments"]),
             log_bytes=int(extra["segment_bytes"]),
             damaged=int(extra["damaged_log_regions"]),
-            lost_keys=int(extra["lost_keys"]),
+            lost_keys=len(lost),
             seconds=time.perf_counter() - t0,
+            lost=lost,
+            restored=len(sv.restored) if sv is not None else 0,
         )
     finally:
         store.close()

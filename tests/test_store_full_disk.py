@@ -1,0 +1,153 @@
+"""A full disk comes back when data is deleted, whatever the deleted keys' layout.
+
+A real server on a real 64 MiB tmpfs is filled until PUTs fail with 507 (disk full);
+then every other key is deleted (half the bytes, interleaved, so no segment empties).
+Within a deadline, new PUTs must succeed again and `/readyz` must say ready, without a
+restart; every key not deleted still reads back exactly. With `--cold-capacity-bytes`
+above the file system's size (the file system is the limit) and below it (the cold
+capacity is).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import blake3
+import pytest
+
+TOKEN = "full-disk-token-0123456789abcdef"
+BLOCK = 1 << 20
+
+
+def content(key: str) -> bytes:
+    return blake3.blake3(b"data:" + key.encode()).digest(length=BLOCK)
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    path.mkdir()
+    try:
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+            check=True,
+            capture_output=True,
+        )
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"cannot mount a tmpfs here (needs root and mount): {exc}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+class Server:
+    def __init__(self, persist_dir: Path, log: Path, cold: str) -> None:
+        cmd = [sys.executable, "-m", "epistemic_kvcache", "serve", "--backend", "durable",
+               "--persist-dir", str(persist_dir), "--token", TOKEN,
+               "--addr", "127.0.0.1:0", "--resp-addr", "off",
+               "--hot-capacity-bytes", "8MiB", "--warm-capacity-bytes", "4MiB",
+               "--cold-capacity-bytes", cold, "--log-level", "info"]  # fmt: skip
+        self.log = log.open("a")
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.port = 0
+        ready = threading.Event()
+
+        def pump() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.log.write(line)
+                self.log.flush()
+                m = re.search(r"listening http=\S+:(\d+)", line)
+                if m:
+                    self.port = int(m.group(1))
+                    ready.set()
+            ready.set()
+
+        self._pump = threading.Thread(target=pump, daemon=True)
+        self._pump.start()
+        if not ready.wait(120) or not self.port:
+            self.stop()
+            raise RuntimeError(f"the server did not start: {log.read_text()[-3000:]}")
+
+    def call(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}",
+            data=body,
+            method=method,
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self._pump.join(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self.log.close()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("mount") is None, reason="needs root")
+@pytest.mark.parametrize("cold", ["1GiB", "40MiB"], ids=["fs-is-the-limit", "cold-is-the-limit"])
+def test_deleting_interleaved_keys_on_a_full_disk_lets_writes_in_again(
+    tmp_path: Path, cold: str
+) -> None:
+    with small_tmpfs(tmp_path / "mnt", "64m") as mnt:
+        srv = Server(mnt / "store", tmp_path / "server.log", cold)
+        try:
+            stored: list[str] = []
+            for i in range(200):  # fill until the disk (or the cold tier) says no
+                key = f"k{i:03d}"
+                status, _ = srv.call("PUT", f"/kv/{key}", content(key))
+                if status != 200 and status != 201 and status != 204:
+                    assert status == 507, status
+                    break
+                stored.append(key)
+            if cold == "1GiB":
+                assert srv.call("GET", "/readyz")[0] == 503  # full: not ready
+            assert len(stored) >= 20
+            # the cold tier evicts (it never says no): stop at the capacity instead
+            kept = [k for k in stored if srv.call("GET", f"/kv/{k}")[0] == 200]
+            deleted = kept[::2]
+            for key in deleted:
+                assert srv.call("DELETE", f"/kv/{key}")[0] in (200, 204)
+            survivors = [k for k in kept if k not in set(deleted)]
+            # the freed half must take new writes, without a restart
+            deadline = time.monotonic() + 30
+            new: list[str] = []
+            while time.monotonic() < deadline and len(new) < len(deleted) // 2:
+                key = f"n{len(new):03d}"
+                status, _ = srv.call("PUT", f"/kv/{key}", content(key))
+                if status in (200, 201, 204):
+                    new.append(key)
+                else:
+                    assert status == 507, status
+                    time.sleep(0.2)  # polling a deadline: space comes back asynchronously
+            assert len(new) >= len(deleted) // 2, (len(new), len(deleted))
+            while time.monotonic() < deadline and srv.call("GET", "/readyz")[0] != 200:
+                time.sleep(0.2)
+            assert srv.call("GET", "/readyz")[0] == 200
+            for key in survivors + new:
+                status, body = srv.call("GET", f"/kv/{key}")
+                assert status == 200, key
+                assert body == content(key), key
+        finally:
+            srv.stop()
