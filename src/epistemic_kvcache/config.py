@@ -963,7 +963,9 @@ _RENAMED = {"token": "tokens"}
 """Setting name -> ServerConfig field, where they differ."""
 
 
-def add_arguments(parser: argparse.ArgumentParser, only: Callable[[str], bool] | None = None) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser, only: Callable[[str], bool] | None = None
+) -> None:
     """Add `--config` and every setting's flag to `parser` (with `only`: the settings
     whose name it accepts; the others still come from the environment and the file).
 
