@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, ParamSpec, TypeVar
 
 from epistemic_kvcache.buffers import configure_prefault
-from epistemic_kvcache.config import Address, ServerConfig, format_size
+from epistemic_kvcache.config import Address, ServerConfig, effective_settings, format_size
 from epistemic_kvcache.errors import ConfigurationError, KvCacheError
 from epistemic_kvcache.server.auth import ReloadableAuthenticator, plan_authenticator
 from epistemic_kvcache.server.context import LiveConnection, ServerContext
@@ -477,6 +477,7 @@ async def serve(
             metrics=Metrics(store),
             executor=executor,
             metrics_tenants=frozenset(config.metrics_tenants),
+            settings=tuple(effective_settings(config)),
             access_log=AccessLog(config.access_log),
             live=connections.live,
         )
