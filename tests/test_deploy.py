@@ -385,6 +385,9 @@ def test_alert_rules() -> None:
         "KvCacheIntegrityFailures",
         "KvCacheStoreFault",
         "KvCacheHitRateDrop",
+        "KvCacheDataLoss",  # issue 28: the data-loss internals alert
+        "KvCacheCheckpointFailures",
+        "KvCacheCheckpointLag",
     } <= names
     known = documented_metrics()
     for r in rules:

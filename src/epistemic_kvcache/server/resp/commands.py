@@ -744,8 +744,7 @@ def _settings_table(s: Session) -> dict[str, str]:
     ("admin", "noscript", "loading", "stale"),
     (0, 0, 0),
     "server",
-    "CONFIG GET: the Redis settings clients look at; for operators every setting and its "
-    "source.",
+    "CONFIG GET: the Redis settings clients look at; for operators every setting and its source.",
 )
 def _config(s: Session, cmd: Command) -> object:
     if bytes(cmd[1]).upper() != b"GET":
