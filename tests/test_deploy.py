@@ -302,6 +302,12 @@ def test_systemd_unit() -> None:
     argv = shlex.split(exec_start.group(1))
     assert argv[0] == "/opt/epistemic-kvcache/bin/epistemic-kvcache"
     check_cli(argv[1:])
+    # `systemctl reload` (docs/security.md) needs an ExecReload: SIGHUP re-reads credentials
+    exec_reload = re.search(r"(?m)^ExecReload=(.*)$", unit)
+    assert exec_reload, "systemctl reload would fail: no ExecReload"
+    assert shlex.split(exec_reload.group(1)) == ["/bin/kill", "-HUP", "$MAINPID"]
+    security = " ".join((ROOT / "docs" / "security.md").read_text().split())
+    assert "`ExecReload=/bin/kill -HUP $MAINPID`" in security
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd not installed")
