@@ -220,3 +220,12 @@ def test_mcp_says_when_the_server_is_not_answering(tmp_path: Path) -> None:
             f"epistemic-kvcache mcp: error: kv-cache server at {url} is not answering"
             in proc.stderr
         )
+
+
+def test_configuration_md_quotes_the_real_size_error(tmp_path: Path) -> None:
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    quoted = doc.split("`epistemic-kvcache serve --hot-capacity-bytes -1`):\n\n```text\n", 1)[1]
+    quoted = quoted.split("\n```", 1)[0]
+    proc = cli(tmp_path, "serve", "--hot-capacity-bytes", "-1")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == quoted
