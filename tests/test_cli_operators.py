@@ -229,3 +229,33 @@ def test_configuration_md_quotes_the_real_size_error(tmp_path: Path) -> None:
     proc = cli(tmp_path, "serve", "--hot-capacity-bytes", "-1")
     assert proc.returncode == 2
     assert proc.stderr.strip() == quoted
+
+
+def _troubleshooting_block(number: int) -> str:
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "troubleshooting.md").read_text()
+    section = doc.split(f"\n## {number}. ", 1)[1]
+    return section.split("```text\n", 1)[1].split("\n```", 1)[0]
+
+
+def test_troubleshooting_quotes_the_real_start_up_errors(tmp_path: Path) -> None:
+    """docs/troubleshooting.md sections 1-3 quote what `serve` really prints."""
+    import socket
+
+    with socket.socket() as held:  # held for the whole run: the port stays taken
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        taken = cli(tmp_path, "serve", "--addr", "127.0.0.1:0", "--resp-addr", f"127.0.0.1:{port}",
+                    "--backend", "memory", "--token", TOKEN)  # fmt: skip
+    assert taken.returncode == 1
+    assert taken.stderr.strip().splitlines()[-1] == _troubleshooting_block(1).replace(
+        "6379", str(port)
+    )
+
+    bad = cli(tmp_path, "serve", "--hot-capacity-bytes", "-1")
+    assert bad.stderr.strip() == _troubleshooting_block(2)
+
+    with _read_only_dir(tmp_path) as ro:
+        unwritable = cli(tmp_path, "serve", "--persist-dir", str(ro), "--resp-addr", "off")
+    expected = _troubleshooting_block(3).replace("/var/lib/epistemic-kvcache", str(ro))
+    assert unwritable.stderr.strip() == expected.replace("uid 998", f"uid {os.getuid()}")
