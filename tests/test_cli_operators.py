@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -248,9 +249,14 @@ def test_troubleshooting_quotes_the_real_start_up_errors(tmp_path: Path) -> None
         taken = cli(tmp_path, "serve", "--addr", "127.0.0.1:0", "--resp-addr", f"127.0.0.1:{port}",
                     "--backend", "memory", "--token", TOKEN)  # fmt: skip
     assert taken.returncode == 1
-    assert taken.stderr.strip().splitlines()[-1] == _troubleshooting_block(1).replace(
-        "6379", str(port)
-    )
+    line = taken.stderr.strip().splitlines()[-1]
+    hint = re.search(r"the next free port is (\d+) ", line)
+    assert hint, line  # issue 28: a taken port names the flag and suggests a free one
+    free = int(hint.group(1))
+    assert port < free <= port + 20
+    expected = _troubleshooting_block(1).replace("6380", "{free}").replace("6379", "{port}")
+    expected = expected.format(free=free, port=port)
+    assert line == expected
 
     bad = cli(tmp_path, "serve", "--hot-capacity-bytes", "-1")
     assert bad.stderr.strip() == _troubleshooting_block(2)
