@@ -95,6 +95,7 @@ bench: setup-dev sysdeps
 	$(BIN)/python -m bench.bench_cpu
 	$(BIN)/python -m bench.bench_cpu --gil
 	$(BIN)/python -m bench.bench_lmcache
+	$(BIN)/python -m bench.bench_lookup
 	$(BIN)/python -m bench.bench_engine
 	$(BIN)/python -m bench.bench_context
 	$(BIN)/python -m bench.bench_abuse

@@ -140,15 +140,36 @@ def test_token_file_tenants(tmp_path: Path) -> None:
         ("# only comments\n", "holds no token"),
         ("tok-0123456789abcdef a\ntok-0123456789abcdef b\n", "tenants 'a' and 'b'"),
         ("tok-0123456789abcdef " + "x" * 300 + "\n", "invalid tenant"),
+        # garbage that used to load as one token ('\x00\xff' for tenant 'garbage')
+        ("\x00\xff garbage \n", "line 1: control character U+0000"),
+        ("tok-0123456789abcdef a\n# \x1b[2J\n", "line 2: control character U+001B"),
+        ("tok-0123456789abcdef\x7f a\n", "line 1: control character U+007F"),
+        ("tok-0123456789abcdef\u2028x a\n", "line 1: control character U+2028"),
+        ("tok-0123456789abcdéf a\n", "expected visible ASCII characters only"),
+        ("\ufefftok-0123456789abcdef a\n", "expected visible ASCII characters only"),
+        (b"tok-0123456789abcdef a\n\xff\xfe\n", "not UTF-8 text (invalid byte at offset 23)"),
     ],
 )
-def test_token_file_errors(tmp_path: Path, content: str, message: str) -> None:
+def test_token_file_errors(tmp_path: Path, content: str | bytes, message: str) -> None:
     path = tmp_path / "tokens"
-    path.write_text(content)
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
     path.chmod(0o600)
     with pytest.raises(ConfigurationError, match=re.escape(message)) as info:
         load_token_file(path)
     assert "tok-0123456789abcdef" not in str(info.value)
+
+
+def test_token_table_refuses_tokens_no_client_can_send() -> None:
+    table = TokenTable()
+    for bad in ("tok\x00-0123456789abcdef", "tök-0123456789abcdef", "tok-0123456789\x7fabcdef"):
+        with pytest.raises(ConfigurationError, match="visible ASCII characters only"):
+            table.add(bad, "default")
+    assert len(table) == 0
+    table.add("!~tok-0123456789abcdef", "default")  # every visible ASCII character is fine
+    assert table.lookup("!~tok-0123456789abcdef") == "default"
 
 
 def test_world_writable_token_file_refused(tmp_path: Path) -> None:
@@ -299,6 +320,36 @@ def test_control_characters_in_a_tenant_claim_refused(tenant: str, where: str) -
 def test_control_characters_in_a_configured_tenant_refused() -> None:
     with pytest.raises(ConfigurationError, match=r"invalid tenant in --token: control char"):
         TokenTable([("tok-0123456789abcdef", "a\x1bb")])
+
+
+@pytest.mark.parametrize(
+    ("claim", "value", "message"),
+    [
+        ("exp", "9999999999", "claim 'exp' must be a number (got a string)"),
+        ("exp", True, "claim 'exp' must be a number (got a boolean)"),
+        ("exp", None, "claim 'exp' must be a number (got null)"),
+        ("exp", [9999999999], "claim 'exp' must be a number (got an array)"),
+        ("exp", float("inf"), "claim 'exp' must be a finite number"),
+        ("nbf", "0", "claim 'nbf' must be a number (got a string)"),
+        ("iat", "0", "claim 'iat' must be a number (got a string)"),
+        ("iat", {"t": 0}, "claim 'iat' must be a number (got an object)"),
+    ],
+)
+def test_registered_time_claims_must_be_numbers(claim: str, value: Any, message: str) -> None:
+    """Signed with the right key, but a NumericDate claim of another JSON type: refused
+    with the claim's name (PyJWT alone ran `int()` on it: `"exp": "9999999999"` passed)."""
+    auth = _auth(jwt_secret=SECRET)
+    claims = _claims()
+    claims[claim] = value
+    token = _forge(
+        {"alg": "HS256", "typ": "JWT"},
+        claims,
+        lambda data: hmac.new(SECRET.encode(), data, hashlib.sha256).digest(),
+    )
+    with pytest.raises(AuthError, match=re.escape(message)):
+        auth.authenticate(token)
+    ok = jwt.encode(_claims(exp=time.time() + 300.5, nbf=1.5), SECRET, algorithm="HS256")
+    assert auth.authenticate(ok).tenant == "tenant-a"  # floats are numbers
 
 
 # -- JWT: the attack matrix ------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -183,3 +184,29 @@ def test_alloc_block_uses_the_process_pool_and_the_store_keeps_its_buffer() -> N
     assert isinstance(got, memoryview)
     assert got.obj is block.obj  # kept, not copied
     assert bytes(store.get("t", "pooled")[-3:]) == b"end"  # type: ignore[index]
+
+
+def test_large_disk_reads_are_not_zero_filled(tmp_path: Path) -> None:
+    """A cold read of a large block fills a buffer `bytearray(n)` would first zero-fill
+    with the GIL held (128 MiB: ~150-200 ms here, every other client stalled, see
+    bench/bench_stall.py): from 1 MiB it is uninitialized heap memory, faulted in by the
+    `preadv` that fills it; smaller ones stay plain bytearrays."""
+    import os
+
+    from epistemic_kvcache.store.segments import Segment
+
+    assert isinstance(buffers.read_buffer(buffers.READ_UNINIT_MIN_BYTES - 1), bytearray)
+    big = buffers.read_buffer(3 * MiB + 1)
+    assert isinstance(big, memoryview)
+    assert (len(big), big.format, big.readonly, big.c_contiguous) == (3 * MiB + 1, "B", False, True)
+    data = os.urandom(4 * MiB)
+    seg = Segment(1, tmp_path / "seg", create=True)
+    os.pwrite(seg.fd, data, 0)
+    got = seg.read(1000, 2 * MiB)
+    assert not isinstance(got, bytearray)
+    assert bytes(got) == data[1000 : 1000 + 2 * MiB]
+    small = seg.read(7, 4096)
+    assert isinstance(small, bytearray)
+    assert small == data[7 : 7 + 4096]
+    with pytest.raises(OSError, match="short read"):
+        seg.read(3 * MiB, 2 * MiB)

@@ -88,6 +88,41 @@ def test_precedence_flag_env_toml_default(tmp_path: Path) -> None:
     assert c.log_level == "ERROR"
 
 
+def test_a_toml_key_overridden_by_a_higher_layer_is_named(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("tok-0123456789abcdef\n")
+    path = _toml(
+        tmp_path,
+        'token_file = "tokens"\nlog_level = "debug"\naddr = "127.0.0.1:7000"\n'
+        'jwt_secret = "' + "s" * 40 + '"\n',
+    )
+    env = {
+        "EPISTEMIC_GRAPH_KVCACHE_LOG_LEVEL": "debug",  # the same value: nothing lost
+        "EPISTEMIC_GRAPH_KVCACHE_JWT_SECRET": "t" * 40,  # a secret: no value shown
+    }
+    c = load_config(_parse_flags("--config", str(path), "--addr", "127.0.0.1:7001"), env)
+    assert c.warnings == (
+        f"{path} key addr is overridden by --addr ('127.0.0.1:7000' -> '127.0.0.1:7001'): "
+        "the file's value is not used (precedence: flag > environment > config file)",
+        f"{path} key jwt_secret is overridden by environment EPISTEMIC_GRAPH_KVCACHE_JWT_SECRET: "
+        "the file's value is not used (precedence: flag > environment > config file)",
+    )
+    # the deploy failure this explains: the image's variable names a file nobody mounted
+    env = {"EPISTEMIC_GRAPH_KVCACHE_TOKEN_FILE": str(tmp_path / "run" / "kvcache-tokens")}
+    with pytest.raises(ConfigurationError) as info:
+        load_config(_parse_flags("--config", str(path)), env)
+    assert str(info.value) == (
+        f"invalid token_file: file not found (got '{tmp_path}/run/kvcache-tokens') ({path} key "
+        f"token_file is overridden by environment EPISTEMIC_GRAPH_KVCACHE_TOKEN_FILE "
+        f"('{tokens}' -> '{tmp_path}/run/kvcache-tokens'))"
+    )
+    assert load_config(
+        {}, {"EPISTEMIC_GRAPH_KVCACHE_TOKEN_FILE": ""}, config_file=path
+    ).token_file == (
+        tokens  # an empty variable is unset: the file's value stands
+    )
+
+
 def test_special_names() -> None:
     env = {
         "EPISTEMIC_GRAPH_KVCACHE_ADDR": "0.0.0.0:9000",
@@ -324,6 +359,21 @@ def test_unknown_env_vars_warn_with_hint() -> None:
         "unknown environment variable EPISTEMIC_GRAPH_KVCACHE_HOT_CAPACITY ignored "
         "(did you mean EPISTEMIC_GRAPH_KVCACHE_HOT_CAPACITY_BYTES?)",
     )
+
+
+def test_per_tenant_connection_cap_is_clamped_to_half_with_a_warning() -> None:
+    c = load_config({"max_connections": "100"}, {})
+    assert c.limits.max_connections_per_tenant == 512  # as set (the default)
+    assert c.limits.tenant_connection_cap == 50  # in force
+    assert c.warnings == (
+        "max_connections_per_tenant = 512 is clamped to 50, half of max_connections = 100: "
+        "one tenant may hold at most half of a listener's connections (raise "
+        "max_connections to let a tenant hold more)",
+    )
+    fits = load_config({"max_connections": "100", "max_connections_per_tenant": "50"}, {})
+    assert (fits.limits.tenant_connection_cap, fits.warnings) == (50, ())
+    assert load_config({}, {}).limits.tenant_connection_cap == 512  # 1024 / 2: no warning
+    assert load_config({"max_connections": "1"}, {}).limits.tenant_connection_cap == 1
 
 
 def test_bool_env_values() -> None:

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tomllib
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -432,3 +433,320 @@ def test_grafana_dashboard() -> None:
     for e in exprs:
         assert not _metric_names(e) - known, e
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+
+
+# -- every deploy target's effective configuration, through serve's own checks -----------
+#
+# Each target's settings come from several layers: the image's ENV lines, the manifest's
+# or compose file's environment, a mounted TOML file, the command's flags. A conflict
+# between them (the image's EPISTEMIC_GRAPH_KVCACHE_TOKEN_FILE beating the ConfigMap's
+# token_file) only shows when the server starts. So each target is assembled here the
+# way its runtime would: its files (ConfigMaps, Secrets with stand-in contents, volumes)
+# are laid out under a temporary root, every absolute path in the settings is mapped
+# into that root, and the result goes through `serve`'s own argument parser,
+# `load_config` and the start checks (`check_start`: credentials, TLS files, bind rule).
+
+FAKE_TOKEN = "f" * 64
+OPS_TOKEN = "0123456789abcdef" * 4
+SERVER_IMAGE = DEPLOY / "docker" / "Dockerfile"
+
+
+@dataclass
+class Target:
+    """One way the server is started by a file under deploy/."""
+
+    where: str
+    argv: list[str]
+    """After `epistemic-kvcache`."""
+    env: dict[str, str]
+    files: dict[str, bytes] = field(default_factory=dict)
+    """Container path -> content."""
+    dirs: list[str] = field(default_factory=list)
+    token_file: str | None = None
+    """The token file the target mounts for the server (None: a generated token)."""
+    overrides_allowed: frozenset[str] = frozenset()
+    """TOML keys a flag or the environment may set as well (with the same value)."""
+
+
+def dockerfile_env(path: Path) -> dict[str, str]:
+    """The image's environment: every ENV instruction, in order."""
+    env: dict[str, str] = {}
+    for word, rest in _dockerfile_instructions(path):
+        if word == "ENV":
+            for item in shlex.split(rest):
+                name, _, value = item.partition("=")
+                env[name] = value
+    return env
+
+
+@pytest.fixture(scope="module")
+def secrets() -> dict[str, dict[str, bytes]]:
+    """Stand-in contents of every Secret / secret file the deploy files mount, by name."""
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("epistemic-kvcache.epistemic-kvcache.svc", "localhost")
+    tokens = f"# <token> <tenant>\n{FAKE_TOKEN} fleet-a\n{OPS_TOKEN} ops\n".encode()
+    return {
+        "epistemic-kvcache-tokens": {"tokens": tokens},
+        "epistemic-kvcache-tls": {
+            "tls.crt": cert.cert_chain_pems[0].bytes(),
+            "tls.key": cert.private_key_pem.bytes(),
+            "ca.crt": ca.cert_pem.bytes(),
+        },
+        "epistemic-kvcache-cluster": {"password": b"cluster-pw\n", "ca.crt": ca.cert_pem.bytes()},
+        # compose secrets (files next to the compose file)
+        "kvcache-tokens": {"": tokens},
+        "cluster-password": {"": b"cluster-pw\n"},
+    }
+
+
+def compose_targets(secrets: dict[str, dict[str, bytes]]) -> list[Target]:
+    out = []
+    for path in COMPOSE:
+        for name, svc in yaml.safe_load(path.read_text())["services"].items():
+            if not (name == "kvcache" or name.startswith("kvcache-")):
+                continue
+            assert svc["build"]["dockerfile"] == "deploy/docker/Dockerfile"
+            env = dockerfile_env(SERVER_IMAGE)
+            raw_env = svc.get("environment", {})
+            if isinstance(raw_env, list):
+                raw_env = dict(item.split("=", 1) for item in raw_env)
+            env.update({k: str(v) for k, v in raw_env.items()})
+            files = {}
+            for secret in svc.get("secrets", []):
+                source = secret if isinstance(secret, str) else secret["source"]
+                target = secret if isinstance(secret, str) else secret.get("target", source)
+                files[f"/run/secrets/{target}"] = secrets[source][""]
+            dirs = [v.split(":")[1] for v in svc.get("volumes", [])] + list(svc.get("tmpfs", []))
+            has_tokens = any(f.endswith("/kvcache-tokens") for f in files)
+            out.append(
+                Target(
+                    f"{path.name}:{name}",
+                    _argv(svc["command"]),
+                    env,
+                    files,
+                    dirs,
+                    token_file="/run/secrets/kvcache-tokens" if has_tokens else None,
+                )
+            )
+    return out
+
+
+def k8s_targets(secrets: dict[str, dict[str, bytes]]) -> list[Target]:
+    out = []
+    for path in K8S:
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+        config_maps = {d["metadata"]["name"]: d["data"] for d in docs if d["kind"] == "ConfigMap"}
+        for doc in docs:
+            if doc["kind"] not in ("StatefulSet", "Deployment"):
+                continue
+            pod = doc["spec"]["template"]["spec"]
+            volumes = {v["name"]: v for v in pod.get("volumes", [])}
+            claims = {t["metadata"]["name"] for t in doc["spec"].get("volumeClaimTemplates", [])}
+            for c in pod["containers"]:
+                if c["name"] != "server":
+                    continue
+                assert c["image"].startswith("epistemic-kvcache:")
+                env = dockerfile_env(SERVER_IMAGE)
+                env.update({e["name"]: e.get("value", "") for e in c.get("env", [])})
+                files: dict[str, bytes] = {}
+                dirs: list[str] = []
+                token_file = None
+                for mount in c.get("volumeMounts", []):
+                    at = mount["mountPath"]
+                    if mount["name"] in claims:
+                        dirs.append(at)
+                        continue
+                    vol = volumes[mount["name"]]
+                    if "emptyDir" in vol:
+                        dirs.append(at)
+                    elif "configMap" in vol:
+                        for key, text in config_maps[vol["configMap"]["name"]].items():
+                            files[f"{at}/{key}"] = text.encode()
+                    elif "secret" in vol:
+                        name = vol["secret"]["secretName"]
+                        for key, content in secrets[name].items():
+                            files[f"{at}/{key}"] = content
+                        if name == "epistemic-kvcache-tokens":
+                            token_file = f"{at}/tokens"
+                    else:
+                        raise AssertionError(f"{path.name}: volume kind of {vol} not modelled")
+                out.append(
+                    Target(
+                        f"{path.name}:{doc['metadata']['name']}",
+                        list(c["args"]),
+                        env,
+                        files,
+                        dirs,
+                        token_file=token_file,
+                    )
+                )
+    return out
+
+
+def docker_run_target(secrets: dict[str, dict[str, bytes]]) -> Target:
+    """docs/deploy.md's `docker run`: the image's CMD with --allow-insecure-bind, the
+    token file mounted where the image looks for it, a data volume."""
+    ins = _dockerfile_instructions(SERVER_IMAGE)
+    cmd = json.loads(next(rest for word, rest in ins if word == "CMD"))
+    assert "serve --allow-insecure-bind" in (ROOT / "docs" / "deploy.md").read_text()
+    return Target(
+        "Dockerfile (docker run, docs/deploy.md)",
+        [*cmd, "--allow-insecure-bind"],
+        dockerfile_env(SERVER_IMAGE),
+        {"/run/secrets/kvcache-tokens": secrets["kvcache-tokens"][""]},
+        ["/var/lib/epistemic-kvcache"],
+        token_file="/run/secrets/kvcache-tokens",
+    )
+
+
+def systemd_targets(secrets: dict[str, dict[str, bytes]]) -> list[Target]:
+    """The unit with the config file docs/deploy.md installs (the reference TOML, which
+    generates a token into the state directory), and with `token_file = "tokens"` added
+    to it, as the unit's header describes."""
+    unit = (DEPLOY / "systemd" / "epistemic-kvcache.service").read_text()
+    exec_start = re.search(r"(?m)^ExecStart=(.*)$", unit)
+    assert exec_start
+    argv = shlex.split(exec_start.group(1))[1:]
+    env = dict(
+        item.split("=", 1)
+        for line in re.findall(r"(?m)^Environment=(.*)$", unit)
+        for item in shlex.split(line)
+    )
+    state = "/var/lib/" + re.search(r"(?m)^StateDirectory=(.*)$", unit).group(1).strip()  # type: ignore[union-attr]
+    reference = (DEPLOY / "config" / "epistemic-kvcache.toml").read_bytes()
+    # the unit pins the persist dir to its StateDirectory (its sandbox allows no other)
+    allowed = frozenset({"persist_dir"})
+    return [
+        Target(
+            "systemd (reference config.toml)",
+            argv,
+            dict(env),
+            {"/etc/epistemic-kvcache/config.toml": reference},
+            [state],
+            overrides_allowed=allowed,
+        ),
+        Target(
+            "systemd (config.toml with token_file)",
+            argv,
+            dict(env),
+            {
+                "/etc/epistemic-kvcache/config.toml": reference + b'\ntoken_file = "tokens"\n',
+                "/etc/epistemic-kvcache/tokens": secrets["kvcache-tokens"][""],
+            },
+            [state],
+            token_file="/etc/epistemic-kvcache/tokens",
+            overrides_allowed=allowed,
+        ),
+    ]
+
+
+def all_targets(secrets: dict[str, dict[str, bytes]]) -> list[Target]:
+    return [
+        docker_run_target(secrets),
+        *compose_targets(secrets),
+        *k8s_targets(secrets),
+        *systemd_targets(secrets),
+    ]
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string (same escapes)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise AssertionError(f"TOML value {value!r} not modelled")
+
+
+def start_checks(target: Target, root: Path) -> Any:
+    """Lay `target` out under `root` and run it through serve's parser, `load_config`
+    and `check_start`; the `ServerConfig` and the `AuthPlan`."""
+    from epistemic_kvcache.cli import serve_config
+    from epistemic_kvcache.server.app import check_start
+
+    def host(path: str) -> Path:
+        return root / path.lstrip("/")
+
+    def mapped(value: str) -> str:
+        return str(host(value)) if value.startswith("/") else value
+
+    for d in target.dirs:
+        host(d).mkdir(mode=0o700, parents=True, exist_ok=True)
+    for path, content in target.files.items():
+        if path.endswith(".toml"):
+            data = tomllib.loads(content.decode())
+            for key, value in data.items():
+                if SETTINGS_BY_NAME[key].path_like and isinstance(value, str):
+                    data[key] = mapped(value)
+            content = "".join(f"{k} = {_toml_value(v)}\n" for k, v in data.items()).encode()
+        host(path).parent.mkdir(parents=True, exist_ok=True)
+        host(path).write_bytes(content)
+        host(path).chmod(0o400)
+    env = {k: mapped(v) for k, v in target.env.items() if k.startswith(PREFIX)}
+    args = build_parser().parse_args([mapped(a) for a in target.argv])
+    assert args.command == "serve", target.where
+    config = serve_config(args, env)
+    plan, _tls = check_start(config)
+    return config, plan
+
+
+def test_every_deploy_target_passes_the_start_checks(
+    tmp_path: Path, secrets: dict[str, dict[str, bytes]]
+) -> None:
+    targets = all_targets(secrets)
+    kinds = {t.where.split(":")[0].split(" ")[0] for t in targets}
+    assert kinds >= {"Dockerfile", "compose.yaml", "server.yaml", "systemd"}
+    assert len(targets) == 8  # docker run, 3 compose, 2 k8s, 2 systemd
+    for i, target in enumerate(targets):
+        root = tmp_path / f"t{i}"
+        try:
+            config, plan = start_checks(target, root)
+        except Exception as exc:
+            raise AssertionError(f"{target.where} does not start: {exc}") from exc
+        conflicts = [w for w in config.warnings if "is overridden by" in w]
+        for key in target.overrides_allowed:
+            conflicts = [w for w in conflicts if f" key {key} is overridden by" not in w]
+        assert not conflicts, f"{target.where}: {conflicts}"
+        assert not [w for w in config.warnings if "unknown environment" in w], target.where
+        if config.config_file is not None:  # no TOML key is set by a higher layer as well
+            toml_keys = set(tomllib.loads(config.config_file.read_text()))
+            flagged = {a[2:].replace("-", "_") for a in target.argv if a.startswith("--")}
+            env_set = {s.name for s in SETTINGS if any(target.env.get(n) for n in s.env_names)}
+            both = (toml_keys & (flagged | env_set)) - target.overrides_allowed
+            assert not both, f"{target.where}: {sorted(both)} set in the TOML and above it"
+        # the credentials the target mounts are the ones in force
+        if target.token_file is not None:
+            assert config.token_file == root / target.token_file.lstrip("/"), target.where
+            assert plan.authenticator.authenticate(FAKE_TOKEN).tenant == "fleet-a"
+        else:
+            assert config.token_file is None, target.where
+            assert plan.pending_token is not None, target.where
+            assert plan.token_path == config.persist_dir / "token"
+        assert config.persist_dir.is_relative_to(root), target.where
+
+
+def test_start_checks_catch_a_layer_conflict(
+    tmp_path: Path, secrets: dict[str, dict[str, bytes]]
+) -> None:
+    """The manifests as they were: token_file in the ConfigMap's TOML, beaten by the
+    image's EPISTEMIC_GRAPH_KVCACHE_TOKEN_FILE, which names a file nobody mounts."""
+    from epistemic_kvcache.errors import ConfigurationError
+
+    (sts,) = [t for t in k8s_targets(secrets) if t.where == "server.yaml:epistemic-kvcache"]
+    name = "EPISTEMIC_GRAPH_KVCACHE_TOKEN_FILE"
+    sts.env[name] = dockerfile_env(SERVER_IMAGE)[name]  # no container env: the image's
+    toml = "/etc/epistemic-kvcache/config/config.toml"
+    sts.files[toml] += b'token_file = "/etc/epistemic-kvcache/tokens/tokens"\n'
+    with pytest.raises(ConfigurationError) as info:
+        start_checks(sts, tmp_path)
+    message = str(info.value)
+    assert message.startswith("invalid token_file: file not found")
+    assert "run/secrets/kvcache-tokens" in message
+    assert "key token_file is overridden by environment EPISTEMIC_GRAPH_KVCACHE_TOKEN_FILE" in (
+        message
+    )

@@ -175,7 +175,7 @@ def small() -> Iterator[Server]:
         max_headers=20,
         request_timeout_s=1.5,
         idle_timeout_s=1.0,
-        max_connections=3,
+        max_connections=4,  # 2 per tenant (a tenant holds at most half)
         max_batch_keys=4,
         max_batch_bytes=2 * MiB,
     )
@@ -906,9 +906,10 @@ def test_idle_keep_alive_timeout(small: Server) -> None:
 
 
 def test_connection_cap(small: Server) -> None:
-    held = [small.raw() for _ in range(3)]
-    for s in held:  # make sure the server has accepted all three, authenticated
-        s.sendall(b"GET /kv/stats HTTP/1.1\r\nAuthorization: Bearer tok-a\r\n\r\n")
+    held = [small.raw() for _ in range(4)]
+    for i, s in enumerate(held):  # the server has accepted all four, authenticated
+        token = b"tok-a" if i % 2 else b"tok-b"
+        s.sendall(b"GET /kv/stats HTTP/1.1\r\nAuthorization: Bearer " + token + b"\r\n\r\n")
         (resp,), _ = read_responses(s, 1)
         assert resp.status == 200
     extra = small.raw()
@@ -917,9 +918,27 @@ def test_connection_cap(small: Server) -> None:
     assert wait_eof(extra)
     held[0].close()
     deadline = time.monotonic() + 5
-    while small.ctx.open_connections["http"] > 2 and time.monotonic() < deadline:
+    while small.ctx.open_connections["http"] > 3 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert small.pool().request("GET", "/healthz").status == 200
+
+
+def test_one_tenant_holds_at_most_half_of_the_connections() -> None:
+    """`max_connections_per_tenant` above half of `max_connections` is clamped to half:
+    before, one tenant (cap 512 > 4) could take every slot and lock the others out."""
+    s = start_server(ServerLimits(max_connections=4))
+    try:
+        assert s.ctx.limits.max_connections_per_tenant == 512
+        held = [s.raw() for _ in range(3)]
+        statuses = []
+        for sock in held:
+            sock.sendall(b"GET /kv/stats HTTP/1.1\r\nAuthorization: Bearer tok-a\r\n\r\n")
+            (resp,), _ = read_responses(sock, 1)
+            statuses.append(resp.status)
+        assert statuses == [200, 200, 429]  # the third is over tenant-a's share (2)
+        assert s.pool().request("GET", "/kv/stats", headers=B).status == 200
+    finally:
+        s.stop()
 
 
 def test_slow_reader_of_a_big_response(srv: Server) -> None:

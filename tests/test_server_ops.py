@@ -328,6 +328,45 @@ def test_sighup_reloads_the_token_file_and_ends_revoked_sessions(
     assert server.stop() == 0
 
 
+def test_sighup_refuses_a_garbage_token_file(tmp_path: Path, servers: list[Server]) -> None:
+    """A token file replaced by garbage is not loaded: before, `"\\x00\\xff garbage"`
+    loaded as one token for tenant 'garbage' and every real credential was revoked."""
+    token = "kept-token-0123456789abcd"
+    tokens = tmp_path / "tokens"
+    _replace(tokens, f"{token} team\n")
+    server = start(servers, tmp_path, "--token-file", str(tokens))
+    assert server.http is not None
+    assert server.resp is not None
+    assert _get(server.http, "/kv/g1", method="PUT", body=b"v", token=token)[0] == 201
+    session = redis.Redis(
+        host=server.resp.host, port=server.resp.port, password=token, retry=NO_RETRY
+    )
+    try:
+        assert session.get("g1") == b"v"
+        for garbage, reason in (
+            ("\x00\xff garbage \n", "line 1: control character U+0000"),
+            (b"\x00\xff garbage \n", "is not UTF-8 text"),
+            (f"{token} team\n\x00\n", "line 2: control character U+0000"),
+            ("# emptied by a broken deploy\n", "holds no token"),
+        ):
+            tmp = tokens.with_suffix(".new")
+            tmp.write_bytes(garbage if isinstance(garbage, bytes) else garbage.encode())
+            tmp.chmod(0o600)
+            tmp.replace(tokens)
+            _hup(server, "credentials NOT reloaded")
+            line = [ln for ln in server.lines if "credentials NOT reloaded" in ln][-1]
+            assert "ERROR" in line
+            assert reason in line, line
+            # the credential in force still works on both wires, the session stays open
+            assert _get(server.http, "/kv/g1", token=token) == (200, b"v")
+            assert session.get("g1") == b"v"
+            assert _get(server.http, "/kv/g1", token="garbage")[0] == 401
+    finally:
+        session.close()
+    assert "revoked" not in server.log()
+    assert server.stop() == 0
+
+
 def test_sighup_reloads_jwks(tmp_path: Path, servers: list[Server]) -> None:
     keys = [ec.generate_private_key(ec.SECP256R1()) for _ in range(2)]
 

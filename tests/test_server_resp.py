@@ -370,8 +370,10 @@ def test_client_config_command(r: redis.Redis, server: ServerThread) -> None:
     with pytest.raises(redis.ResponseError, match="cannot contain spaces"):
         r.client_setname("bad name")
     assert r.execute_command("CLIENT", "SETINFO", "LIB-NAME", "x") in (b"OK", True)
-    with pytest.raises(redis.ResponseError, match="unknown subcommand"):
+    with pytest.raises(redis.ResponseError, match="No such client"):
         r.execute_command("CLIENT", "KILL", "x")
+    with pytest.raises(redis.ResponseError, match="unknown subcommand"):
+        r.execute_command("CLIENT", "PAUSE", "10")
     cfg = r.config_get("save")
     assert cfg == {"save": ""}
     assert r.config_get("append*") == {"appendonly": "no", "appendfsync": "no"}
@@ -401,8 +403,8 @@ def test_command_info_raw(raw: Raw) -> None:
 
 def test_unknown_command_wording(r: redis.Redis) -> None:
     with pytest.raises(redis.ResponseError) as info:
-        r.execute_command("HSET", "h", "f", "v")
-    assert str(info.value) == ("unknown command 'HSET', with args beginning with: 'h' 'f' 'v' ")
+        r.execute_command("NOSUCH", "h", "f", "v")
+    assert str(info.value) == ("unknown command 'NOSUCH', with args beginning with: 'h' 'f' 'v' ")
     with pytest.raises(redis.ResponseError, match="wrong number of arguments for 'get'"):
         r.execute_command("GET")
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -197,3 +199,45 @@ def test_lookups_are_answered_inline_while_the_thread_pool_is_busy(server: _Serv
     counted = {route: server.ctx.metrics.series("resp", route, "ok").count
                for route in ("exists", "strlen")}  # fmt: skip
     assert counted == {"exists": 204, "strlen": 203}
+
+
+def test_lmcache_c_client_lookup_is_answered_while_the_thread_pool_is_busy(
+    server: _Server,
+) -> None:
+    """LMCache 0.5.6's C++ `LMCacheRedisClient` (MP RESP adapter, v1 `resp://`) looks
+    keys up with one single-key EXISTS per key over its worker connections; with every
+    thread-pool worker held, its batch lookup still completes (before EXISTS took the
+    fast path it waited for the pool)."""
+    lmcache_redis = pytest.importorskip("lmcache.lmcache_redis")
+    r = server.client()
+    keys = [f"lmc/{i:02d}" for i in range(16)]
+    r.mset(dict.fromkeys(keys, b"kv"))
+    r.close()
+    client = lmcache_redis.LMCacheRedisClient("127.0.0.1", server.port, 4, "", TOKEN)
+
+    def lookup(names: list[str], timeout_s: float) -> list[bool] | None:
+        fid = int(client.submit_batch_exists(names))
+        poller = select.poll()
+        poller.register(client.event_fd(), select.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            poller.poll(100)
+            for cfid, ok, err, res in client.drain_completions():
+                if int(cfid) == fid:
+                    assert ok, err
+                    return [bool(x) for x in res]
+        return None
+
+    executor = server.ctx.executor
+    release = threading.Event()
+    held: list[Any] = []
+    try:
+        assert lookup(keys[:1], 30) == [True]  # connections and AUTH done before the hold
+        held = [executor.submit(release.wait, 60) for _ in range(executor._max_workers)]
+        names = [*keys, "lmc/absent", *keys[:4]]
+        assert lookup(names, 20) == [True] * 16 + [False] + [True] * 4
+    finally:
+        release.set()
+        for f in held:
+            f.result(10)
+        client.close()

@@ -448,6 +448,31 @@ def test_tenant_gates_drain_hold_and_forget() -> None:
     asyncio.run(main())
 
 
+def test_tenant_gates_second_holder_takes_the_live_gate() -> None:
+    """Two EXECs (or GETSETs) of one tenant: the second, woken by the first's release,
+    must hold the tenant's registered gate. It used to set `held` on the gate `release`
+    had just dropped, so plain commands ran beside it and its own waiters never woke."""
+
+    async def main() -> None:
+        gates = TenantGates()
+        await gates.hold("a")
+        second = asyncio.ensure_future(gates.hold("a"))
+        await asyncio.sleep(0)
+        assert not second.done()
+        gates.release("a")
+        await second
+        assert not gates.enter_nowait("a")  # the second holder keeps plain commands out
+        third = asyncio.ensure_future(gates.hold("a"))
+        await asyncio.sleep(0)
+        gates.release("a")
+        await asyncio.wait_for(third, 10)  # woken, not stranded on a dropped gate
+        gates.release("a")
+        assert len(gates) == 0
+        assert not gates.held
+
+    asyncio.run(main())
+
+
 def test_large_values_inside_exec(server: _Server) -> None:
     """Values over the inline size take the store's blocking path inside EXEC."""
     r = server.client()

@@ -327,3 +327,61 @@ def test_a_bump_in_another_process_is_seen_at_once(tmp_path: Path) -> None:
             assert read(here, "k3") is None
     finally:
         peer.close()
+
+
+def test_one_tenant_cannot_fill_the_epoch_registry_for_the_others(tmp_path: Path) -> None:
+    """The registry's map is shared: before, a tenant within its scope count (or ~14 of
+    them at 10,000 long scopes, on the 64 MiB map) filled it, and every tenant's next new
+    scope failed with a storage error (MDB_MAP_FULL). Now a tenant holds a bounded share:
+    it is refused (QuotaExceededError, naming its share) while the others still register,
+    and the map never fills. A 1 MiB map and 200-byte names make it small enough to fill."""
+    from epistemic_kvcache.errors import QuotaExceededError, StorageIOError
+    from epistemic_kvcache.store.epochs import EpochRegistry
+
+    def never_live(_tenant: str, _scope: str) -> int:
+        raise AssertionError("a shared registry never prunes")
+
+    reg = EpochRegistry(tmp_path / "epochs", shared=True, map_size_bytes=1 << 20)
+
+    def fill(tenant: str) -> tuple[int, str]:
+        """Register new scopes for `tenant` until refused: (how many, why)."""
+        for i in range(10_000):
+            scope = blake3.blake3(f"{tenant}/{i}".encode()).hexdigest(
+                100
+            )  # 200 bytes, random order
+            try:
+                reg.advance(tenant, scope, never_live)
+            except QuotaExceededError as exc:
+                return i, str(exc)
+        raise AssertionError(f"{tenant} was never refused")
+
+    try:
+        hog = "h" * 200
+        n_hog, why = fill(hog)
+        assert n_hog > 100
+        assert "holds its share" in why
+        got = {}
+        for t in range(20):
+            tenant = f"{t:03d}" + "t" * 197
+            n, why = fill(tenant)
+            assert n >= 1, f"tenant {t} got no scope at all: {why}"
+            got[t] = n
+        # everyone refused so far was refused by its share, none by a full map
+        more = 0
+        while True:  # newcomers until the registry is full: a quota error, never a map error
+            n, why = fill(f"{more:03d}" + "n" * 197)
+            more += 1
+            if n == 0:
+                break
+        assert "quota exceeded" in why
+        # the existing scopes still bump (a row rewritten, nothing added)
+        first = blake3.blake3(f"{hog}/0".encode()).hexdigest(100)
+        before = reg.current(hog, first)
+        assert reg.advance(hog, first, never_live) == before + 1
+        assert len(reg.scopes(hog)) == n_hog
+    except StorageIOError as exc:  # the map filled up: the failure this test is about
+        raise AssertionError(f"the registry's map filled: {exc}") from exc
+    finally:
+        reg.close()
+    assert min(got.values()) >= 1
+    assert n_hog > max(got.values())  # the first tenant took more, before the pressure point

@@ -121,6 +121,25 @@ def alloc_block(size: int, slack: int = 0) -> memoryview:
     return memoryview(arr)[: size + slack]
 
 
+READ_UNINIT_MIN_BYTES: Final = 1 << 20
+"""From this size a buffer for a disk read is not zero-filled (`read_buffer`)."""
+
+
+def read_buffer(size: int) -> bytearray | memoryview:
+    """A writable buffer of `size` bytes for a read that overwrites all of it (a cold
+    block read from its segment).
+
+    Below `READ_UNINIT_MIN_BYTES` a plain bytearray: its memset is cheap and it reuses
+    freed heap memory. From there uninitialized heap memory instead: `bytearray(n)`
+    zero-fills (and page-faults) its memory while holding the GIL, ~150-200 ms for a
+    128 MiB block here, during which no other thread runs (the event loop included: every
+    other client stalled for as long). Uninitialized, the pages are faulted in by the
+    `preadv` that fills them, in the kernel, with the GIL released."""
+    if size < READ_UNINIT_MIN_BYTES:
+        return bytearray(size)
+    return memoryview(_receive_buffer(size))[:size]
+
+
 def handed_over(buf: memoryview) -> bool:
     """Whether `buf` is a receive buffer from `alloc_block`, whole or but for the slack at
     its end: its owner hands it to the store and never touches it again, so the store may

@@ -17,11 +17,15 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from epistemic_kvcache._version import __version__
 from epistemic_kvcache.errors import ConfigurationError, KvCacheError
+
+if TYPE_CHECKING:
+    from epistemic_kvcache.config import ServerConfig
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -76,12 +80,21 @@ def require_extra(extra: str, *modules: str) -> None:
 SERVER_MODULES = ("lmdb", "blosc2", "uvloop", "httptools", "jwt", "prometheus_client", "numpy")
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from epistemic_kvcache.config import check_listeners, check_persist_dir, load_config
+def serve_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConfig:
+    """`serve`'s configuration from its parsed arguments and `env` (flag > environment >
+    TOML), with the bind rule checked; raises `ConfigurationError`."""
+    from epistemic_kvcache.config import check_listeners, load_config
 
     values = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "command"}
-    config = load_config(values, os.environ)
+    config = load_config(values, env)
     check_listeners(config)  # before anything (data dir, generated token) is created
+    return config
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from epistemic_kvcache.config import check_persist_dir
+
+    config = serve_config(args, os.environ)
     check_persist_dir(config)
     require_extra("server", *SERVER_MODULES)
     from epistemic_kvcache.server.app import run

@@ -590,7 +590,9 @@ _LIMIT_HELP = {
     "max_unauthenticated_connections_per_peer": "unauthenticated connections per client "
     "address (over it: its oldest is closed)",
     "max_connections_per_peer": "connections per client address and listener",
-    "max_connections_per_tenant": "authenticated connections per tenant and listener",
+    "max_connections_per_tenant": (
+        "authenticated connections per tenant and listener (at most half of max_connections)"
+    ),
     "subscriber_idle_timeout_s": "RESP subscribers sending nothing this long are closed",
     "client_output_buffer_limit_bytes": "unread replies one connection may hold; over it "
     "the client is disconnected",
@@ -1073,6 +1075,7 @@ def load_config(
     values: dict[str, Any] = {}
     explicit: set[str] = set()
     origins: list[tuple[str, str]] = []
+    overridden: dict[str, str] = {}
     for s in SETTINGS:
         raw: Any
         if s.name in cli:
@@ -1099,6 +1102,15 @@ def load_config(
             value = toml_path.parent / value
         values[s.name] = value
         explicit.add(s.name)
+        if not from_toml and toml_path is not None and s.name in toml_values:
+            shadowed = _shadowed_toml_value(s, toml_values[s.name], toml_path, value)
+            if shadowed is not None:
+                shown = "" if s.secret else f" ({shadowed} -> {_show(value)})"
+                overridden[s.name] = f"{toml_path} key {s.name} is overridden by {source}{shown}"
+                warnings.append(
+                    f"{overridden[s.name]}: the file's value is not used "
+                    "(precedence: flag > environment > config file)"
+                )
 
     limits = ServerLimits(**{name: values.pop(name) for name in _LIMIT_NAMES})
     fields = {_RENAMED.get(k, k): v for k, v in values.items()}
@@ -1109,7 +1121,16 @@ def load_config(
         warnings=tuple(warnings),
         sources=tuple(origins),
     )
-    _validate(config)
+    try:
+        _validate(config)
+    except ConfigurationError as exc:
+        # "invalid token_file: file not found" names the setting; where a flag or the
+        # environment overrode the config file's value, say so: that is the likely cause.
+        named = re.match(r"invalid (\w+)", str(exc))
+        note = overridden.get(named.group(1)) if named else None
+        if note is None:
+            raise
+        raise ConfigurationError(f"{exc} ({note})") from None
     warnings.extend(_resource_warnings(config, explicit))
     return dataclasses.replace(config, warnings=tuple(warnings))
 
@@ -1153,6 +1174,24 @@ def effective_settings(config: ServerConfig) -> list[tuple[str, str, str]]:
         )
         for s in SETTINGS
     ]
+
+
+def _show(value: object) -> str:
+    if isinstance(value, Address | Path):
+        return f"'{value}'"
+    return repr(value)
+
+
+def _shadowed_toml_value(s: Setting, raw: object, toml_path: Path, used: object) -> str | None:
+    """How the TOML file's value of `s` reads when a flag or the environment gave it
+    another one (None: the same value, nothing is lost)."""
+    try:
+        value = s.parse(raw)
+    except _Invalid:
+        return repr(raw)  # invalid in the file, unused: still a value nobody gets
+    if s.path_like and isinstance(value, Path) and not value.is_absolute():
+        value = toml_path.parent / value
+    return None if value == used else _show(value)
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -1368,6 +1407,14 @@ def _disk_size_bytes(path: Path) -> int | None:
 def _resource_warnings(c: ServerConfig, explicit: set[str]) -> list[str]:
     """Settings that are valid but cannot work as written on this machine."""
     out: list[str] = []
+    lim = c.limits
+    if lim.tenant_connection_cap < lim.max_connections_per_tenant:
+        out.append(
+            f"max_connections_per_tenant = {lim.max_connections_per_tenant} is clamped to "
+            f"{lim.tenant_connection_cap}, half of max_connections = {lim.max_connections}: "
+            "one tenant may hold at most half of a listener's connections (raise "
+            "max_connections to let a tenant hold more)"
+        )
     ram = _memory_limit_bytes()
     tiers = c.hot_capacity_bytes + c.warm_capacity_bytes
     if ram is not None and tiers > ram:

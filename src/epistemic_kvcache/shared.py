@@ -110,7 +110,9 @@ class ServerLimits:
     max_connections_per_peer: int = 512
     """Connections one client address may hold on one listener."""
     max_connections_per_tenant: int = 512
-    """Authenticated connections one tenant may hold on one listener."""
+    """Authenticated connections one tenant may hold on one listener; at most half of
+    `max_connections` is used (`tenant_connection_cap`), so one tenant never holds
+    every slot of a listener."""
     subscriber_idle_timeout_s: float = 1800.0
     """A RESP connection in subscribed mode that sends nothing this long is closed (a
     subscriber is otherwise never idle); redis-py's `health_check_interval` keeps it."""
@@ -143,6 +145,13 @@ class ServerLimits:
     so an unauthenticated peer cannot queue a pipeline (one command at a time)."""
     resp_max_args: int = 1024 * 1024
     """Redis' own multibulk limit is 1024*1024 arguments."""
+
+    @property
+    def tenant_connection_cap(self) -> int:
+        """The per-tenant connection cap in force: `max_connections_per_tenant`, clamped
+        to half of `max_connections` (at least 1) so that the other tenants always have
+        half of a listener's slots (the defaults, 512 of 1024, are exactly that)."""
+        return min(self.max_connections_per_tenant, max(1, self.max_connections // 2))
 
 
 DEFAULT_LIMITS = ServerLimits()

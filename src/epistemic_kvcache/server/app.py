@@ -50,7 +50,7 @@ from typing import Any, Final, ParamSpec, TypeVar
 from epistemic_kvcache.buffers import configure_prefault
 from epistemic_kvcache.config import Address, ServerConfig, effective_settings, format_size
 from epistemic_kvcache.errors import ConfigurationError, KvCacheError
-from epistemic_kvcache.server.auth import ReloadableAuthenticator, plan_authenticator
+from epistemic_kvcache.server.auth import AuthPlan, ReloadableAuthenticator, plan_authenticator
 from epistemic_kvcache.server.context import LiveConnection, ServerContext
 from epistemic_kvcache.server.oplog import AccessLog
 from epistemic_kvcache.server.tls import check_bind, ssl_context_from_config
@@ -414,6 +414,29 @@ def _reload(config: ServerConfig, ctx: ServerContext, tls: ssl.SSLContext | None
             log.info("reload: TLS certificate reloaded from %s", config.tls_cert)
 
 
+def check_start(config: ServerConfig) -> tuple[AuthPlan, ssl.SSLContext | None]:
+    """`serve`'s start-up checks that read files but write none: the credentials (token
+    file, JWT keys; a first-run token is planned, not written), the TLS files, and the
+    bind rule for both listeners. Raises `ConfigurationError`. tests/test_deploy.py runs
+    every deploy file's effective configuration through `load_config` and this."""
+    auth_plan = plan_authenticator(config)
+    tls = ssl_context_from_config(config)
+    check_bind(
+        config.addr,
+        flag="--addr",
+        tls=tls is not None,
+        allow_insecure_bind=config.allow_insecure_bind,
+    )
+    if config.resp_addr is not None:
+        check_bind(
+            config.resp_addr,
+            flag="--resp-addr",
+            tls=tls is not None,
+            allow_insecure_bind=config.allow_insecure_bind,
+        )
+    return auth_plan, tls
+
+
 async def serve(
     config: ServerConfig, *, ready: Callable[[ServerHandle], None] | None = None
 ) -> None:
@@ -432,21 +455,7 @@ async def serve(
         log.warning("%s", warning)
 
     # 1. Every check that reads but writes nothing.
-    auth_plan = plan_authenticator(config)
-    tls = ssl_context_from_config(config)
-    check_bind(
-        config.addr,
-        flag="--addr",
-        tls=tls is not None,
-        allow_insecure_bind=config.allow_insecure_bind,
-    )
-    if config.resp_addr is not None:
-        check_bind(
-            config.resp_addr,
-            flag="--resp-addr",
-            tls=tls is not None,
-            allow_insecure_bind=config.allow_insecure_bind,
-        )
+    auth_plan, tls = check_start(config)
     if config.allow_insecure_bind and tls is None:
         for addr in (config.addr, config.resp_addr):
             if addr is not None and not addr.is_loopback:

@@ -10,6 +10,7 @@ How it works:
   an RSA public key can never act as an HMAC secret (key confusion) and `none` is never
   accepted. Keys come from an HMAC secret, a PEM public key or a JWKS file (selected by
   `kid`, an unknown `kid` is refused). `exp` is required; `nbf`/`iat` are honoured;
+  all three must be JSON numbers (a string `"exp": "9999999999"` is refused by name);
   `iss`/`aud` are enforced when configured. The tenant comes from the configured claim
   (default `tenant`, else `sub`). Verified tokens are cached until their `exp`.
 - A credential shaped like a JWT (three base64url segments) goes to JWT verification
@@ -24,6 +25,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -60,6 +62,10 @@ MAX_CREDENTIAL_BYTES = 16 * 1024
 GENERATED_TOKEN_FILENAME = "token"  # noqa: S105 - a file name, not a secret
 
 _JWT_SHAPE = re.compile(r"^[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*$")
+_VISIBLE_ASCII = re.compile(r"[!-~]+")
+# Refused anywhere in a token file: control characters (C0, DEL, C1) other than tab, CR
+# and LF, and the Unicode line separators (`splitlines` would split a line on them).
+_FILE_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u2028\u2029]")
 
 _FAMILY_ALGS: dict[str, frozenset[str]] = {
     "hmac": frozenset({"HS256", "HS384", "HS512"}),
@@ -117,9 +123,19 @@ class TokenTable:
             self.add(token, tenant)
 
     def add(self, token: str, tenant: str, *, source: str = "--token") -> None:
-        """Accept `token` for `tenant`. A token may map to one tenant only."""
+        """Accept `token` for `tenant`. A token may map to one tenant only.
+
+        A token is 1.. visible ASCII characters (`!`..`~`): what an HTTP `Authorization`
+        header and `redis-cli -a` carry unchanged. Anything else (control characters, NUL,
+        non-ASCII) could never be presented by a client, so it is refused, never stored.
+        """
         if not token or any(c.isspace() for c in token):
             raise ConfigurationError(f"invalid token in {source}: empty or contains whitespace")
+        if not _VISIBLE_ASCII.fullmatch(token):
+            raise ConfigurationError(
+                f"invalid token in {source}: expected visible ASCII characters only "
+                "(it holds a control or non-ASCII character)"
+            )
         try:
             check_tenant_name(tenant)
         except InvalidKeyError as exc:
@@ -156,7 +172,9 @@ def load_token_file(path: Path, table: TokenTable | None = None) -> TokenTable:
     Format: one token per line, optionally followed by whitespace and a tenant (default
     `default`); blank lines and lines starting with `#` are ignored. A world-writable
     file is refused (anyone could add a token); a group- or world-readable one is
-    accepted with a warning.
+    accepted with a warning. A file that is not text (invalid UTF-8, a control character
+    such as NUL anywhere) or holds no valid token is refused whole: a SIGHUP reload of a
+    damaged file keeps the credentials in force instead of revoking them.
     """
     table = TokenTable() if table is None else table
     try:
@@ -166,10 +184,19 @@ def load_token_file(path: Path, table: TokenTable | None = None) -> TokenTable:
         raise ConfigurationError(
             f"invalid token_file: cannot read '{path}': {exc.strerror}"
         ) from None
-    except UnicodeDecodeError:
-        raise ConfigurationError(f"invalid token_file: '{path}' is not UTF-8 text") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigurationError(
+            f"invalid token_file: '{path}' is not UTF-8 text (invalid byte at offset {exc.start})"
+        ) from None
     if st.st_mode & stat.S_IWOTH:
         raise ConfigurationError(f"invalid token_file: '{path}' is world-writable; chmod 600 it")
+    bad = _FILE_CONTROL.search(text)
+    if bad is not None:
+        lineno = text.count("\n", 0, bad.start()) + 1
+        raise ConfigurationError(
+            f"invalid token_file: '{path}' line {lineno}: control character "
+            f"U+{ord(bad.group()):04X} (a token file is text: 'token [tenant]' lines)"
+        )
     if st.st_mode & (stat.S_IROTH | stat.S_IRGRP):
         log.warning("token file %s is readable by group/others; chmod 600 it", path)
     count = 0
@@ -297,6 +324,52 @@ def _load_jwks(path: Path, configured: Sequence[str]) -> list[_JwtKey]:
     if not out:
         raise ConfigurationError(f"invalid jwt_jwks: '{path}' holds no usable signing key")
     return out
+
+
+_NUMERIC_CLAIMS = ("exp", "nbf", "iat")
+"""RFC 7519 §4.1.4-6: NumericDate claims, JSON numbers (PyJWT alone takes `"exp": "99"`)."""
+
+
+class _ClaimTypeError(jwt.DecodeError):
+    """A registered claim of the wrong JSON type (the message names claim and type)."""
+
+
+class _StrictJWT(jwt.PyJWT):
+    """PyJWT whose payload check (after the signature, before the time checks) refuses
+    NumericDate claims that are not finite JSON numbers: PyJWT runs `int()` on them, so
+    a string `"exp": "9999999999"` was accepted, and `true` read as 1."""
+
+    def _decode_payload(self, decoded: dict[str, Any]) -> dict[str, Any]:
+        payload = super()._decode_payload(decoded)
+        for name in _NUMERIC_CLAIMS:
+            if name not in payload:
+                continue
+            value = payload[name]
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise _ClaimTypeError(
+                    f"invalid token: claim {name!r} must be a number (got {_json_type(value)})"
+                )
+            if isinstance(value, float) and not math.isfinite(value):
+                raise _ClaimTypeError(f"invalid token: claim {name!r} must be a finite number")
+        return payload
+
+
+def _json_type(value: object) -> str:
+    """`value`'s JSON type with its article, for an error message."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return f"a {type(value).__name__}"
+
+
+_JWT = _StrictJWT()
 
 
 class JwtVerifier:
@@ -435,7 +508,7 @@ class JwtVerifier:
         error: AuthError | None = None
         for candidate in candidates:
             try:
-                claims = jwt.decode(
+                claims = _JWT.decode(
                     token,
                     candidate.key,
                     algorithms=[alg],
@@ -476,6 +549,8 @@ class JwtVerifier:
 
 def _describe(exc: Exception) -> str:
     """A short reason for a rejected JWT that never contains the token."""
+    if isinstance(exc, _ClaimTypeError):
+        return str(exc)
     if isinstance(exc, jwt.ExpiredSignatureError):
         return "invalid token: expired"
     if isinstance(exc, jwt.ImmatureSignatureError):

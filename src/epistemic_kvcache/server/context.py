@@ -215,7 +215,7 @@ class ServerContext:
                     ),
                     max_unauthenticated_per_peer=lim.max_unauthenticated_connections_per_peer,
                     max_per_peer=lim.max_connections_per_peer,
-                    max_per_tenant=lim.max_connections_per_tenant,
+                    max_per_tenant=lim.tenant_connection_cap,
                 )
             )
             self.slots[wire] = slots

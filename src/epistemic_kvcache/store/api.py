@@ -291,6 +291,11 @@ class SharedKvBackend(abc.ABC):
     def delete(self, ns: str, key: str) -> bool:
         """Remove `key`; the blob goes when its last reference does. False if absent."""
 
+    def key_hits(self, ns: str, key: str) -> int | None:
+        """Reads counted for the key's block (RESP OBJECT FREQ), None if absent. A
+        backend that does not count reads answers 0 for a present key."""
+        return 0 if self.exists(ns, key) else None
+
     @abc.abstractmethod
     def pin(self, ns: str, key: str) -> bool:
         """Protect the key's block from eviction (counted; unpin once per pin)."""

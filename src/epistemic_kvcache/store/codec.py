@@ -16,6 +16,14 @@ PUT under pressure, so the default is lz4 + bitshuffle; `zstd` is an option.
 
 A block whose compressed size is above `max_ratio` of the original is "not worth it":
 `compress` returns None and the caller keeps it raw or lets it skip the tier.
+
+Slices. blosc2 holds the GIL for a whole call: compressing a 128 MiB block took
+0.3-1.3 s and decompressing it 0.25-0.45 s here, all that time with no other thread
+running, the event loop included (every other client stalled: a large block demoted
+to warm, or paged back in from it). So a block above `SLICE_BYTES` is compressed as a
+run of independent blosc2 chunks of `SLICE_BYTES` each, back to back (each chunk's
+header holds its own sizes, so the run needs no framing of its own), and decompressed
+chunk by chunk into one buffer: the GIL is held for one slice at a time (~2-10 ms).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from typing import Literal
 
 import blosc2
 
+from epistemic_kvcache.buffers import read_buffer
 from epistemic_kvcache.errors import ConfigurationError
 
 CodecName = Literal["lz4", "zstd"]
@@ -31,6 +40,9 @@ CodecName = Literal["lz4", "zstd"]
 _CODECS = {"lz4": blosc2.Codec.LZ4, "zstd": blosc2.Codec.ZSTD}
 # blosc2 works on chunks of at most 2 GiB; our blocks are far smaller (max_block_bytes).
 _MAX_CHUNK = 2**31 - 64
+SLICE_BYTES = 4 << 20
+"""Largest piece of a block compressed or decompressed in one (GIL-holding) blosc2 call."""
+_HEADER_BYTES = 32  # a blosc2 chunk's header: nbytes at 4..8, cbytes at 12..16
 
 
 class WarmCodec:
@@ -61,22 +73,56 @@ class WarmCodec:
         if n == 0 or n > _MAX_CHUNK:
             return None
         typesize = self._typesize if n % self._typesize == 0 else 1
-        out: bytes = blosc2.compress2(
-            data,
-            typesize=typesize,
-            clevel=self._level,
-            filters=[blosc2.Filter.BITSHUFFLE],
-            codec=self._codec,
-        )
-        if len(out) > n * self.max_ratio:
-            return None
-        return out
+        view = memoryview(data).cast("B")
+        parts: list[bytes] = []
+        size = 0
+        for start in range(0, n, SLICE_BYTES):
+            part: bytes = blosc2.compress2(
+                view[start : start + SLICE_BYTES],
+                typesize=typesize,
+                clevel=self._level,
+                filters=[blosc2.Filter.BITSHUFFLE],
+                codec=self._codec,
+            )
+            size += len(part)
+            if size > n * self.max_ratio:
+                return None  # not worth it: known before the rest is compressed
+            parts.append(part)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     @staticmethod
-    def decompress(data: bytes) -> bytes:
+    def decompress(data: bytes) -> bytes | memoryview:
         """Inverse of `compress`. Raises ValueError on a damaged frame."""
         try:
-            out = blosc2.decompress2(data)
+            chunks = _chunks(data)
+            if len(chunks) == 1:
+                out = blosc2.decompress2(data)
+                return bytes(out) if not isinstance(out, bytes) else out
+            total = sum(nbytes for _start, _cbytes, nbytes in chunks)
+            buf = memoryview(read_buffer(total))
+            src = memoryview(data)
+            at = 0
+            for start, cbytes, nbytes in chunks:  # one slice per GIL-holding call
+                blosc2.decompress2(src[start : start + cbytes], dst=buf[at : at + nbytes])
+                at += nbytes
         except Exception as exc:  # blosc2 raises RuntimeError/ValueError on bad frames
             raise ValueError(f"damaged warm-tier frame: {exc}") from exc
-        return bytes(out) if not isinstance(out, bytes) else out
+        return buf
+
+
+def _chunks(data: bytes) -> list[tuple[int, int, int]]:
+    """(offset, compressed size, size) of each blosc2 chunk of a `compress` output."""
+    out = []
+    start = 0
+    while start < len(data):
+        if len(data) - start < _HEADER_BYTES:
+            raise ValueError("truncated chunk header")
+        nbytes = int.from_bytes(data[start + 4 : start + 8], "little")
+        cbytes = int.from_bytes(data[start + 12 : start + 16], "little")
+        if not _HEADER_BYTES <= cbytes <= len(data) - start or nbytes > _MAX_CHUNK:
+            raise ValueError(f"chunk at {start}: sizes {nbytes}/{cbytes} do not fit")
+        out.append((start, cbytes, nbytes))
+        start += cbytes
+    if not out:
+        raise ValueError("empty frame")
+    return out

@@ -1021,6 +1021,13 @@ class TieredEngine(SharedKvBackend):
         with self._lock:
             return self._live(ns, key) is not None
 
+    def key_hits(self, ns: str, key: str) -> int | None:
+        self._validate(ns, key)
+        self._check_open()
+        with self._lock:
+            b = self._live(ns, key)
+            return b.hits if b is not None else None
+
     def exists_many(self, ns: str, keys: Sequence[str]) -> list[bool]:
         for key in keys:
             self._validate(ns, key)

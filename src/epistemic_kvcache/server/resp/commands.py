@@ -14,7 +14,6 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Sequence
 from typing import Final
 
 from epistemic_kvcache.buffers import received_block
@@ -27,6 +26,7 @@ from epistemic_kvcache.proto.resp import (
     Verbatim,
 )
 from epistemic_kvcache.server.budget import BatchTooLarge, Busy
+from epistemic_kvcache.server.resp.commands_admin import info_sections
 from epistemic_kvcache.server.resp.common import (
     OK,
     REDIS_COMPAT_VERSION,
@@ -40,9 +40,10 @@ from epistemic_kvcache.server.resp.common import (
     to_int,
     to_key,
     unknown_subcommand,
+    valid_client_name,
     wrong_args,
 )
-from epistemic_kvcache.server.resp.dispatch import COMMANDS, CommandSpec, blocking_command, command
+from epistemic_kvcache.server.resp.dispatch import blocking_command, command
 from epistemic_kvcache.server.resp.session import Session
 from epistemic_kvcache.store.api import PutCond, SharedKvBackend
 
@@ -67,15 +68,6 @@ _HELLO_NOAUTH: Final = ErrorReply(
     "HELLO <proto> AUTH <user> <pass> option can be used to authenticate the client and "
     "select the RESP protocol version at the same time"
 )
-
-
-def _valid_client_name(raw: Buffer) -> str:
-    data = bytes(raw)
-    if any(b < 0x21 or b > 0x7E for b in data):
-        raise Reply(
-            ErrorReply("ERR Client names cannot contain spaces, newlines or special characters.")
-        )
-    return data.decode("ascii")
 
 
 def hello_map(s: Session) -> dict[str, object]:
@@ -154,7 +146,7 @@ async def _hello(s: Session, cmd: Command) -> object:
                 password = cmd[i + 2]
                 i += 3
             elif opt == b"SETNAME" and i + 1 < len(cmd):
-                setname = _valid_client_name(cmd[i + 1])
+                setname = valid_client_name(cmd[i + 1])
                 i += 2
             else:
                 return ErrorReply(f"ERR Syntax error in HELLO option '{text(cmd[i])}'")
@@ -238,35 +230,6 @@ async def _unsubscribe(s: Session, cmd: Command) -> object:
 async def _reset(s: Session, cmd: Command) -> object:
     s.reset()
     return SimpleString("RESET")
-
-
-@command(
-    "client", -2, ("stale",), (0, 0, 0), "connection", "CLIENT SETNAME | GETNAME | ID | SETINFO."
-)
-async def _client(s: Session, cmd: Command) -> object:
-    sub = bytes(cmd[1]).upper()
-    if sub == b"SETNAME" and len(cmd) == 3:
-        s.name = _valid_client_name(cmd[2]) or None
-        return OK
-    if sub == b"GETNAME" and len(cmd) == 2:
-        return s.name
-    if sub == b"ID" and len(cmd) == 2:
-        return s.client_id
-    if sub == b"SETINFO" and len(cmd) == 4:
-        attr = bytes(cmd[2]).upper()
-        value = _valid_client_name(cmd[3]) if cmd[3] else ""
-        if attr == b"LIB-NAME":
-            s.lib_name = value or None
-        elif attr == b"LIB-VER":
-            s.lib_version = value or None
-        else:
-            return ErrorReply(f"ERR Unrecognized option '{text(cmd[2])}'")
-        return OK
-    if sub in (b"SETNAME", b"GETNAME", b"ID", b"SETINFO"):
-        return ErrorReply(
-            f"ERR wrong number of arguments for 'client|{sub.decode().lower()}' command"
-        )
-    return unknown_subcommand(cmd[1], "CLIENT")
 
 
 # -- transactions (the dispatcher queues commands after MULTI and runs EXEC) ---------------
@@ -530,6 +493,8 @@ def _scan(s: Session, cmd: Command) -> object:
             return SYNTAX_ERROR
         i += 2
     ns = s.namespace
+    if not only_strings:  # every key is a string: no other type matches, so no paging
+        return ["0", []]
     after: str | None = None
     if cursor != 0:
         after = s.shared.cursors.position(ns, cursor)
@@ -566,6 +531,8 @@ _INFO_DEFAULT: Final = (
     "memory",
     "persistence",
     "stats",
+    "replication",
+    "cpu",
     "kvcache",
     "keyspace",
 )
@@ -587,7 +554,9 @@ def maxmemory(s: Session) -> int:
 )
 def _info(s: Session, cmd: Command) -> object:
     wanted = {bytes(a).decode("ascii", "replace").lower() for a in cmd[1:]}
-    if not wanted or wanted & {"all", "default", "everything"}:
+    if wanted & {"all", "everything"}:
+        wanted = {*_INFO_DEFAULT, "commandstats"}
+    elif not wanted or "default" in wanted:
         wanted = set(_INFO_DEFAULT)
     ns = s.namespace
     stats = s.call(s.store.stats, ns)
@@ -648,6 +617,7 @@ def _info(s: Session, cmd: Command) -> object:
                 kv.extend((f"tier_{tier}_{k}", v) for k, v in tstats.items())
         elif field != "extra":
             kv.append((field, value))
+    sections += info_sections(s)
     sections.append(("kvcache", kv))
     sections.append(("keyspace", [("db0", f"keys={nkeys},expires=0,avg_ttl=0")]))
     lines: list[str] = []
@@ -656,7 +626,7 @@ def _info(s: Session, cmd: Command) -> object:
             continue
         if lines:
             lines.append("")
-        lines.append(f"# {title.capitalize()}")
+        lines.append(f"# {'CPU' if title == 'cpu' else title.capitalize()}")
         lines.extend(f"{k}:{v}" for k, v in fields)
     out = "\r\n".join(lines) + ("\r\n" if lines else "")
     return Verbatim(out) if s.protocol_version == 3 else out.encode("utf-8")
@@ -759,51 +729,3 @@ def _config(s: Session, cmd: Command) -> object:
             if glob.match(name.encode()):
                 out[name] = value
     return out
-
-
-def _command_info(spec: CommandSpec) -> list[object]:
-    return [
-        spec.name,
-        spec.arity,
-        {SimpleString(f) for f in spec.flags},
-        spec.first_key,
-        spec.last_key,
-        spec.step,
-        set(),
-        [],
-        [],
-        [],
-    ]
-
-
-def _command_docs(spec: CommandSpec) -> dict[str, object]:
-    return {"summary": spec.summary, "since": "1.0.0", "group": spec.group}
-
-
-def _lookup_specs(names: Sequence[Buffer]) -> list[CommandSpec | None]:
-    return [COMMANDS.get(bytes(n).lower()) for n in names]
-
-
-@command(
-    "command",
-    -1,
-    ("loading", "stale"),
-    (0, 0, 0),
-    "server",
-    "COMMAND, COMMAND COUNT | LIST | INFO | DOCS.",
-)
-async def _command_cmd(s: Session, cmd: Command) -> object:
-    if len(cmd) == 1:
-        return [_command_info(spec) for spec in COMMANDS.values()]
-    sub = bytes(cmd[1]).upper()
-    if sub == b"COUNT" and len(cmd) == 2:
-        return len(COMMANDS)
-    if sub == b"LIST" and len(cmd) == 2:
-        return [spec.name for spec in COMMANDS.values()]
-    if sub == b"INFO":
-        specs = _lookup_specs(cmd[2:]) if len(cmd) > 2 else list(COMMANDS.values())
-        return [_command_info(spec) if spec is not None else None for spec in specs]
-    if sub == b"DOCS":
-        specs = _lookup_specs(cmd[2:]) if len(cmd) > 2 else list(COMMANDS.values())
-        return {spec.name: _command_docs(spec) for spec in specs if spec is not None}
-    return unknown_subcommand(cmd[1], "COMMAND")

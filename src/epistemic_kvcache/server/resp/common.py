@@ -82,6 +82,16 @@ def to_glob(pattern: Buffer) -> Glob:
         raise Reply(ErrorReply(f"ERR {exc}")) from None
 
 
+def valid_client_name(raw: Buffer) -> str:
+    """A client name (CLIENT SETNAME, HELLO SETNAME): printable ASCII without spaces."""
+    data = bytes(raw)
+    if any(b < 0x21 or b > 0x7E for b in data):
+        raise Reply(
+            ErrorReply("ERR Client names cannot contain spaces, newlines or special characters.")
+        )
+    return data.decode("ascii")
+
+
 def wrong_args(name: str) -> ErrorReply:
     return ErrorReply(f"ERR wrong number of arguments for '{name}' command")
 

@@ -184,6 +184,8 @@ class RespConnection(asyncio.BufferedProtocol):
         self._ctx.live.add(self)
         self.peer = peer_of(transport)
         self.session.peer = self.peer
+        self.session.addr = _host_port(transport.get_extra_info("peername"))
+        self.session.laddr = _host_port(transport.get_extra_info("sockname"))
         admitted = self._slots.admit(self.peer, self._evicted)
         self._ctx.open_connections[WIRE] = self._slots.open
         if isinstance(admitted, str):
@@ -295,6 +297,7 @@ class RespConnection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
         self._ctx.live.discard(self)
+        self._shared.live.discard(self)  # CLIENT LIST shows open connections only
         self._parser.close()  # buffered commands go now, not at the next full GC
         self._queue.pending.clear()
         self._account.close()
@@ -478,6 +481,11 @@ class RespConnection(asyncio.BufferedProtocol):
         )
         self._close(abort=True)
 
+    def kill(self) -> None:
+        """CLIENT KILL from another connection of the tenant: close now."""
+        log.info("RESP connection %d (%s) closed by CLIENT KILL", self.session.client_id, self.peer)
+        self._close(abort=True)
+
     def _evicted(self) -> None:
         """Our unauthenticated slot went to a newer connection (the pool was full)."""
         log.debug("RESP connection from %s closed: unauthenticated pool full", self.peer)
@@ -625,3 +633,10 @@ class RespConnection(asyncio.BufferedProtocol):
             return
         payload = f"{scope} {epoch}".encode()
         self._write(push([b"message", EPOCH_CHANNEL, payload], self.session.protocol_version))
+
+
+def _host_port(name: object) -> str:
+    """`host:port` of a socket address (`?:0` when unknown, e.g. a unix socket)."""
+    if isinstance(name, tuple) and len(name) >= 2:
+        return f"{name[0]}:{name[1]}"
+    return "?:0"

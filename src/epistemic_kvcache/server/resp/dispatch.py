@@ -33,7 +33,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from epistemic_kvcache.buffers import received_block
 from epistemic_kvcache.errors import StoreError
@@ -112,6 +112,13 @@ QUEUED: Final = SimpleString("QUEUED")
 _NO_BARRIER: Final = frozenset({"mset", "del", "unlink", "flushdb"})
 """Writes inside EXEC that go to the store's committer in order behind the SETs started
 before them, so they need not wait for those SETs first (a read does)."""
+
+_HOLDS_TENANT: Final = frozenset({"getset", "getdel", "set"})
+"""Commands that read a key and then write it (SET only with GET; the handler decides):
+the dispatcher runs them holding the tenant alone (`TenantGates.hold`), like EXEC."""
+UNSUPPORTED: dict[bytes, ErrorReply] = {}
+"""Commands we know and refuse on purpose (name -> the error saying why); filled by
+server/resp/commands_keys.py. They are not in COMMANDS (COMMAND lists what works)."""
 
 _SUBSCRIBED_MODE_COMMANDS: Final = frozenset(
     {"subscribe", "unsubscribe", "psubscribe", "punsubscribe", "ping", "quit", "reset"}
@@ -210,6 +217,10 @@ def reply_bytes(reply: object) -> int:
     return 0
 
 
+def _set_with_get(cmd: Command) -> bool:
+    return any(len(a) == 3 and bytes(a).upper() == b"GET" for a in cmd[3:])
+
+
 def unknown_command(cmd: Command) -> ErrorReply:
     args = ""
     for arg in cmd[1:]:
@@ -239,7 +250,10 @@ class Dispatcher:
             return "busy", None, busy_reply(cmd.reason)
         spec = COMMANDS.get(bytes(cmd[0]).lower())
         if spec is None:
-            return "unknown", None, NOAUTH if s.identity is None else unknown_command(cmd)
+            if s.identity is None:
+                return "unknown", None, NOAUTH
+            why = UNSUPPORTED.get(bytes(cmd[0]).lower())
+            return "unknown", None, unknown_command(cmd) if why is None else why
         if s.identity is None and not spec.no_auth:
             return spec.name, spec, NOAUTH
         if (spec.arity > 0 and len(cmd) != spec.arity) or len(cmd) < -spec.arity:
@@ -269,8 +283,12 @@ class Dispatcher:
         reply as this connection's protocol encodes it."""
         status = "error" if isinstance(reply, ErrorReply) else "ok"
         s = self.session
+        s.last_command = time.monotonic()
+        s.last_route = route
         if count_activity and s.identity is not None:
-            s.shared.activity(s.identity.tenant).commands += 1
+            activity = s.shared.activity(s.identity.tenant)
+            activity.commands += 1
+            activity.count(route, seconds, status == "error")
         access = self.ctx.access_log
         if access.enabled:
             access.record(
@@ -314,6 +332,18 @@ class Dispatcher:
             return await self._execute(cmd, route, spec, started)
         tenant = identity.tenant
         gates = s.shared.gates
+        if route in _HOLDS_TENANT and (route != "set" or _set_with_get(cmd)):
+            # read-then-write commands (GETSET, GETDEL, SET ... GET): the tenant alone,
+            # as EXEC holds it, so no other RESP command of it lands in between
+            self.busy = True
+            try:
+                await gates.hold(tenant)
+            finally:
+                self.busy = False
+            try:
+                return await self._execute(cmd, route, spec, started)
+            finally:
+                gates.release(tenant)
         if not gates.enter_nowait(tenant):
             self.busy = True  # waiting on a transaction of this tenant is not idling
             try:
@@ -615,6 +645,7 @@ class Dispatcher:
         n = len(cmds)
         i = start
         queued = 0
+        tallies: dict[str, list[Any]] = {}  # route -> [calls, seconds, failures]
         t0 = perf()
         while i < n and queued < FAST_FLUSH_BYTES:
             cmd = cmds[i]
@@ -660,13 +691,25 @@ class Dispatcher:
                 queued += len(buf)
             t1 = perf()
             i += 1
-            if plain and not isinstance(reply, ErrorReply):
+            failed = isinstance(reply, ErrorReply)
+            if plain and not failed:
                 series[route].observe(t1 - t0)
             else:
                 self.observe(route, reply, t1 - t0, cmd, count_activity=False)
+            tally = tallies.get(route)
+            if tally is None:
+                tallies[route] = [1, t1 - t0, failed]
+            else:
+                tally[0] += 1
+                tally[1] += t1 - t0
+                tally[2] += failed
             t0 = t1
         if i > start and s.identity is not None:
-            s.shared.activity(s.identity.tenant).commands += i - start
+            activity = s.shared.activity(s.identity.tenant)
+            activity.commands += i - start
+            for route, (calls, seconds, failures) in tallies.items():
+                activity.count(route, seconds, failures, calls)
+            s.last_command = t0
         return i
 
     def run_inline(

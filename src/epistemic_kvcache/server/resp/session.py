@@ -17,7 +17,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Final, Protocol, TypeVar
 
@@ -93,11 +93,30 @@ class CursorTable:
 
 
 @dataclass(slots=True)
+class CommandStat:
+    """One command's calls for INFO commandstats (a tenant's own)."""
+
+    calls: int = 0
+    usec: float = 0.0
+    failed: int = 0
+
+
+@dataclass(slots=True)
 class Activity:
     """A tenant's RESP activity on this listener (INFO `total_*`; its own only)."""
 
     connections: int = 0
     commands: int = 0
+    per_command: dict[str, CommandStat] = field(default_factory=dict)
+    """INFO commandstats: calls per command route (bounded by the command table)."""
+
+    def count(self, route: str, seconds: float, failed: int = 0, calls: int = 1) -> None:
+        stat = self.per_command.get(route)
+        if stat is None:
+            stat = self.per_command[route] = CommandStat()
+        stat.calls += calls
+        stat.usec += seconds * 1e6
+        stat.failed += failed
 
 
 MAX_MULTI_COMMANDS: Final = 10_000
@@ -157,10 +176,14 @@ class TenantGates:
 
     async def hold(self, tenant: str) -> None:
         """Take the tenant alone: wait for another EXEC, then for running commands."""
-        gate = self._gates.get(tenant)
-        if gate is None:
-            gate = self._gates[tenant] = _Gate()
-        while gate.held:
+        while True:
+            # fetched again after each wait: `release` drops a gate nobody is using, and
+            # the waiters it wakes must take the tenant's current gate, not the dropped one
+            gate = self._gates.get(tenant)
+            if gate is None:
+                gate = self._gates[tenant] = _Gate()
+            if not gate.held:
+                break
             await self._wait(gate)
         gate.held = True
         self.held.add(tenant)
@@ -257,6 +280,9 @@ class LiveConnection(Protocol):
 
     session: Session
 
+    def kill(self) -> None:
+        """CLIENT KILL: close the connection now."""
+
     def revoke(self) -> None:
         """Close the connection: its credential was revoked."""
 
@@ -302,6 +328,13 @@ class Session:
         """A command was refused while queuing: EXEC answers EXECABORT."""
         self.peer = "?"
         """The client's address (for the log)."""
+        self.addr = "?:0"
+        self.laddr = "?:0"
+        """The client's and the listener's `host:port` (CLIENT LIST, CLIENT KILL)."""
+        self.created = time.monotonic()
+        self.last_command = self.created
+        """When the dispatcher last ran a command of this client (CLIENT LIST idle)."""
+        self.last_route = "NULL"
 
     @property
     def store(self) -> SharedKvBackend:
