@@ -159,6 +159,26 @@ def test_compose_files_match_the_compose_spec(path: Path) -> None:
     compose_validator().validate(yaml.safe_load(path.read_text()))
 
 
+@pytest.mark.parametrize("path", COMPOSE, ids=lambda p: p.name)
+def test_compose_header_writes_the_secrets_where_compose_reads_them(path: Path) -> None:
+    """The header's commands run from the repository root (`docker compose -f
+    deploy/compose/...`), while `file: ./secrets/x` is relative to the compose file:
+    issue 28 found them writing ./secrets/ at the root, where compose never looks."""
+    doc = yaml.safe_load(path.read_text())
+    wanted = {
+        (path.parent / s["file"]).resolve()
+        for s in (doc.get("secrets") or {}).values()
+        if "file" in s
+    }
+    header = [line[1:] for line in path.read_text().splitlines() if line.startswith("#")]
+    written = {
+        (ROOT / m).resolve() for line in header for m in re.findall(r"> (\S+secrets/\S+)", line)
+    }
+    assert written <= wanted, f"{path.name}: writes {written - wanted}, compose reads {wanted}"
+    if "mkdir" in "\n".join(header):
+        assert written, path.name
+
+
 def test_compose_schema_catches_mistakes() -> None:
     doc = yaml.safe_load((DEPLOY / "compose" / "compose.yaml").read_text())
     doc["services"]["kvcache"]["healthcheck"]["intervall"] = "5s"
@@ -303,6 +323,12 @@ def test_systemd_unit() -> None:
     argv = shlex.split(exec_start.group(1))
     assert argv[0] == "/opt/epistemic-kvcache/bin/epistemic-kvcache"
     check_cli(argv[1:])
+    # `systemctl reload` (docs/security.md) needs an ExecReload: SIGHUP re-reads credentials
+    exec_reload = re.search(r"(?m)^ExecReload=(.*)$", unit)
+    assert exec_reload, "systemctl reload would fail: no ExecReload"
+    assert shlex.split(exec_reload.group(1)) == ["/bin/kill", "-HUP", "$MAINPID"]
+    security = " ".join((ROOT / "docs" / "security.md").read_text().split())
+    assert "`ExecReload=/bin/kill -HUP $MAINPID`" in security
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd not installed")
@@ -386,6 +412,9 @@ def test_alert_rules() -> None:
         "KvCacheIntegrityFailures",
         "KvCacheStoreFault",
         "KvCacheHitRateDrop",
+        "KvCacheDataLoss",  # issue 28: the data-loss internals alert
+        "KvCacheCheckpointFailures",
+        "KvCacheCheckpointLag",
     } <= names
     known = documented_metrics()
     for r in rules:

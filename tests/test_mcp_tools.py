@@ -206,7 +206,7 @@ def test_stdio_without_a_token_refuses_to_start(kv: ServerHandle, tmp_path: Path
         check=False,
     )
     assert proc.returncode == 2
-    assert "epistemic-kvcache mcp: error: invalid EPISTEMIC_GRAPH_KVCACHE_TOKEN" in proc.stderr
+    assert "epistemic-kvcache mcp: error: missing EPISTEMIC_GRAPH_KVCACHE_TOKEN" in proc.stderr
 
 
 def _free_port() -> int:

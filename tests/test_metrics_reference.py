@@ -93,6 +93,46 @@ def test_reference_matches_a_real_server(server: ServerHandle) -> None:
         assert labels == want, f"{wire_name}: exported labels {labels}, documented {want}"
 
 
+DATA_LOSS = (
+    "lost_keys",
+    "damaged_log_regions",
+    "quarantined_blocks",
+    "missing_segments",
+    "checkpoint_lag_bytes",
+)
+
+
+def test_data_loss_internals_are_first_class_metrics(server: ServerHandle) -> None:
+    """Issue 28: they were `kvcache_store_internal{name=...}` without a help text."""
+    text = scrape(server)
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in DATA_LOSS:
+        fam = families[f"kvcache_store_{name}"]
+        assert fam.type == "gauge"
+        assert len(fam.documentation) > 30, name
+        (value,) = (s.value for s in fam.samples)
+        assert value == 0.0 or name == "checkpoint_lag_bytes"  # nothing lost here
+    internal = {s.labels["name"] for s in families["kvcache_store_internal"].samples}
+    assert internal == {"store_fault", "disk_full"}  # what docs/metrics.md names
+    assert not internal & set(DATA_LOSS)
+    row = next(
+        line
+        for line in DOC.read_text().splitlines()
+        if line.startswith("| `kvcache_store_internal`")
+    )
+    assert all(f"`{name}`" in row for name in internal)
+
+
+def test_created_series_are_as_documented(server: ServerHandle) -> None:
+    created = {
+        f.name
+        for f in text_string_to_metric_families(scrape(server))
+        if f.name.endswith("_created")
+    }
+    assert created == {"kvcache_requests_created"}
+    assert "`kvcache_requests_created{...}`" in DOC.read_text()
+
+
 def test_labels_and_build_info(server: ServerHandle) -> None:
     text = scrape(server)
     statuses = set(re.findall(r'kvcache_requests_total\{[^}]*status="(\w+)"', text))

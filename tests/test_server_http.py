@@ -278,7 +278,7 @@ def test_put_get_head_delete_roundtrip(srv: Server) -> None:
     r = pool.request("HEAD", url, headers=A)
     assert (r.status, r.headers["Content-Length"], r.data) == (200, "9", b"")
     r = pool.request("GET", url + "/exists", headers=A)
-    assert json.loads(r.data) == {"hash": "roundtrip-1", "exists": True}
+    assert json.loads(r.data) == {"key": "roundtrip-1", "exists": True, "hash": "roundtrip-1"}
 
     r = pool.request("DELETE", url, headers=A)
     assert (r.status, r.data) == (204, b"")
@@ -289,7 +289,7 @@ def test_put_get_head_delete_roundtrip(srv: Server) -> None:
     r = pool.request("GET", url, headers=A)
     assert json.loads(r.data)["error"] == "not_found"
     r = pool.request("GET", url + "/exists", headers=A)
-    assert json.loads(r.data) == {"hash": "roundtrip-1", "exists": False}
+    assert json.loads(r.data) == {"key": "roundtrip-1", "exists": False, "hash": "roundtrip-1"}
     # Explicit DELETE then PUT replaces.
     assert pool.request("PUT", url, body=b"other bytes", headers=A).status == 201
     assert pool.request("GET", url, headers=A).data == b"other bytes"
@@ -322,7 +322,7 @@ def test_keys_roundtrip_with_stdlib_client(srv: Server, key: str) -> None:
     assert (r.status, r.read()) == (200, body)
     conn.request("GET", path + "/exists", headers=A)
     r = conn.getresponse()
-    assert json.loads(r.read()) == {"hash": key, "exists": True}
+    assert json.loads(r.read()) == {"key": key, "exists": True, "hash": key}
     conn.request("DELETE", path, headers=A)
     r = conn.getresponse()
     assert r.status == 204
@@ -751,7 +751,7 @@ def test_pipelining_in_one_write(srv: Server) -> None:
     for byte in b"GET /kv/pipe/exists HTTP/1.1\r\nAuthorization: Bearer tok-a\r\n\r\n":
         sock.sendall(bytes([byte]))
     (resp,), _ = read_responses(sock, 1)
-    assert json.loads(resp.body) == {"hash": "pipe", "exists": True}
+    assert json.loads(resp.body) == {"key": "pipe", "exists": True, "hash": "pipe"}
 
 
 def test_pipelined_head_is_answered_without_body(srv: Server) -> None:
@@ -1163,7 +1163,11 @@ def test_tls_listener_with_verified_clients() -> None:
         with httpx.Client(base_url=f"https://127.0.0.1:{port}", verify=client_ctx, headers=A) as c:
             assert c.put("/kv/tls%2Fkey", content=block).status_code == 201
             assert c.get("/kv/tls%2Fkey").content == block
-            assert c.get("/kv/tls%2Fkey/exists").json() == {"hash": "tls/key", "exists": True}
+            assert c.get("/kv/tls%2Fkey/exists").json() == {
+                "key": "tls/key",
+                "exists": True,
+                "hash": "tls/key",
+            }
         conn = http.client.HTTPSConnection("127.0.0.1", port, context=client_ctx, timeout=10)
         s.pools.append(conn)
         conn.request("GET", "/kv/tls%2Fkey", headers=A)
@@ -1173,7 +1177,7 @@ def test_tls_listener_with_verified_clients() -> None:
         r = conn.getresponse()
         assert (r.status, json.loads(r.read())["error"]) == (401, "unauthorized")
         conn.request("GET", "/healthz")
-        assert conn.getresponse().read() == b'{"status":"ok"}'
+        assert conn.getresponse().read() == b'{"status":"ok"}\n'
         assert conn.sock is first
     finally:
         s.stop()
@@ -1236,3 +1240,24 @@ def test_every_http_write_hands_its_receive_buffer_to_the_store(
         assert store.check(deep=True).ok
     finally:
         s.stop()
+
+
+def test_json_bodies_end_with_a_newline_in_one_style(srv: Server) -> None:
+    """Issue 28: answers were compact without a newline, errors spaced; `/exists` called
+    its key `hash`."""
+    pool = srv.pool()
+    assert pool.request("PUT", "/kv/nl-key", body=b"v", headers=A).status == 201
+    r = pool.request("GET", "/kv/nl-key/exists", headers=A)
+    assert r.data == b'{"key":"nl-key","exists":true,"hash":"nl-key"}\n'
+    bodies = [
+        r.data,
+        pool.request("GET", "/kv/stats", headers=A).data,
+        pool.request("GET", "/kv/absent", headers=A).data,  # 404 error document
+        pool.request("GET", "/kv/nl-key").data,  # 401 error document
+        pool.request("GET", "/healthz").data,
+        pool.request("POST", "/kv/batch/exists", body=b'{"keys": ["nl-key"]}', headers=A).data,
+    ]
+    for body in bodies:
+        assert body.endswith(b"\n"), body
+        assert body.count(b"\n") == 1, body
+        assert json.dumps(json.loads(body), separators=(",", ":")).encode() + b"\n" == body

@@ -92,7 +92,10 @@ def serve_config(args: argparse.Namespace, env: Mapping[str, str]) -> ServerConf
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from epistemic_kvcache.config import check_persist_dir
+
     config = serve_config(args, os.environ)
+    check_persist_dir(config)
     require_extra("server", *SERVER_MODULES)
     from epistemic_kvcache.server.app import run
 
@@ -111,7 +114,12 @@ def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "cluster_scrub_interval_s)",
     )
     parser.add_argument("--deep", action="store_true", help="also re-hash every block")
-    add_arguments(parser)  # the same settings as serve: --cluster-url, --config, ...
+    # only what the check reads; the other settings may still come from env or --config
+    add_arguments(parser, only=_cluster_setting)
+
+
+def _cluster_setting(name: str) -> bool:
+    return name.startswith("cluster_") or name in ("dedup_scope", "max_block_bytes", "log_level")
 
 
 def _cluster(args: argparse.Namespace) -> int:
@@ -125,6 +133,46 @@ def _cluster(args: argparse.Namespace) -> int:
 
     setup_logging("WARNING")
     return run_check(config, fix=args.cluster_action == "scrub", deep=args.deep)
+
+
+def _config_arguments(parser: argparse.ArgumentParser) -> None:
+    from epistemic_kvcache.config import add_arguments
+
+    actions = parser.add_subparsers(dest="config_action", metavar="ACTION", required=True)
+    show = actions.add_parser(
+        "show",
+        help="print every setting's effective value and where it came from",
+        description="Resolve the configuration exactly as `serve` would (flags > "
+        "environment > TOML file > default) and print one line per setting: name, value, "
+        "source (default, flag --x, env NAME, file PATH). Secrets print as (hidden).",
+        allow_abbrev=False,
+    )
+    show.add_argument(
+        "--format", choices=["text", "json"], default="text", help="text (default) or json"
+    )
+    add_arguments(show)
+
+
+def _config(args: argparse.Namespace) -> int:
+    import json
+
+    from epistemic_kvcache.config import effective_settings, load_config
+
+    skip = {"command", "config_action", "format"}
+    values = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in skip}
+    config = load_config(values, os.environ)
+    rows = effective_settings(config)
+    if args.format == "json":
+        doc = {name: {"value": value, "source": source} for name, value, source in rows}
+        print(json.dumps(doc, indent=2))
+    else:
+        width = max(len(name) for name, _, _ in rows)
+        vwidth = min(40, max(len(value) for _, value, _ in rows))
+        for name, value, source in rows:
+            print(f"{name:<{width}}  {value or '-':<{vwidth}}  {source}")
+    for warning in config.warnings:
+        print(f"{PROG} config: warning: {warning}", file=sys.stderr)
+    return EXIT_OK
 
 
 def _validate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -203,12 +251,14 @@ def _store_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="store_action", metavar="ACTION", required=True)
     check = actions.add_parser(
         "check",
+        allow_abbrev=False,
         help="replay the whole log, verify every block, compare the index with the log",
         description="Check a durable store offline (the server must be stopped). Exit 0 "
         "when nothing is damaged, lost or inconsistent, 1 otherwise.",
     )
     rebuild = actions.add_parser(
         "rebuild-index",
+        allow_abbrev=False,
         help="set the index aside and build a new one from the log",
         description="Rebuild the durable store's index from its log (the server must be "
         "stopped). The old index is moved aside, never deleted.",
@@ -261,6 +311,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         add_arguments=_serve_arguments,
         run=_serve,
     ),
+    "config": Subcommand(
+        help="config show: the effective configuration and the source of each value",
+        add_arguments=_config_arguments,
+        run=_config,
+    ),
     "validate-adapter": Subcommand(
         help="check a running server through every LMCache path, driven by LMCache "
         "(native L2 adapter, resp, path-a plugin, redis://); writes and deletes test keys",
@@ -305,11 +360,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Shared, durable, deduplicating L2 KV-cache server for vLLM / LMCache.",
+        allow_abbrev=False,  # `--hot-capacity 4GiB` must not pass for --hot-capacity-bytes
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, command in SUBCOMMANDS.items():
-        sub_parser = sub.add_parser(name, help=command.help, description=command.help)
+        sub_parser = sub.add_parser(
+            name, help=command.help, description=command.help, allow_abbrev=False
+        )
         command.add_arguments(sub_parser)
         sub_parser.set_defaults(_run=command.run, _parser=sub_parser)
     return parser
@@ -319,6 +377,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `epistemic-kvcache` command; returns the exit code."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if args.command is None:
+        # like `git` alone: the help, and a non-zero exit (nothing was done)
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.print_help()
+        return EXIT_USAGE
     sub_parser: argparse.ArgumentParser = args._parser
     if extra:
         # Unknown flags after a subcommand: that subcommand's usage, not the top level's.

@@ -180,6 +180,10 @@ class ServerConfig:
     config_file: Path | None = None
     warnings: tuple[str, ...] = field(default=(), compare=False)
     """Non-fatal findings of `load_config` (unknown env vars, ...), logged at start-up."""
+    sources: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
+    """(setting name, where its value came from) for every setting, as `load_config`
+    resolved it: `default`, `flag --x`, `env NAME` or `file PATH` (see
+    `effective_settings`)."""
 
     @property
     def max_block_bytes(self) -> int:
@@ -641,6 +645,7 @@ SETTINGS: tuple[Setting, ...] = (
         _choice("durable", "memory"),
         _D.backend,
         "durable (disk-backed) or memory (in-process, ephemeral)",
+        "durable|memory",
     ),
     Setting(
         "persist_dir",
@@ -783,6 +788,7 @@ SETTINGS: tuple[Setting, ...] = (
         _choice("namespace", "global"),
         _D.dedup_scope,
         "share identical bytes within a namespace (default) or globally",
+        "namespace|global",
     ),
     Setting(
         "max_pinned_fraction",
@@ -928,6 +934,7 @@ SETTINGS: tuple[Setting, ...] = (
         _choice("text", "json"),
         _D.log_format,
         "text, or json (one JSON object per line)",
+        "text|json",
     ),
     Setting(
         "access_log",
@@ -958,8 +965,11 @@ _RENAMED = {"token": "tokens"}
 """Setting name -> ServerConfig field, where they differ."""
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add `--config` and every setting's flag to `parser`.
+def add_arguments(
+    parser: argparse.ArgumentParser, only: Callable[[str], bool] | None = None
+) -> None:
+    """Add `--config` and every setting's flag to `parser` (with `only`: the settings
+    whose name it accepts; the others still come from the environment and the file).
 
     Unset flags stay absent from the namespace (`argparse.SUPPRESS`), so `load_config`
     can tell "not given" from "given the default". Values stay strings; `load_config`
@@ -972,6 +982,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"TOML file of settings (env {CONFIG_FILE_ENV})",
     )
     for s in SETTINGS:
+        if only is not None and not only(s.name):
+            continue
         default_text = _format_default(s)
         help_text = f"{s.help} (env {s.env}{default_text})"
         if s.kind == "bool":
@@ -1062,17 +1074,22 @@ def load_config(
 
     values: dict[str, Any] = {}
     explicit: set[str] = set()
+    origins: list[tuple[str, str]] = []
     overridden: dict[str, str] = {}
     for s in SETTINGS:
         raw: Any
         if s.name in cli:
             raw, source, from_toml = cli[s.name], s.flag, False
+            origins.append((s.name, f"flag {s.flag}"))
         elif (env_name := next((n for n in s.env_names if env.get(n, "") != ""), None)) is not None:
             raw, source, from_toml = env[env_name], f"environment {env_name}", False
+            origins.append((s.name, f"env {env_name}"))
         elif s.name in toml_values:
             raw, source, from_toml = toml_values[s.name], f"{toml_path} key {s.name}", True
+            origins.append((s.name, f"file {toml_path}"))
         else:
             values[s.name] = s.default
+            origins.append((s.name, "default"))
             continue
         try:
             value = s.parse(raw)
@@ -1102,6 +1119,7 @@ def load_config(
         limits=limits,
         config_file=toml_path,
         warnings=tuple(warnings),
+        sources=tuple(origins),
     )
     try:
         _validate(config)
@@ -1115,6 +1133,47 @@ def load_config(
         raise ConfigurationError(f"{exc} ({note})") from None
     warnings.extend(_resource_warnings(config, explicit))
     return dataclasses.replace(config, warnings=tuple(warnings))
+
+
+def setting_value(config: ServerConfig, name: str) -> Any:
+    """The effective value of setting `name` in `config` (limits included)."""
+    if name in _LIMIT_NAMES:
+        return getattr(config.limits, name)
+    return getattr(config, _RENAMED.get(name, name))
+
+
+def format_setting_value(s: Setting, value: Any) -> str:
+    """A value as an operator would write it back (sizes in binary units, booleans as
+    true/false, lists comma-separated); secrets as `(hidden)` or empty when unset."""
+    if s.secret:
+        return "(hidden)" if value not in (None, ()) else ""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, Address):
+        return str(value)
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value)
+    if isinstance(value, int) and s.metavar == "SIZE":
+        return format_size(value)
+    if isinstance(value, str) and s.name == "log_level":
+        return value.lower()
+    return str(value)
+
+
+def effective_settings(config: ServerConfig) -> list[tuple[str, str, str]]:
+    """(name, value, source) for every setting, in the order of `SETTINGS`: what
+    `epistemic-kvcache config show` and RESP `CONFIG GET` print. Secrets never appear."""
+    sources = dict(config.sources)
+    return [
+        (
+            s.name,
+            format_setting_value(s, setting_value(config, s.name)),
+            sources.get(s.name, "default"),
+        )
+        for s in SETTINGS
+    ]
 
 
 def _show(value: object) -> str:
@@ -1242,6 +1301,20 @@ def _validate(c: ServerConfig) -> None:
 
     if c.store_threads > 1024:
         fail("store_threads", f"expected at most 1024 (got {c.store_threads})")
+
+
+def check_persist_dir(c: ServerConfig) -> None:
+    """`serve` only: an existing persist_dir (or epoch_dir) the server cannot write is a
+    configuration error at start, not a PermissionError from deep inside the store."""
+    if c.backend != "durable" or c.cluster_mode:
+        return
+    for name in ("persist_dir", "epoch_dir"):
+        path = getattr(c, name)
+        if path is not None and path.is_dir() and not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigurationError(
+                f"invalid {name}: not writable by this user (uid {os.getuid()}) or on a "
+                f"read-only file system (got '{path}')"
+            )
 
 
 def check_listeners(c: ServerConfig) -> None:

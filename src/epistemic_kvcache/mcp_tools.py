@@ -38,7 +38,7 @@ from epistemic_kvcache.checkpoints import (
     CheckpointRecord,
     KVCheckpointStore,
 )
-from epistemic_kvcache.client.backend import EpistemicGraphKVBackend
+from epistemic_kvcache.client.backend import EpistemicGraphKVBackend, KvCacheUnavailableError
 from epistemic_kvcache.client.config import KvCacheConfig
 from epistemic_kvcache.errors import AuthError, ConfigurationError, ForbiddenError, KvCacheError
 
@@ -492,6 +492,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _check_server(client: EpistemicGraphKVBackend, *, with_token: bool) -> None:
+    """At start: the kv-cache server answers (and, `with_token`, accepts the token), so a
+    wrong URL or token fails now, once, instead of in every tool call."""
+    url = client.config.base_url
+    if not with_token:
+        if not client.health():
+            raise KvCacheUnavailableError(
+                f"kv-cache server at {url} is not answering /healthz "
+                "(set EPISTEMIC_GRAPH_KVCACHE_URL)"
+            )
+        return
+    try:
+        client.check_connection()
+    except ForbiddenError as exc:
+        raise ConfigurationError(
+            f"invalid EPISTEMIC_GRAPH_KVCACHE_TOKEN: the server at {url} accepts it but "
+            f"forbids this tenant's /kv requests ({exc})"
+        ) from None
+    except AuthError:
+        raise ConfigurationError(
+            f"invalid EPISTEMIC_GRAPH_KVCACHE_TOKEN: the server at {url} refused it "
+            "(401: not a token it knows)"
+        ) from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve the tools until stdin closes (stdio) or SIGINT/SIGTERM (HTTP)."""
     from epistemic_kvcache.cli import require_extra
@@ -501,10 +526,15 @@ def run(args: argparse.Namespace) -> int:
     if args.transport == "stdio":
         if base.token is None:
             raise ConfigurationError(
-                "invalid EPISTEMIC_GRAPH_KVCACHE_TOKEN: the stdio transport acts with the "
+                "missing EPISTEMIC_GRAPH_KVCACHE_TOKEN: the stdio transport acts with the "
                 "caller's token; set it in the environment of this process"
             )
         client = EpistemicGraphKVBackend(base)
+        try:
+            _check_server(client, with_token=True)
+        except BaseException:
+            client.close()
+            raise
         tools = KvCacheTools(client)
         server = build_server(lambda: tools)
         logging.getLogger("epistemic_kvcache").info("mcp: stdio, kvcache server %s", base.base_url)
@@ -531,6 +561,8 @@ def _run_http(args: argparse.Namespace, base: KvCacheConfig) -> int:
     if not addr.is_loopback:
         log.warning("mcp: listening on %s without TLS: put a TLS proxy in front", addr)
     public = args.public_url or f"http://{addr}/mcp"
+    with EpistemicGraphKVBackend(base.with_overrides(token=None)) as probe:
+        _check_server(probe, with_token=False)  # each caller brings its own token later
     pool = ClientPool(base)
 
     def tools_for_caller() -> KvCacheTools:

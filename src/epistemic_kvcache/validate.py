@@ -377,7 +377,7 @@ def run(args: argparse.Namespace, *, out: TextIO = sys.stdout) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Standalone entry point (`python -m epistemic_kvcache.validate`)."""
-    parser = argparse.ArgumentParser(prog="epistemic-kvcache validate-adapter")
+    parser = argparse.ArgumentParser(prog="epistemic-kvcache validate-adapter", allow_abbrev=False)
     add_arguments(parser)
     try:
         return run(parser.parse_args(argv))

@@ -516,5 +516,6 @@ def response_head(
 
 
 def error_body(code: str, message: str) -> bytes:
-    """The JSON error document `{"error": code, "message": message}`."""
-    return json.dumps({"error": code, "message": message}).encode("utf-8")
+    """The JSON error document `{"error":code,"message":message}`, in the one style of
+    every JSON body the server sends: compact, ending with a newline."""
+    return json.dumps({"error": code, "message": message}, separators=(",", ":")).encode() + b"\n"

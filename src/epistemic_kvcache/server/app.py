@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, ParamSpec, TypeVar
 
 from epistemic_kvcache.buffers import configure_prefault
-from epistemic_kvcache.config import Address, ServerConfig, format_size
+from epistemic_kvcache.config import Address, ServerConfig, effective_settings, format_size
 from epistemic_kvcache.errors import ConfigurationError, KvCacheError
 from epistemic_kvcache.server.auth import AuthPlan, ReloadableAuthenticator, plan_authenticator
 from epistemic_kvcache.server.context import LiveConnection, ServerContext
@@ -281,6 +281,26 @@ def _sock_address(sockname: Any) -> Address:
     return Address(str(sockname[0]), int(sockname[1]))
 
 
+def _free_port_hint(flag: str, addr: Address, tries: int = 20) -> str:
+    """`; the next free port is 6380 (--resp-addr 127.0.0.1:6380)` for a taken port: the
+    first of the following `tries` ports this host can bind now (a hint, not a promise:
+    another process may take it first), or nothing."""
+    import socket
+
+    if addr.port == 0:
+        return ""
+    family = socket.AF_INET6 if ":" in addr.host else socket.AF_INET
+    for port in range(addr.port + 1, min(addr.port + 1 + tries, 65536)):
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((addr.host, port))
+            except OSError:
+                continue
+        suggested = Address(addr.host, port)
+        return f"; the next free port is {port} ({flag} {suggested})"
+    return ""
+
+
 async def _listen(
     loop: asyncio.AbstractEventLoop,
     flag: str,
@@ -302,7 +322,7 @@ async def _listen(
         )
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
-            reason = "address already in use"
+            reason = "address already in use" + _free_port_hint(flag, addr)
         elif exc.errno in (errno.EACCES, errno.EPERM):
             reason = "permission denied (ports below 1024 need privileges)"
         elif exc.errno == errno.EADDRNOTAVAIL:
@@ -486,6 +506,7 @@ async def serve(
             metrics=Metrics(store),
             executor=executor,
             metrics_tenants=frozenset(config.metrics_tenants),
+            settings=tuple(effective_settings(config)),
             access_log=AccessLog(config.access_log),
             live=connections.live,
         )

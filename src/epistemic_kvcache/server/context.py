@@ -172,6 +172,9 @@ class ServerContext:
     when lost): the graceful stop waits for them and closes them."""
     metrics_tenants: frozenset[str] = frozenset({"default"})
     """Tenants that may read `/metrics` (store-wide totals: operators only)."""
+    settings: tuple[tuple[str, str, str], ...] = ()
+    """(name, value, source) of every setting, as `config.effective_settings` gives them:
+    RESP `CONFIG GET` shows them to the operators (`metrics_tenants`)."""
     epochs: EpochNotifier = field(default_factory=EpochNotifier)
     """Epoch bump notifications (RESP pub/sub channel `kvcache:epochs`)."""
     auth_failures: AuthFailureLog = field(default_factory=AuthFailureLog)

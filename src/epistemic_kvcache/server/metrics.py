@@ -82,9 +82,42 @@ _STORE_INTERNAL: dict[str, tuple[str, str]] = {
     "segments": ("gauge", "Segment files on disk."),
     "segment_bytes": ("gauge", "Bytes in segment files on disk."),
     "namespaces": ("gauge", "Namespaces holding at least one key."),
+    "live_log_bytes": ("gauge", "Bytes of segment files still referenced by the index."),
+    "disk_bytes": ("gauge", "Bytes the durable store occupies on disk (segments and index)."),
+    "segments_deleted": ("counter", "Dead segment files deleted."),
+    "checkpoints": ("counter", "Index checkpoints written (the log replayed at start ends here)."),
+    "checkpoint_failures": (
+        "counter",
+        "Index checkpoints that failed; writes slow down once the log runs ahead of the index.",
+    ),
+    "checkpoint_lag_bytes": (
+        "gauge",
+        "Log bytes written since the last index checkpoint (replayed after a crash); writes "
+        "wait above max_checkpoint_lag_bytes.",
+    ),
+    # data loss: each non-zero value is data the store could not serve, found at start-up
+    # or on read; `epistemic-kvcache store check` lists what it is
+    "lost_keys": (
+        "gauge",
+        "Keys whose bytes are gone (segment deleted or cut short by hand): misses since start.",
+    ),
+    "quarantined_blocks": (
+        "gauge",
+        "Blocks that failed their digest check and are set aside (read as misses).",
+    ),
+    "damaged_log_regions": (
+        "gauge",
+        "Damaged regions of the log skipped at start-up (records in them are lost).",
+    ),
+    "missing_segments": (
+        "gauge",
+        "Segment files missing from the log's sequence at start-up (their keys are lost).",
+    ),
 }
 """`StoreStats.extra` keys -> (type, help): exported as `kvcache_store_<key>` (counters with
-`_total`). Keys not listed here are exported as `kvcache_store_internal{name=...}`."""
+`_total`). Keys not listed here are exported as `kvcache_store_internal{name=...}`: today
+`store_fault` and `disk_full` (the same as `kvcache_store_committer_alive` and
+`kvcache_store_disk_full`) and the cluster front-end's own counters (docs/cluster.md)."""
 
 _HEALTH_GAUGES: tuple[tuple[str, str], ...] = (
     ("ready", "1 when the store serves reads and writes (what /readyz reports)."),

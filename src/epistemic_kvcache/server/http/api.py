@@ -161,7 +161,9 @@ def put_condition(req: Request) -> PutCond:
 
 
 def encode_json(doc: object) -> bytes:
-    return json.dumps(doc, separators=(",", ":")).encode("utf-8")
+    """Every JSON body in one style: compact, ending with a newline (`curl` output ends
+    its line; `jq` and `json.loads` do not mind)."""
+    return json.dumps(doc, separators=(",", ":")).encode("utf-8") + b"\n"
 
 
 CHUNK_ITEMS: Final = 64
@@ -182,6 +184,7 @@ def encode_json_chunked(doc: object) -> list[Buffer]:
     cyclic garbage collector happened to run (~10 MB per answer)."""
     out: list[Buffer] = []
     _walk_json(doc, out)
+    out.append(b"\n")  # as `encode_json`
     return out
 
 

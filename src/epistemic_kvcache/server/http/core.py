@@ -147,7 +147,9 @@ async def key_exists(req: Request) -> Response:
     key = req.key
     assert key is not None
     found = await req.ctx.run(req.ctx.store.exists, req.ns, key)
-    return Response.json(200, {"hash": key, "exists": found})
+    # `key` names the field; `hash` is the same value, kept for clients written against
+    # the first version of this route (docs/http-api.md)
+    return Response.json(200, {"key": key, "exists": found, "hash": key})
 
 
 async def key_get(req: Request) -> Response:

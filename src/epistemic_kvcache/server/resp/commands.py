@@ -10,6 +10,9 @@ must not block.
 from __future__ import annotations
 
 import functools
+import os
+import resource
+import sys
 import time
 from typing import Final
 
@@ -586,14 +589,7 @@ def _info(s: Session, cmd: Command) -> object:
                 ("maxclients", ctx.limits.max_connections),
             ],
         ),
-        (
-            "memory",
-            [
-                ("used_memory", stats.resident_bytes),
-                ("maxmemory", s.call(maxmemory, s)),
-                ("maxmemory_policy", "allkeys-lru"),
-            ],
-        ),
+        ("memory", _memory_section(s, stats.resident_bytes)),
         (
             "persistence",
             [
@@ -636,6 +632,52 @@ def _info(s: Session, cmd: Command) -> object:
     return Verbatim(out) if s.protocol_version == 3 else out.encode("utf-8")
 
 
+def process_rss_bytes() -> int:
+    """This process's resident memory now (Linux `/proc/self/statm`; elsewhere the peak
+    from `getrusage`): what Redis reports as `used_memory`/`used_memory_rss`."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return _peak_rss_bytes()
+
+
+def _peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS: bytes, Linux: KiB
+
+
+def _human(n: int) -> str:
+    """Redis's `*_human` form: `1.50M`."""
+    value = float(n)
+    for unit in ("B", "K", "M", "G", "T"):
+        if value < 1024 or unit == "T":
+            return f"{value:.2f}{unit}" if unit != "B" else f"{n}B"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _memory_section(s: Session, tenant_resident: int) -> list[tuple[str, object]]:
+    """`INFO memory`: the process's memory, as Redis reports its own (monitoring alerts on
+    `used_memory` against `maxmemory`); the caller's stored bytes in RAM have their own
+    field, `tenant_resident_bytes`."""
+    rss = process_rss_bytes()
+    limit = s.call(maxmemory, s)
+    return [
+        ("used_memory", rss),
+        ("used_memory_human", _human(rss)),
+        ("used_memory_rss", rss),
+        ("used_memory_rss_human", _human(rss)),
+        ("used_memory_peak", max(rss, _peak_rss_bytes())),
+        ("used_memory_peak_human", _human(max(rss, _peak_rss_bytes()))),
+        ("tenant_resident_bytes", tenant_resident),
+        ("maxmemory", limit),
+        ("maxmemory_human", _human(limit)),
+        ("maxmemory_policy", "allkeys-lru"),
+        ("mem_allocator", "libc"),
+    ]
+
+
 def _config_table(s: Session) -> dict[str, str]:
     limits = s.limits
     durable = s.shared.durable
@@ -652,13 +694,27 @@ def _config_table(s: Session) -> dict[str, str]:
     }
 
 
+def _settings_table(s: Session) -> dict[str, str]:
+    """Every setting of this server as `<name>` -> value and `<name>.source` -> where it
+    came from (default, flag --x, env NAME, file PATH); operators only (the tenants of
+    `metrics_tenants`, as for `/metrics`): paths and limits are not a tenant's business.
+    Secrets show as `(hidden)`."""
+    if s.namespace not in s.ctx.metrics_tenants:
+        return {}
+    out: dict[str, str] = {}
+    for name, value, source in s.ctx.settings:
+        out[name] = value
+        out[f"{name}.source"] = source
+    return out
+
+
 @blocking_command(
     "config",
     -2,
     ("admin", "noscript", "loading", "stale"),
     (0, 0, 0),
     "server",
-    "CONFIG GET: the Redis settings clients look at, answered truthfully.",
+    "CONFIG GET: the Redis settings clients look at; for operators every setting and its source.",
 )
 def _config(s: Session, cmd: Command) -> object:
     if bytes(cmd[1]).upper() != b"GET":
@@ -666,7 +722,7 @@ def _config(s: Session, cmd: Command) -> object:
     if len(cmd) < 3:
         return ErrorReply("ERR wrong number of arguments for 'config|get' command")
     globs = [to_glob(bytes(pattern).lower()) for pattern in cmd[2:]]
-    table = s.call(_config_table, s)
+    table = s.call(_config_table, s) | _settings_table(s)
     out: dict[str, str] = {}
     for glob in globs:
         for name, value in table.items():
