@@ -161,10 +161,18 @@ def validate_adapter(
     guard = _StopGuard()
     try:
         try:
-            _run_paths(
-                paths, report, client, connector, resp, no_lmcache, https, model,
-                block_bytes, timeout_s,
-            )  # fmt: skip
+            for name in paths:
+                path = PathReport(name)
+                report.paths.append(path)
+                try:
+                    _run_path(
+                        name, path, client, connector, resp, no_lmcache, https, model,
+                        block_bytes, timeout_s,
+                    )  # fmt: skip
+                except KvCacheError as exc:
+                    path.check("completed", False, f"{type(exc).__name__}: {exc}")
+                except Exception as exc:  # an LMCache internals change: report, go on
+                    path.check("completed", False, f"unexpected {type(exc).__name__}: {exc}")
         finally:
             guard.armed = False  # a signal before this line lands in `except Stopped`
     except Stopped:
@@ -177,32 +185,6 @@ def validate_adapter(
             guard.uninstall()
             report.stopped = guard.signum
     return report
-
-
-def _run_paths(
-    paths: tuple[str, ...],
-    report: ValidationReport,
-    client: EpistemicGraphKVBackend,
-    connector: EpistemicGraphL2Connector,
-    resp: RespTarget | str,
-    no_lmcache: str | None,
-    https: bool,
-    model: str,
-    block_bytes: int,
-    timeout_s: float,
-) -> None:
-    for name in paths:
-        path = PathReport(name)
-        report.paths.append(path)
-        try:
-            _run_path(
-                name, path, client, connector, resp, no_lmcache, https, model,
-                block_bytes, timeout_s,
-            )  # fmt: skip
-        except KvCacheError as exc:
-            path.check("completed", False, f"{type(exc).__name__}: {exc}")
-        except Exception as exc:  # an LMCache internals change: report, go on
-            path.check("completed", False, f"unexpected {type(exc).__name__}: {exc}")
 
 
 def _run_path(
