@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -33,6 +32,7 @@ from epistemic_kvcache.store import cluster_lua as L
 from epistemic_kvcache.store.api import PutOutcome
 from epistemic_kvcache.store.cluster import ClusterBackend, parse_cluster_url
 from epistemic_kvcache.store.engine import digest_of
+from helpers import held_port
 from redis_cluster import LocalCluster
 from test_client import TOKEN, Server
 
@@ -117,9 +117,7 @@ def test_cluster_url_parsing(tmp_path: Path) -> None:
 
 
 def test_unreachable_cluster_is_a_clear_startup_error() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = held_port()  # reserved, nothing listens: connections are refused
     with pytest.raises(ConfigurationError, match="cannot reach the cluster"):
         ClusterBackend(f"redis://127.0.0.1:{port}", retry_window_s=0.5)
 
