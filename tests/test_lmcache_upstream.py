@@ -139,30 +139,57 @@ def control(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
 
 
 def run_upstream(
-    tree: Path, target: str, resp_port: int, http_url: str, short: str
-) -> dict[str, str]:
-    """Run one upstream file (`short`, a key of FILES) against one target;
-    {test id: passed|failed|skipped}."""
-    report = tree / f"junit-{short}-{target}.xml"
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("EPISTEMIC_GRAPH_", "LMCACHE_"))
-    }
-    env.update(
-        REDIS_HOST="127.0.0.1",
-        REDIS_PORT=str(resp_port),
-        REDIS_PASSWORD=TOKEN,
-        LMCACHE_RESP_PASSWORD=TOKEN,
-        LMCACHE_UPSTREAM_TARGET=target,
-        LMCACHE_UPSTREAM_HTTP_URL=http_url,
-        LMCACHE_UPSTREAM_REDIS_URL=f"redis://:{TOKEN}@127.0.0.1:{resp_port}",
-        LMCACHE_TRACK_USAGE="false",
-        PYTHONWARNINGS="ignore",
-    )
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-o", "log_cli=false",
-           "-o", "timeout=180", f"--junitxml={report}", FILES[short]]  # fmt: skip
-    done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=3000)
-    if not report.exists():
-        pytest.fail(f"upstream run against {target} produced no report:\n{done.stdout[-4000:]}")
+    tree: Path, short: str, targets: dict[str, tuple[int, str]]
+) -> dict[str, dict[str, str]]:
+    """Run one upstream file (`short`, a key of FILES) against each target
+    ({name: (RESP port, HTTP url)}) at the same time, in one subprocess each;
+    {target: {test id: passed|failed|skipped}}."""
+    running = []
+    for target, (resp_port, http_url) in targets.items():
+        report = tree / f"junit-{short}-{target}.xml"
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("EPISTEMIC_GRAPH_", "LMCACHE_"))
+        }
+        env.update(
+            REDIS_HOST="127.0.0.1",
+            REDIS_PORT=str(resp_port),
+            REDIS_PASSWORD=TOKEN,
+            LMCACHE_RESP_PASSWORD=TOKEN,
+            LMCACHE_UPSTREAM_TARGET=target,
+            LMCACHE_UPSTREAM_HTTP_URL=http_url,
+            LMCACHE_UPSTREAM_REDIS_URL=f"redis://:{TOKEN}@127.0.0.1:{resp_port}",
+            LMCACHE_TRACK_USAGE="false",
+            PYTHONWARNINGS="ignore",
+        )
+        cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-o",
+               "log_cli=false", "-o", "timeout=180", f"--junitxml={report}",
+               FILES[short]]  # fmt: skip
+        log = tree / f"log-{short}-{target}.txt"
+        with log.open("w") as out:
+            proc = subprocess.Popen(
+                cmd, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT, text=True
+            )
+        running.append((target, proc, report, log))
+    results: dict[str, dict[str, str]] = {}
+    try:
+        for target, proc, report, log in running:
+            proc.wait(3000)
+            if not report.exists():
+                tail = log.read_text(errors="replace")[-4000:]
+                pytest.fail(f"upstream run against {target} produced no report:\n{tail}")
+            results[target] = junit_outcomes(report)
+    finally:
+        for _target, proc, _report, _log in running:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    return results
+
+
+def junit_outcomes(report: Path) -> dict[str, str]:
+    """{test id: passed|failed|skipped} from an upstream run's JUnit report."""
     results: dict[str, str] = {}
     for case in ET.parse(report).getroot().iter("testcase"):
         module = case.get("classname", "").split(".")
@@ -199,8 +226,10 @@ def test_upstream_file_passes_against_us_wherever_it_passes_against_redis(
     upstream: Path, ours: Server, control: int, short: str
 ) -> None:
     """One upstream file at a time (each its own test, with its own time budget)."""
-    on_redis = run_upstream(upstream, "redis", control, "", short)
-    on_ours = run_upstream(upstream, "ours", ours.ports["resp"], ours.url(), short)
+    runs = run_upstream(
+        upstream, short, {"redis": (control, ""), "ours": (ours.ports["resp"], ours.url())}
+    )
+    on_redis, on_ours = runs["redis"], runs["ours"]
     ids = sorted(on_redis.keys() | on_ours.keys())
     passed_r = sum(on_redis.get(t) == "passed" for t in ids)
     passed_o = sum(on_ours.get(t) == "passed" for t in ids)
