@@ -356,7 +356,7 @@ def test_server_killed_between_and_during_requests(tmp_path: Path) -> None:
             result: list[object] = []
             t = threading.Thread(target=lambda: result.append(c.get("big")))
             t.start()
-            time.sleep(0.05)
+            time.sleep(0.05)  # a delay on purpose: the kill most likely cuts the transfer
             srv.kill()
             t.join(30)
             assert not t.is_alive()

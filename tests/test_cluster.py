@@ -713,6 +713,11 @@ def reader(srv: Server, ledger: Ledger, stop: threading.Event, seed: int) -> Non
                     ledger.wrong.append(f"{key}: {None if got is None else len(got)} bytes")
 
 
+def acked_at_least(ledger: Ledger, n: int) -> None:
+    """Until the writers have `n` acknowledged writes (instead of writing "for a while")."""
+    eventually(lambda: len(ledger.acked) >= n, timeout=120, interval=0.05, what=f"{n} acks")
+
+
 def verify_all(srv: Server, ledger: Ledger) -> None:
     with resp(srv) as r:
         keys = list(ledger.acked)
@@ -737,7 +742,7 @@ def test_sigkill_a_master_during_writes(tmp_path: Path) -> None:
             ] + [threading.Thread(target=reader, args=(b, ledger, stop, 99))]
             for t in threads:
                 t.start()
-            time.sleep(2.0)
+            acked_at_least(ledger, 20)
             victim = cluster.master_of_slot(random.randrange(16384))
             acked_before = len(ledger.acked)
             t_kill = time.monotonic()
@@ -747,7 +752,7 @@ def test_sigkill_a_master_during_writes(tmp_path: Path) -> None:
             # the old master comes back as a replica (so WAIT 1 can succeed again there)
             cluster.restart(victim)
             cluster.wait_healthy()
-            time.sleep(2.0)
+            acked_at_least(ledger, len(ledger.acked) + 20)  # writes go on after it
             stop.set()
             for t in threads:
                 t.join(60)
@@ -787,12 +792,12 @@ def test_add_a_master_and_rebalance_while_clients_write_and_read(tmp_path: Path)
             ] + [threading.Thread(target=reader, args=(b, ledger, stop, i)) for i in (7, 8)]
             for t in threads:
                 t.start()
-            time.sleep(2.0)
+            acked_at_least(ledger, 20)
             cluster.add_master()
             t0 = time.monotonic()
             out = cluster.rebalance()
             took = time.monotonic() - t0
-            time.sleep(1.0)
+            acked_at_least(ledger, len(ledger.acked) + 10)  # writes go on after it
             stop.set()
             for t in threads:
                 t.join(60)
