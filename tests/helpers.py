@@ -46,7 +46,7 @@ def eventually(
             last = value
         if time.monotonic() >= deadline:
             raise AssertionError(
-                f"not true within {timeout} s: {what or predicate!r}; last: {last!r}"
+                f"not within {timeout} s: {what or repr(predicate)}; last: {last!r}"
             )
         time.sleep(interval)
 
@@ -74,7 +74,7 @@ async def eventually_async(
             last = value
         if loop.time() >= deadline:
             raise AssertionError(
-                f"not true within {timeout} s: {what or predicate!r}; last: {last!r}"
+                f"not within {timeout} s: {what or repr(predicate)}; last: {last!r}"
             )
         await asyncio.sleep(interval)
 
