@@ -406,7 +406,9 @@ def test_hs256_wrong_secret_refused() -> None:
 
 def test_cached_token_still_expires() -> None:
     auth = _auth(jwt_secret=SECRET)
-    token = jwt.encode(_claims(exp=int(time.time()) + 1), SECRET, algorithm="HS256")
+    # 2 to 3 s of validity (exp is whole seconds: `+ 1` left as little as a millisecond
+    # for the first, uncached, check)
+    token = jwt.encode(_claims(exp=int(time.time()) + 3), SECRET, algorithm="HS256")
     assert auth.authenticate(token).tenant == "tenant-a"
 
     def refused() -> str:  # real time: PyJWT checks `exp` against the wall clock too
