@@ -27,7 +27,6 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from jwt.algorithms import ECAlgorithm
 
 from epistemic_kvcache.server.oplog import AuthFailureLog, JsonFormatter
-from helpers import FakeClock
 from test_server_app import (  # the subprocess harness of the runner's own tests
     NO_RETRY,
     TOKEN,
@@ -107,6 +106,8 @@ def test_failed_logins_are_logged_with_peer_and_reason(
 
 
 def test_failed_login_log_is_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
+    from helpers import FakeClock  # here: keeps clear of the module's import block
+
     clock = FakeClock()
     log = AuthFailureLog(burst=3, window_s=0.2, clock=clock)
     with caplog.at_level(logging.WARNING, logger="epistemic_kvcache.auth"):
