@@ -1,4 +1,26 @@
-"""Shared fixtures: generic helpers any test module may use."""
+"""Shared fixtures: generic helpers any test module may use.
+
+Rules every test keeps (helpers in tests/helpers.py):
+
+- **Never a released port.** A port picked by binding port 0 and closing the socket can
+  be taken by anything (another bind, the source port of an outgoing connection) before
+  the test uses it. A server the test starts binds port 0 itself and reports the port
+  it got (`serve --addr 127.0.0.1:0` prints a `listening` line; `ServerThread` has
+  `.http.port`). Where a program needs a port on its command line (redis-server, the
+  lmcache server), or a test restarts a server on the same port, or needs a port where
+  nothing listens, the port is held by `helpers.reserve_port()` / `helpers.held_port()`
+  (a bound, non-listening SO_REUSEADDR socket) for as long as it is needed: the program
+  binds it with SO_REUSEADDR, nobody else can.
+- **No sleep as synchronisation.** A test waiting for something to happen polls it with a
+  deadline through `helpers.eventually(predicate, timeout=..., interval=...)` (or
+  `eventually_async`). A `sleep` that remains creates a delay on purpose (a slow client,
+  load for a while, a random kill moment) and says so in a comment.
+- **No real time for TTLs and epochs.** Stores take a `clock`; tests pass a fake clock
+  they advance.
+- **An honest time budget.** The default per-test timeout is pyproject's `timeout`; a
+  test that needs more says so with `@pytest.mark.timeout(N)`, N = its time measured on
+  a 2-core machine times ~3 for a loaded one.
+"""
 
 from __future__ import annotations
 

@@ -5,8 +5,10 @@
         c.kill(c.master_of_slot(0))   # SIGKILL, then wait_failover()
         c.add_master(); c.rebalance()
 
-Every node gets two free ports (client and cluster bus: `cluster-port`, so nothing
-depends on port+10000 being free) and its own directory; all processes are started in
+Every node gets two ports (client and cluster bus: `cluster-port`, so nothing
+depends on port+10000 being free), held by `helpers.reserve_port()` for the life of the
+cluster (a killed node restarts on its own ports and nothing else can take them
+meanwhile: see tests/conftest.py), and its own directory; all processes are started in
 their own process group and stopped by PID (SIGTERM, then SIGKILL) on exit.
 """
 
@@ -15,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -24,11 +25,7 @@ from types import TracebackType
 
 import redis
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from helpers import PortReservation, reserve_port
 
 
 @dataclass
@@ -39,6 +36,8 @@ class Node:
     proc: subprocess.Popen[bytes] | None = None
     node_id: str = ""
     extra: list[str] = field(default_factory=list)
+    held: list[PortReservation] = field(default_factory=list)
+    """The reservations of `port` and `bus_port`, closed by `LocalCluster.stop()`."""
 
     @property
     def addr(self) -> str:
@@ -102,12 +101,11 @@ class LocalCluster:
         return f"{scheme}://default:{self.password}@{hosts}"
 
     def _new_node(self) -> Node:
-        port, bus = free_port(), free_port()
-        while bus == port:
-            bus = free_port()
+        held = [reserve_port(), reserve_port()]
+        port, bus = held[0].port, held[1].port
         d = self.base / f"node-{port}"
         d.mkdir(parents=True, exist_ok=True)
-        node = Node(port, bus, d)
+        node = Node(port, bus, d, held=held)
         self.nodes.append(node)
         return node
 
@@ -227,6 +225,9 @@ class LocalCluster:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, signal.SIGKILL)
                 p.wait(10)
+        for node in self.nodes:
+            for h in node.held:
+                h.close()
 
     # -- state --------------------------------------------------------------------------
     def wait_healthy(self, timeout: float = 60) -> None:

@@ -261,7 +261,7 @@ def run(persist_dir: Path, cycles: int, seed: int, log: Path) -> dict[str, int]:
         ]
         for w in workers:
             w.start()
-        time.sleep(0.2 + rnd.random() * 1.5)
+        time.sleep(0.2 + rnd.random() * 1.5)  # a delay on purpose: the random kill moment
         srv.kill()
         stop.set()
         for w in workers:

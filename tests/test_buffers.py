@@ -135,7 +135,7 @@ def test_prefaulter_keeps_the_recent_sizes_within_budget_and_off_releases_all() 
             pool.take(size)
         # only the two most recent sizes stay pooled; each gets half the budget
         _wait_ready(pool, 2 + 3)  # 6 MiB / 3 MiB + 6 MiB / 2 MiB
-        time.sleep(0.05)
+        time.sleep(0.05)  # a delay on purpose: room for a wrong extra buffer to show up
         s = pool.stats()
         assert s.ready_bytes <= 12 * MiB
         assert pool.take(1 * MiB) is None  # dropped from the pool: its first sight again
@@ -153,7 +153,7 @@ def test_prefaulter_larger_than_budget_is_never_pooled() -> None:
     try:
         for _ in range(3):
             assert pool.take(2 * MiB) is None
-        time.sleep(0.05)
+        time.sleep(0.05)  # a delay on purpose: room for a wrong buffer to show up
         assert pool.stats().ready_buffers == 0
     finally:
         pool.close()

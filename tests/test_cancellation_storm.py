@@ -122,7 +122,7 @@ def test_thousands_of_clients_hanging_up_mid_write(tmp_path: Path, rand) -> None
         loaders = [threading.Thread(target=load) for _ in range(4)]
         for t in loaders:
             t.start()
-        time.sleep(0.5)
+        time.sleep(0.5)  # a delay on purpose: the loaders are busy when SIGTERM comes
         t0 = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         rc = srv.proc.wait(timeout=30)

@@ -23,6 +23,7 @@ from epistemic_kvcache.client import (
     is_loopback_host,
 )
 from epistemic_kvcache.errors import AuthError, ConfigurationError, InvalidKeyError
+from helpers import held_port
 
 TOKEN = "client-test-token-0123456789"
 LISTEN_RE = re.compile(r"listening (http|resp)=(\S+):(\d+)")
@@ -112,9 +113,8 @@ def client(server: Server) -> Iterator[EpistemicGraphKVBackend]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port held for the rest of the run (`helpers.held_port`): never a released one."""
+    return held_port()
 
 
 # -- configuration and trust rules (no network) ---------------------------------------
@@ -356,7 +356,7 @@ def test_server_killed_between_and_during_requests(tmp_path: Path) -> None:
             result: list[object] = []
             t = threading.Thread(target=lambda: result.append(c.get("big")))
             t.start()
-            time.sleep(0.05)
+            time.sleep(0.05)  # a delay on purpose: the kill most likely cuts the transfer
             srv.kill()
             t.join(30)
             assert not t.is_alive()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -33,6 +32,7 @@ from epistemic_kvcache.store import cluster_lua as L
 from epistemic_kvcache.store.api import PutOutcome
 from epistemic_kvcache.store.cluster import ClusterBackend, parse_cluster_url
 from epistemic_kvcache.store.engine import digest_of
+from helpers import eventually, held_port
 from redis_cluster import LocalCluster
 from test_client import TOKEN, Server
 
@@ -117,9 +117,7 @@ def test_cluster_url_parsing(tmp_path: Path) -> None:
 
 
 def test_unreachable_cluster_is_a_clear_startup_error() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = held_port()  # reserved, nothing listens: connections are refused
     with pytest.raises(ConfigurationError, match="cannot reach the cluster"):
         ClusterBackend(f"redis://127.0.0.1:{port}", retry_window_s=0.5)
 
@@ -227,9 +225,11 @@ def test_tenants_isolated_through_every_front_end(fleet: list[Server]) -> None:
 def test_epoch_bump_through_a_reaches_a_resp_subscriber_on_b(fleet: list[Server]) -> None:
     a, b, _ = fleet
     with resp(b) as rb:
-        ps = rb.pubsub(ignore_subscribe_messages=True)
+        ps = rb.pubsub()
         ps.subscribe("kvcache:epochs")
-        time.sleep(0.2)
+        eventually(  # the server's confirmation: subscribed before the bump
+            lambda: (ps.get_message(timeout=0.1) or {}).get("type") == "subscribe", timeout=10
+        )
         with http(a) as ha:
             epoch = ha.epoch_bump("fleet-scope")
         deadline = time.monotonic() + 10
@@ -262,12 +262,16 @@ def test_stats_are_fleet_wide(fleet: list[Server]) -> None:
         for i in range(5):
             rb.set(f"stats-{i}", os.urandom(1000))
             rb.get(f"stats-{i}")
-    time.sleep(2.5)  # counters reach the cluster within a second or so
-    with http(fleet[2], TOKEN_B) as h:
-        after = h.stats()
-    assert after is not None
-    assert after.get_hits - before.get_hits == 5
-    assert after.total_refs - before.total_refs == 5
+
+    def counted() -> tuple[int, int] | None:  # they reach the cluster within a second or so
+        with http(fleet[2], TOKEN_B) as h:
+            after = h.stats()
+        assert after is not None
+        grew = (after.get_hits - before.get_hits, after.total_refs - before.total_refs)
+        assert grew[0] <= 5, grew
+        return None if grew != (5, 5) else grew
+
+    eventually(counted, timeout=30, interval=0.2, what="5 hits and 5 refs seen fleet-wide")
 
 
 def test_snapshot_through_a_fork_through_b_read_through_c(fleet: list[Server]) -> None:
@@ -709,6 +713,11 @@ def reader(srv: Server, ledger: Ledger, stop: threading.Event, seed: int) -> Non
                     ledger.wrong.append(f"{key}: {None if got is None else len(got)} bytes")
 
 
+def acked_at_least(ledger: Ledger, n: int) -> None:
+    """Until the writers have `n` acknowledged writes (instead of writing "for a while")."""
+    eventually(lambda: len(ledger.acked) >= n, timeout=120, interval=0.05, what=f"{n} acks")
+
+
 def verify_all(srv: Server, ledger: Ledger) -> None:
     with resp(srv) as r:
         keys = list(ledger.acked)
@@ -733,7 +742,7 @@ def test_sigkill_a_master_during_writes(tmp_path: Path) -> None:
             ] + [threading.Thread(target=reader, args=(b, ledger, stop, 99))]
             for t in threads:
                 t.start()
-            time.sleep(2.0)
+            acked_at_least(ledger, 20)
             victim = cluster.master_of_slot(random.randrange(16384))
             acked_before = len(ledger.acked)
             t_kill = time.monotonic()
@@ -743,7 +752,7 @@ def test_sigkill_a_master_during_writes(tmp_path: Path) -> None:
             # the old master comes back as a replica (so WAIT 1 can succeed again there)
             cluster.restart(victim)
             cluster.wait_healthy()
-            time.sleep(2.0)
+            acked_at_least(ledger, len(ledger.acked) + 20)  # writes go on after it
             stop.set()
             for t in threads:
                 t.join(60)
@@ -783,12 +792,12 @@ def test_add_a_master_and_rebalance_while_clients_write_and_read(tmp_path: Path)
             ] + [threading.Thread(target=reader, args=(b, ledger, stop, i)) for i in (7, 8)]
             for t in threads:
                 t.start()
-            time.sleep(2.0)
+            acked_at_least(ledger, 20)
             cluster.add_master()
             t0 = time.monotonic()
             out = cluster.rebalance()
             took = time.monotonic() - t0
-            time.sleep(1.0)
+            acked_at_least(ledger, len(ledger.acked) + 10)  # writes go on after it
             stop.set()
             for t in threads:
                 t.join(60)

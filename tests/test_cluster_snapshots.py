@@ -16,7 +16,8 @@ import secrets
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -82,6 +83,23 @@ def store(cluster: LocalCluster) -> Iterator[ClusterBackend]:
     s.release_limit_ms, s.scrub_settle_ms = 300, 600
     yield s
     s.close()
+
+
+@pytest.fixture
+def opener(cluster: LocalCluster) -> Iterator[Callable[..., ClusterBackend]]:
+    """Like test_store_snapshots' `opener` (options such as `clock=`): a fresh prefix."""
+    opened: list[ClusterBackend] = []
+
+    def open_store(**options: Any) -> ClusterBackend:
+        prefix = f"t{secrets.token_hex(4)}"
+        s = ClusterBackend(cluster.url, key_prefix=prefix, scrub_interval_s=0, **options)
+        s.release_limit_ms, s.scrub_settle_ms = 300, 600
+        opened.append(s)
+        return s
+
+    yield open_store
+    for s in opened:
+        s.close()
 
 
 def peer(cluster: LocalCluster, store: ClusterBackend) -> ClusterBackend:

@@ -26,7 +26,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -41,6 +40,7 @@ import yaml
 
 from epistemic_kvcache.config import SETTINGS_BY_NAME, load_config
 from epistemic_kvcache.server.app import ServerHandle, ServerThread
+from helpers import held_port
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -99,9 +99,7 @@ ALL = blocks()
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return held_port()  # held for the rest of the run: never a released port
 
 
 @dataclass

@@ -170,7 +170,9 @@ def test_client_abort_cuts_requests_in_flight(server: Server) -> None:
     with stopped(server):
         t = threading.Thread(target=lambda: result.append(c.get("k")))
         t.start()
-        time.sleep(0.3)  # the GET is now blocked on the stalled server (30 s timeout)
+        # A delay on purpose: the GET most likely blocks on the stalled server by now (30 s
+        # timeout); had it not started yet, the aborted client answers it a miss at once.
+        time.sleep(0.3)
         elapsed, _ = timed(c.abort)
         t.join(5)
         assert not t.is_alive()
@@ -237,7 +239,7 @@ def test_connector_close_is_bounded_with_requests_stuck(server: Server) -> None:
         buf = memoryview(bytearray(1000))
         conn.submit_batch_get([key], [buf])  # blocks on the stalled server (60 s timeout)
         conn.submit_batch_exists([key])
-        time.sleep(0.3)
+        time.sleep(0.3)  # a delay on purpose: the workers most likely block by now
         elapsed, _ = timed(conn.close)
         # One second of grace for work in flight, then the connections are cut.
         assert elapsed <= 3.0

@@ -23,6 +23,7 @@ import urllib3
 from epistemic_kvcache.config import load_config
 from epistemic_kvcache.errors import ConfigurationError
 from epistemic_kvcache.server.app import ServerHandle, ServerThread
+from helpers import eventually
 
 TOKEN_A = "hardening-token-tenant-a-0123456789"
 TOKEN_B = "hardening-token-tenant-b-0123456789"
@@ -168,6 +169,9 @@ def test_header_only_batch_put_does_not_allocate_the_body(server: ServerHandle) 
             + b"\r\nContent-Type: application/x-kvcache-batch\r\nContent-Length: 500000000\r\n\r\n"
         )
         socks.append(s)
+    # A delay on purpose: the absence of an allocation cannot be polled for (with
+    # `Expect: 100-continue`, the one answer that would say the head was read, the server
+    # refuses 500 MB with a 413 at once: another path).
     time.sleep(1.0)
     grown_mib = (_rss_kib() - before) // 1024
     for s in socks:
@@ -271,13 +275,16 @@ def test_resp_releases_bulk_reservations_as_commands_complete(tight: ServerHandl
         assert r.strlen("pipe-5") == 12 * MiB
     finally:
         r.close()
-    time.sleep(0.1)
-    a, b = _head(tight, "/kv/after-1", 24 * MiB), _head(tight, "/kv/after-2", 24 * MiB)
-    try:
-        assert (_read_head(a)[0], _read_head(b)[0]) == (100, 100)
-    finally:
-        a.close()
-        b.close()
+
+    def both_admitted() -> bool:  # the reservations go when the server sees the close
+        a, b = _head(tight, "/kv/after-1", 24 * MiB), _head(tight, "/kv/after-2", 24 * MiB)
+        try:
+            return (_read_head(a)[0], _read_head(b)[0]) == (100, 100)
+        finally:
+            a.close()
+            b.close()
+
+    eventually(both_admitted, timeout=10, interval=0.05, what="both 24 MiB heads admitted")
 
 
 # -- 3. /metrics (store-wide totals) is for operator tenants only ---------------------------
@@ -379,7 +386,7 @@ def test_resp_connection_that_only_pings_is_closed_at_the_deadline(hasty: Server
     r = resp_client(hasty, TOKEN_A)
     try:
         assert r.ping()
-        time.sleep(1.0)
+        time.sleep(1.0)  # a delay on purpose: past the unauthenticated deadline
         assert r.set("still-here", b"v")  # authenticated: no deadline
     finally:
         r.close()
@@ -387,7 +394,7 @@ def test_resp_connection_that_only_pings_is_closed_at_the_deadline(hasty: Server
     try:
         raw.sendall(f"AUTH {TOKEN_A}\r\n".encode())
         assert raw.recv(100) == b"+OK\r\n"
-        time.sleep(0.8)
+        time.sleep(0.8)  # a delay on purpose: most of the unauthenticated deadline
         raw.sendall(b"RESET\r\n")  # de-authenticates: the deadline starts again
         assert raw.recv(100) == b"+RESET\r\n"
         assert _closed_within(raw, 3.0) is not None

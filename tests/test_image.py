@@ -18,13 +18,14 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+
+from helpers import held_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ("buildah", "podman", "debootstrap")
@@ -86,9 +87,7 @@ def test_image_builds_and_serves(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text(f"{TOKEN} default\n")
     tokens.chmod(0o644)  # read by uid 10001 in the image
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = held_port()  # held for the rest of the run: nobody else takes it meanwhile
     ctr = run("buildah", *STORE, "from", IMAGE).strip()
     env = [
         "--env", f"EPISTEMIC_GRAPH_KVCACHE_ADDR=127.0.0.1:{port}",

@@ -84,7 +84,7 @@ def test_empty_batches_and_many_futures(conn: EpistemicGraphL2Connector) -> None
     assert seen == fids
     # A worker bumps the eventfd just after queueing its completion, so one spurious
     # wake-up may follow the last drain; once drained again, the fd stays quiet.
-    time.sleep(0.2)
+    time.sleep(0.2)  # a delay on purpose: room for a wrong late completion to show up
     assert conn.drain_completions() == []
     assert not poller.poll(50)
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import pytest
 
+from helpers import held_port
+
 pytest.importorskip("mcp")
 
 from mcp.client import Client
@@ -210,9 +212,7 @@ def test_stdio_without_a_token_refuses_to_start(kv: ServerHandle, tmp_path: Path
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return held_port()  # held for the rest of the run: never a released port
 
 
 @pytest.fixture

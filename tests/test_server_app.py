@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,8 +34,9 @@ from redis.retry import Retry
 
 from epistemic_kvcache.config import Address, load_config
 from epistemic_kvcache.errors import ConfigurationError
-from epistemic_kvcache.server.app import ServerThread, format_stats
+from epistemic_kvcache.server.app import ServerHandle, ServerThread, format_stats
 from epistemic_kvcache.store.api import StoreStats, TierStats
+from helpers import eventually
 
 TOKEN = "test-token-0123456789"
 NO_RETRY = Retry(NoBackoff(), 0)
@@ -484,6 +486,16 @@ def _thread_config(tmp_path: Path, **extra: str) -> ServerThread:
     return ServerThread(load_config(values, {}))
 
 
+def _open_http_connections(handle: ServerHandle) -> int:
+    """The HTTP connections the server has open, as /metrics says (this one included)."""
+    url = f"http://{handle.http.host}:{handle.http.port}/metrics"
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        text = r.read().decode()
+    m = re.search(r'^kvcache_open_connections\{wire="http"\} (\S+)$', text, re.M)
+    return int(float(m.group(1))) if m else 0
+
+
 def test_stop_lets_an_upload_in_flight_finish(tmp_path: Path) -> None:
     thread = _thread_config(tmp_path, shutdown_timeout_s="20")
     handle = thread.start()
@@ -496,14 +508,15 @@ def test_stop_lets_an_upload_in_flight_finish(tmp_path: Path) -> None:
             f"Content-Length: {size}\r\n\r\n".encode()
         )
         sock.sendall(b"x" * (size // 2))
-        time.sleep(0.05)
+        # both connections accepted (and this poll's own): the upload is in flight
+        eventually(lambda: _open_http_connections(handle) == 3, what="3 open connections")
         started = time.monotonic()
         stopper = threading.Thread(target=thread.stop)
         stopper.start()
         chunk = b"x" * 4096
         for _ in range(size // 2 // len(chunk)):
             sock.sendall(chunk)
-            time.sleep(0.002)
+            time.sleep(0.002)  # a delay on purpose: a slow uploader, still going at the stop
         sock.settimeout(10)
         response = sock.recv(65536)
         assert response.startswith(b"HTTP/1.1 201"), response

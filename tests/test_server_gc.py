@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import gc
 import http.client
+import re
 import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from epistemic_kvcache.config import load_config
 from epistemic_kvcache.proto.http import encode_batch_put_request
 from epistemic_kvcache.server.app import ServerHandle, ServerThread
 from epistemic_kvcache.server.http.api import encode_json_chunked
+from helpers import eventually
 
 TOKEN = "gc-token-0123456789abcdef"
 
@@ -42,6 +43,19 @@ def _cyclic_garbage(run: object) -> list[str]:
         gc.set_debug(0)
         gc.garbage.clear()
         gc.enable()
+
+
+def _open_connections(server: ServerHandle) -> tuple[int, int]:
+    """(RESP, HTTP) connections the server has open, as /metrics says (this request's
+    own connection included)."""
+    conn = http.client.HTTPConnection(server.http.host, server.http.port, timeout=10)
+    try:
+        conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    found = dict(re.findall(r'^kvcache_open_connections\{wire="(\w+)"\} (\S+)$', text, re.M))
+    return int(float(found.get("resp", "0"))), int(float(found.get("http", "0")))
 
 
 def _hang_up(server: ServerHandle, i: int) -> None:
@@ -113,7 +127,7 @@ def test_requests_on_both_wires_leave_no_cyclic_garbage(server: ServerHandle) ->
             assert conn.getresponse().read()
             conn.close()
             _hang_up(server, i)
-        time.sleep(0.2)  # the server sees the connections go
+        eventually(lambda: _open_connections(server) == (1, 2), what="the server saw them go")
 
     try:
         assert _cyclic_garbage(run) == []

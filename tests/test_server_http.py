@@ -123,7 +123,7 @@ class Server:
         async def shutdown() -> None:
             self.server.close()
             await self.server.wait_closed()
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # teardown: a moment for closing handlers to run
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for t in tasks:
                 t.cancel()
@@ -573,7 +573,7 @@ def test_batch_put_blocks_are_kept_as_received(srv: Server) -> None:
     sock = srv.raw()
     sock.sendall(head.format(len(bad)).encode() + bad)
     sock.sendall(head.format(len(body)).encode() + body[:5000])  # head + a piece, then the rest
-    time.sleep(0.05)
+    time.sleep(0.05)  # a delay on purpose: the rest most likely arrives in another read
     sock.sendall(
         body[5000:] + b"GET /kv/rx-b HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok-a\r\n\r\n"
     )
@@ -950,7 +950,7 @@ def test_slow_reader_of_a_big_response(srv: Server) -> None:
         b"GET /kv/slow-reader HTTP/1.1\r\nAuthorization: Bearer tok-a\r\n\r\n"
         b"GET /healthz HTTP/1.1\r\n\r\n"
     )
-    time.sleep(0.5)  # the server hits its write high-water mark and must wait for us
+    time.sleep(0.5)  # a delay on purpose: a slow reader (the server must wait for us)
     resps, _ = read_responses(sock, 2)
     assert [r.status for r in resps] == [200, 200]
     assert resps[0].body == block

@@ -31,6 +31,7 @@ from epistemic_kvcache.server.context import Identity, ServerContext, ServerLimi
 from epistemic_kvcache.server.metrics import Metrics
 from epistemic_kvcache.server.resp import make_resp_factory
 from epistemic_kvcache.store import SharedKvBackend, SharedKvIndex, SharedKvStoreBackend
+from helpers import eventually
 
 TENANTS = {"token-alpha": "alpha", "token-bravo": "bravo"}
 CHANNEL = "kvcache:epochs"
@@ -331,7 +332,10 @@ def test_watcher_publishes_bumps_made_by_another_process(tmp_path: Path) -> None
             p = r.pubsub()
             p.subscribe(CHANNEL)
             subscribed(srv, "alpha")
-            time.sleep(0.2)  # the watcher's first read is a baseline, not news
+            eventually(  # the watcher's first read is a baseline, not news
+                lambda: srv.call(lambda: srv.ctx.epochs.known.get(("alpha", "docs"))) is not None,
+                what="the watcher's baseline",
+            )
             assert next_message(p, 0.2) is None
             t0 = time.monotonic()
             assert peer.ask("bump", "alpha", "docs") == "2"

@@ -76,7 +76,7 @@ class Srv:
         async def shutdown() -> None:
             for s in self.servers:
                 s.close()
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # teardown: a moment for closing handlers to run
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for t in tasks:
                 t.cancel()

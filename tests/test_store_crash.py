@@ -117,7 +117,7 @@ def test_sigkill_during_concurrent_puts_and_deletes(tmp_path: Path, rand) -> Non
         run = _Run(persist_dir, seed, cycle, tmp_path / f"writer-{cycle}.err")
         assert run.ready.wait(timeout=60), "writer did not start"
         # early kills hit the first group commits; later ones hit a busy, churning store
-        time.sleep(rand.choice([0.0, 0.01, 0.05]) + rand.random() * 0.6)
+        time.sleep(rand.choice([0.0, 0.01, 0.05]) + rand.random() * 0.6)  # the kill moment
         rc = run.kill()
         err = (tmp_path / f"writer-{cycle}.err").read_text()
         assert "Traceback" not in err, err

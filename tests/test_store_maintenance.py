@@ -112,7 +112,7 @@ def test_branch_put_racing_branch_delete_leaves_no_orphan(tmp_path: Path, backen
 
     th = threading.Thread(target=write)
     th.start()
-    time.sleep(0.005)
+    time.sleep(0.005)  # a delay on purpose: a race, either order must end consistent
     store.branch_delete("t", bid)
     th.join()
     assert store.branch_info("t", bid) is None

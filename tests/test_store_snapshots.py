@@ -18,10 +18,9 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import blake3
 import hypothesis.strategies as st
@@ -39,6 +38,7 @@ from hypothesis.stateful import (
 
 from epistemic_kvcache.errors import CapacityError, NotFoundError
 from epistemic_kvcache.store import PutOutcome, SharedKvBackend, SharedKvIndex, SharedKvStoreBackend
+from helpers import FakeClock
 
 SRC = str(Path(__file__).resolve().parent.parent / "src")
 NS = "tenant-a"
@@ -68,7 +68,7 @@ def opener(backend: str, scope: str, tmp_path: Path) -> Iterator[Opener]:
     """Opens a store of the parametrized kind; the durable one always in the same dir."""
     opened: list[SharedKvBackend] = []
 
-    def open_store(**options: int) -> SharedKvBackend:
+    def open_store(**options: Any) -> SharedKvBackend:
         store: SharedKvBackend
         if backend == "memory":
             options.pop("cold_capacity_bytes", None)
@@ -329,7 +329,9 @@ def test_a_memory_store_full_of_snapshot_blocks_refuses_new_ones(scope: str) -> 
         store.put(NS, "one-more", blob("one-more"))
 
 
-def test_snapshot_ttl_expires_and_retire_stale_reclaims(store: SharedKvBackend) -> None:
+def test_snapshot_ttl_expires_and_retire_stale_reclaims(opener: Opener) -> None:
+    clock = FakeClock()
+    store = opener(clock=clock)
     fill(store, NS, {"a": blob("a")})
     sid = store.snapshot_create(NS, ttl_s=0.3).id
     bid = store.branch_create(NS, sid).id
@@ -343,7 +345,9 @@ def test_snapshot_ttl_expires_and_retire_stale_reclaims(store: SharedKvBackend) 
     assert store.retire_stale() == 0
     held = store.stats(NS)
     assert held.unique_blocks == 2
-    time.sleep(0.35)
+    clock.advance(0.29)
+    assert store.snapshot_info(NS, sid) is not None  # not yet
+    clock.advance(0.02)
     # expired: every read misses at once, before any sweep
     assert store.snapshot_get(NS, sid, "a") is None
     assert store.snapshot_info(NS, sid) is None
@@ -365,11 +369,14 @@ def test_snapshot_ttl_expires_and_retire_stale_reclaims(store: SharedKvBackend) 
         store.snapshot_create(NS, ttl_s=0)
 
 
-def test_retire_stale_drops_expired_snapshots_in_bounded_steps(store: SharedKvBackend) -> None:
+def test_retire_stale_drops_expired_snapshots_in_bounded_steps(opener: Opener) -> None:
+    clock = FakeClock()
+    store = opener(clock=clock)
     fill(store, NS, {"a": blob("a")})
     for _ in range(5):
         store.snapshot_create(NS, ttl_s=0.05)
-    time.sleep(0.1)
+    assert store.retire_stale() == 0
+    clock.advance(0.05)
     assert store.retire_stale(max_items=2) == 2
     assert store.retire_stale(max_items=2) == 2
     assert store.retire_stale(max_items=2) == 1

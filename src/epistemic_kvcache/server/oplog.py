@@ -26,6 +26,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Callable
 from typing import Any, Final
 
 AUTH_LOG: Final = logging.getLogger("epistemic_kvcache.auth")
@@ -74,8 +75,10 @@ class RateLimitedLog:
         many: str,
         burst: int = 20,
         window_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.logger = logger
+        self._clock = clock  # tests pass a fake clock they advance
         self.event = event
         self.one = one
         self.what = many
@@ -89,7 +92,7 @@ class RateLimitedLog:
     def note(self, wire: str, peer: str, reason: str) -> None:
         """Log (or count) one occurrence."""
         self.total += 1
-        now = time.monotonic()
+        now = self._clock()
         if now - self._window_start >= self.window_s:
             if self._suppressed:
                 self.logger.warning(
@@ -119,7 +122,12 @@ class RateLimitedLog:
 class AuthFailureLog(RateLimitedLog):
     """Failed authentications: wire, peer address and reason (never the credential)."""
 
-    def __init__(self, burst: int = 20, window_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        burst: int = 20,
+        window_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         super().__init__(
             AUTH_LOG,
             "auth_failed",
@@ -127,6 +135,7 @@ class AuthFailureLog(RateLimitedLog):
             "failed authentications",
             burst,
             window_s,
+            clock,
         )
 
     def failed(self, wire: str, peer: str, reason: str) -> None:

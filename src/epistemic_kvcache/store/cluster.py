@@ -279,7 +279,11 @@ class ClusterBackend(SharedKvBackend):
         max_keys_per_tenant: int = 0,
         first_write_wins: bool | frozenset[str] = False,
         max_epoch_scopes_per_tenant: int = 10_000,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """`clock`: wall-clock seconds for snapshot TTLs and creation times (tests pass a
+        fake clock they advance)."""
+        self._clock = clock
         if not isinstance(wait_replicas, int) or wait_replicas < 0:
             raise ConfigurationError(
                 f"invalid cluster_wait_replicas: expected 0 or more (got {wait_replicas!r})"

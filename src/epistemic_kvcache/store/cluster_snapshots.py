@@ -194,7 +194,7 @@ class ClusterSnapshots:
 
     def _snapshot(self, ns: str, sid: str) -> dict[str, Any] | None:
         found = self._record(snaps_key(self.s, ns), sid)
-        return found[1] if found is not None and self._live(found[1], time.time()) else None
+        return found[1] if found is not None and self._live(found[1], self.s._clock()) else None
 
     @staticmethod
     def _info(ns: str, sid: str, rec: dict[str, Any]) -> SnapshotInfo:
@@ -295,7 +295,7 @@ class ClusterSnapshots:
     ) -> SnapshotInfo:
         s = self.s
         sid = secrets.token_hex(8)
-        now = time.time()
+        now = self.s._clock()
         rec: dict[str, Any] = {
             "created_at": now,
             "expires_at": now + ttl_s if ttl_s is not None else None,
@@ -335,7 +335,7 @@ class ClusterSnapshots:
 
     def listing(self, ns: str) -> list[SnapshotInfo]:
         validate_namespace(ns)
-        now = time.time()
+        now = self.s._clock()
         out = [
             self._info(ns, sid, rec)
             for sid, rec in self._records(snaps_key(self.s, ns)).items()
@@ -394,7 +394,7 @@ class ClusterSnapshots:
 
     def retire(self, ns: str, budget: int) -> int:
         """Drop expired snapshots, finish interrupted drops, undo stuck creations."""
-        now = time.time()
+        now = self.s._clock()
         done = 0
         for kind, rk in (("snap", snaps_key(self.s, ns)), ("branch", branches_key(self.s, ns))):
             for rid, rec in self._records(rk).items():
@@ -419,11 +419,11 @@ class ClusterSnapshots:
         if not _valid_id(sid):
             raise NotFoundError(f"no snapshot {sid!r}")
         bid = secrets.token_hex(8)
-        rec = {"snapshot_id": sid, "created_at": time.time(), "state": "ready"}
+        rec = {"snapshot_id": sid, "created_at": self.s._clock(), "state": "ready"}
         res = s._script(
             BRANCH_CREATE,
             [snaps_key(s, ns), branches_key(s, ns)],
-            [sid, bid, time.time(), json.dumps(rec)],
+            [sid, bid, self.s._clock(), json.dumps(rec)],
             durable=True,
         )
         if res != b"ok":

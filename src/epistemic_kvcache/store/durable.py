@@ -55,7 +55,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -315,8 +315,10 @@ class SharedKvStoreBackend(TieredEngine):
         epoch_dir: str | os.PathLike[str] | None = None,
         first_write_wins: bool | frozenset[str] = False,
         progress: Any = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         super().__init__(
+            clock=clock,
             hot_capacity_bytes=hot_capacity_bytes,
             warm_capacity_bytes=warm_capacity_bytes,
             max_block_bytes=max_block_bytes,

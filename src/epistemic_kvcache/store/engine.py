@@ -40,7 +40,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, overload
 
@@ -335,7 +335,11 @@ class TieredEngine(SharedKvBackend):
         max_keys_per_tenant: int = 0,
         first_write_wins: bool | frozenset[str] = False,
         max_epoch_scopes_per_tenant: int = 10_000,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """`clock`: wall-clock seconds for snapshot TTLs and creation times (tests pass a
+        fake clock they advance)."""
+        self._clock = clock
         if max_epoch_scopes_per_tenant < 1:
             raise ConfigurationError(
                 "invalid max_epoch_scopes_per_tenant: expected a positive integer "
@@ -1148,7 +1152,7 @@ class TieredEngine(SharedKvBackend):
         deadline = time.monotonic() + budget_s
         stale: list[tuple[str, str]] = []
         expired: list[tuple[str, str, str]] = []
-        now = time.time()
+        now = self._clock()
         with self._lock:
             # resume where the last call stopped: a scan restarting at the top would never
             # get past a long run of fresh tagged entries within its budget
@@ -1186,7 +1190,7 @@ class TieredEngine(SharedKvBackend):
         if rec is None:
             return None
         exp = rec.get("expires_at")
-        return None if exp is not None and exp <= time.time() else rec
+        return None if exp is not None and exp <= self._clock() else rec
 
     def _snapshot_info(self, ns: str, sid: str, rec: dict[str, Any]) -> SnapshotInfo:
         sns = snapshot_ns(ns, sid)
@@ -1217,7 +1221,7 @@ class TieredEngine(SharedKvBackend):
         # the quotas (snapshots, pinned bytes) are checked where the snapshot is committed,
         # atomically with it: concurrent requests cannot both pass a check made before
         sid = secrets.token_hex(8)
-        now = time.time()
+        now = self._clock()
         rec: dict[str, Any] = {
             "created_at": now,
             "expires_at": now + ttl_s if ttl_s is not None else None,
@@ -1292,7 +1296,7 @@ class TieredEngine(SharedKvBackend):
             if self._snapshot_rec(ns, snapshot_id) is None:
                 raise NotFoundError(f"no snapshot {snapshot_id!r}")
         bid = secrets.token_hex(8)
-        rec: dict[str, Any] = {"snapshot_id": snapshot_id, "created_at": time.time()}
+        rec: dict[str, Any] = {"snapshot_id": snapshot_id, "created_at": self._clock()}
         self._commit_meta(MetaPut("branch", ns, bid, rec))
         with self._lock:
             return self._branch_info(ns, bid, rec)

@@ -6,7 +6,8 @@ make durable first); eviction from the warm tier drops blocks and their keys.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from epistemic_kvcache.errors import CapacityError, NotFoundError
@@ -57,8 +58,10 @@ class SharedKvIndex(TieredEngine):
         max_keys_per_tenant: int = 0,
         first_write_wins: bool | frozenset[str] = False,
         max_epoch_scopes_per_tenant: int = 10_000,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         super().__init__(
+            clock=clock,
             max_keys_per_tenant=max_keys_per_tenant,
             max_epoch_scopes_per_tenant=max_epoch_scopes_per_tenant,
             hot_capacity_bytes=hot_capacity_bytes,
