@@ -29,7 +29,13 @@ from helpers import held_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ("buildah", "podman", "debootstrap")
-STORE = ("--storage-driver", "vfs")
+STORAGE = ROOT / "build" / "image-storage"
+STORE = (
+    "--root", str(STORAGE / "root"), "--runroot", str(STORAGE / "run"), "--storage-driver", "vfs",
+)  # fmt: skip
+"""Our own container storage, always vfs: the machine's default store may have been made
+by another driver (installing podman made an overlay one here, and podman then refused
+`--storage-driver vfs` on it: "database configuration mismatch")."""
 BASE = "localhost/epistemic-kvcache-base:bookworm"
 IMAGE = "localhost/epistemic-kvcache:test"
 TOKEN = "imagetesttoken-0123456789abcdef0123"
