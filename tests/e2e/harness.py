@@ -135,7 +135,7 @@ class KvServer:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(30)
-        self._pump.join(10)
+        self._close()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -145,7 +145,12 @@ class KvServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        self._close()
+
+    def _close(self) -> None:
         self._pump.join(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 def l2_adapter(kind: str, kv: KvServer) -> str:
