@@ -153,6 +153,11 @@ class KvServer:
             self.proc.stdout.close()
 
 
+def wait_stored(kv: KvServer, keys: int, timeout_s: float = 60.0) -> None:
+    """Until the tenant holds `keys` keys: LMCache writes to L2 behind the request."""
+    wait_until(f"{keys} keys stored", lambda: kv.stats()["total_refs"] >= keys, timeout_s)
+
+
 def l2_adapter(kind: str, kv: KvServer) -> str:
     """The shipped deploy/lmcache/ JSON for `kind` with this server's address filled in."""
     if kind == "native":

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import yaml
-from harness import DEPLOY, HERE, TOKEN_A, KvServer, generate
+from harness import DEPLOY, HERE, TOKEN_A, KvServer, generate, wait_stored
 
 # Each vLLM process takes 30-150 s to build its `LLM()` on a shared 2-core machine.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -82,12 +82,13 @@ def test_v1_path(
         assert p1["prompt_tokens"] == PROMPT_TOKENS
         assert p1["num_cached_tokens"] == 0
         assert p1["output_token_ids"] == plain["output_token_ids"]
+        gets = chunks * (2 if path == "redis-url" else 1)
+        wait_stored(kv, gets)
         before = kv.stats()
         p2 = generate(tmp_path, f"{path}-p2", model, "--v1", **env)
         after = kv.stats()
         assert p2["num_cached_tokens"] == cached, p2
         assert p2["output_token_ids"] == p1["output_token_ids"]
-        gets = chunks * (2 if path == "redis-url" else 1)
         assert after["get_hits"] - before["get_hits"] == gets, (before, after)
         assert retrieved_tokens(Path(p2["log"]).read_text()) >= cached
     finally:
