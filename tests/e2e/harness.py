@@ -34,9 +34,8 @@ TOKEN_B = "e2e-tenant-b-token-0123456789abcdef"
 # Every server process started here, so a failed test still stops them (conftest.py).
 LIVE: list[Any] = []
 
-# A lean vLLM on a small shared CPU: one OpenMP thread, no thread pinning, 1 GiB of KV.
+# A lean vLLM on a small shared CPU: one OpenMP thread, no thread pinning.
 VLLM_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "OMP_NUM_THREADS": "1",
     "HF_HUB_OFFLINE": "1",
