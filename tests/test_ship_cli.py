@@ -173,12 +173,13 @@ def test_serve_without_the_server_extra_says_so(tmp_path: Path) -> None:
     )
     assert proc.returncode == 1
     assert "needs the 'server' extra (lmdb not installed)" in proc.stderr
-    assert "pip install 'epistemic-kvcache[server]'" in proc.stderr
+    assert "pip install 'epistemic-kvcache[server] @ git+https://github.com/" in proc.stderr
+    assert "not on PyPI yet" in proc.stderr
 
 
 # -- layering ---------------------------------------------------------------------------
 
-HEAVY = ("lmdb", "blosc2", "numpy", "scipy", "uvloop", "httptools", "prometheus_client", "jwt")
+HEAVY = ("lmdb", "blosc2", "numpy", "uvloop", "httptools", "prometheus_client", "jwt")
 
 
 def _imported_after(statement: str) -> list[str]:

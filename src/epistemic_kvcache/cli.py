@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from epistemic_kvcache._version import __version__
 from epistemic_kvcache.errors import ConfigurationError, KvCacheError
+from epistemic_kvcache.install import pip_hint
 
 if TYPE_CHECKING:
     from epistemic_kvcache.config import ServerConfig
@@ -66,14 +67,14 @@ class MissingExtraError(KvCacheError):
 
 
 def require_extra(extra: str, *modules: str) -> None:
-    """Raise `MissingExtraError` naming `pip install 'epistemic-kvcache[extra]'`."""
+    """Raise `MissingExtraError` naming the command that installs `extra` (`pip_hint`)."""
     import importlib.util
 
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
         raise MissingExtraError(
             f"this command needs the '{extra}' extra ({', '.join(missing)} not installed): "
-            f"pip install 'epistemic-kvcache[{extra}]'"
+            + pip_hint(extra)
         )
 
 

@@ -1,8 +1,9 @@
 """Graph-aware paging: PageRank over a caller's graph, then page the most central KV in.
 
 How it works
-- `pagerank` builds a column-stochastic transition matrix as a `scipy.sparse` CSR matrix
-  (edge weights normalised by each source's out-weight) and runs the power iteration
+- `pagerank` keeps the column-stochastic transition matrix as its edge list (edge
+  weights normalised by each source's out-weight; `M x` is one `numpy.bincount` over
+  the edges, so numpy alone does it, no scipy) and runs the power iteration
   ``x <- d * (M x + dangling_mass / N) + (1 - d) / N`` until the L1 change is below
   ``N * tol`` (networkx's criterion, so the two agree). Dangling nodes (no out-edges)
   spread their mass uniformly, like networkx's default. Node order is first appearance
@@ -74,7 +75,6 @@ def pagerank(
     """
     # Imported here: the client imports this module for its result types only.
     import numpy as np
-    import scipy.sparse as sp
 
     if not 0.0 <= damping < 1.0:
         raise ValueError(f"damping must be in [0, 1) (got {damping!r})")
@@ -97,13 +97,14 @@ def pagerank(
         weight[i] = w
     out_weight = np.bincount(src, weights=weight, minlength=n)
     # M[dst, src] = w / out_weight[src]: column-stochastic over non-dangling columns.
-    m = sp.csr_matrix((weight / out_weight[src], (dst, src)), shape=(n, n))
+    share = weight / out_weight[src]  # M[dst, src] per edge; repeated pairs add up
     dangling = out_weight == 0.0
     x = np.full(n, 1.0 / n)
     teleport = (1.0 - damping) / n
     for _ in range(max_iter):
         prev = x
-        x = damping * (m @ prev + prev[dangling].sum() / n) + teleport
+        moved = np.bincount(dst, weights=share * prev[src], minlength=n)  # M @ prev
+        x = damping * (moved + prev[dangling].sum() / n) + teleport
         if np.abs(x - prev).sum() < n * tol:
             break
     else:

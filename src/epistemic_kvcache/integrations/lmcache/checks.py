@@ -34,6 +34,7 @@ from typing import Any
 
 from epistemic_kvcache.client.backend import EpistemicGraphKVBackend
 from epistemic_kvcache.client.stats import KvCacheStats
+from epistemic_kvcache.install import pip_hint
 from epistemic_kvcache.integrations.lmcache.l2_native_connector import EpistemicGraphL2Connector
 
 
@@ -66,7 +67,7 @@ def lmcache_missing() -> str | None:
         except (ImportError, ValueError, AttributeError):  # blocked in sys.modules
             found = False
         if not found:
-            return f"{module} is not installed (pip install 'epistemic-kvcache[lmcache]')"
+            return f"{module} is not installed ({pip_hint('lmcache')})"
     return None
 
 
