@@ -85,6 +85,14 @@ _STORE_INTERNAL: dict[str, tuple[str, str]] = {
     "live_log_bytes": ("gauge", "Bytes of segment files still referenced by the index."),
     "disk_bytes": ("gauge", "Bytes the durable store occupies on disk (segments and index)."),
     "segments_deleted": ("counter", "Dead segment files deleted."),
+    "punched_bytes": (
+        "counter",
+        "Bytes of dead blocks' payloads handed back to the file system (hole punching).",
+    ),
+    "index_repairs": (
+        "counter",
+        "Index rows found wrong on a read and repaired from the log (the block was intact).",
+    ),
     "checkpoints": ("counter", "Index checkpoints written (the log replayed at start ends here)."),
     "checkpoint_failures": (
         "counter",
