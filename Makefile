@@ -74,10 +74,10 @@ dist-check: dist
 
 # Quick start: set up from nothing and pass every check.
 # `make check` took 19 minutes from a fresh clone on a quiet 2-core machine (the test
-# suite 16 of them). A first run also builds .venv and, through `sysdeps`, installs the Debian packages above with
-# apt-get, which needs root: not root, install them first). Every step runs even when an
-# earlier one fails (--keep-going): a failing test still lets lint, types and the wheel
-# check report, and the exit status is non-zero if any step failed.
+# suite 16 of them). A first run also builds .venv and, through `sysdeps`, installs the
+# Debian packages above with apt-get, which needs root (not root: install them first).
+# Every step runs even when an earlier one fails (--keep-going): a failing test still
+# lets lint, types and the wheel check report; the exit status is non-zero if any failed.
 check:
 	$(MAKE) --keep-going lint types test dist-check
 
