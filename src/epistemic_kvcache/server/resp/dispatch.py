@@ -332,28 +332,19 @@ class Dispatcher:
             return await self._execute(cmd, route, spec, started)
         tenant = identity.tenant
         gates = s.shared.gates
-        if route in _HOLDS_TENANT and (route != "set" or _set_with_get(cmd)):
-            # read-then-write commands (GETSET, GETDEL, SET ... GET): the tenant alone,
-            # as EXEC holds it, so no other RESP command of it lands in between
-            self.busy = True
-            try:
-                await gates.hold(tenant)
-            finally:
-                self.busy = False
-            try:
-                return await self._execute(cmd, route, spec, started)
-            finally:
-                gates.release(tenant)
-        if not gates.enter_nowait(tenant):
+        # read-then-write commands (GETSET, GETDEL, SET ... GET) hold the tenant alone, as
+        # EXEC does, so no other RESP command of it lands in between; the rest share it
+        alone = route in _HOLDS_TENANT and (route != "set" or _set_with_get(cmd))
+        if alone or not gates.enter_nowait(tenant):
             self.busy = True  # waiting on a transaction of this tenant is not idling
             try:
-                await gates.enter(tenant)
+                await (gates.hold(tenant) if alone else gates.enter(tenant))
             finally:
                 self.busy = False
         try:
             return await self._execute(cmd, route, spec, started)
         finally:
-            gates.leave(tenant)
+            (gates.release if alone else gates.leave)(tenant)
 
     async def _execute(
         self, cmd: Command, route: str, spec: CommandSpec, started: float
