@@ -15,11 +15,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import socket
+import subprocess
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import TypeVar
+
+import pytest
 
 T = TypeVar("T")
 
@@ -127,3 +132,22 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of `size` mounted at `path` (created) for the block; the test is
+    skipped where mounting is not allowed (needs root and mount)."""
+    path.mkdir()
+    try:
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+            check=True,
+            capture_output=True,
+        )
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"cannot mount a tmpfs here (needs root and mount): {exc}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

@@ -9,14 +9,11 @@ segment files, and by reaching into the engine's warm tier.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import errno
 import os
 import shutil
-import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +30,7 @@ from epistemic_kvcache.store import (
     SharedKvStoreBackend,
 )
 from epistemic_kvcache.store.api import Buffer
+from helpers import small_tmpfs
 
 NS = "tenant"
 
@@ -360,23 +358,6 @@ def test_flipped_byte_in_warm_tier_is_detected(tmp_path: Path, backend: str, kin
     assert report.ok, report
     assert store.stats(NS).total_refs == len(data)
     store.close()
-
-
-@contextlib.contextmanager
-def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
-    path.mkdir()
-    try:
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-            check=True,
-            capture_output=True,
-        )
-    except (OSError, subprocess.CalledProcessError) as exc:
-        pytest.skip(f"cannot mount a tmpfs here: {exc}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("mount") is None, reason="needs root")

@@ -10,7 +10,6 @@ capacity is).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
@@ -20,11 +19,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import blake3
 import pytest
+
+from helpers import small_tmpfs
 
 TOKEN = "full-disk-token-0123456789abcdef"
 BLOCK = 1 << 20
@@ -32,23 +32,6 @@ BLOCK = 1 << 20
 
 def content(key: str) -> bytes:
     return blake3.blake3(b"data:" + key.encode()).digest(length=BLOCK)
-
-
-@contextlib.contextmanager
-def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
-    path.mkdir()
-    try:
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-            check=True,
-            capture_output=True,
-        )
-    except (OSError, subprocess.CalledProcessError) as exc:
-        pytest.skip(f"cannot mount a tmpfs here (needs root and mount): {exc}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 class Server:
