@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -432,3 +433,45 @@ def cluster_parts(
         conn, blocks, ram, counters, prefix=prefix, first_write_wins=first_write_wins
     )
     return Parts(conn, counters, ram, blocks, entries, prefix)
+
+
+def redis_marks() -> list[Any]:
+    """`pytestmark` of a module that starts redis-server."""
+    import shutil
+
+    import pytest
+
+    return [
+        pytest.mark.redis,
+        pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
+    ]
+
+
+def module_cluster(**options: Any) -> Any:
+    """A module-scoped fixture `cluster`: a `LocalCluster` of 3 masters and no replicas
+    (`options` override). Assign it to a module global named `cluster`."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+        kw: dict[str, Any] = {"masters": 3, "replicas": 0, **options}
+        with LocalCluster(tmp_path_factory.mktemp("cluster"), **kw) as c:
+            yield c
+
+    return cluster
+
+
+def parts_fixture(tag: str) -> Any:
+    """A fixture `parts`: `cluster_parts` over the module's `cluster` under a fresh prefix
+    starting with `tag` (every test starts from an empty deployment)."""
+    import secrets
+
+    import pytest
+
+    @pytest.fixture
+    def parts(cluster: LocalCluster) -> Iterator[Parts]:
+        p = cluster_parts(cluster.url, f"{tag}{secrets.token_hex(4)}")
+        yield p
+        p.close()
+
+    return parts

@@ -4,36 +4,19 @@ with and without the bytes, released once, refused when late; verified reads."""
 from __future__ import annotations
 
 import os
-import secrets
-import shutil
-from collections.abc import Iterator
 
-import pytest
-
+import redis_cluster as rc
 from epistemic_kvcache.store import cluster_lua as L
 from epistemic_kvcache.store.engine import digest_of
-from redis_cluster import LocalCluster, Parts, cluster_parts
 
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
-]
+pytestmark = rc.redis_marks()
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    with LocalCluster(tmp_path_factory.mktemp("cluster"), masters=3, replicas=0) as c:
-        yield c
+cluster = rc.module_cluster()
+parts = rc.parts_fixture("b")
 
 
-@pytest.fixture
-def parts(cluster: LocalCluster) -> Iterator[Parts]:
-    p = cluster_parts(cluster.url, f"b{secrets.token_hex(4)}")
-    yield p
-    p.close()
-
-
-def block_hash(p: Parts, ns: str, data: bytes) -> dict[bytes, bytes]:
+def block_hash(p: rc.Parts, ns: str, data: bytes) -> dict[bytes, bytes]:
     bkey = p.blocks.key(ns, digest_of(data))
     return dict(p.conn.exec(bkey, [("HGETALL", bkey)])[0])
 
@@ -42,7 +25,7 @@ def entry(digest: bytes, gen: bytes, size: int) -> L.Entry:
     return L.parse_entry(digest + gen + b"\0" * L.OP_LEN + f"{size},0,,".encode())
 
 
-def test_references_are_counted_and_the_last_release_frees(parts: Parts) -> None:
+def test_references_are_counted_and_the_last_release_frees(parts: rc.Parts) -> None:
     data = os.urandom(5000)
     d = digest_of(data)
     gen, _ms, created = parts.blocks.ref("t", d, data)
@@ -60,7 +43,7 @@ def test_references_are_counted_and_the_last_release_frees(parts: Parts) -> None
     assert (shared["unique_blocks"], shared["resident_bytes"]) == (0, 0)
 
 
-def test_a_cached_digest_whose_block_is_gone_is_stored_again(parts: Parts) -> None:
+def test_a_cached_digest_whose_block_is_gone_is_stored_again(parts: rc.Parts) -> None:
     data = os.urandom(3000)
     d = digest_of(data)
     parts.ram.cache.admit("t", d, data)  # RAM says "probably stored": it is not
@@ -70,7 +53,7 @@ def test_a_cached_digest_whose_block_is_gone_is_stored_again(parts: Parts) -> No
     assert block_hash(parts, "t", data)[b"g"] == gen
 
 
-def test_a_late_release_is_refused_and_counted_as_a_leak(parts: Parts) -> None:
+def test_a_late_release_is_refused_and_counted_as_a_leak(parts: rc.Parts) -> None:
     data = os.urandom(1000)
     d = digest_of(data)
     gen, t_ms, _ = parts.blocks.ref("t", d, data)
@@ -82,7 +65,7 @@ def test_a_late_release_is_refused_and_counted_as_a_leak(parts: Parts) -> None:
     assert block_hash(parts, "t", data) == {}
 
 
-def test_reads_are_verified(parts: Parts) -> None:
+def test_reads_are_verified(parts: rc.Parts) -> None:
     data = os.urandom(4000)
     d = digest_of(data)
     gen, _ms, _ = parts.blocks.ref("t", d, data)

@@ -4,13 +4,11 @@ WAIT, the up/down state and the deployment check."""
 
 from __future__ import annotations
 
-import secrets
-import shutil
 import time
-from collections.abc import Iterator
 
 import pytest
 
+import redis_cluster as rc
 from epistemic_kvcache.errors import (
     ClusterUnavailableError,
     ConfigurationError,
@@ -19,28 +17,15 @@ from epistemic_kvcache.errors import (
 )
 from epistemic_kvcache.store import cluster_lua as L
 from epistemic_kvcache.store.cluster_conn import Unknown
-from redis_cluster import LocalCluster, Parts, cluster_parts
 
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
-]
+pytestmark = rc.redis_marks()
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    with LocalCluster(tmp_path_factory.mktemp("cluster"), masters=3, replicas=0) as c:
-        yield c
+cluster = rc.module_cluster()
+parts = rc.parts_fixture("c")
 
 
-@pytest.fixture
-def parts(cluster: LocalCluster) -> Iterator[Parts]:
-    p = cluster_parts(cluster.url, f"c{secrets.token_hex(4)}")
-    yield p
-    p.close()
-
-
-def test_commands_reach_the_node_of_every_slot(parts: Parts) -> None:
+def test_commands_reach_the_node_of_every_slot(parts: rc.Parts) -> None:
     conn = parts.conn
     keys = [f"{parts.prefix}:k{i}".encode() for i in range(30)]  # spread over the masters
     for i, k in enumerate(keys):
@@ -50,7 +35,7 @@ def test_commands_reach_the_node_of_every_slot(parts: Parts) -> None:
     assert len({conn.node_of(k).name for k in keys}) == 3
 
 
-def test_a_flushed_script_cache_is_loaded_again(parts: Parts, cluster: LocalCluster) -> None:
+def test_a_flushed_script_cache_is_loaded_again(parts: rc.Parts, cluster: rc.LocalCluster) -> None:
     conn = parts.conn
     tk = L.TenantKeys.of(parts.prefix, "t")
     for node in cluster.masters_now():
@@ -59,7 +44,7 @@ def test_a_flushed_script_cache_is_loaded_again(parts: Parts, cluster: LocalClus
     assert conn.script(L.ENTRY_GET, [tk.entries, tk.epochs], [b"absent"]) == [None]
 
 
-def test_an_error_answer_is_not_retried(parts: Parts) -> None:
+def test_an_error_answer_is_not_retried(parts: rc.Parts) -> None:
     conn = parts.conn
     k = f"{parts.prefix}:str".encode()
     conn.exec(k, [("SET", k, "text")])
@@ -69,10 +54,10 @@ def test_an_error_answer_is_not_retried(parts: Parts) -> None:
     assert conn.counts["retries"] == before
 
 
-def test_a_reply_lost_after_sending_is_unknown_unless_safe(cluster: LocalCluster) -> None:
+def test_a_reply_lost_after_sending_is_unknown_unless_safe(cluster: rc.LocalCluster) -> None:
     """A command that outlives the socket timeout was sent: unsafe -> `Unknown` at once;
     safe -> retried until the window is spent, then the cluster is down."""
-    p = cluster_parts(cluster.url, "lost", socket_timeout_s=0.5)
+    p = rc.cluster_parts(cluster.url, "lost", socket_timeout_s=0.5)
     conn = p.conn
     k = b"lost:empty"  # BLPOP on it blocks 2 s on the server: past the socket timeout
     try:
@@ -88,7 +73,7 @@ def test_a_reply_lost_after_sending_is_unknown_unless_safe(cluster: LocalCluster
         p.close()
 
 
-def test_down_fails_at_once_after_the_window_and_the_probe_clears_it(parts: Parts) -> None:
+def test_down_fails_at_once_after_the_window_and_the_probe_clears_it(parts: rc.Parts) -> None:
     conn = parts.conn
     conn.mark_down("test: cut off")
     conn.down_since = time.monotonic() - 2 * conn.retry_window_s  # down for long
@@ -104,8 +89,8 @@ def test_down_fails_at_once_after_the_window_and_the_probe_clears_it(parts: Part
     assert conn.exec(k, [("GET", k)]) == [None]
 
 
-def test_wait_without_enough_replicas_is_unavailable(cluster: LocalCluster) -> None:
-    p = cluster_parts(cluster.url, "wait", wait_replicas=1, wait_timeout_s=0.1)
+def test_wait_without_enough_replicas_is_unavailable(cluster: rc.LocalCluster) -> None:
+    p = rc.cluster_parts(cluster.url, "wait", wait_replicas=1, wait_timeout_s=0.1)
     try:
         k = b"wait:k"
         assert p.conn.exec(k, [("SET", k, "v")], durable=False) == [True]
@@ -115,7 +100,7 @@ def test_wait_without_enough_replicas_is_unavailable(cluster: LocalCluster) -> N
         p.close()
 
 
-def test_hscan_pages_through_a_hash(parts: Parts) -> None:
+def test_hscan_pages_through_a_hash(parts: rc.Parts) -> None:
     conn = parts.conn
     h = f"{{{parts.prefix}}}:h".encode()
     fields = {f"f{i}".encode(): str(i).encode() for i in range(1200)}
@@ -132,7 +117,7 @@ def test_hscan_pages_through_a_hash(parts: Parts) -> None:
     assert steps > 1
 
 
-def test_the_deployment_check(parts: Parts) -> None:
+def test_the_deployment_check(parts: rc.Parts) -> None:
     conn = parts.conn
     assert conn.check(parts.prefix, "namespace") >= 0
     assert conn.check(parts.prefix, "namespace") >= 0  # the same scope again: fine
@@ -141,8 +126,8 @@ def test_the_deployment_check(parts: Parts) -> None:
     assert conn.server_ms(parts.prefix) > 1_600_000_000_000
 
 
-def test_a_closed_connection_refuses_commands(cluster: LocalCluster) -> None:
-    p = cluster_parts(cluster.url, "closed")
+def test_a_closed_connection_refuses_commands(cluster: rc.LocalCluster) -> None:
+    p = rc.cluster_parts(cluster.url, "closed")
     p.close()
     with pytest.raises(StoreClosedError):
         p.conn.exec(b"closed:k", [("GET", b"closed:k")])

@@ -4,36 +4,20 @@ into the tenants' shared counters, kept when a flush surely failed; the tenants 
 
 from __future__ import annotations
 
-import secrets
-import shutil
-from collections.abc import Iterator
-
-import pytest
-
+import redis_cluster as rc
 from epistemic_kvcache.store.api import StoreStats, TierStats
 from epistemic_kvcache.store.cluster_counters import SharedCounters, stats_of
-from redis_cluster import LocalCluster, Parts, cluster_parts
 
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
-]
+pytestmark = rc.redis_marks()
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    with LocalCluster(tmp_path_factory.mktemp("cluster"), masters=3, replicas=0) as c:
-        yield c
+cluster = rc.module_cluster()
+parts = rc.parts_fixture("n")
 
 
-@pytest.fixture
-def parts(cluster: LocalCluster) -> Iterator[Parts]:
-    p = cluster_parts(cluster.url, f"n{secrets.token_hex(4)}")
-    yield p
-    p.close()
-
-
-def test_deltas_are_seen_at_once_and_flushed_once(parts: Parts, cluster: LocalCluster) -> None:
+def test_deltas_are_seen_at_once_and_flushed_once(
+    parts: rc.Parts, cluster: rc.LocalCluster
+) -> None:
     c = parts.counters
     other = SharedCounters(parts.conn, parts.prefix)  # another front-end's counters
     c.count("t", "get_hits", 3)
@@ -47,8 +31,8 @@ def test_deltas_are_seen_at_once_and_flushed_once(parts: Parts, cluster: LocalCl
     assert c.shared("t") == {"get_hits": 4}
 
 
-def test_a_flush_that_failed_is_kept_for_the_next(cluster: LocalCluster) -> None:
-    p = cluster_parts(cluster.url, "nkeep")
+def test_a_flush_that_failed_is_kept_for_the_next(cluster: rc.LocalCluster) -> None:
+    p = rc.cluster_parts(cluster.url, "nkeep")
     p.counters.count("t", "put_new", 2)
     p.conn.closed = True  # the cluster refuses: StoreClosedError, surely not added
     p.counters.flush()
@@ -60,7 +44,7 @@ def test_a_flush_that_failed_is_kept_for_the_next(cluster: LocalCluster) -> None
         p.close()
 
 
-def test_tenants_and_the_fleet_sum(parts: Parts) -> None:
+def test_tenants_and_the_fleet_sum(parts: rc.Parts) -> None:
     c = parts.counters
     for ns in ("b", "a/é", "b"):
         c.register(ns)

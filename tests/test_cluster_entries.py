@@ -3,48 +3,32 @@ the PUT protocol and what each does to references, pins, removals."""
 
 from __future__ import annotations
 
-import secrets
-import shutil
-from collections.abc import Iterator
-
 import pytest
 
+import redis_cluster as rc
 from epistemic_kvcache.errors import QuotaExceededError
 from epistemic_kvcache.store.api import PutOutcome
 from epistemic_kvcache.store.engine import digest_of
-from redis_cluster import LocalCluster, Parts, cluster_parts
 
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
-]
+pytestmark = rc.redis_marks()
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    with LocalCluster(tmp_path_factory.mktemp("cluster"), masters=3, replicas=0) as c:
-        yield c
+cluster = rc.module_cluster()
+parts = rc.parts_fixture("e")
 
 
-@pytest.fixture
-def parts(cluster: LocalCluster) -> Iterator[Parts]:
-    p = cluster_parts(cluster.url, f"e{secrets.token_hex(4)}")
-    yield p
-    p.close()
-
-
-def put(p: Parts, key: str, data: bytes, cond: str | None = None, quota: int = 0) -> PutOutcome:
+def put(p: rc.Parts, key: str, data: bytes, cond: str | None = None, quota: int = 0) -> PutOutcome:
     tk = p.entries.keys_of("t")
     return p.entries.put_to("t", tk, key, data, None, cond, quota, memo=True).outcome  # type: ignore[arg-type]
 
 
-def refs(p: Parts, data: bytes) -> int | None:
+def refs(p: rc.Parts, data: bytes) -> int | None:
     bkey = p.blocks.key("t", digest_of(data))
     r = p.conn.exec(bkey, [("HGET", bkey, "r")])[0]
     return int(r) if r is not None else None
 
 
-def test_outcomes_and_references(parts: Parts) -> None:
+def test_outcomes_and_references(parts: rc.Parts) -> None:
     a, b = b"a" * 700, b"b" * 900
     assert put(parts, "k", a) is PutOutcome.NEW
     assert put(parts, "k", a) is PutOutcome.DUPLICATE
@@ -64,8 +48,8 @@ def test_outcomes_and_references(parts: Parts) -> None:
     assert (c["put_conflicts"], c["dedup_hits"]) == (1, 2)
 
 
-def test_first_write_wins_and_the_key_quota(cluster: LocalCluster) -> None:
-    p = cluster_parts(cluster.url, "efww", first_write_wins=frozenset({"t"}))
+def test_first_write_wins_and_the_key_quota(cluster: rc.LocalCluster) -> None:
+    p = rc.cluster_parts(cluster.url, "efww", first_write_wins=frozenset({"t"}))
     try:
         assert put(p, "k", b"one") is PutOutcome.NEW
         assert put(p, "k", b"two") is PutOutcome.CONFLICT
@@ -77,7 +61,7 @@ def test_first_write_wins_and_the_key_quota(cluster: LocalCluster) -> None:
         p.close()
 
 
-def test_pins_move_with_a_replacement_and_count_against_the_limit(parts: Parts) -> None:
+def test_pins_move_with_a_replacement_and_count_against_the_limit(parts: rc.Parts) -> None:
     a, b = b"p" * 1000, b"q" * 1000
     put(parts, "k", a)
     assert parts.entries.pin("t", "k", +1, limit=1500) is True
@@ -92,7 +76,7 @@ def test_pins_move_with_a_replacement_and_count_against_the_limit(parts: Parts) 
     assert parts.entries.pin("t", "k", -1, limit=0) is False  # not pinned any more
 
 
-def test_removals_release_once(parts: Parts) -> None:
+def test_removals_release_once(parts: rc.Parts) -> None:
     a = b"r" * 800
     put(parts, "k1", a)
     put(parts, "k2", a)

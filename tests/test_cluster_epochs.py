@@ -3,38 +3,23 @@ quota, and notices delivered to every subscriber's listener."""
 
 from __future__ import annotations
 
-import secrets
-import shutil
 import threading
-from collections.abc import Iterator
 
 import pytest
 
+import redis_cluster as rc
 from epistemic_kvcache.errors import QuotaExceededError
 from epistemic_kvcache.store import cluster_epochs as E
 from helpers import eventually
-from redis_cluster import LocalCluster, Parts, cluster_parts
 
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
-]
+pytestmark = rc.redis_marks()
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    with LocalCluster(tmp_path_factory.mktemp("cluster"), masters=3, replicas=0) as c:
-        yield c
+cluster = rc.module_cluster()
+parts = rc.parts_fixture("p")
 
 
-@pytest.fixture
-def parts(cluster: LocalCluster) -> Iterator[Parts]:
-    p = cluster_parts(cluster.url, f"p{secrets.token_hex(4)}")
-    yield p
-    p.close()
-
-
-def test_bump_and_quota(parts: Parts) -> None:
+def test_bump_and_quota(parts: rc.Parts) -> None:
     conn, prefix = parts.conn, parts.prefix
     assert E.current(conn, prefix, "t", "doc") == 0
     assert E.bump(conn, prefix, "t", "doc", 2) == 1
@@ -47,7 +32,7 @@ def test_bump_and_quota(parts: Parts) -> None:
     assert E.current(conn, prefix, "u", "doc") == 0  # tenants apart
 
 
-def test_notices_reach_every_subscriber(parts: Parts) -> None:
+def test_notices_reach_every_subscriber(parts: rc.Parts) -> None:
     stop = threading.Event()
     seen: list[list[tuple[str, str, int]]] = [[], []]
     subscribers = [E.EpochNotices(parts.conn, parts.prefix, stop) for _ in seen]
@@ -69,7 +54,7 @@ def test_notices_reach_every_subscriber(parts: Parts) -> None:
             sub.join(5)
 
 
-def test_malformed_notices_and_failing_listeners_are_survived(parts: Parts) -> None:
+def test_malformed_notices_and_failing_listeners_are_survived(parts: rc.Parts) -> None:
     notices = E.EpochNotices(parts.conn, parts.prefix, threading.Event())
     got: list[tuple[str, str, int]] = []
 

@@ -3,40 +3,23 @@ retired in bounded, resumable steps; the maintenance thread's flush and probe.""
 
 from __future__ import annotations
 
-import secrets
-import shutil
 import threading
-from collections.abc import Iterator
 
-import pytest
-
+import redis_cluster as rc
 from epistemic_kvcache.store import cluster_epochs as E
 from epistemic_kvcache.store.api import ConsistencyReport
 from epistemic_kvcache.store.cluster_counters import SharedCounters
 from epistemic_kvcache.store.cluster_maint import Maintenance, StaleRetirer
 from helpers import eventually
-from redis_cluster import LocalCluster, Parts, cluster_parts
 
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
-]
+pytestmark = rc.redis_marks()
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    with LocalCluster(tmp_path_factory.mktemp("cluster"), masters=3, replicas=0) as c:
-        yield c
+cluster = rc.module_cluster()
+parts = rc.parts_fixture("m")
 
 
-@pytest.fixture
-def parts(cluster: LocalCluster) -> Iterator[Parts]:
-    p = cluster_parts(cluster.url, f"m{secrets.token_hex(4)}")
-    yield p
-    p.close()
-
-
-def test_stale_entries_are_retired_in_bounded_resumable_steps(parts: Parts) -> None:
+def test_stale_entries_are_retired_in_bounded_resumable_steps(parts: rc.Parts) -> None:
     tk = parts.entries.keys_of("t")
     parts.counters.register("t")
     for i in range(30):
@@ -62,7 +45,7 @@ def test_stale_entries_are_retired_in_bounded_resumable_steps(parts: Parts) -> N
     assert parts.counters.shared("t")["keys"] == 1
 
 
-def test_the_thread_flushes_counters_and_probes(parts: Parts) -> None:
+def test_the_thread_flushes_counters_and_probes(parts: rc.Parts) -> None:
     stop = threading.Event()
     scrubs: list[int] = []
 

@@ -4,38 +4,21 @@ entries, the lease, what the check reports and what the scrub repairs."""
 from __future__ import annotations
 
 import os
-import secrets
-import shutil
 import threading
-from collections.abc import Iterator
 
-import pytest
-
+import redis_cluster as rc
 from epistemic_kvcache.store import cluster_lua as L
 from epistemic_kvcache.store.cluster_scrub import ClusterScrub, hash_entries
 from epistemic_kvcache.store.engine import digest_of
-from redis_cluster import LocalCluster, Parts, cluster_parts
 
-pytestmark = [
-    pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
-]
+pytestmark = rc.redis_marks()
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    with LocalCluster(tmp_path_factory.mktemp("cluster"), masters=3, replicas=0) as c:
-        yield c
+cluster = rc.module_cluster()
+parts = rc.parts_fixture("s")
 
 
-@pytest.fixture
-def parts(cluster: LocalCluster) -> Iterator[Parts]:
-    p = cluster_parts(cluster.url, f"s{secrets.token_hex(4)}")
-    yield p
-    p.close()
-
-
-def scrubber(p: Parts, extra: dict[str, list[bytes]] | None = None) -> ClusterScrub:
+def scrubber(p: rc.Parts, extra: dict[str, list[bytes]] | None = None) -> ClusterScrub:
     s = ClusterScrub(
         p.conn,
         p.counters,
@@ -49,12 +32,12 @@ def scrubber(p: Parts, extra: dict[str, list[bytes]] | None = None) -> ClusterSc
     return s
 
 
-def put(p: Parts, key: str, data: bytes) -> None:
+def put(p: rc.Parts, key: str, data: bytes) -> None:
     p.counters.register("t")
     p.entries.put_to("t", p.entries.keys_of("t"), key, data, None, None, 0, memo=False)
 
 
-def test_hash_entries_walks_every_page(parts: Parts) -> None:
+def test_hash_entries_walks_every_page(parts: rc.Parts) -> None:
     h = f"{{{parts.prefix}}}:many".encode()
     fields = {f"f{i}".encode(): b"v" for i in range(1100)}
     parts.conn.exec(h, [("HSET", h, *[x for kv in fields.items() for x in kv])])
@@ -62,7 +45,7 @@ def test_hash_entries_walks_every_page(parts: Parts) -> None:
     assert list(hash_entries(parts.conn, h + b"-absent")) == []
 
 
-def test_check_reports_and_scrub_repairs(parts: Parts) -> None:
+def test_check_reports_and_scrub_repairs(parts: rc.Parts) -> None:
     a = os.urandom(2000)
     put(parts, "k", a)
     put(parts, "k2", a)
@@ -89,7 +72,7 @@ def test_check_reports_and_scrub_repairs(parts: Parts) -> None:
     assert scrub.scrub(fix=False).ok
 
 
-def test_snapshot_hashes_hold_references_too(parts: Parts) -> None:
+def test_snapshot_hashes_hold_references_too(parts: rc.Parts) -> None:
     a = os.urandom(500)
     put(parts, "k", a)
     f = parts.entries.read("t", ["k"])[0]
@@ -102,7 +85,7 @@ def test_snapshot_hashes_hold_references_too(parts: Parts) -> None:
     ]
 
 
-def test_one_scrub_at_a_time(parts: Parts) -> None:
+def test_one_scrub_at_a_time(parts: rc.Parts) -> None:
     lock = L.lock_key(parts.prefix)
     parts.conn.exec(lock, [("SET", lock, "another front-end", "PX", 60_000)])
     put(parts, "k", b"x" * 100)
