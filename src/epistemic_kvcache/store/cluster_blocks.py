@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Sequence
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import redis
@@ -40,27 +41,22 @@ RELEASE_LIMIT_MS = 60_000
 reference leaks instead): the scrub relies on it to tell a leak from a release in flight."""
 
 
+@dataclass(eq=False)
 class ClusterBlocks:
-    """A front-end's view of the blocks in the cluster. Thread-safe."""
+    """A front-end's view of the blocks in the cluster. Thread-safe.
 
-    def __init__(
-        self,
-        conn: ClusterConnection,
-        cache: BlockCache,
-        counters: SharedCounters,
-        *,
-        prefix: str,
-        dedup_scope: DedupScope,
-        block_ttl_ms: int,
-    ) -> None:
-        self.conn = conn
-        self.cache = cache
-        self.counters = counters
-        self.prefix = prefix
-        self.dedup_scope = dedup_scope
-        self.block_ttl_ms = block_ttl_ms
-        self.release_limit_ms = RELEASE_LIMIT_MS
-        self.counts = {"leaked_refs": 0}
+    `cache`: RAM copies (a hint that a block is stored, and where verified reads go);
+    `block_ttl_ms`: a TTL on unpinned blocks (0: none)."""
+
+    conn: ClusterConnection
+    cache: BlockCache
+    counters: SharedCounters
+    _: KW_ONLY
+    prefix: str
+    dedup_scope: DedupScope
+    block_ttl_ms: int
+    release_limit_ms: int = RELEASE_LIMIT_MS
+    counts: dict[str, int] = field(default_factory=lambda: {"leaked_refs": 0})
 
     def key(self, ns: str, digest: bytes) -> bytes:
         """The Redis key of `ns`'s block `digest` (shared by every tenant in global scope)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 from collections.abc import Sequence
+from dataclasses import KW_ONLY, dataclass
 
 from epistemic_kvcache.errors import (
     BlockTooLargeError,
@@ -55,25 +56,19 @@ def check_block_size(data: BlockData, max_block_bytes: int) -> None:
         )
 
 
+@dataclass(eq=False)
 class ClusterEntries:
-    """Key entries of every tenant (and of branch overlays). Thread-safe."""
+    """Key entries of every tenant (and of branch overlays). Thread-safe.
 
-    def __init__(
-        self,
-        conn: ClusterConnection,
-        blocks: ClusterBlocks,
-        ram: RamTier,
-        counters: SharedCounters,
-        *,
-        prefix: str,
-        first_write_wins: bool | frozenset[str],
-    ) -> None:
-        self.conn = conn
-        self.blocks = blocks
-        self.ram = ram
-        self.counters = counters
-        self.prefix = prefix
-        self.first_write_wins = first_write_wins
+    `first_write_wins`: for every tenant, or for the tenants named."""
+
+    conn: ClusterConnection
+    blocks: ClusterBlocks
+    ram: RamTier
+    counters: SharedCounters
+    _: KW_ONLY
+    prefix: str
+    first_write_wins: bool | frozenset[str]
 
     def keys_of(self, ns: str) -> L.TenantKeys:
         return L.TenantKeys.of(self.prefix, ns)

@@ -20,6 +20,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from epistemic_kvcache.errors import StoreError
 from epistemic_kvcache.store import cluster_lua as L
@@ -97,23 +98,18 @@ class Maintenance:
             log.exception("cluster scrub failed")
 
 
+@dataclass(eq=False)
 class StaleRetirer:
-    """Bounded removal of stale entries and expired snapshots, resumable per tenant."""
+    """Bounded removal of stale entries and expired snapshots, resumable per tenant.
 
-    def __init__(
-        self,
-        conn: ClusterConnection,
-        entries: ClusterEntries,
-        counters: SharedCounters,
-        retire_snapshots: Callable[[str, int], int],
-    ) -> None:
-        """`retire_snapshots(ns, budget)`: drop up to `budget` of `ns`'s expired
-        snapshots, finish interrupted drops -> how many expired ones it dropped."""
-        self.conn = conn
-        self.entries = entries
-        self.counters = counters
-        self.retire_snapshots = retire_snapshots
-        self._cursor: dict[str, int] = {}
+    `retire_snapshots(ns, budget)`: drop up to `budget` of `ns`'s expired snapshots,
+    finish interrupted drops -> how many expired ones it dropped."""
+
+    conn: ClusterConnection
+    entries: ClusterEntries
+    counters: SharedCounters
+    retire_snapshots: Callable[[str, int], int]
+    _cursor: dict[str, int] = field(default_factory=dict)
 
     def retire(self, *, max_items: int, budget_s: float) -> int:
         deadline = time.monotonic() + budget_s

@@ -23,6 +23,7 @@ import contextlib
 import secrets
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from epistemic_kvcache.errors import StoreError
@@ -56,32 +57,26 @@ def hash_entries(conn: ClusterConnection, key: bytes) -> Iterator[tuple[bytes, b
             return
 
 
+@dataclass(eq=False)
 class ClusterScrub:
-    """The scrub and the consistency check of one front-end."""
+    """The scrub and the consistency check of one front-end.
 
-    def __init__(
-        self,
-        conn: ClusterConnection,
-        counters: SharedCounters,
-        snapshot_hashes: Callable[[str], list[bytes]],
-        blocks: ClusterBlocks,
-        entries: ClusterEntries,
-        stop: threading.Event,
-        *,
-        prefix: str,
-    ) -> None:
-        """`counters`: the tenants to walk. `snapshot_hashes(ns)`: the hashes of entries
-        of `ns`'s snapshots and branch overlays (they hold references too). `stop`: set
-        when closing (a scrub waiting to repair then repairs nothing)."""
-        self.conn = conn
-        self.counters = counters
-        self.snapshot_hashes = snapshot_hashes
-        self.blocks = blocks
-        self.entries = entries
-        self.stop = stop
-        self.prefix = prefix
-        self.settle_ms = SCRUB_SETTLE_MS
-        self.counts = {"scrubs": 0, "scrub_fixed_blocks": 0, "scrub_removed_entries": 0}
+    `counters`: the tenants to walk. `snapshot_hashes(ns)`: the hashes of entries of
+    `ns`'s snapshots and branch overlays (they hold references too). `stop`: set when
+    closing (a scrub waiting to repair then repairs nothing)."""
+
+    conn: ClusterConnection
+    counters: SharedCounters
+    snapshot_hashes: Callable[[str], list[bytes]]
+    blocks: ClusterBlocks
+    entries: ClusterEntries
+    stop: threading.Event
+    _: KW_ONLY
+    prefix: str
+    settle_ms: int = SCRUB_SETTLE_MS
+    counts: dict[str, int] = field(
+        default_factory=lambda: {"scrubs": 0, "scrub_fixed_blocks": 0, "scrub_removed_entries": 0}
+    )
 
     def scrub(self, *, fix: bool = True, deep: bool = False) -> ConsistencyReport:
         """Recount every block's references from the entries; with `fix`, give back

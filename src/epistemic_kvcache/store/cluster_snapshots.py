@@ -34,6 +34,7 @@ import json
 import secrets
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from epistemic_kvcache.errors import (
@@ -179,30 +180,21 @@ def _valid_id(rid: str) -> bool:
     return 0 < len(rid) <= 64 and all(c in "0123456789abcdef" for c in rid)
 
 
+@dataclass(eq=False)
 class ClusterSnapshots:
-    """Snapshots and branches of every tenant (`ClusterBackend` delegates here)."""
+    """Snapshots and branches of every tenant (`ClusterBackend` delegates here).
 
-    def __init__(
-        self,
-        conn: ClusterConnection,
-        blocks: ClusterBlocks,
-        entries: ClusterEntries,
-        counters: SharedCounters,
-        *,
-        prefix: str,
-        clock: Callable[[], float],
-        max_snapshots_per_tenant: int,
-        max_block_bytes: int,
-    ) -> None:
-        """`clock`: wall-clock seconds (creation times and TTLs)."""
-        self.conn = conn
-        self.blocks = blocks
-        self.entries = entries
-        self.counters = counters
-        self.prefix = prefix
-        self.clock = clock
-        self.max_snapshots_per_tenant = max_snapshots_per_tenant
-        self.max_block_bytes = max_block_bytes
+    `counters`: the tenants registry; `clock`: wall-clock seconds (creation times, TTLs)."""
+
+    conn: ClusterConnection
+    blocks: ClusterBlocks
+    entries: ClusterEntries
+    counters: SharedCounters
+    _: KW_ONLY
+    prefix: str
+    clock: Callable[[], float]
+    max_snapshots_per_tenant: int
+    max_block_bytes: int
 
     def _key(self, kind: str, ns: str) -> bytes:
         """The records of `kind` ("snap" or "branch")."""
