@@ -35,7 +35,7 @@ import redis
 from redis.cluster import ClusterNode, RedisCluster
 
 from bench.bench_server import TOKEN, our_server
-from epistemic_kvcache.store.cluster import _connection_class
+from epistemic_kvcache.store.cluster_conn import connection_class
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from redis_cluster import LocalCluster
@@ -105,7 +105,7 @@ def front_end(
 
 def resp_client(port: int) -> redis.Redis:
     pool = redis.ConnectionPool(
-        connection_class=_connection_class(False, None),
+        connection_class=connection_class(False, None),
         host="127.0.0.1",
         port=port,
         password=TOKEN,
@@ -131,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             startup_nodes=[ClusterNode("127.0.0.1", n.port) for n in cluster.nodes],
             password=cluster.password,
             socket_timeout=60,
-            connection_class=_connection_class(False, None),
+            connection_class=connection_class(False, None),
         )
         stack.callback(rc.close)
         big = ("--hot-capacity-bytes", "4GiB", "--warm-capacity-bytes", "0")

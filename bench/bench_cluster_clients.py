@@ -26,7 +26,7 @@ import redis
 import redis.asyncio.cluster as aredis_cluster
 from redis.cluster import ClusterNode, RedisCluster
 
-from epistemic_kvcache.store.cluster import _connection_class
+from epistemic_kvcache.store.cluster_conn import connection_class
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from redis_cluster import LocalCluster
@@ -71,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             url=f"redis://127.0.0.1:{ports[0]}",
             startup_nodes=[ClusterNode("127.0.0.1", p) for p in ports],
             password=c.password,
-            connection_class=_connection_class(False, None),
+            connection_class=connection_class(False, None),
         )
         clients: dict[str, tuple[Callable[[str], Any], Callable[[str, bytes], Any]]] = {
             "redis-py RedisCluster (sync), hiredis packer": (sync.get, sync.set),

@@ -19,9 +19,11 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import redis
 
@@ -368,3 +370,108 @@ class LocalCluster:
             "--cluster-yes",
             timeout=timeout,
         )
+
+
+@dataclass
+class Parts:
+    """Cluster mode's collaborators wired as `ClusterBackend` wires them, without the
+    backend (for the unit tests of each module: tests/test_cluster_<module>.py)."""
+
+    conn: Any
+    counters: Any
+    ram: Any
+    blocks: Any
+    entries: Any
+    prefix: str
+
+    def close(self) -> None:
+        self.ram.cache.close()
+        self.conn.close()
+
+
+def cluster_parts(
+    url: str,
+    prefix: str,
+    *,
+    hot_capacity_bytes: int = 8 << 20,
+    first_write_wins: bool | frozenset[str] = False,
+    **conn_options: Any,
+) -> Parts:
+    """`Parts` over the cluster at `url`, keys under `prefix`; `conn_options` override
+    `ClusterConnection`'s (`retry_window_s`, `wait_replicas`, ...)."""
+    from epistemic_kvcache.store import cluster_lua as L
+    from epistemic_kvcache.store.cluster_blocks import ClusterBlocks
+    from epistemic_kvcache.store.cluster_conn import ClusterConnection, parse_cluster_url
+    from epistemic_kvcache.store.cluster_counters import SharedCounters
+    from epistemic_kvcache.store.cluster_entries import ClusterEntries
+    from epistemic_kvcache.store.cluster_ram import BlockCache, RamTier
+    from epistemic_kvcache.store.cluster_snapshots import SCRIPTS
+
+    options: dict[str, Any] = {
+        "tls_ca": None,
+        "socket_timeout_s": 5.0,
+        "retry_window_s": 5.0,
+        "wait_replicas": 0,
+        "wait_timeout_s": 1.0,
+        "scripts": (*L.SCRIPTS, *SCRIPTS),
+    }
+    options.update(conn_options)
+    conn = ClusterConnection(parse_cluster_url(url), **options)
+    counters = SharedCounters(conn, prefix)
+    cache = BlockCache(
+        hot_capacity_bytes=hot_capacity_bytes,
+        warm_capacity_bytes=0,
+        max_block_bytes=hot_capacity_bytes,
+        dedup_scope="namespace",
+        codec=None,
+    )
+    ram = RamTier(cache)
+    blocks = ClusterBlocks(
+        conn, cache, counters, prefix=prefix, dedup_scope="namespace", block_ttl_ms=0
+    )
+    entries = ClusterEntries(
+        conn, blocks, ram, counters, prefix=prefix, first_write_wins=first_write_wins
+    )
+    return Parts(conn, counters, ram, blocks, entries, prefix)
+
+
+def redis_marks() -> list[Any]:
+    """`pytestmark` of a module that starts redis-server."""
+    import shutil
+
+    import pytest
+
+    return [
+        pytest.mark.redis,
+        pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
+    ]
+
+
+def module_cluster(**options: Any) -> Any:
+    """A module-scoped fixture `cluster`: a `LocalCluster` of 3 masters and no replicas
+    (`options` override). Assign it to a module global named `cluster`."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+        kw: dict[str, Any] = {"masters": 3, "replicas": 0, **options}
+        with LocalCluster(tmp_path_factory.mktemp("cluster"), **kw) as c:
+            yield c
+
+    return cluster
+
+
+def parts_fixture(tag: str) -> Any:
+    """A fixture `parts`: `cluster_parts` over the module's `cluster` under a fresh prefix
+    starting with `tag` (every test starts from an empty deployment)."""
+    import secrets
+
+    import pytest
+
+    @pytest.fixture
+    def parts(cluster: LocalCluster) -> Iterator[Parts]:
+        p = cluster_parts(cluster.url, f"{tag}{secrets.token_hex(4)}")
+        yield p
+        p.close()
+
+    return parts

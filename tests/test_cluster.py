@@ -458,10 +458,10 @@ def test_scrub_takes_back_leaked_references(store: ClusterBackend, cluster: Loca
     store.put("leak", "k", data)
     bkey = L.blob_key("api", digest, "leak")
     # a front-end that crashed between taking a reference and writing its entry
-    store._script(L.BLOB_REF, [bkey], [os.urandom(8), 0])
+    store._conn.script(L.BLOB_REF, [bkey], [os.urandom(8), 0])
     orphan = os.urandom(3000)
     okey = L.blob_key("api", digest_of(orphan), "leak")
-    store._store_block(okey, orphan, os.urandom(8))
+    store._blocks.store(okey, orphan, os.urandom(8))
     bare = os.urandom(2000)  # bytes whose writer died before the reference was taken
     zkey = L.blob_key("api", digest_of(bare), "leak")
     with cluster.client(cluster.master_of_slot(_slot(cluster, zkey))) as r:
@@ -496,12 +496,16 @@ def test_a_late_release_is_refused_and_left_to_the_scrub(
     store.put("late", "k1", data)
     store.put("late", "k2", data)
     bkey = L.blob_key("api", digest_of(data), "late")
-    tk = store._tk("late")
-    raw, removed_ms = store._script(L.ENTRY_DEL, [tk.entries, tk.order, tk.counters], [b"k1", b""])
+    tk = store._entries.keys_of("late")
+    raw, removed_ms = store._conn.script(
+        L.ENTRY_DEL, [tk.entries, tk.order, tk.counters], [b"k1", b""]
+    )
     e = L.parse_entry(raw)
     leaked = store._fe["leaked_refs"]
     # the release arrives long after the entry went (a front-end stalled in between)
-    store._unref("late", e.digest, e.gen, removed_ms=int(removed_ms) - 10 * store.release_limit_ms)
+    store._blocks.unref(
+        "late", e.digest, e.gen, removed_ms=int(removed_ms) - 10 * store.release_limit_ms
+    )
     assert store._fe["leaked_refs"] == leaked + 1
     with cluster.client(cluster.master_of_slot(_slot(cluster, bkey))) as r:
         assert int(r.hget(bkey, "r")) == 2  # refused: the count stays high, never low
@@ -615,12 +619,12 @@ def test_a_write_whose_reply_is_lost_keeps_the_counts_right(
 ) -> None:
     """The connection breaks after ENTRY_PUT ran (its reply lost); the retry must not
     reuse a reference that the entry consumed and a later writer may have released."""
-    from epistemic_kvcache.store import cluster as cluster_mod
+    from epistemic_kvcache.store.cluster_conn import Unknown
 
     s = ClusterBackend(cluster.url, key_prefix="lost", scrub_interval_s=0)
     other = ClusterBackend(cluster.url, key_prefix="lost", scrub_interval_s=0)
     try:
-        real = s._exec
+        real = s._conn.exec
         fired = []
 
         def flaky(slot_key: bytes, cmds: Any, **kw: Any) -> list[Any]:
@@ -629,16 +633,16 @@ def test_a_write_whose_reply_is_lost_keeps_the_counts_right(
                 fired.append(1)
                 if meanwhile:  # another front-end replaces the key before the retry
                     other.put("t", "k", b"theirs" * 100)
-                raise cluster_mod._Unknown("connection reset after sending")
+                raise Unknown("connection reset after sending")
             return out
 
-        monkeypatch.setattr(s, "_exec", flaky)
+        monkeypatch.setattr(s._conn, "exec", flaky)
         r = s.put("t", "k", b"mine" * 100)
         assert fired
         # applied once (reply lost: "again"), or once more over theirs
         assert r.outcome is (PutOutcome.REPLACED if meanwhile else PutOutcome.NEW)
         assert bytes(other.get("t", "k") or b"") == b"mine" * 100
-        monkeypatch.setattr(s, "_exec", real)
+        monkeypatch.setattr(s._conn, "exec", real)
         report = s.check()
         # counts are never low; a reference may leak (reclaimed by the scrub)
         assert not report.orphan_index_entries

@@ -177,21 +177,21 @@ def test_an_interrupted_drop_is_finished_by_any_front_end(
     for i in range(10):
         store.delete(NS, f"k{i}")  # only the snapshot holds the blocks now
     # a front-end died after marking the snapshot dropping and releasing part of it
-    rk = CS.snaps_key(store, NS)
-    raw = store._exec(rk, [("HGET", rk, sid)])[0]
+    rk = CS.snaps_key(store.prefix, NS)
+    raw = store._conn.exec(rk, [("HGET", rk, sid)])[0]
     rec = json.loads(raw)
     rec["state"] = "dropping"
-    store._exec(rk, [("HSET", rk, sid, json.dumps(rec))])
-    ek = CS.snap_entries_key(store, NS, sid)
-    removed_ms, popped = store._script(CS.HASH_POP, [ek], [3])
+    store._conn.exec(rk, [("HSET", rk, sid, json.dumps(rec))])
+    ek = CS.snap_entries_key(store.prefix, NS, sid)
+    removed_ms, popped = store._conn.script(CS.HASH_POP, [ek], [3])
     for i in range(1, len(popped), 2):
         e = CS.L.parse_entry(bytes(popped[i]))
-        store._unref(NS, e.digest, e.gen, refs=-1, pins=-1, removed_ms=removed_ms)
+        store._blocks.unref(NS, e.digest, e.gen, refs=-1, pins=-1, removed_ms=removed_ms)
     assert store.snapshot_info(NS, sid) is None  # invisible at once
     other = peer(cluster, store)
     try:
         other.retire_stale(budget_s=5.0)
-        assert store._exec(rk, [("HGET", rk, sid)])[0] is None
+        assert store._conn.exec(rk, [("HGET", rk, sid)])[0] is None
         assert store.stats(NS).unique_blocks == 0
         assert other.check().ok
     finally:

@@ -22,6 +22,10 @@ compare-and-set (one deleter wins), pops the entries in chunks (`HASH_POP`: each
 removed once, so each hold is released once, even if several front-ends resume the same
 drop), then removes the record. A drop interrupted by a crash is resumed by
 `retire_stale` on any front-end.
+
+`ClusterSnapshots` is composed from the connection, the blocks, the entries (a branch
+PUT is an ordinary PUT into the overlay's keys) and the tenants registry; it never sees
+the backend that delegates to it.
 """
 
 from __future__ import annotations
@@ -29,11 +33,11 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from dataclasses import KW_ONLY, dataclass
+from typing import Any
 
 from epistemic_kvcache.errors import (
-    BlockTooLargeError,
     ClusterUnavailableError,
     NotFoundError,
     QuotaExceededError,
@@ -49,9 +53,10 @@ from epistemic_kvcache.store.api import (
     validate_key,
     validate_namespace,
 )
-
-if TYPE_CHECKING:
-    from epistemic_kvcache.store.cluster import ClusterBackend
+from epistemic_kvcache.store.cluster_blocks import ClusterBlocks
+from epistemic_kvcache.store.cluster_conn import ClusterConnection
+from epistemic_kvcache.store.cluster_counters import SharedCounters
+from epistemic_kvcache.store.cluster_entries import ClusterEntries, check_block_size
 
 _CHUNK = 500
 _TRIES = 10
@@ -143,48 +148,67 @@ return {now_ms(), out}
 SCRIPTS = (SNAP_READ, SNAP_BEGIN, RECORD_CAS, BRANCH_CREATE, HASH_POP)
 
 
-def _tag(store: ClusterBackend, ns: str) -> bytes:
-    return L.tenant_tag(store.prefix, ns)
+def snaps_key(prefix: str, ns: str) -> bytes:
+    return L.tenant_tag(prefix, ns) + b":snaps"
 
 
-def snaps_key(store: ClusterBackend, ns: str) -> bytes:
-    return _tag(store, ns) + b":snaps"
+def branches_key(prefix: str, ns: str) -> bytes:
+    return L.tenant_tag(prefix, ns) + b":branches"
 
 
-def branches_key(store: ClusterBackend, ns: str) -> bytes:
-    return _tag(store, ns) + b":branches"
+def snap_entries_key(prefix: str, ns: str, sid: str) -> bytes:
+    return L.tenant_tag(prefix, ns) + b":s:" + sid.encode()
 
 
-def snap_entries_key(store: ClusterBackend, ns: str, sid: str) -> bytes:
-    return _tag(store, ns) + b":s:" + sid.encode()
-
-
-def overlay(store: ClusterBackend, ns: str, bid: str) -> L.TenantKeys:
+def overlay(prefix: str, ns: str, bid: str) -> L.TenantKeys:
     """The keys of a branch overlay (epochs are the tenant's; overlays are untagged)."""
-    t = _tag(store, ns)
+    t = L.tenant_tag(prefix, ns)
     b = bid.encode()
     return L.TenantKeys(t + b":b:" + b, t + b":bz:" + b, t + b":e", t + b":bc:" + b)
+
+
+def _check_request(ns: str, keys: Sequence[str] | None, ttl_s: float | None) -> None:
+    """A snapshot request's arguments, before anything is read or held."""
+    validate_namespace(ns)
+    for key in keys or ():
+        validate_key(key)
+    if ttl_s is not None and not ttl_s > 0:
+        raise ValueError(f"invalid ttl_s: expected a positive number (got {ttl_s!r})")
 
 
 def _valid_id(rid: str) -> bool:
     return 0 < len(rid) <= 64 and all(c in "0123456789abcdef" for c in rid)
 
 
+@dataclass(eq=False)
 class ClusterSnapshots:
-    """Snapshots and branches of a `ClusterBackend` (its methods delegate here)."""
+    """Snapshots and branches of every tenant (`ClusterBackend` delegates here).
 
-    def __init__(self, store: ClusterBackend) -> None:
-        self.s = store
+    `counters`: the tenants registry; `clock`: wall-clock seconds (creation times, TTLs)."""
+
+    conn: ClusterConnection
+    blocks: ClusterBlocks
+    entries: ClusterEntries
+    counters: SharedCounters
+    _: KW_ONLY
+    prefix: str
+    clock: Callable[[], float]
+    max_snapshots_per_tenant: int
+    max_block_bytes: int
+
+    def _key(self, kind: str, ns: str) -> bytes:
+        """The records of `kind` ("snap" or "branch")."""
+        return snaps_key(self.prefix, ns) if kind == "snap" else branches_key(self.prefix, ns)
 
     # -- records ---------------------------------------------------------------------
     def _records(self, key: bytes) -> dict[str, dict[str, Any]]:
-        raw = self.s._exec(key, [("HGETALL", key)])[0]
+        raw = self.conn.exec(key, [("HGETALL", key)])[0]
         return {bytes(k).decode(): json.loads(v) for k, v in dict(raw).items()}
 
     def _record(self, key: bytes, rid: str) -> tuple[bytes, dict[str, Any]] | None:
         if not _valid_id(rid):
             return None
-        raw = self.s._exec(key, [("HGET", key, rid)])[0]
+        raw = self.conn.exec(key, [("HGET", key, rid)])[0]
         return (bytes(raw), json.loads(raw)) if raw is not None else None
 
     @staticmethod
@@ -193,8 +217,8 @@ class ClusterSnapshots:
         return rec.get("state") == "ready" and (exp is None or exp > now)
 
     def _snapshot(self, ns: str, sid: str) -> dict[str, Any] | None:
-        found = self._record(snaps_key(self.s, ns), sid)
-        return found[1] if found is not None and self._live(found[1], self.s._clock()) else None
+        found = self._record(self._key("snap", ns), sid)
+        return found[1] if found is not None and self._live(found[1], self.clock()) else None
 
     @staticmethod
     def _info(ns: str, sid: str, rec: dict[str, Any]) -> SnapshotInfo:
@@ -215,14 +239,9 @@ class ClusterSnapshots:
         prefix: str | None,
         ttl_s: float | None,
     ) -> SnapshotInfo:
-        s = self.s
-        validate_namespace(ns)
-        for key in keys or ():
-            validate_key(key)
-        if ttl_s is not None and not ttl_s > 0:
-            raise ValueError(f"invalid ttl_s: expected a positive number (got {ttl_s!r})")
-        s._register_tenant(ns)
-        tk = s._tk(ns)
+        _check_request(ns, keys, ttl_s)
+        self.counters.register(ns)
+        tk = self.entries.keys_of(ns)
         if keys is not None:
             args: list[Any] = ["keys", (prefix or "").encode(), *dict.fromkeys(keys)]
         elif prefix is not None:
@@ -230,7 +249,7 @@ class ClusterSnapshots:
         else:
             args = ["all", b""]
         for _ in range(_TRIES):
-            flat = s._script(SNAP_READ, [tk.entries, tk.order, tk.epochs], args)
+            flat = self.conn.script(SNAP_READ, [tk.entries, tk.order, tk.epochs], args)
             entries = [
                 (bytes(flat[i]), L.parse_entry(bytes(flat[i + 1]))) for i in range(0, len(flat), 2)
             ]
@@ -263,15 +282,15 @@ class ClusterSnapshots:
         # replacement can free a block we are about to hold stays a round trip or two
         groups: dict[str, list[tuple[bytes, bytes, L.Entry, int]]] = {}
         for ref, (e, n) in wanted.items():
-            bkey = self.s._bkey(ns, e.digest)
-            node = self.s._rc.get_node_from_key(bkey)
+            bkey = self.blocks.key(ns, e.digest)
+            node = self.conn.node_of(bkey)
             groups.setdefault(node.name, []).append((ref, bkey, e, n))
         for items in groups.values():
             cmds = [
-                ("EVALSHA", L.BLOB_ADJ.sha, 1, bkey, e.gen, n, n, self.s.block_ttl_ms)
+                ("EVALSHA", L.BLOB_ADJ.sha, 1, bkey, e.gen, n, n, self.blocks.block_ttl_ms)
                 for _ref, bkey, e, n in items
             ]
-            out = self.s._exec(items[0][1], cmds, durable=True)
+            out = self.conn.exec(items[0][1], cmds, durable=True)
             for (ref, _bkey, e, n), res in zip(items, out, strict=True):
                 if int(res[0]) < 0:
                     ok = False
@@ -284,7 +303,7 @@ class ClusterSnapshots:
 
     def _release(self, ns: str, held: dict[bytes, tuple[L.Entry, int]]) -> None:
         for e, n in held.values():
-            self.s._unref(ns, e.digest, e.gen, refs=-n, pins=-n)
+            self.blocks.unref(ns, e.digest, e.gen, refs=-n, pins=-n)
 
     def _commit(
         self,
@@ -293,29 +312,30 @@ class ClusterSnapshots:
         ttl_s: float | None,
         started: float,
     ) -> SnapshotInfo:
-        s = self.s
         sid = secrets.token_hex(8)
-        now = self.s._clock()
+        now = self.clock()
         rec: dict[str, Any] = {
             "created_at": now,
             "expires_at": now + ttl_s if ttl_s is not None else None,
             "state": "pending",
         }
-        sk = snaps_key(s, ns)
+        sk = self._key("snap", ns)
         pending = json.dumps(rec).encode()
-        res = s._script(SNAP_BEGIN, [sk], [sid, s.max_snapshots_per_tenant, pending], durable=True)
+        res = self.conn.script(
+            SNAP_BEGIN, [sk], [sid, self.max_snapshots_per_tenant, pending], durable=True
+        )
         if res == b"quota":
             raise QuotaExceededError(
-                f"snapshot quota exceeded: {s.max_snapshots_per_tenant} snapshots; delete one "
+                f"snapshot quota exceeded: {self.max_snapshots_per_tenant} snapshots; delete one "
                 "(or give them a ttl_s)",
                 resource="snapshots",
             )
-        ek = snap_entries_key(s, ns, sid)
+        ek = snap_entries_key(self.prefix, ns, sid)
         for i in range(0, len(entries), _CHUNK):
             pairs: list[bytes] = []
             for k, e in entries[i : i + _CHUNK]:
                 pairs += [k, _pinned(e)]
-            s._exec(ek, [("HSET", ek, *pairs)], durable=True)
+            self.conn.exec(ek, [("HSET", ek, *pairs)], durable=True)
         if time.monotonic() - started > PENDING_LIMIT_S:
             self._drop(ns, "snap", sid, pending)
             raise ClusterUnavailableError("the snapshot took too long to write; retry")
@@ -324,7 +344,9 @@ class ClusterSnapshots:
             keys=len(entries),
             logical_bytes=sum(e.size for _k, e in entries),
         )
-        if not int(s._script(RECORD_CAS, [sk], [sid, pending, json.dumps(rec)], durable=True)):
+        if not int(
+            self.conn.script(RECORD_CAS, [sk], [sid, pending, json.dumps(rec)], durable=True)
+        ):
             raise ClusterUnavailableError("the snapshot was removed while it was written")
         return self._info(ns, sid, rec)
 
@@ -335,10 +357,10 @@ class ClusterSnapshots:
 
     def listing(self, ns: str) -> list[SnapshotInfo]:
         validate_namespace(ns)
-        now = self.s._clock()
+        now = self.clock()
         out = [
             self._info(ns, sid, rec)
-            for sid, rec in self._records(snaps_key(self.s, ns)).items()
+            for sid, rec in self._records(self._key("snap", ns)).items()
             if self._live(rec, now)
         ]
         return sorted(out, key=lambda i: i.created_at)
@@ -348,56 +370,56 @@ class ClusterSnapshots:
         validate_key(key)
         if self._snapshot(ns, sid) is None:
             return None
-        ek = snap_entries_key(self.s, ns, sid)
-        raw = self.s._exec(ek, [("HGET", ek, key.encode())])[0]
-        return self.s._block(ns, L.parse_entry(bytes(raw))) if raw is not None else None
+        ek = snap_entries_key(self.prefix, ns, sid)
+        raw = self.conn.exec(ek, [("HGET", ek, key.encode())])[0]
+        return self.blocks.read(ns, L.parse_entry(bytes(raw))) if raw is not None else None
 
-    def delete(self, ns: str, sid: str) -> bool:
+    def delete(self, ns: str, kind: str, rid: str) -> bool:
+        """Delete a ready snapshot ("snap") or branch ("branch") -> False if none."""
         validate_namespace(ns)
-        found = self._record(snaps_key(self.s, ns), sid)
+        found = self._record(self._key(kind, ns), rid)
         if found is None or found[1].get("state") != "ready":
             return False
-        return self._drop(ns, "snap", sid, found[0])
+        return self._drop(ns, kind, rid, found[0])
 
     def _drop(self, ns: str, kind: str, rid: str, expected: bytes) -> bool:
         """Mark the record dropping (compare-and-set), release every entry, remove it."""
-        s = self.s
-        rk = snaps_key(s, ns) if kind == "snap" else branches_key(s, ns)
+        rk = self._key(kind, ns)
         rec = json.loads(expected)
         if rec.get("state") != "dropping":
             rec["state"] = "dropping"
             marked = json.dumps(rec).encode()
-            if not int(s._script(RECORD_CAS, [rk], [rid, expected, marked], durable=True)):
+            if not int(self.conn.script(RECORD_CAS, [rk], [rid, expected, marked], durable=True)):
                 return False
             expected = marked
         if kind == "snap":
-            for bid, brec in self._records(branches_key(s, ns)).items():
+            for bid, brec in self._records(self._key("branch", ns)).items():
                 if brec.get("snapshot_id") == rid:
                     self._drop(ns, "branch", bid, json.dumps(brec).encode())
-            hashes = [snap_entries_key(s, ns, rid)]
+            hashes = [snap_entries_key(self.prefix, ns, rid)]
         else:
-            ov = overlay(s, ns, rid)
+            ov = overlay(self.prefix, ns, rid)
             hashes = [ov.entries]
         for h in hashes:
             while True:
-                removed_ms, flat = s._script(HASH_POP, [h], [_CHUNK], durable=True)
+                removed_ms, flat = self.conn.script(HASH_POP, [h], [_CHUNK], durable=True)
                 for i in range(1, len(flat), 2):
                     e = L.parse_entry(bytes(flat[i]))
-                    s._unref(ns, e.digest, e.gen, refs=-1, pins=-e.pins, removed_ms=removed_ms)
+                    self.blocks.release(ns, e, removed_ms)
                 if not flat:
                     break
         if kind == "branch":
-            ov = overlay(s, ns, rid)
-            s._exec(ov.order, [("DEL", ov.order, ov.counters)], durable=True)
-        s._script(RECORD_CAS, [rk], [rid, expected, b""], durable=True)
+            ov = overlay(self.prefix, ns, rid)
+            self.conn.exec(ov.order, [("DEL", ov.order, ov.counters)], durable=True)
+        self.conn.script(RECORD_CAS, [rk], [rid, expected, b""], durable=True)
         return True
 
     def retire(self, ns: str, budget: int) -> int:
         """Drop expired snapshots, finish interrupted drops, undo stuck creations."""
-        now = self.s._clock()
+        now = self.clock()
         done = 0
-        for kind, rk in (("snap", snaps_key(self.s, ns)), ("branch", branches_key(self.s, ns))):
-            for rid, rec in self._records(rk).items():
+        for kind in ("snap", "branch"):
+            for rid, rec in self._records(self._key(kind, ns)).items():
                 if done >= budget:
                     return done
                 state = rec.get("state")
@@ -415,15 +437,14 @@ class ClusterSnapshots:
     # -- branches ----------------------------------------------------------------------------
     def branch_create(self, ns: str, sid: str) -> BranchInfo:
         validate_namespace(ns)
-        s = self.s
         if not _valid_id(sid):
             raise NotFoundError(f"no snapshot {sid!r}")
         bid = secrets.token_hex(8)
-        rec = {"snapshot_id": sid, "created_at": self.s._clock(), "state": "ready"}
-        res = s._script(
+        rec = {"snapshot_id": sid, "created_at": self.clock(), "state": "ready"}
+        res = self.conn.script(
             BRANCH_CREATE,
-            [snaps_key(s, ns), branches_key(s, ns)],
-            [sid, bid, self.s._clock(), json.dumps(rec)],
+            [self._key("snap", ns), self._key("branch", ns)],
+            [sid, bid, self.clock(), json.dumps(rec)],
             durable=True,
         )
         if res != b"ok":
@@ -435,7 +456,7 @@ class ClusterSnapshots:
 
     def _branch(self, ns: str, bid: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """(branch record, its snapshot's record) when both are live."""
-        found = self._record(branches_key(self.s, ns), bid)
+        found = self._record(self._key("branch", ns), bid)
         if found is None or found[1].get("state") != "ready":
             return None
         snap = self._snapshot(ns, found[1]["snapshot_id"])
@@ -447,14 +468,15 @@ class ClusterSnapshots:
         if both is None:
             return None
         rec, snap = both
-        s = self.s
-        ov = overlay(s, ns, bid)
-        values = s._exec(ov.entries, [("HVALS", ov.entries)])[0]
+        ov = overlay(self.prefix, ns, bid)
+        values = self.conn.exec(ov.entries, [("HVALS", ov.entries)])[0]
         mine = [L.parse_entry(bytes(v)) for v in values]
         shared: set[bytes] = set()
         if mine:
-            ek = snap_entries_key(s, ns, rec["snapshot_id"])
-            shared = {L.parse_entry(bytes(v)).digest for v in s._exec(ek, [("HVALS", ek)])[0]}
+            ek = snap_entries_key(self.prefix, ns, rec["snapshot_id"])
+            shared = {
+                L.parse_entry(bytes(v)).digest for v in self.conn.exec(ek, [("HVALS", ek)])[0]
+            }
         return BranchInfo(
             id=bid,
             ns=ns,
@@ -468,36 +490,28 @@ class ClusterSnapshots:
     def branch_list(self, ns: str) -> list[BranchInfo]:
         validate_namespace(ns)
         out = []
-        for bid in self._records(branches_key(self.s, ns)):
+        for bid in self._records(self._key("branch", ns)):
             info = self.branch_info(ns, bid)
             if info is not None:
                 out.append(info)
         return sorted(out, key=lambda i: i.created_at)
 
-    def branch_delete(self, ns: str, bid: str) -> bool:
-        validate_namespace(ns)
-        found = self._record(branches_key(self.s, ns), bid)
-        if found is None or found[1].get("state") != "ready":
-            return False
-        return self._drop(ns, "branch", bid, found[0])
-
     def _branch_entry(self, ns: str, bid: str, key: str) -> L.Entry | None:
         both = self._branch(ns, bid)
         if both is None:
             return None
-        s = self.s
-        ov = overlay(s, ns, bid)
-        raw = s._exec(ov.entries, [("HGET", ov.entries, key.encode())])[0]
+        ov = overlay(self.prefix, ns, bid)
+        raw = self.conn.exec(ov.entries, [("HGET", ov.entries, key.encode())])[0]
         if raw is None:
-            ek = snap_entries_key(s, ns, both[0]["snapshot_id"])
-            raw = s._exec(ek, [("HGET", ek, key.encode())])[0]
+            ek = snap_entries_key(self.prefix, ns, both[0]["snapshot_id"])
+            raw = self.conn.exec(ek, [("HGET", ek, key.encode())])[0]
         return L.parse_entry(bytes(raw)) if raw is not None else None
 
     def branch_get(self, ns: str, bid: str, key: str) -> Buffer | None:
         validate_namespace(ns)
         validate_key(key)
         e = self._branch_entry(ns, bid, key)
-        return self.s._block(ns, e) if e is not None else None
+        return self.blocks.read(ns, e) if e is not None else None
 
     def branch_size(self, ns: str, bid: str, key: str) -> int | None:
         validate_namespace(ns)
@@ -508,23 +522,19 @@ class ClusterSnapshots:
     def branch_put(self, ns: str, bid: str, key: str, data: BlockData) -> PutResult:
         validate_namespace(ns)
         validate_key(key)
-        s = self.s
-        if len(data) > s.max_block_bytes:
-            raise BlockTooLargeError(
-                f"block of {len(data)} bytes exceeds max_block_bytes={s.max_block_bytes}"
-            )
+        check_block_size(data, self.max_block_bytes)
         if self._branch(ns, bid) is None:
             raise NotFoundError(f"no branch {bid!r}")
-        ov = overlay(s, ns, bid)
-        return s._put_to(ns, ov, key, owned_buffer(data), None, None, 0, memo=False)
+        ov = overlay(self.prefix, ns, bid)
+        return self.entries.put_to(ns, ov, key, owned_buffer(data), None, None, 0, memo=False)
 
     # -- the scrub ---------------------------------------------------------------------------
     def entry_hashes(self, ns: str) -> list[bytes]:
         """Every snapshot and overlay hash of `ns` with a record (their entries hold
         references the scrub must count)."""
-        s = self.s
-        out = [snap_entries_key(s, ns, sid) for sid in self._records(snaps_key(s, ns))]
-        out += [overlay(s, ns, bid).entries for bid in self._records(branches_key(s, ns))]
+        p = self.prefix
+        out = [snap_entries_key(p, ns, sid) for sid in self._records(self._key("snap", ns))]
+        out += [overlay(p, ns, bid).entries for bid in self._records(self._key("branch", ns))]
         return out
 
 
