@@ -49,12 +49,16 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
+def _utf8(text: str, what: str) -> bytes:
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidKeyError(f"invalid {what}: not valid UTF-8 ({exc.reason})") from exc
+
+
 def validate_key(key: str) -> bytes:
     """Return the key's UTF-8 bytes, or raise `InvalidKeyError`."""
-    try:
-        raw = key.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidKeyError(f"invalid key: not valid UTF-8 ({exc.reason})") from exc
+    raw = _utf8(key, "key")
     if not raw:
         raise InvalidKeyError("invalid key: empty")
     if len(raw) > MAX_KEY_BYTES:
@@ -64,10 +68,7 @@ def validate_key(key: str) -> bytes:
 
 def validate_namespace(ns: str) -> bytes:
     """Return the namespace's UTF-8 bytes, or raise `InvalidKeyError`."""
-    try:
-        raw = ns.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidKeyError(f"invalid namespace: not valid UTF-8 ({exc.reason})") from exc
+    raw = _utf8(ns, "namespace")
     if not raw or len(raw) > MAX_NAMESPACE_BYTES or b"\x00" in raw:
         raise InvalidKeyError(
             f"invalid namespace {ns!r}: expected 1..{MAX_NAMESPACE_BYTES} bytes without NUL"

@@ -405,16 +405,20 @@ class EpistemicGraphKVBackend(EngineOps):
             out.extend(self._exists_batch(chunk))
         return out
 
+    def _post_keys(self, op: str, keys: list[str], **kwargs: Any) -> urllib3.BaseHTTPResponse:
+        """`POST /kv/batch/<op>` with the JSON key list (`what`: "batch <op>")."""
+        return self._request(
+            "POST",
+            f"{self._prefix}/kv/batch/{op}",
+            body=encode_key_list(keys),
+            headers={"Content-Type": JSON_CONTENT_TYPE},
+            what=f"batch {op}",
+            **kwargs,
+        )
+
     def _exists_batch(self, keys: list[str]) -> list[bool]:
         try:
-            resp = self._request(
-                "POST",
-                f"{self._prefix}/kv/batch/exists",
-                body=encode_key_list(keys),
-                headers={"Content-Type": JSON_CONTENT_TYPE},
-                what="batch exists",
-                lookup=True,
-            )
+            resp = self._post_keys("exists", keys, lookup=True)
         except _TransportFailure:
             return [False] * len(keys)
         data = resp.data
@@ -466,14 +470,7 @@ class EpistemicGraphKVBackend(EngineOps):
         """Batch GET. With `views`, fills them and returns sizes; else returns bytes."""
         n = len(keys)
         try:
-            resp = self._request(
-                "POST",
-                f"{self._prefix}/kv/batch/get",
-                body=encode_key_list(keys),
-                headers={"Content-Type": JSON_CONTENT_TYPE},
-                preload=False,
-                what="batch get",
-            )
+            resp = self._post_keys("get", keys, preload=False)
         except _BatchTooLarge as exc:
             if raise_too_large:
                 raise

@@ -98,21 +98,8 @@ class EngineOps(HttpTransport):
             doc["prefix"] = prefix
         if ttl_s is not None:
             doc["ttl_s"] = ttl_s
-        try:
-            status, answer = self._call(
-                "POST", f"{self._prefix}/kv/snapshot", doc=doc, what="snapshot"
-            )
-        except _TransportFailure as exc:
-            if exc.outcome_unknown:
-                raise self._unavailable("snapshot", exc) from exc
-            return None
-        except LocalProtocolError as exc:
-            if exc.status_hint in (404, 405):  # a server without the route
-                return None
-            raise
-        if status == 404:
-            return None
-        return SnapshotInfo(**_fields_of(answer, _SNAPSHOT_FIELDS, "snapshot"))
+        rec = self._create(f"{self._prefix}/kv/snapshot", doc, "snapshot", _SNAPSHOT_FIELDS)
+        return SnapshotInfo(**rec) if rec is not None else None
 
     def _record(self, kind: str, rid: str, fields: tuple[str, ...]) -> dict[str, Any] | None:
         """GET a snapshot/branch record's fields; None if absent or unreachable."""
@@ -163,21 +150,29 @@ class EngineOps(HttpTransport):
 
         None when the snapshot does not exist, or the server is unreachable or has no
         snapshot routes."""
+        path = self._id_path("snapshot", snapshot_id, "/fork")
+        rec = self._create(path, None, "fork", _BRANCH_FIELDS)
+        return BranchInfo(**rec) if rec is not None else None
+
+    def _create(
+        self, path: str, doc: object, what: str, fields: tuple[str, ...]
+    ) -> dict[str, Any] | None:
+        """POST a snapshot or fork: the new record's fields, or None when the server is
+        unreachable, has no such route, or the snapshot to fork does not exist. A request
+        that may have been applied raises `KvCacheOutcomeUnknownError` (not retried)."""
         try:
-            status, answer = self._call(
-                "POST", self._id_path("snapshot", snapshot_id, "/fork"), what="fork"
-            )
+            status, answer = self._call("POST", path, doc=doc, what=what)
         except _TransportFailure as exc:
             if exc.outcome_unknown:
-                raise self._unavailable("fork", exc) from exc
+                raise self._unavailable(what, exc) from exc
             return None
         except LocalProtocolError as exc:
-            if exc.status_hint in (404, 405):
+            if exc.status_hint in (404, 405):  # a server without the route
                 return None
             raise
         if status == 404:
             return None
-        return BranchInfo(**_fields_of(answer, _BRANCH_FIELDS, "fork"))
+        return _fields_of(answer, fields, what)
 
     def branch_info(self, branch_id: str) -> BranchInfo | None:
         """The branch (with its private and shared bytes), or None."""

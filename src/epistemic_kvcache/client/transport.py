@@ -176,26 +176,20 @@ class HttpTransport:
             connect=min(config.connect_timeout_s, config.lookup_timeout_s),
             read=config.lookup_timeout_s,
         )
-        self._pool: urllib3.HTTPConnectionPool
+        tls: dict[str, Any] = {}
+        pool_cls: type[urllib3.HTTPConnectionPool] = urllib3.HTTPConnectionPool
         if config.scheme == "https":
-            self._pool = urllib3.HTTPSConnectionPool(
-                config.host,
-                config.port,
-                maxsize=config.max_connections,
-                block=True,
-                timeout=timeout,
-                retries=False,
-                ssl_context=self._ssl_context(config),
-            )
-        else:
-            self._pool = urllib3.HTTPConnectionPool(
-                config.host,
-                config.port,
-                maxsize=config.max_connections,
-                block=True,
-                timeout=timeout,
-                retries=False,
-            )
+            pool_cls = urllib3.HTTPSConnectionPool
+            tls["ssl_context"] = self._ssl_context(config)
+        self._pool: urllib3.HTTPConnectionPool = pool_cls(
+            config.host,
+            config.port,
+            maxsize=config.max_connections,
+            block=True,
+            timeout=timeout,
+            retries=False,
+            **tls,
+        )
         self._live: weakref.WeakSet[Any] = weakref.WeakSet()
         self._aborted = threading.Event()
         self._pool.ConnectionCls = _tracked(self._pool.ConnectionCls, self._live, self._aborted)
