@@ -55,9 +55,16 @@ from epistemic_kvcache.errors import (
 from epistemic_kvcache.proto.http import (
     BATCH_CONTENT_TYPE,
     BATCH_LENGTH_BYTES,
+    EPOCH_SCOPE_HEADER,
     JSON_CONTENT_TYPE,
     OCTET_CONTENT_TYPE,
     OUTCOME_HEADER,
+    ROUTE_BATCH_EXISTS,
+    ROUTE_BATCH_GET,
+    ROUTE_BATCH_PUT,
+    ROUTE_HEALTHZ,
+    ROUTE_SNAPSHOTS,
+    ROUTE_STATS,
     batch_header_length,
     decode_batch_exists_response,
     decode_batch_get_header,
@@ -159,7 +166,7 @@ class EpistemicGraphKVBackend(EngineOps):
         """
         try:
             resp = self._request(
-                "GET", f"{self._prefix}/kv/stats", what="connection check", lookup=True
+                "GET", f"{self._prefix}{ROUTE_STATS}", what="connection check", lookup=True
             )
         except _TransportFailure as exc:
             raise KvCacheUnavailableError(
@@ -273,7 +280,7 @@ class EpistemicGraphKVBackend(EngineOps):
             raise ValueError(f"invalid cond: expected 'nx', 'xx' or None (got {cond!r})")
         path = self._key_path(key)
         if epoch_scope is not None:
-            headers["X-Kv-Epoch-Scope"] = self._scope_header(epoch_scope)
+            headers[EPOCH_SCOPE_HEADER] = self._scope_header(epoch_scope)
             path = f"{self._prefix}/kv/{quote_key(key)}"
         elif key in RESERVED_SEGMENTS and cond is None:
             return self.put_many([(key, view)])[0]
@@ -349,7 +356,7 @@ class EpistemicGraphKVBackend(EngineOps):
     def stats(self) -> KvCacheStats | None:
         """The caller's namespace stats, or None when the server is unreachable."""
         try:
-            resp = self._request("GET", f"{self._prefix}/kv/stats", what="stats")
+            resp = self._request("GET", f"{self._prefix}{ROUTE_STATS}", what="stats")
         except _TransportFailure:
             return None
         data = resp.data
@@ -367,7 +374,9 @@ class EpistemicGraphKVBackend(EngineOps):
     def health(self) -> bool:
         """True when `GET /healthz` answers 200."""
         try:
-            resp = self._request("GET", f"{self._prefix}/healthz", what="healthz", lookup=True)
+            resp = self._request(
+                "GET", f"{self._prefix}{ROUTE_HEALTHZ}", what="healthz", lookup=True
+            )
         except (_TransportFailure, AuthError):
             return False
         resp.release_conn()
@@ -381,7 +390,7 @@ class EpistemicGraphKVBackend(EngineOps):
         `snapshot`), and an unreachable one nothing: all of those are False.
         """
         try:
-            resp = self._request("GET", f"{self._prefix}/kv/snapshot", what="snapshot probe")
+            resp = self._request("GET", f"{self._prefix}{ROUTE_SNAPSHOTS}", what="snapshot probe")
         except (_TransportFailure, KvCacheError):
             return False
         data = resp.data
@@ -405,20 +414,22 @@ class EpistemicGraphKVBackend(EngineOps):
             out.extend(self._exists_batch(chunk))
         return out
 
-    def _post_keys(self, op: str, keys: list[str], **kwargs: Any) -> urllib3.BaseHTTPResponse:
-        """`POST /kv/batch/<op>` with the JSON key list (`what`: "batch <op>")."""
+    def _post_keys(
+        self, route: str, what: str, keys: list[str], **kwargs: Any
+    ) -> urllib3.BaseHTTPResponse:
+        """`POST` the JSON key list to a batch `route` (exists, get)."""
         return self._request(
             "POST",
-            f"{self._prefix}/kv/batch/{op}",
+            f"{self._prefix}{route}",
             body=encode_key_list(keys),
             headers={"Content-Type": JSON_CONTENT_TYPE},
-            what=f"batch {op}",
+            what=what,
             **kwargs,
         )
 
     def _exists_batch(self, keys: list[str]) -> list[bool]:
         try:
-            resp = self._post_keys("exists", keys, lookup=True)
+            resp = self._post_keys(ROUTE_BATCH_EXISTS, "batch exists", keys, lookup=True)
         except _TransportFailure:
             return [False] * len(keys)
         data = resp.data
@@ -470,7 +481,7 @@ class EpistemicGraphKVBackend(EngineOps):
         """Batch GET. With `views`, fills them and returns sizes; else returns bytes."""
         n = len(keys)
         try:
-            resp = self._post_keys("get", keys, preload=False)
+            resp = self._post_keys(ROUTE_BATCH_GET, "batch get", keys, preload=False)
         except _BatchTooLarge as exc:
             if raise_too_large:
                 raise
@@ -555,7 +566,7 @@ class EpistemicGraphKVBackend(EngineOps):
         try:
             resp = self._request(
                 "POST",
-                f"{self._prefix}/kv/batch/put",
+                f"{self._prefix}{ROUTE_BATCH_PUT}",
                 body=parts,
                 headers={"Content-Type": BATCH_CONTENT_TYPE, "Content-Length": str(length)},
                 what="batch put",

@@ -18,7 +18,14 @@ from typing import Any
 from epistemic_kvcache.client.transport import HttpTransport, _TransportFailure
 from epistemic_kvcache.errors import LocalProtocolError, RemoteProtocolError
 from epistemic_kvcache.graph import Edge, PageInResult
-from epistemic_kvcache.proto.http import JSON_CONTENT_TYPE, OCTET_CONTENT_TYPE, quote_key
+from epistemic_kvcache.proto.http import (
+    JSON_CONTENT_TYPE,
+    OCTET_CONTENT_TYPE,
+    ROUTE_KEYS,
+    ROUTE_PAGE_IN,
+    ROUTE_SNAPSHOTS,
+    quote_key,
+)
 from epistemic_kvcache.shared import BranchInfo, SnapshotInfo, validate_key
 
 
@@ -98,7 +105,7 @@ class EngineOps(HttpTransport):
             doc["prefix"] = prefix
         if ttl_s is not None:
             doc["ttl_s"] = ttl_s
-        rec = self._create(f"{self._prefix}/kv/snapshot", doc, "snapshot", _SNAPSHOT_FIELDS)
+        rec = self._create(f"{self._prefix}{ROUTE_SNAPSHOTS}", doc, "snapshot", _SNAPSHOT_FIELDS)
         return SnapshotInfo(**rec) if rec is not None else None
 
     def _record(self, kind: str, rid: str, fields: tuple[str, ...]) -> dict[str, Any] | None:
@@ -257,7 +264,7 @@ class EngineOps(HttpTransport):
         }
         try:
             status, answer = self._call(
-                "POST", f"{self._prefix}/kv/page-in", doc=doc, what="page-in"
+                "POST", f"{self._prefix}{ROUTE_PAGE_IN}", doc=doc, what="page-in"
             )
         except _TransportFailure:
             return None
@@ -281,7 +288,7 @@ class EngineOps(HttpTransport):
             if cursor is not None:
                 query["after"] = cursor
             qs = urllib.parse.urlencode(query, quote_via=urllib.parse.quote)
-            path = f"{self._prefix}/kv/keys?{qs}"
+            path = f"{self._prefix}{ROUTE_KEYS}?{qs}"
             status, answer = self._call_or_raise("GET", path, what="list keys")
             if status == 404:
                 raise LocalProtocolError(

@@ -54,7 +54,7 @@ from epistemic_kvcache.errors import (
     ProtocolError,
 )
 from epistemic_kvcache.proto.errors import client_rule
-from epistemic_kvcache.proto.http import quote_key
+from epistemic_kvcache.proto.http import ROUTE_HEALTHZ, quote_key
 
 log = logging.getLogger("epistemic_kvcache.client.backend")
 """The client's one logger (named as before the split, for operators' log filters)."""
@@ -283,7 +283,7 @@ class HttpTransport:
         try:
             resp = self._pool.urlopen(
                 "GET",
-                f"{self._prefix}/healthz",
+                f"{self._prefix}{ROUTE_HEALTHZ}",
                 headers=self._headers,
                 retries=False,
                 redirect=False,

@@ -48,6 +48,8 @@ OUTCOME_ERROR_PREFIX: Final = "error:"
 """A batch PUT result for a key the server refused: `error:<code>` (the error table's
 code, e.g. `error:block_too_large`)."""
 OUTCOME_HEADER: Final = "X-Kv-Outcome"
+EPOCH_SCOPE_HEADER: Final = "X-Kv-Epoch-Scope"
+"""A PUT tagged with an epoch scope names it in this header (docs/engine-features.md)."""
 
 DEFAULT_MAX_BATCH_HEADER_BYTES = 8 * 1024 * 1024
 """A batch JSON header for 1024 keys of 1024 bytes, each JSON-escaped up to 6x, fits."""

@@ -23,6 +23,7 @@ from urllib.parse import parse_qs
 
 from epistemic_kvcache.errors import InvalidKeyError, RemoteProtocolError
 from epistemic_kvcache.graph import PageRankConvergenceError, page_in_ranked
+from epistemic_kvcache.proto.http import EPOCH_SCOPE_HEADER as _SCOPE_HEADER
 from epistemic_kvcache.proto.http import (
     OCTET_CONTENT_TYPE,
     decode_key_segment,
@@ -42,7 +43,7 @@ from epistemic_kvcache.server.http.api import (
 from epistemic_kvcache.shared import MAX_SCOPE_BYTES, BranchInfo, SnapshotInfo, validate_key
 from epistemic_kvcache.store.api import SharedKvBackend
 
-EPOCH_SCOPE_HEADER = b"x-kv-epoch-scope"
+EPOCH_SCOPE_HEADER = _SCOPE_HEADER.lower().encode("ascii")  # parsed heads: lower-case bytes
 """`PUT /kv/<key>` with this header tags the entry with the scope's current epoch."""
 MAX_ENGINE_JSON_BYTES = 64 * 1024 * 1024
 """Snapshot key lists: 64 MiB holds ~1M keys of LMCache's ~60 bytes."""
