@@ -17,6 +17,7 @@ from epistemic_kvcache import __version__
 from epistemic_kvcache.config import load_config
 from epistemic_kvcache.server.app import ServerHandle, ServerThread
 from epistemic_kvcache.server.metrics import status_label
+from epistemic_kvcache.shared import STATS_FIELDS, TIER_FIELDS
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 TOKEN = "m" * 32
@@ -91,6 +92,21 @@ def test_reference_matches_a_real_server(server: ServerHandle) -> None:
         doc_labels = docs[wire_name][1]
         want = set() if doc_labels == "—" else {x.strip() for x in doc_labels.split(",")}
         assert labels == want, f"{wire_name}: exported labels {labels}, documented {want}"
+
+
+def test_stats_rows_follow_the_one_definition() -> None:
+    """Every `/kv/stats` field (`shared.StatCounts`, `shared.TierCounts`: defined once) has
+    its metrics row with its kind, and its place in the `/kv/stats` example of
+    docs/http-api.md: a field added there and not here fails."""
+    docs = documented()
+    for f in STATS_FIELDS:
+        name = f"kvcache_{f.name}" + ("_total" if f.kind == "counter" else "")
+        assert docs.get(name, ("missing",))[0] == f.kind, name
+    for f in TIER_FIELDS:
+        assert docs.get(f"kvcache_tier_{f.name}") == ("gauge", "tier"), f.name
+    example = (DOC.parent / "http-api.md").read_text()
+    for f in (*STATS_FIELDS, *TIER_FIELDS):
+        assert f'"{f.name}":' in example, f.name
 
 
 DATA_LOSS = (

@@ -34,7 +34,8 @@ from redis.retry import Retry
 
 from epistemic_kvcache.config import Address, load_config
 from epistemic_kvcache.errors import ConfigurationError
-from epistemic_kvcache.server.app import ServerHandle, ServerThread, format_stats
+from epistemic_kvcache.server.app import ServerHandle, ServerThread
+from epistemic_kvcache.server.background import format_stats
 from epistemic_kvcache.store.api import StoreStats, TierStats
 from helpers import eventually
 

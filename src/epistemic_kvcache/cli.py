@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 
 from epistemic_kvcache._version import __version__
 from epistemic_kvcache.errors import ConfigurationError, KvCacheError
-from epistemic_kvcache.install import pip_hint
+from epistemic_kvcache.install import MissingExtraError as MissingExtraError  # noqa: PLC0414
+from epistemic_kvcache.install import require_extra
 
 if TYPE_CHECKING:
     from epistemic_kvcache.config import ServerConfig
@@ -60,22 +61,6 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     from epistemic_kvcache.config import add_arguments
 
     add_arguments(parser)
-
-
-class MissingExtraError(KvCacheError):
-    """A subcommand needs an optional dependency group that is not installed."""
-
-
-def require_extra(extra: str, *modules: str) -> None:
-    """Raise `MissingExtraError` naming the command that installs `extra` (`pip_hint`)."""
-    import importlib.util
-
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if missing:
-        raise MissingExtraError(
-            f"this command needs the '{extra}' extra ({', '.join(missing)} not installed): "
-            + pip_hint(extra)
-        )
 
 
 SERVER_MODULES = ("lmdb", "blosc2", "uvloop", "httptools", "jwt", "prometheus_client", "numpy")

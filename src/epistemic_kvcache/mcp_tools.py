@@ -41,6 +41,7 @@ from epistemic_kvcache.checkpoints import (
 from epistemic_kvcache.client.backend import EpistemicGraphKVBackend, KvCacheUnavailableError
 from epistemic_kvcache.client.config import KvCacheConfig
 from epistemic_kvcache.errors import AuthError, ConfigurationError, ForbiddenError, KvCacheError
+from epistemic_kvcache.install import require_extra
 
 log = logging.getLogger(__name__)
 
@@ -519,8 +520,6 @@ def _check_server(client: EpistemicGraphKVBackend, *, with_token: bool) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve the tools until stdin closes (stdio) or SIGINT/SIGTERM (HTTP)."""
-    from epistemic_kvcache.cli import require_extra
-
     require_extra("mcp", "mcp")
     base = KvCacheConfig.from_env()
     if args.transport == "stdio":

@@ -9,7 +9,7 @@ without pulling in the store (lmdb, blosc2, numpy) or the server (uvloop, promet
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from epistemic_kvcache.errors import InvalidKeyError
@@ -49,12 +49,16 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
+def _utf8(text: str, what: str) -> bytes:
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidKeyError(f"invalid {what}: not valid UTF-8 ({exc.reason})") from exc
+
+
 def validate_key(key: str) -> bytes:
     """Return the key's UTF-8 bytes, or raise `InvalidKeyError`."""
-    try:
-        raw = key.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidKeyError(f"invalid key: not valid UTF-8 ({exc.reason})") from exc
+    raw = _utf8(key, "key")
     if not raw:
         raise InvalidKeyError("invalid key: empty")
     if len(raw) > MAX_KEY_BYTES:
@@ -64,10 +68,7 @@ def validate_key(key: str) -> bytes:
 
 def validate_namespace(ns: str) -> bytes:
     """Return the namespace's UTF-8 bytes, or raise `InvalidKeyError`."""
-    try:
-        raw = ns.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidKeyError(f"invalid namespace: not valid UTF-8 ({exc.reason})") from exc
+    raw = _utf8(ns, "namespace")
     if not raw or len(raw) > MAX_NAMESPACE_BYTES or b"\x00" in raw:
         raise InvalidKeyError(
             f"invalid namespace {ns!r}: expected 1..{MAX_NAMESPACE_BYTES} bytes without NUL"
@@ -175,34 +176,60 @@ class StatField:
     """`bytes` for sizes, empty for counts."""
 
 
-STATS_FIELDS: tuple[StatField, ...] = (
-    StatField("unique_blocks", "gauge", "Distinct blobs stored."),
-    StatField("total_refs", "gauge", "Keys referencing blobs."),
-    StatField("logical_bytes", "gauge", "Bytes as seen by clients (sum over keys).", "bytes"),
-    StatField("resident_bytes", "gauge", "Bytes physically held.", "bytes"),
-    StatField("dedup_savings_bytes", "gauge", "Bytes not stored thanks to dedup.", "bytes"),
-    StatField("dedup_hits", "counter", "PUTs whose bytes were already stored."),
-    StatField("put_new", "counter", "PUTs that created a key."),
-    StatField("put_conflicts", "counter", "PUTs refused because the key already existed."),
-    StatField("put_replaced", "counter", "PUTs that replaced a key's bytes with other bytes."),
-    StatField("get_hits", "counter", "GETs that found their block."),
-    StatField("get_misses", "counter", "GETs that found nothing."),
-    StatField("stale_missed", "counter", "GETs that found only a stale-epoch entry."),
-    StatField("integrity_failures", "counter", "Blocks failing their digest (never served)."),
-    StatField("evictions", "counter", "Blocks evicted."),
-    StatField("promotions", "counter", "Blocks promoted to a faster tier."),
-    StatField("demotions", "counter", "Blocks demoted to a slower tier."),
-    StatField("pinned_blocks", "gauge", "Blocks protected from eviction."),
-)
+def _stat(kind: StatKind, help: str, unit: str = "") -> Any:
+    """A stats field: 0 by default; its kind, help and unit ride in the metadata."""
+    return field(default=0, metadata={"kind": kind, "help": help, "unit": unit})
+
+
+@dataclass(frozen=True, slots=True)
+class StatCounts:
+    """The integer fields of `/kv/stats`, in the order the server writes them: THE one
+    definition. The store's `StoreStats`, the client's `KvCacheStats` and the metrics
+    (`STATS_FIELDS`, `kvcache_<name>`) all derive from it."""
+
+    unique_blocks: int = _stat("gauge", "Distinct blobs stored.")
+    total_refs: int = _stat("gauge", "Keys referencing blobs.")
+    logical_bytes: int = _stat("gauge", "Bytes as seen by clients (sum over keys).", "bytes")
+    resident_bytes: int = _stat("gauge", "Bytes physically held.", "bytes")
+    dedup_savings_bytes: int = _stat("gauge", "Bytes not stored thanks to dedup.", "bytes")
+    dedup_hits: int = _stat("counter", "PUTs whose bytes were already stored.")
+    put_new: int = _stat("counter", "PUTs that created a key.")
+    put_conflicts: int = _stat("counter", "PUTs refused because the key already existed.")
+    put_replaced: int = _stat("counter", "PUTs that replaced a key's bytes with other bytes.")
+    get_hits: int = _stat("counter", "GETs that found their block.")
+    get_misses: int = _stat("counter", "GETs that found nothing.")
+    stale_missed: int = _stat("counter", "GETs that found only a stale-epoch entry.")
+    integrity_failures: int = _stat("counter", "Blocks failing their digest (never served).")
+    evictions: int = _stat("counter", "Blocks evicted.")
+    promotions: int = _stat("counter", "Blocks promoted to a faster tier.")
+    demotions: int = _stat("counter", "Blocks demoted to a slower tier.")
+    pinned_blocks: int = _stat("gauge", "Blocks protected from eviction.")
+
+
+@dataclass(frozen=True, slots=True)
+class TierCounts:
+    """The integer fields of one tier (`tiers.<name>.<field>`): the one definition of
+    the store's `TierStats` and the client's `TierOccupancy` (each tier also has a
+    `compression_ratio`)."""
+
+    blocks: int = _stat("gauge", "Blocks in the tier.")
+    bytes: int = _stat("gauge", "Physical bytes in the tier (compressed in warm).", "bytes")
+    capacity_bytes: int = _stat("gauge", "Configured capacity of the tier.", "bytes")
+    logical_bytes: int = _stat("gauge", "Uncompressed bytes in the tier.", "bytes")
+    peak_bytes: int = _stat("gauge", "Most physical bytes the tier held since start.", "bytes")
+
+
+def _stat_fields(cls: type[Any]) -> tuple[StatField, ...]:
+    return tuple(
+        StatField(f.name, f.metadata["kind"], f.metadata["help"], f.metadata["unit"])
+        for f in fields(cls)
+    )
+
+
+STATS_FIELDS: tuple[StatField, ...] = _stat_fields(StatCounts)
 """Every integer field of `/kv/stats`, in the order the server writes them."""
 
-TIER_FIELDS: tuple[StatField, ...] = (
-    StatField("blocks", "gauge", "Blocks in the tier."),
-    StatField("bytes", "gauge", "Physical bytes in the tier (compressed in warm).", "bytes"),
-    StatField("capacity_bytes", "gauge", "Configured capacity of the tier.", "bytes"),
-    StatField("logical_bytes", "gauge", "Uncompressed bytes in the tier.", "bytes"),
-    StatField("peak_bytes", "gauge", "Most physical bytes the tier held since start.", "bytes"),
-)
+TIER_FIELDS: tuple[StatField, ...] = _stat_fields(TierCounts)
 """Per-tier integer fields (`tiers.<name>.<field>`); each tier also has `compression_ratio`."""
 
 TIERS = ("hot", "warm", "cold")

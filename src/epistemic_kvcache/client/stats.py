@@ -1,7 +1,7 @@
 """Typed views of `/kv/stats` and of the client's own counters.
 
-The field lists are `shared.STATS_FIELDS` / `shared.TIER_FIELDS` (the server writes the
-same ones); a test keeps these dataclasses in step with them.
+The integer fields are inherited from `shared.StatCounts` / `shared.TierCounts`, the
+classes the server's `StoreStats` / `TierStats` derive from too: one definition.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from epistemic_kvcache.shared import STATS_FIELDS, TIER_FIELDS
+from epistemic_kvcache.shared import STATS_FIELDS, TIER_FIELDS, StatCounts, TierCounts
 
 
 def _int(d: Mapping[str, Any], name: str) -> int:
@@ -25,14 +25,10 @@ def _int(d: Mapping[str, Any], name: str) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class TierOccupancy:
-    """One tier as `/kv/stats` reports it. `bytes` are physical (compressed in warm)."""
+class TierOccupancy(TierCounts):
+    """One tier as `/kv/stats` reports it (fields: `shared.TierCounts`). `bytes` are
+    physical (compressed in warm)."""
 
-    blocks: int = 0
-    bytes: int = 0
-    capacity_bytes: int = 0
-    logical_bytes: int = 0
-    peak_bytes: int = 0
     compression_ratio: float = 1.0
 
     @classmethod
@@ -46,27 +42,11 @@ class TierOccupancy:
 
 
 @dataclass(frozen=True, slots=True)
-class KvCacheStats:
-    """The caller's namespace stats from `GET /kv/stats` (docs/http-api.md)."""
+class KvCacheStats(StatCounts):
+    """The caller's namespace stats from `GET /kv/stats` (docs/http-api.md); the integer
+    fields are `shared.StatCounts`, the server's own definition."""
 
     namespace: str = ""
-    unique_blocks: int = 0
-    total_refs: int = 0
-    logical_bytes: int = 0
-    resident_bytes: int = 0
-    dedup_savings_bytes: int = 0
-    dedup_hits: int = 0
-    put_new: int = 0
-    put_conflicts: int = 0
-    put_replaced: int = 0
-    get_hits: int = 0
-    get_misses: int = 0
-    stale_missed: int = 0
-    integrity_failures: int = 0
-    evictions: int = 0
-    promotions: int = 0
-    demotions: int = 0
-    pinned_blocks: int = 0
     tiers: dict[str, TierOccupancy] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     """The whole JSON document, including fields this client version does not know."""

@@ -36,10 +36,27 @@ BATCH_CONTENT_TYPE = "application/x-kvcache-batch"
 JSON_CONTENT_TYPE = "application/json"
 OCTET_CONTENT_TYPE = "application/octet-stream"
 
+# A PUT's outcome as the API names it: the `outcome` field and `X-Kv-Outcome` header of a
+# PUT's answer, and each entry of a batch PUT's `results` (the client's `PutOutcome`
+# values are these words; the server maps the store's `PutOutcome` onto them).
+OUTCOME_CREATED: Final = "created"
+OUTCOME_DUPLICATE: Final = "duplicate"
+OUTCOME_REPLACED: Final = "replaced"
+OUTCOME_CONFLICT: Final = "conflict"
+OUTCOME_MISSING: Final = "missing"
+OUTCOME_ERROR_PREFIX: Final = "error:"
+"""A batch PUT result for a key the server refused: `error:<code>` (the error table's
+code, e.g. `error:block_too_large`)."""
+OUTCOME_HEADER: Final = "X-Kv-Outcome"
+EPOCH_SCOPE_HEADER: Final = "X-Kv-Epoch-Scope"
+"""A PUT tagged with an epoch scope names it in this header (docs/engine-features.md)."""
+
 DEFAULT_MAX_BATCH_HEADER_BYTES = 8 * 1024 * 1024
 """A batch JSON header for 1024 keys of 1024 bytes, each JSON-escaped up to 6x, fits."""
 
 _U32 = struct.Struct(">I")
+BATCH_LENGTH_BYTES: Final = _U32.size
+"""A framed batch body starts with its JSON header's length, big-endian u32."""
 
 # -- routes -------------------------------------------------------------------------------
 
@@ -440,6 +457,66 @@ class BatchPutReceiver:
         self._blocks = []
         self._filled = 0
         self._target = memoryview(bytearray(min(self._DISCARD, max(self._left, 1))))
+
+
+def encode_key_list(keys: Sequence[str]) -> bytes:
+    """The JSON `{"keys": [...]}` body of a batch exists/get request."""
+    return json.dumps({"keys": list(keys)}).encode()
+
+
+def batch_exists_doc(found: Sequence[bool]) -> dict[str, object]:
+    """The JSON answer to `POST /kv/batch/exists`: one flag per key, in order."""
+    return {"exists": list(found)}
+
+
+def batch_put_doc(results: Sequence[str]) -> dict[str, object]:
+    """The JSON answer to `POST /kv/batch/put`: one outcome word (or `error:<code>`) per
+    key, in order."""
+    return {"results": list(results)}
+
+
+def _answer_list(body: Buffer, name: str, n: int, what: str) -> list[object]:
+    """The `name` list of a JSON batch answer, checked to hold `n` entries."""
+    try:
+        values = json.loads(bytes(body))[name]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RemoteProtocolError(f"{what}: bad answer ({exc})") from exc
+    if not isinstance(values, list) or len(values) != n:
+        raise RemoteProtocolError(f"{what}: answer does not match the request")
+    return values
+
+
+def decode_batch_exists_response(body: Buffer, n: int) -> list[bool]:
+    """The flags of a batch-exists answer for `n` keys (`RemoteProtocolError` if it is
+    not one)."""
+    return [bool(f) for f in _answer_list(body, "exists", n, "batch exists")]
+
+
+def decode_batch_put_response(body: Buffer, n: int) -> list[object]:
+    """The per-key results of a batch-put answer for `n` keys (words not checked here)."""
+    return _answer_list(body, "results", n, "batch put")
+
+
+def batch_header_length(
+    prefix: Buffer, max_header_bytes: int = DEFAULT_MAX_BATCH_HEADER_BYTES
+) -> int:
+    """The JSON header's length from the first `BATCH_LENGTH_BYTES` of a framed body (for
+    a reader that streams the body: `decode_batch_get_header` next)."""
+    (header_len,) = _U32.unpack(prefix)
+    if header_len > max_header_bytes:
+        raise RemoteProtocolError(
+            f"batch body: header of {header_len} bytes exceeds {max_header_bytes}",
+            status_hint=413,
+        )
+    return int(header_len)
+
+
+def decode_batch_get_header(raw: Buffer, n: int) -> list[int]:
+    """The block sizes (-1: miss) of a batch-get answer's JSON header, for `n` keys."""
+    sizes = _int_list(_parse_header(raw), "sizes", allow_miss=True)
+    if len(sizes) != n:
+        raise RemoteProtocolError("batch get: header does not match the request")
+    return sizes
 
 
 def decode_key_list(body: Buffer, *, max_keys: int) -> list[str]:

@@ -22,10 +22,8 @@ How it works:
   dropping a connection: new credentials and certificates apply to new authentications
   and handshakes; RESP connections authenticated with a credential that no longer
   verifies are closed. Anything that fails to load is logged and the old value kept.
-- Background tasks: the stats log line, `retire_forever` (a bounded `retire_stale` on the
-  thread pool every `retire_interval_s`) and `watch_epochs_forever` (about once a second,
-  reads the epochs of the scopes this server has seen from the shared registry and
-  publishes those another process bumped on the RESP channel `kvcache:epochs`).
+- Background tasks (server/background.py): the stats log line, `retire_forever` and
+  `watch_epochs_forever`, started with the listeners and cancelled at stop.
 - `ServerThread` runs the same `serve` in a background thread with its own loop, for
   tests and embedding.
 """
@@ -36,7 +34,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import errno
-import functools
 import gc
 import logging
 import shutil
@@ -48,13 +45,18 @@ from dataclasses import dataclass, field
 from typing import Any, Final, ParamSpec, TypeVar
 
 from epistemic_kvcache.buffers import configure_prefault
-from epistemic_kvcache.config import Address, ServerConfig, effective_settings, format_size
+from epistemic_kvcache.config import Address, ServerConfig, effective_settings
 from epistemic_kvcache.errors import ConfigurationError, KvCacheError
 from epistemic_kvcache.server.auth import AuthPlan, ReloadableAuthenticator, plan_authenticator
+from epistemic_kvcache.server.background import (
+    log_stats_forever,
+    retire_forever,
+    watch_epochs_forever,
+)
 from epistemic_kvcache.server.context import LiveConnection, ServerContext
 from epistemic_kvcache.server.oplog import AccessLog
 from epistemic_kvcache.server.tls import check_bind, ssl_context_from_config
-from epistemic_kvcache.store.api import SharedKvBackend, StoreStats
+from epistemic_kvcache.store.api import SharedKvBackend
 
 log = logging.getLogger("epistemic_kvcache.server")
 
@@ -169,112 +171,6 @@ def build_store(config: ServerConfig) -> SharedKvBackend:
     return SharedKvStoreBackend(
         config.persist_dir, epoch_dir=epoch_dir, **options, **config.durable_options()
     )
-
-
-def human_size(n: int) -> str:
-    """Bytes with one decimal in the largest binary unit that keeps the number >= 1."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024:
-            return f"{n}B" if unit == "B" else f"{value:.1f}{unit}"
-        value /= 1024
-    return f"{value:.1f}TiB"
-
-
-def format_stats(stats: StoreStats) -> str:
-    """One log line: hit rate, dedup rate and tier occupancy (whole store)."""
-    gets = stats.get_hits + stats.get_misses
-    hit_rate = stats.get_hits / gets if gets else 0.0
-    dedup_rate = stats.dedup_savings_bytes / stats.logical_bytes if stats.logical_bytes else 0.0
-    parts = [
-        f"hit_rate={hit_rate:.3f}",
-        f"gets={gets}",
-        f"puts={stats.put_new}",
-        f"dedup_rate={dedup_rate:.3f}",
-        f"dedup_hits={stats.dedup_hits}",
-        f"blocks={stats.unique_blocks}",
-        f"keys={stats.total_refs}",
-    ]
-    for name, tier in stats.tiers.items():
-        used = tier.bytes / tier.capacity_bytes if tier.capacity_bytes else 0.0
-        parts.append(
-            f"{name}={human_size(tier.bytes)}/{format_size(tier.capacity_bytes)}"
-            f"({used:.0%},{tier.blocks}blk)"
-        )
-    if stats.integrity_failures:
-        parts.append(f"integrity_failures={stats.integrity_failures}")
-    return "stats " + " ".join(parts)
-
-
-async def _log_stats_forever(ctx: ServerContext, interval_s: float) -> None:
-    while True:
-        await asyncio.sleep(interval_s)
-        try:
-            stats = await ctx.run(ctx.store.stats, None)
-        except Exception:
-            log.exception("stats collection failed")
-            continue
-        log.info("%s", format_stats(stats))
-
-
-RETIRE_MAX_ITEMS = 1000
-"""Stale entries one `retire_stale` tick may remove (bounded work per tick)."""
-RETIRE_BUDGET_S = 0.05
-"""Time one `retire_stale` tick may spend scanning."""
-EPOCH_POLL_S = 1.0
-"""How often the registry is polled for epoch bumps made by other processes."""
-
-
-async def retire_forever(ctx: ServerContext, interval_s: float) -> None:
-    """Every `interval_s`, reclaim stale entries and expired snapshots, bounded per tick."""
-    while True:
-        await asyncio.sleep(interval_s)
-        try:
-            removed = await ctx.run(
-                functools.partial(
-                    ctx.store.retire_stale, max_items=RETIRE_MAX_ITEMS, budget_s=RETIRE_BUDGET_S
-                )
-            )
-        except Exception:
-            log.exception("retire_stale failed")
-            continue
-        if removed:
-            log.debug("retire_stale removed %d entries", removed)
-
-
-async def watch_epochs_forever(ctx: ServerContext, interval_s: float = EPOCH_POLL_S) -> None:
-    """Publish epoch bumps made by other processes sharing the registry.
-
-    Polls the scopes this server has seen (`ServerContext.epochs.known`), one thread-pool
-    job per tick, and publishes every epoch that moved since the last tick.
-    """
-    while True:
-        await asyncio.sleep(interval_s)
-        watched = list(ctx.epochs.known)
-        if not watched:
-            continue
-        try:
-            current = await ctx.run(_read_epochs, ctx.store, watched)
-        except Exception:
-            log.exception("epoch poll failed")
-            continue
-        for (tenant, scope), epoch in zip(watched, current, strict=True):
-            if epoch is None:
-                continue
-            if ctx.epochs.known.get((tenant, scope), 0) is None:
-                ctx.epochs.watch(tenant, scope, epoch)  # first read: a baseline, not news
-            else:
-                ctx.epochs.publish(tenant, scope, epoch)
-
-
-def _read_epochs(store: SharedKvBackend, pairs: list[tuple[str, str]]) -> list[int | None]:
-    out: list[int | None] = []
-    for tenant, scope in pairs:
-        try:
-            out.append(store.epoch_get(tenant, scope))
-        except KvCacheError:
-            out.append(None)
-    return out
 
 
 def _sock_address(sockname: Any) -> Address:
@@ -564,7 +460,7 @@ async def serve(
         if config.stats_log_interval_s > 0:
             background.append(
                 asyncio.create_task(
-                    _log_stats_forever(ctx, config.stats_log_interval_s), name="kvcache-stats-log"
+                    log_stats_forever(ctx, config.stats_log_interval_s), name="kvcache-stats-log"
                 )
             )
         if config.retire_interval_s > 0:

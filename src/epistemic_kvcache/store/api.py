@@ -32,6 +32,7 @@ from epistemic_kvcache.buffers import Handover as Handover  # noqa: PLC0414
 # Re-exported for the store's modules; shared.py defines them once (the client uses them).
 from epistemic_kvcache.shared import MAX_KEY_BYTES as MAX_KEY_BYTES  # noqa: PLC0414
 from epistemic_kvcache.shared import MAX_NAMESPACE_BYTES as MAX_NAMESPACE_BYTES  # noqa: PLC0414
+from epistemic_kvcache.shared import STATS_FIELDS, TIER_FIELDS, StatCounts, TierCounts
 from epistemic_kvcache.shared import BranchInfo as BranchInfo  # noqa: PLC0414
 from epistemic_kvcache.shared import SnapshotInfo as SnapshotInfo  # noqa: PLC0414
 from epistemic_kvcache.shared import validate_key as validate_key  # noqa: PLC0414
@@ -157,64 +158,40 @@ class StoreHealth:
         return asdict(self)
 
 
-@dataclass(slots=True)
-class TierStats:
-    """Occupancy of one tier. `bytes` are physical (compressed in warm)."""
-
-    blocks: int = 0
-    bytes: int = 0
-    capacity_bytes: int = 0
-    logical_bytes: int = 0
-    """Uncompressed size of the blocks in the tier (differs from `bytes` in warm)."""
-    peak_bytes: int = 0
-    """The most `bytes` the tier has held since the store was opened (a high-water mark
-    that no sampling can miss: the RAM tiers keep it under their capacities)."""
+@dataclass(frozen=True, slots=True)
+class TierStats(TierCounts):
+    """Occupancy of one tier (fields: `shared.TierCounts`). `bytes` are physical
+    (compressed in warm); `logical_bytes` uncompressed; `peak_bytes` the most `bytes` the
+    tier has held since the store was opened (a high-water mark that no sampling can miss:
+    the RAM tiers keep it under their capacities)."""
 
     @property
     def compression_ratio(self) -> float:
         """Physical / logical bytes (1.0 when empty or uncompressed)."""
         return self.bytes / self.logical_bytes if self.logical_bytes else 1.0
 
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form: the `TIER_FIELDS` and the ratio."""
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in TIER_FIELDS}
+        out["compression_ratio"] = round(self.compression_ratio, 4)
+        return out
 
-@dataclass(slots=True)
-class StoreStats:
-    """Stats for one namespace (or the whole store when asked with `ns=None`)."""
 
-    unique_blocks: int = 0
-    total_refs: int = 0
-    logical_bytes: int = 0
-    resident_bytes: int = 0
-    dedup_savings_bytes: int = 0
-    dedup_hits: int = 0
-    put_new: int = 0
-    put_conflicts: int = 0
-    put_replaced: int = 0
-    get_hits: int = 0
-    get_misses: int = 0
-    stale_missed: int = 0
-    integrity_failures: int = 0
-    evictions: int = 0
-    promotions: int = 0
-    demotions: int = 0
-    pinned_blocks: int = 0
+@dataclass(frozen=True, slots=True)
+class StoreStats(StatCounts):
+    """Stats for one namespace (or the whole store when asked with `ns=None`). The integer
+    fields are `shared.StatCounts` (defined once, for the client and metrics too); the
+    `tiers` and `extra` dicts are filled in after construction."""
+
     tiers: dict[str, TierStats] = field(default_factory=dict)
     extra: dict[str, int | float] = field(default_factory=dict)
     """Store-wide counters (e.g. fsyncs, group-commit batches); empty in tenant stats."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form: the DESIGN.md §5 field names, tiers nested, warm with a ratio."""
-        out = asdict(self)
-        out["tiers"] = {
-            name: {
-                "blocks": t.blocks,
-                "bytes": t.bytes,
-                "capacity_bytes": t.capacity_bytes,
-                "logical_bytes": t.logical_bytes,
-                "peak_bytes": t.peak_bytes,
-                "compression_ratio": round(t.compression_ratio, 4),
-            }
-            for name, t in self.tiers.items()
-        }
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in STATS_FIELDS}
+        out["tiers"] = {name: t.to_dict() for name, t in self.tiers.items()}
+        out["extra"] = dict(self.extra)
         return out
 
 

@@ -20,6 +20,12 @@ from epistemic_kvcache.errors import RemoteProtocolError
 from epistemic_kvcache.proto.http import (
     JSON_CONTENT_TYPE,
     OCTET_CONTENT_TYPE,
+    OUTCOME_CONFLICT,
+    OUTCOME_CREATED,
+    OUTCOME_DUPLICATE,
+    OUTCOME_HEADER,
+    OUTCOME_MISSING,
+    OUTCOME_REPLACED,
     BatchPutReceiver,
     error_body,
     parse_json,
@@ -90,11 +96,11 @@ class Response:
 
 
 OUTCOME_WORD: Final = {
-    PutOutcome.NEW: "created",
-    PutOutcome.DUPLICATE: "duplicate",
-    PutOutcome.REPLACED: "replaced",
-    PutOutcome.CONFLICT: "conflict",
-    PutOutcome.MISSING: "missing",
+    PutOutcome.NEW: OUTCOME_CREATED,
+    PutOutcome.DUPLICATE: OUTCOME_DUPLICATE,
+    PutOutcome.REPLACED: OUTCOME_REPLACED,
+    PutOutcome.CONFLICT: OUTCOME_CONFLICT,
+    PutOutcome.MISSING: OUTCOME_MISSING,
 }
 """A PUT's outcome as the API names it (`outcome` field, `X-Kv-Outcome` header)."""
 
@@ -131,7 +137,7 @@ def put_answer(
             "message": _REFUSED[result.outcome],
             **doc,
         }
-    headers = [("X-Kv-Digest", result.digest.hex()), ("X-Kv-Outcome", word)]
+    headers = [("X-Kv-Digest", result.digest.hex()), (OUTCOME_HEADER, word)]
     return Response.json(status, doc, headers)
 
 

@@ -38,32 +38,34 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Final, cast
 
 import httptools
 
-from epistemic_kvcache.buffers import alloc_block
-from epistemic_kvcache.errors import AuthError, ForbiddenError, RemoteProtocolError, StoreError
-from epistemic_kvcache.proto.errors import http_message, row_for
+from epistemic_kvcache.errors import RemoteProtocolError, StoreError
 from epistemic_kvcache.proto.http import (
     ROUTE_OTHER,
     BatchPutReceiver,
-    Buffer,
     decode_key_segment,
     match_route,
     request_path,
     response_head,
 )
-from epistemic_kvcache.server.budget import Account, BatchTooLarge, Busy, Limit, Slot, peer_of
-from epistemic_kvcache.server.context import Identity, ServerContext
+from epistemic_kvcache.server.budget import Account, BatchTooLarge, Busy, Slot, peer_of
+from epistemic_kvcache.server.context import ServerContext
+from epistemic_kvcache.server.http.admission import (
+    WIRE,
+    PendingRequest,
+    body_buffer,
+    busy_error,
+    check_credentials,
+    store_error_response,
+    write_body,
+)
 from epistemic_kvcache.server.http.api import HttpError, Request, Response
-from epistemic_kvcache.server.http.core import batch_header_limit
 from epistemic_kvcache.server.http.routes import ROUTES
 
 log = logging.getLogger("epistemic_kvcache.server.http")
-
-WIRE: Final = "http"
 
 READ_BUFFER_BYTES: Final = 64 * 1024
 """The listener's shared read buffer for heads and small bodies; big bodies bypass it."""
@@ -100,62 +102,6 @@ class _Stop(Exception):
     """Raised inside a parser callback to stop parsing (the reason is already queued)."""
 
 
-@dataclass(slots=True)
-class _Request:
-    t_start: float
-    """`time.perf_counter()` at the request's first byte (not `loop.time()`: 1 ms steps
-    under uvloop, too coarse for the latency histogram's sub-millisecond buckets)."""
-    url: bytearray = field(default_factory=bytearray)
-    headers: dict[bytes, bytes] = field(default_factory=dict)
-    n_headers: int = 0
-    head_bytes: int = 0
-    method: str = ""
-    route: str | None = None
-    key: str | None = None
-    identity: Identity | None = None
-    content_length: int = 0
-    body: bytearray | memoryview | BatchPutReceiver | None = None
-    reserved: int = 0
-    """Bytes of the connection's account this request's body holds (see `_release`)."""
-    received: int = 0
-    headers_done: bool = False
-    direct: bool = False
-    """The rest of the body is read by the transport straight into `body`."""
-    keep_alive: bool = True
-    http10: bool = False
-    expect_continue: bool = False
-    continue_sent: bool = False
-    error: HttpError | None = None
-    """Set when the request was refused while parsing; answered in its turn."""
-
-
-def _write_body(req: _Request, data: Buffer) -> None:
-    """Copy body bytes the connection already read into the request's body."""
-    body = req.body
-    if isinstance(body, BatchPutReceiver):
-        body.feed(data)
-    elif body is not None:
-        body[req.received : req.received + len(data)] = data
-
-
-def _busy_error(limit: Limit) -> HttpError:
-    retry = (("Retry-After", "1"),)
-    if limit == "tenant":
-        msg = "this tenant holds its whole share of in-flight memory, retry later"
-        return HttpError(429, "tenant_busy", msg, retry)
-    msg = "server busy: too many bytes in flight, retry later"
-    return HttpError(503, "overloaded", msg, retry)
-
-
-def store_error_response(exc: StoreError) -> Response:
-    """The answer to a store failure (proto/errors.py's table); private details logged."""
-    row = row_for(exc)
-    if row.private:
-        log.error("http: store failure: %s", exc)
-    headers = (("Retry-After", "1"),) if row.retry else ()
-    return Response.error(row.status, row.code, http_message(row, exc), headers)
-
-
 class HttpConnection(asyncio.BufferedProtocol):
     """One client connection. See the module docstring for the mechanism."""
 
@@ -168,9 +114,9 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._backlog = bytearray()
         """Input read but not parsed yet (parsing stopped at `MAX_QUEUED` requests)."""
         self._parser: Any = None
-        self._cur: _Request | None = None
+        self._cur: PendingRequest | None = None
         self._head_used = 0
-        self._queue: deque[_Request] = deque()
+        self._queue: deque[PendingRequest] = deque()
         self._task: asyncio.Task[None] | None = None
         self._account = Account(ctx.budget)
         self._slots = ctx.slots_for(WIRE)
@@ -311,7 +257,7 @@ class HttpConnection(asyncio.BufferedProtocol):
             req = self._cur
             if req is not None and req.direct:
                 take = min(req.content_length - req.received, end - pos)
-                _write_body(req, data[pos : pos + take])
+                write_body(req, data[pos : pos + take])
                 req.received += take
                 pos += take
                 if req.received == req.content_length:
@@ -367,7 +313,7 @@ class HttpConnection(asyncio.BufferedProtocol):
 
     def on_message_begin(self) -> None:
         self._cancel_idle()
-        self._cur = _Request(time.perf_counter())
+        self._cur = PendingRequest(time.perf_counter())
         if self._deadline is not None:
             self._deadline.cancel()
         self._deadline = self._loop.call_later(self._limits.request_timeout_s, self._on_deadline)
@@ -409,7 +355,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         req = self._cur
         assert req is not None
         n = len(chunk)
-        _write_body(req, chunk)
+        write_body(req, chunk)
         req.received += n
 
     def on_message_complete(self) -> None:
@@ -417,7 +363,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         if req is not None and not self._stopped:
             self._complete(req)
 
-    def _check_head(self, req: _Request) -> None:
+    def _check_head(self, req: PendingRequest) -> None:
         lim = self._limits
         if req.n_headers > lim.max_headers:
             self._fail(HttpError(431, "headers_too_large", f"more than {lim.max_headers} headers"))
@@ -429,7 +375,7 @@ class HttpConnection(asyncio.BufferedProtocol):
 
     # -- admission: everything decided from the head alone --------------------------------
 
-    def _admit(self, req: _Request) -> tuple[HttpError | None, bool]:
+    def _admit(self, req: PendingRequest) -> tuple[HttpError | None, bool]:
         """Check a complete head; allocate the body buffer. Returns (refusal, has_body)."""
         p = self._parser
         req.headers_done = True
@@ -489,52 +435,16 @@ class HttpConnection(asyncio.BufferedProtocol):
         if rule is not None:
             refused = self._account.take("body", req.content_length)
             if refused is not None:
-                return _busy_error(refused), has_body
+                return busy_error(refused), has_body
             req.reserved = req.content_length
-            # a body the store takes whole is a receive buffer it keeps as it is; a batch
-            # PUT's blocks each go into one; parsed bodies are plain bytearrays
-            if rule.buffer == "block":
-                req.body = alloc_block(req.content_length)
-            elif rule.buffer == "batch":
-                max_keys = self._limits.max_batch_keys
-                req.body = BatchPutReceiver(
-                    req.content_length,
-                    max_keys=max_keys,
-                    alloc=alloc_block,
-                    max_header_bytes=batch_header_limit(max_keys),
-                )
-            else:
-                req.body = bytearray(req.content_length)
+            req.body = body_buffer(rule.buffer, req.content_length, self._limits)
         return None, has_body
 
-    def _authenticate(self, req: _Request) -> HttpError | None:
-        raw = req.headers.get(b"authorization")
-        if raw is None:
-            self._ctx.auth_failures.failed(WIRE, self.peer, "no credentials")
-            challenge = (("WWW-Authenticate", "Bearer"),)
-            return HttpError(
-                401, "unauthorized", "missing credentials: send Bearer <token>", challenge
-            )
-        scheme, _, cred = raw.decode("latin-1").strip().partition(" ")
-        cred = cred.strip()
-        if scheme.lower() != "bearer" or not cred:
-            self._ctx.auth_failures.failed(WIRE, self.peer, "malformed Authorization header")
-            msg = "malformed Authorization header: expected Bearer <token>"
-            return HttpError(
-                401, "unauthorized", msg, (("WWW-Authenticate", 'Bearer error="invalid_request"'),)
-            )
-        try:
-            identity = self._ctx.auth.authenticate(cred)
-        except ForbiddenError as exc:
-            self._ctx.auth_failures.failed(WIRE, self.peer, str(exc) or "forbidden")
-            return HttpError(403, "forbidden", str(exc) or "forbidden")
-        except AuthError as exc:
-            self._ctx.auth_failures.failed(WIRE, self.peer, str(exc) or "invalid credentials")
-            invalid = (("WWW-Authenticate", 'Bearer error="invalid_token"'),)
-            return HttpError(401, "unauthorized", "invalid credentials", invalid)
-        except Exception:
-            log.exception("http: authenticator failed")
-            return HttpError(500, "internal", "authentication failed internally")
+    def _authenticate(self, req: PendingRequest) -> HttpError | None:
+        found = check_credentials(self._ctx, self.peer, req.headers.get(b"authorization"))
+        if isinstance(found, HttpError):
+            return found
+        identity = found
         if identity.tenant != self._tenant:
             slot = self._slot
             if slot is not None:
@@ -554,7 +464,7 @@ class HttpConnection(asyncio.BufferedProtocol):
 
     # -- request lifecycle ----------------------------------------------------------------
 
-    def _complete(self, req: _Request) -> None:
+    def _complete(self, req: PendingRequest) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
@@ -564,16 +474,16 @@ class HttpConnection(asyncio.BufferedProtocol):
             self._parser = None
         self._queue.append(req)
 
-    def _release(self, req: _Request) -> None:
+    def _release(self, req: PendingRequest) -> None:
         """Give back the request body's share of the account (idempotent)."""
         if req.reserved:
             self._account.give_back("body", req.reserved)
             req.reserved = 0
 
-    def _fail(self, err: HttpError, req: _Request | None = None) -> None:
+    def _fail(self, err: HttpError, req: PendingRequest | None = None) -> None:
         """Queue a final error answer and stop reading requests on this connection."""
         if req is None:
-            req = self._cur or _Request(time.perf_counter())
+            req = self._cur or PendingRequest(time.perf_counter())
         req.error = err
         req.keep_alive = False
         req.body = None
@@ -651,7 +561,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         elif req.expect_continue and not req.continue_sent:
             self._write_continue(req)
 
-    async def _answer(self, req: _Request) -> bool:
+    async def _answer(self, req: PendingRequest) -> bool:
         resp = await self._respond(req)
         req.body = None
         self._release(req)
@@ -674,7 +584,7 @@ class HttpConnection(asyncio.BufferedProtocol):
             )
         return close
 
-    async def _respond(self, req: _Request) -> Response:
+    async def _respond(self, req: PendingRequest) -> Response:
         """The handler's answer, or the error answer for what it raised."""
         if req.error is not None:
             return req.error.response()
@@ -700,7 +610,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         except StoreError as exc:
             return store_error_response(exc)
         except Busy as exc:
-            return _busy_error(exc.limit).response()
+            return busy_error(exc.limit).response()
         except BatchTooLarge as exc:
             return Response.error(413, "batch_too_large", str(exc))
         except RemoteProtocolError as exc:
@@ -740,7 +650,7 @@ class HttpConnection(asyncio.BufferedProtocol):
 
     # -- flow control, timers, closing ----------------------------------------------------
 
-    def _write_continue(self, req: _Request) -> None:
+    def _write_continue(self, req: PendingRequest) -> None:
         req.continue_sent = True
         if self._transport is not None and not self._transport.is_closing():
             self._transport.write(_CONTINUE)

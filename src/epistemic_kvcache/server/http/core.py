@@ -11,6 +11,9 @@ from epistemic_kvcache.proto.http import (
     BATCH_CONTENT_TYPE,
     JSON_CONTENT_TYPE,
     OCTET_CONTENT_TYPE,
+    OUTCOME_ERROR_PREFIX,
+    batch_exists_doc,
+    batch_put_doc,
     decode_key_list,
     encode_batch_get_response,
     error_body,
@@ -87,7 +90,7 @@ def _batch_keys(req: Request) -> list[str]:
 async def batch_exists(req: Request) -> Response:
     keys = _batch_keys(req)
     found = await req.ctx.run(req.ctx.store.exists_many, req.ns, keys)
-    return await large_json(req.ctx, 200, {"exists": found})
+    return await large_json(req.ctx, 200, batch_exists_doc(found))
 
 
 async def batch_get(req: Request) -> Response:
@@ -103,7 +106,7 @@ async def batch_put(req: Request) -> Response:
     # handed over to the store
     items = [(key, received_block(block)) for key, block in req.batch.items()]
     results = await req.ctx.run(_batch_put, req, items)
-    return await large_json(req.ctx, 200, {"results": results})
+    return await large_json(req.ctx, 200, batch_put_doc(results))
 
 
 def _batch_put(req: Request, items: list[tuple[str, BlockData]]) -> list[str]:
@@ -116,10 +119,10 @@ def _batch_put(req: Request, items: list[tuple[str, BlockData]]) -> list[str]:
         try:
             validate_key(key)
         except InvalidKeyError:
-            results[i] = "error:bad_key"
+            results[i] = OUTCOME_ERROR_PREFIX + "bad_key"
             continue
         if len(view) > max_block:
-            results[i] = "error:block_too_large"
+            results[i] = OUTCOME_ERROR_PREFIX + "block_too_large"
             continue
         valid.append(i)
     existed = store.exists_many(ns, [items[i][0] for i in valid])
@@ -132,7 +135,7 @@ def _batch_put(req: Request, items: list[tuple[str, BlockData]]) -> list[str]:
             try:
                 outcome = store.put(ns, *items[i]).outcome
             except StoreError as exc:
-                results[i] = "error:" + row_for(exc).code
+                results[i] = OUTCOME_ERROR_PREFIX + row_for(exc).code
                 continue
             if outcome is PutOutcome.DUPLICATE and not was:
                 outcome = PutOutcome.NEW

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 from urllib.parse import parse_qs
 
 from epistemic_kvcache.errors import InvalidKeyError, RemoteProtocolError
 from epistemic_kvcache.graph import PageRankConvergenceError, page_in_ranked
+from epistemic_kvcache.proto.http import EPOCH_SCOPE_HEADER as _SCOPE_HEADER
 from epistemic_kvcache.proto.http import (
     OCTET_CONTENT_TYPE,
     decode_key_segment,
@@ -39,10 +40,10 @@ from epistemic_kvcache.server.http.api import (
     put_answer,
     put_condition,
 )
-from epistemic_kvcache.shared import MAX_SCOPE_BYTES, validate_key
+from epistemic_kvcache.shared import MAX_SCOPE_BYTES, BranchInfo, SnapshotInfo, validate_key
 from epistemic_kvcache.store.api import SharedKvBackend
 
-EPOCH_SCOPE_HEADER = b"x-kv-epoch-scope"
+EPOCH_SCOPE_HEADER = _SCOPE_HEADER.lower().encode("ascii")  # parsed heads: lower-case bytes
 """`PUT /kv/<key>` with this header tags the entry with the scope's current epoch."""
 MAX_ENGINE_JSON_BYTES = 64 * 1024 * 1024
 """Snapshot key lists: 64 MiB holds ~1M keys of LMCache's ~60 bytes."""
@@ -143,15 +144,26 @@ async def branches(req: Request) -> Response:
 
 
 async def snapshot(req: Request) -> Response:
-    store, ns, ident = req.ctx.store, req.ns, _id(req)
+    store = req.ctx.store
+    return await _record(req, "snapshot", store.snapshot_delete, store.snapshot_info)
+
+
+async def _record(
+    req: Request,
+    kind: str,
+    delete: Callable[[str, str], bool],
+    info: Callable[[str, str], SnapshotInfo | BranchInfo | None],
+) -> Response:
+    """GET (the record) or DELETE (204) of `/kv/<kind>/<id>`; 404 when absent."""
+    ident = _id(req)
     if req.method == "DELETE":
-        if await req.ctx.run(store.snapshot_delete, ns, ident):
+        if await req.ctx.run(delete, req.ns, ident):
             return Response.empty(204)
-        raise HttpError(404, "not_found", "no such snapshot")
-    snap = await req.ctx.run(store.snapshot_info, ns, ident)
-    if snap is None:
-        raise HttpError(404, "not_found", "no such snapshot")
-    return Response.json(200, snap.to_dict())
+        raise HttpError(404, "not_found", f"no such {kind}")
+    found = await req.ctx.run(info, req.ns, ident)
+    if found is None:
+        raise HttpError(404, "not_found", f"no such {kind}")
+    return Response.json(200, found.to_dict())
 
 
 async def snapshot_key(req: Request) -> Response:
@@ -168,15 +180,8 @@ async def snapshot_fork(req: Request) -> Response:
 
 
 async def branch(req: Request) -> Response:
-    store, ns, ident = req.ctx.store, req.ns, _id(req)
-    if req.method == "DELETE":
-        if await req.ctx.run(store.branch_delete, ns, ident):
-            return Response.empty(204)
-        raise HttpError(404, "not_found", "no such branch")
-    info = await req.ctx.run(store.branch_info, ns, ident)
-    if info is None:
-        raise HttpError(404, "not_found", "no such branch")
-    return Response.json(200, info.to_dict())
+    store = req.ctx.store
+    return await _record(req, "branch", store.branch_delete, store.branch_info)
 
 
 async def epoch(req: Request) -> Response:
