@@ -1,0 +1,326 @@
+"""The test harness's servers: one family of real servers for every test that needs one.
+
+Three shapes, all real (no mock of our own code), all on ports they bind themselves
+(port 0, see tests/conftest.py):
+
+- `running_server(dir, backend=..., tokens=..., resp=True, **settings)`: the whole server
+  (`serve(config)`: both listeners, the store `build_store` makes, auth, timers) on a
+  thread with its own uvloop (`ServerThread`), configured as `serve` would be from
+  settings (`load_config`); yields a `RunningServer` (addresses, tokens, the config).
+  Settings are the server's setting names (`hot_capacity_bytes="64MiB"`, ...).
+- `ServeProcess(dir, *flags)`: `python -m epistemic_kvcache serve` as a child process
+  (memory backend, one token, both listeners) for tests that kill the server (SIGKILL)
+  or need it in another process; ports are read from its `listening` line.
+- `running_listener(wire, store=..., limits=..., tokens=...)`: one listener alone ("http"
+  or "resp") over a `ServerContext` the test holds, with the store the test passes
+  (`SharedKvIndex`, durable, ...), for tests that look inside the store or the
+  connections; yields a `Listener` (port, ctx, store, the live protocols).
+
+Tenants: `tokens` maps token -> tenant; `running_server` writes them to a 0600 token file
+(one tenant) or passes a single token as `--token` (tenant "default").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import uvloop
+
+from epistemic_kvcache.config import ServerConfig, load_config
+from epistemic_kvcache.server.app import ServerHandle, ServerThread
+from epistemic_kvcache.server.auth import CredentialAuthenticator, TokenTable
+from epistemic_kvcache.server.context import Authenticator, ServerContext, ServerLimits
+from epistemic_kvcache.server.http.connection import make_http_factory
+from epistemic_kvcache.server.metrics import Metrics
+from epistemic_kvcache.server.resp.connection import make_resp_factory
+from epistemic_kvcache.store import SharedKvBackend, SharedKvIndex
+
+TOKEN = "client-test-token-0123456789"
+"""The token `ServeProcess` serves (tenant "default")."""
+LISTEN_RE = re.compile(r"listening (http|resp)=(\S+):(\d+)")
+
+
+# -- the whole server, in-process ---------------------------------------------------------
+
+
+@dataclass
+class RunningServer:
+    """A server started by `running_server`: where it listens, who may call it."""
+
+    handle: ServerHandle
+    config: ServerConfig
+    tokens: dict[str, str]
+    """token -> tenant."""
+    dir: Path
+
+    @property
+    def http(self) -> Any:
+        return self.handle.http
+
+    @property
+    def resp(self) -> Any:
+        return self.handle.resp
+
+    @property
+    def http_addrs(self) -> Any:
+        return self.handle.http_addrs
+
+    @property
+    def resp_addrs(self) -> Any:
+        return self.handle.resp_addrs
+
+    @property
+    def http_url(self) -> str:
+        return self.handle.http_url
+
+    @property
+    def url(self) -> str:
+        return self.handle.http_url
+
+    @property
+    def tls(self) -> bool:
+        return self.handle.tls
+
+    def stop(self) -> None:
+        self.handle.stop()
+
+    def reload(self) -> None:
+        self.handle.reload()
+
+
+def server_config(
+    dir: Path,
+    *,
+    backend: str = "memory",
+    tokens: Mapping[str, str] | None = None,
+    resp: bool = True,
+    **settings: Any,
+) -> ServerConfig:
+    """The `ServerConfig` `running_server` serves (token file written under `dir`)."""
+    values: dict[str, Any] = {
+        "addr": "127.0.0.1:0",
+        "resp_addr": "127.0.0.1:0" if resp else "off",
+        "backend": backend,
+        "persist_dir": str(dir / "data"),
+        "stats_log_interval_s": "0",
+    }
+    tokens = dict(tokens or {TOKEN: "default"})
+    if list(tokens.values()) == ["default"]:
+        values["token"] = list(tokens)
+    else:
+        token_file = dir / "tokens"
+        token_file.write_text("".join(f"{t} {tenant}\n" for t, tenant in tokens.items()))
+        token_file.chmod(0o600)
+        values["token_file"] = str(token_file)
+    values.update(settings)
+    return load_config(values, {})
+
+
+@contextlib.contextmanager
+def running_server(
+    dir: Path,
+    *,
+    backend: str = "memory",
+    tokens: Mapping[str, str] | None = None,
+    resp: bool = True,
+    **settings: Any,
+) -> Iterator[RunningServer]:
+    """The whole server on a thread (see the module docstring); stopped at the end."""
+    dir.mkdir(parents=True, exist_ok=True)
+    tokens = dict(tokens or {TOKEN: "default"})
+    config = server_config(dir, backend=backend, tokens=tokens, resp=resp, **settings)
+    thread = ServerThread(config)
+    handle = thread.start()
+    try:
+        yield RunningServer(handle, config, tokens, dir)
+    finally:
+        thread.stop()
+
+
+# -- the whole server, as a child process -------------------------------------------------
+
+
+class ServeProcess:
+    """`python -m epistemic_kvcache serve` on free loopback ports (memory backend, TOKEN)."""
+
+    def __init__(self, tmp: Path, *extra: str) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("EPISTEMIC_GRAPH_")}
+        cmd = [
+            sys.executable,
+            "-m",
+            "epistemic_kvcache",
+            "serve",
+            "--addr",
+            "127.0.0.1:0",
+            "--resp-addr",
+            "127.0.0.1:0",
+            "--backend",
+            "memory",
+            "--token",
+            TOKEN,
+            "--persist-dir",
+            str(tmp),
+            *extra,
+        ]
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.ports: dict[str, int] = {}
+        self.output: list[str] = []
+        ready = threading.Event()
+
+        def pump() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.output.append(line)
+                m = LISTEN_RE.search(line)
+                if m:
+                    self.ports[m.group(1)] = int(m.group(3))
+                    if len(self.ports) == 2:
+                        ready.set()
+            ready.set()
+
+        self._pump = threading.Thread(target=pump, daemon=True)
+        self._pump.start()
+        if not ready.wait(30) or len(self.ports) != 2:
+            self.stop()
+            raise RuntimeError("server did not start:\n" + "".join(self.output))
+
+    @property
+    def http_port(self) -> int:
+        return self.ports["http"]
+
+    def url(self, scheme: str = "http", host: str = "127.0.0.1") -> str:
+        return f"{scheme}://{host}:{self.http_port}"
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._pump.join(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+# -- one listener over a context the test holds -------------------------------------------
+
+
+@dataclass
+class Listener:
+    """One listener (`running_listener`): its port, context, store, live protocols."""
+
+    wire: str
+    ctx: ServerContext
+    loop: asyncio.AbstractEventLoop
+    server: asyncio.AbstractServer
+    thread: threading.Thread
+    port: int
+    protocols: list[asyncio.BufferedProtocol] = field(default_factory=list)
+
+    @property
+    def store(self) -> SharedKvBackend:
+        return self.ctx.store
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        """Run `fn(*args)` on the listener's loop and return its result."""
+
+        async def run() -> Any:
+            return fn(*args)
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
+
+    def close(self) -> None:
+        async def stop() -> None:
+            self.server.close()
+            for proto in self.protocols:
+                transport = getattr(proto, "transport", None)
+                if transport is not None:
+                    transport.abort()
+            await asyncio.sleep(0.05)  # teardown: a moment for closing handlers to run
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+        self.ctx.executor.shutdown(wait=True)
+        self.ctx.store.close()
+
+
+def start_listener(
+    wire: str,
+    *,
+    store: SharedKvBackend | None = None,
+    limits: ServerLimits | None = None,
+    tokens: Mapping[str, str] | None = None,
+    auth: Authenticator | None = None,
+    **context: Any,
+) -> Listener:
+    """Start one listener (see `running_listener`); the caller closes it. `auth` replaces
+    the real token table made of `tokens`; `context` goes to `ServerContext`."""
+    store = store if store is not None else SharedKvIndex()
+    ctx = ServerContext(
+        store=store,
+        auth=auth or CredentialAuthenticator(TokenTable((tokens or {}).items())),
+        limits=limits or ServerLimits(),
+        metrics=Metrics(store),
+        **context,
+    )
+    loop = uvloop.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    protocols: list[asyncio.BufferedProtocol] = []
+
+    async def start() -> asyncio.AbstractServer:
+        factory = make_http_factory(ctx) if wire == "http" else make_resp_factory(ctx)
+
+        def tracking() -> asyncio.BufferedProtocol:
+            proto = factory()
+            protocols.append(proto)
+            return proto
+
+        return await loop.create_server(tracking, "127.0.0.1", 0)
+
+    server = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
+    port = int(server.sockets[0].getsockname()[1])
+    return Listener(wire, ctx, loop, server, thread, port, protocols)
+
+
+@contextlib.contextmanager
+def running_listener(
+    wire: str,
+    *,
+    store: SharedKvBackend | None = None,
+    limits: ServerLimits | None = None,
+    tokens: Mapping[str, str] | None = None,
+    auth: Authenticator | None = None,
+    **context: Any,
+) -> Iterator[Listener]:
+    """One listener ("http" or "resp") on 127.0.0.1:<free port>; closed at the end."""
+    listener = start_listener(wire, store=store, limits=limits, tokens=tokens, auth=auth, **context)
+    try:
+        yield listener
+    finally:
+        listener.close()
