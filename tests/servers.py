@@ -3,10 +3,11 @@
 Three shapes, all real (no mock of our own code), all on ports they bind themselves
 (port 0, see tests/conftest.py):
 
-- `running_server(dir, backend=..., tokens=..., resp=True, **settings)`: the whole server
-  (`serve(config)`: both listeners, the store `build_store` makes, auth, timers) on a
-  thread with its own uvloop (`ServerThread`), configured as `serve` would be from
-  settings (`load_config`); yields a `RunningServer` (addresses, tokens, the config).
+- `running_server(dir, backend=..., tokens=..., resp=True, **settings)` (a `with`
+  block) or `start_server(...)` (closed by the caller): the whole server (`serve(config)`:
+  both listeners, the store `build_store` makes, auth, timers) on a thread with its own
+  uvloop (`ServerThread`), configured as `serve` would be from settings (`load_config`);
+  gives a `RunningServer` (its `ServerHandle`, tokens, the config, the thread).
   Settings are the server's setting names (`hot_capacity_bytes="64MiB"`, ...).
 - `ServeProcess(dir, *flags)`: `python -m epistemic_kvcache serve` as a child process
   (memory backend, one token, both listeners) for tests that kill the server (SIGKILL)
@@ -37,7 +38,7 @@ from typing import Any
 
 import uvloop
 
-from epistemic_kvcache.config import ServerConfig, load_config
+from epistemic_kvcache.config import Address, ServerConfig, load_config
 from epistemic_kvcache.server.app import ServerHandle, ServerThread
 from epistemic_kvcache.server.auth import CredentialAuthenticator, TokenTable
 from epistemic_kvcache.server.context import Authenticator, ServerContext, ServerLimits
@@ -56,47 +57,36 @@ LISTEN_RE = re.compile(r"listening (http|resp)=(\S+):(\d+)")
 
 @dataclass
 class RunningServer:
-    """A server started by `running_server`: where it listens, who may call it."""
+    """A server started by `start_server` / `running_server`: where it listens, who may
+    call it. `handle` is the server's own `ServerHandle` (fixtures that hand tests a
+    `ServerHandle` yield it); `close()` stops the server and waits for it."""
 
     handle: ServerHandle
+    thread: ServerThread
     config: ServerConfig
     tokens: dict[str, str]
     """token -> tenant."""
     dir: Path
 
     @property
-    def http(self) -> Any:
+    def http(self) -> Address:
         return self.handle.http
 
     @property
-    def resp(self) -> Any:
+    def resp(self) -> Address | None:
         return self.handle.resp
 
     @property
-    def http_addrs(self) -> Any:
-        return self.handle.http_addrs
-
-    @property
-    def resp_addrs(self) -> Any:
-        return self.handle.resp_addrs
-
-    @property
-    def http_url(self) -> str:
-        return self.handle.http_url
-
-    @property
     def url(self) -> str:
+        """Base URL of the HTTP listener."""
         return self.handle.http_url
 
-    @property
-    def tls(self) -> bool:
-        return self.handle.tls
+    def token(self, tenant: str = "default") -> str:
+        """A token of `tenant`."""
+        return next(t for t, name in self.tokens.items() if name == tenant)
 
-    def stop(self) -> None:
-        self.handle.stop()
-
-    def reload(self) -> None:
-        self.handle.reload()
+    def close(self) -> None:
+        self.thread.stop()
 
 
 def server_config(
@@ -107,7 +97,10 @@ def server_config(
     resp: bool = True,
     **settings: Any,
 ) -> ServerConfig:
-    """The `ServerConfig` `running_server` serves (token file written under `dir`)."""
+    """The `ServerConfig` `running_server` serves: loopback port 0 for HTTP (and RESP
+    unless `resp=False`), data under `dir/data`, no periodic stats log; one "default"
+    token goes on the command line, other tenants in a 0600 token file under `dir`.
+    `settings` (setting names, string values as on the command line) come last."""
     values: dict[str, Any] = {
         "addr": "127.0.0.1:0",
         "resp_addr": "127.0.0.1:0" if resp else "off",
@@ -116,7 +109,7 @@ def server_config(
         "stats_log_interval_s": "0",
     }
     tokens = dict(tokens or {TOKEN: "default"})
-    if list(tokens.values()) == ["default"]:
+    if set(tokens.values()) == {"default"}:
         values["token"] = list(tokens)
     else:
         token_file = dir / "tokens"
@@ -125,6 +118,23 @@ def server_config(
         values["token_file"] = str(token_file)
     values.update(settings)
     return load_config(values, {})
+
+
+def start_server(
+    dir: Path,
+    *,
+    backend: str = "memory",
+    tokens: Mapping[str, str] | None = None,
+    resp: bool = True,
+    **settings: Any,
+) -> RunningServer:
+    """Start the whole server on a thread (see `server_config`); the caller `close()`s it."""
+    dir.mkdir(parents=True, exist_ok=True)
+    tokens = dict(tokens or {TOKEN: "default"})
+    config = server_config(dir, backend=backend, tokens=tokens, resp=resp, **settings)
+    thread = ServerThread(config)
+    handle = thread.start()
+    return RunningServer(handle, thread, config, tokens, dir)
 
 
 @contextlib.contextmanager
@@ -136,16 +146,12 @@ def running_server(
     resp: bool = True,
     **settings: Any,
 ) -> Iterator[RunningServer]:
-    """The whole server on a thread (see the module docstring); stopped at the end."""
-    dir.mkdir(parents=True, exist_ok=True)
-    tokens = dict(tokens or {TOKEN: "default"})
-    config = server_config(dir, backend=backend, tokens=tokens, resp=resp, **settings)
-    thread = ServerThread(config)
-    handle = thread.start()
+    """`start_server` for a `with` block: stopped (and waited for) at its end."""
+    srv = start_server(dir, backend=backend, tokens=tokens, resp=resp, **settings)
     try:
-        yield RunningServer(handle, config, tokens, dir)
+        yield srv
     finally:
-        thread.stop()
+        srv.close()
 
 
 # -- the whole server, as a child process -------------------------------------------------
