@@ -15,19 +15,25 @@ Three shapes, all real (no mock of our own code), all on ports they bind themsel
 - `running_listener(wire, store=..., limits=..., tokens=...)`: one listener alone ("http"
   or "resp") over a `ServerContext` the test holds, with the store the test passes
   (`SharedKvIndex`, durable, ...), for tests that look inside the store or the
-  connections; yields a `Listener` (port, ctx, store, the live protocols).
+  connections; yields a `Listener` (port, ctx with its open connections in `ctx.live`,
+  store, and client connections `pool()`/`conn()`/`raw()` closed with it). `start_listener` is the same
+  for a caller that closes it.
 
-Tenants: `tokens` maps token -> tenant; `running_server` writes them to a 0600 token file
-(one tenant) or passes a single token as `--token` (tenant "default").
+Tenants: `tokens` maps token -> tenant; `running_server` passes tokens of tenant
+"default" alone as `--token`, others in a 0600 token file; `running_listener` makes the
+real token table of them (or takes `auth=`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import os
 import re
 import signal
+import socket
+import ssl as ssl_module
 import subprocess
 import sys
 import threading
@@ -36,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import urllib3
 import uvloop
 
 from epistemic_kvcache.config import Address, ServerConfig, load_config
@@ -240,11 +247,35 @@ class Listener:
     server: asyncio.AbstractServer
     thread: threading.Thread
     port: int
-    protocols: list[asyncio.BufferedProtocol] = field(default_factory=list)
+    pools: list[Any] = field(default_factory=list)
+    """Client connections made through `pool`/`conn`/`raw`: closed with the listener."""
 
     @property
     def store(self) -> SharedKvBackend:
         return self.ctx.store
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def pool(self, **kw: Any) -> urllib3.HTTPConnectionPool:
+        """A urllib3 pool to the listener (no retries, 4 connections unless told)."""
+        kw.setdefault("maxsize", 4)
+        p = urllib3.HTTPConnectionPool("127.0.0.1", self.port, retries=False, **kw)
+        self.pools.append(p)
+        return p
+
+    def conn(self, timeout: float = 10.0) -> http.client.HTTPConnection:
+        """A stdlib HTTP connection to the listener."""
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        self.pools.append(c)
+        return c
+
+    def raw(self, timeout: float = 10.0) -> socket.socket:
+        """A plain TCP connection to the listener."""
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=timeout)
+        self.pools.append(sock)
+        return sock
 
     def call(self, fn: Any, *args: Any) -> Any:
         """Run `fn(*args)` on the listener's loop and return its result."""
@@ -255,10 +286,14 @@ class Listener:
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
 
     def close(self) -> None:
+        """Close the clients, the listener, its connections and tasks, the store."""
+        for p in self.pools:
+            p.close()
+
         async def stop() -> None:
             self.server.close()
-            for proto in self.protocols:
-                transport = getattr(proto, "transport", None)
+            for conn in list(self.ctx.live):  # the connections still open
+                transport = getattr(conn, "transport", None)
                 if transport is not None:
                     transport.abort()
             await asyncio.sleep(0.05)  # teardown: a moment for closing handlers to run
@@ -274,6 +309,8 @@ class Listener:
         self.ctx.executor.shutdown(wait=True)
         self.ctx.store.close()
 
+    stop = close
+
 
 def start_listener(
     wire: str,
@@ -282,6 +319,7 @@ def start_listener(
     limits: ServerLimits | None = None,
     tokens: Mapping[str, str] | None = None,
     auth: Authenticator | None = None,
+    ssl: ssl_module.SSLContext | None = None,
     **context: Any,
 ) -> Listener:
     """Start one listener (see `running_listener`); the caller closes it. `auth` replaces
@@ -297,21 +335,14 @@ def start_listener(
     loop = uvloop.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    protocols: list[asyncio.BufferedProtocol] = []
 
     async def start() -> asyncio.AbstractServer:
         factory = make_http_factory(ctx) if wire == "http" else make_resp_factory(ctx)
-
-        def tracking() -> asyncio.BufferedProtocol:
-            proto = factory()
-            protocols.append(proto)
-            return proto
-
-        return await loop.create_server(tracking, "127.0.0.1", 0)
+        return await loop.create_server(factory, "127.0.0.1", 0, ssl=ssl)
 
     server = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
     port = int(server.sockets[0].getsockname()[1])
-    return Listener(wire, ctx, loop, server, thread, port, protocols)
+    return Listener(wire, ctx, loop, server, thread, port)
 
 
 @contextlib.contextmanager
@@ -322,6 +353,7 @@ def running_listener(
     limits: ServerLimits | None = None,
     tokens: Mapping[str, str] | None = None,
     auth: Authenticator | None = None,
+    ssl: ssl_module.SSLContext | None = None,
     **context: Any,
 ) -> Iterator[Listener]:
     """One listener ("http" or "resp") on 127.0.0.1:<free port>; closed at the end."""
