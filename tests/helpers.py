@@ -14,9 +14,12 @@
 - `FakeTransport` + `feed(protocol, data)`: an `asyncio.Transport` stand-in that records
   what the protocol does to it (bytes written, pause/resume reading, close, abort,
   write_eof), so a connection protocol can be driven directly, bytes in and bytes out,
-  inside a running event loop. `close()` calls `connection_lost(None)` on the next loop
-  turn as a real transport does; `fill(n)` / `drain()` make the write buffer look full or
-  empty and call `pause_writing` / `resume_writing` like the loop would.
+  inside a running event loop. `receive(data, read_size)` delivers the peer's bytes in
+  reads of that size while the protocol reads, and holds them while it paused reading
+  (delivered after `resume_reading`, as a socket transport does). `close()` calls
+  `connection_lost(None)` on the next loop turn as a real transport does; `fill(n)` /
+  `drain()` make the write buffer look full or empty and call `pause_writing` /
+  `resume_writing` like the loop would.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import inspect
 import socket
 import subprocess
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -184,6 +188,8 @@ class FakeTransport(asyncio.Transport):
         self._extra: dict[str, Any] = {"peername": peer, "sockname": sock, "socket": None}
         self._protocol: asyncio.BaseProtocol | None = None
         self._lost = False
+        self._inbox: deque[bytes] = deque()
+        """Reads not delivered yet (`receive` while reading is paused)."""
 
     # -- wiring -------------------------------------------------------------------------
     def connect(self, protocol: asyncio.BaseProtocol) -> FakeTransport:
@@ -191,6 +197,17 @@ class FakeTransport(asyncio.Transport):
         self._protocol = protocol
         protocol.connection_made(self)
         return self
+
+    def receive(self, data: bytes, read_size: int | None = None) -> None:
+        """Bytes from the peer, delivered as reads of at most `read_size` bytes, as a real
+        transport does: at once while reading, else held until `resume_reading`."""
+        step = read_size or len(data) or 1
+        self._inbox.extend(bytes(data[i : i + step]) for i in range(0, len(data), step))
+        self._deliver()
+
+    def _deliver(self) -> None:
+        while self._inbox and self.reading and not self.closing and self._protocol is not None:
+            feed(self._protocol, self._inbox.popleft())
 
     def take(self) -> bytes:
         """The bytes written since the last `take` (and forget them)."""
@@ -275,6 +292,7 @@ class FakeTransport(asyncio.Transport):
         if not self.reading:
             self.reading = True
             self.events.append("resume_reading")
+            asyncio.get_running_loop().call_soon(self._deliver)
 
     def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
         self._protocol = protocol

@@ -16,8 +16,8 @@ Three shapes, all real (no mock of our own code), all on ports they bind themsel
   or "resp") over a `ServerContext` the test holds, with the store the test passes
   (`SharedKvIndex`, durable, ...), for tests that look inside the store or the
   connections; yields a `Listener` (port, ctx with its open connections in `ctx.live`,
-  store, and client connections `pool()`/`conn()`/`raw()` closed with it). `start_listener` is the same
-  for a caller that closes it.
+  store, and client connections `pool()`/`conn()`/`raw()` closed with it).
+  `start_listener` is the same for a caller that closes it.
 
 Tenants: `tokens` maps token -> tenant; `running_server` passes tokens of tenant
 "default" alone as `--token`, others in a 0600 token file; `running_listener` makes the
@@ -37,7 +37,7 @@ import ssl as ssl_module
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,34 +127,21 @@ def server_config(
     return load_config(values, {})
 
 
-def start_server(
-    dir: Path,
-    *,
-    backend: str = "memory",
-    tokens: Mapping[str, str] | None = None,
-    resp: bool = True,
-    **settings: Any,
-) -> RunningServer:
-    """Start the whole server on a thread (see `server_config`); the caller `close()`s it."""
+def start_server(dir: Path, **kw: Any) -> RunningServer:
+    """Start the whole server on a thread (`kw` as for `server_config`); the caller
+    `close()`s it."""
     dir.mkdir(parents=True, exist_ok=True)
-    tokens = dict(tokens or {TOKEN: "default"})
-    config = server_config(dir, backend=backend, tokens=tokens, resp=resp, **settings)
+    kw["tokens"] = dict(kw.get("tokens") or {TOKEN: "default"})
+    config = server_config(dir, **kw)
     thread = ServerThread(config)
     handle = thread.start()
-    return RunningServer(handle, thread, config, tokens, dir)
+    return RunningServer(handle, thread, config, kw["tokens"], dir)
 
 
 @contextlib.contextmanager
-def running_server(
-    dir: Path,
-    *,
-    backend: str = "memory",
-    tokens: Mapping[str, str] | None = None,
-    resp: bool = True,
-    **settings: Any,
-) -> Iterator[RunningServer]:
+def running_server(dir: Path, **kw: Any) -> Iterator[RunningServer]:
     """`start_server` for a `with` block: stopped (and waited for) at its end."""
-    srv = start_server(dir, backend=backend, tokens=tokens, resp=resp, **settings)
+    srv = start_server(dir, **kw)
     try:
         yield srv
     finally:
@@ -346,19 +333,48 @@ def start_listener(
 
 
 @contextlib.contextmanager
-def running_listener(
-    wire: str,
-    *,
-    store: SharedKvBackend | None = None,
-    limits: ServerLimits | None = None,
-    tokens: Mapping[str, str] | None = None,
-    auth: Authenticator | None = None,
-    ssl: ssl_module.SSLContext | None = None,
-    **context: Any,
-) -> Iterator[Listener]:
-    """One listener ("http" or "resp") on 127.0.0.1:<free port>; closed at the end."""
-    listener = start_listener(wire, store=store, limits=limits, tokens=tokens, auth=auth, **context)
+def running_listener(wire: str, **kw: Any) -> Iterator[Listener]:
+    """One listener ("http" or "resp") on 127.0.0.1:<free port> (`kw` as for
+    `start_listener`); closed at the end."""
+    listener = start_listener(wire, **kw)
     try:
         yield listener
     finally:
         listener.close()
+
+
+# -- one connection's context, no listener ------------------------------------------------
+
+
+def run_in_context(
+    scenario: Callable[[ServerContext], Awaitable[None]],
+    *,
+    tokens: Mapping[str, str],
+    store: SharedKvBackend | None = None,
+    **limits: Any,
+) -> None:
+    """Run `scenario(ctx)` in a fresh event loop over a `ServerContext` (the real token
+    table of `tokens`, `store` or a new `SharedKvIndex`, `ServerLimits(**limits)`), as
+    the connection tests do with `helpers.FakeTransport`; then abort what is still open
+    and close the store."""
+
+    async def main() -> None:
+        backend = store if store is not None else SharedKvIndex()
+        ctx = ServerContext(
+            store=backend,
+            auth=CredentialAuthenticator(TokenTable(tokens.items())),
+            limits=ServerLimits(**limits),
+            metrics=Metrics(backend),
+        )
+        try:
+            await scenario(ctx)
+        finally:
+            for conn in list(ctx.live):
+                transport = getattr(conn, "transport", None)
+                if transport is not None:
+                    transport.abort()
+            await asyncio.sleep(0)  # teardown: connection_lost runs on the next turn
+            ctx.executor.shutdown(wait=True)
+            backend.close()
+
+    asyncio.run(main())

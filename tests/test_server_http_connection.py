@@ -7,7 +7,6 @@ read of N bytes makes the server write, and when it pauses, closes or lingers.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -15,12 +14,10 @@ from dataclasses import dataclass, field
 import httptools
 import pytest
 
-from epistemic_kvcache.server.auth import CredentialAuthenticator, TokenTable
-from epistemic_kvcache.server.context import ServerContext, ServerLimits
+from epistemic_kvcache.server.context import ServerContext
 from epistemic_kvcache.server.http import make_http_factory
-from epistemic_kvcache.server.metrics import Metrics
-from epistemic_kvcache.store import SharedKvIndex
-from helpers import FakeTransport, eventually_async, feed
+from helpers import FakeTransport, eventually_async
+from servers import run_in_context
 
 TOKEN_A = "http-connection-token-alpha"
 TOKEN_B = "http-connection-token-bravo"
@@ -96,10 +93,7 @@ class Conn:
         self._taken = 0
 
     def send(self, data: bytes, *, read_size: int | None = None) -> None:
-        step = read_size or len(data)
-        for i in range(0, len(data), step):
-            assert self.transport.reading, "fed while the connection paused reading"
-            feed(self.proto, data[i : i + step])
+        self.transport.receive(data, read_size)
 
     async def wait(self, n: int = 1, timeout: float = 10.0) -> list[Answer]:
         """The next `n` answers (waiting for them)."""
@@ -119,28 +113,8 @@ class Conn:
 
 
 def run(scenario: Callable[[ServerContext], Awaitable[None]], **limits: object) -> None:
-    """Run `scenario(ctx)` in a fresh loop over a real SharedKvIndex; close all after."""
-
-    async def main() -> None:
-        store = SharedKvIndex()
-        ctx = ServerContext(
-            store=store,
-            auth=CredentialAuthenticator(TokenTable([(TOKEN_A, "alpha"), (TOKEN_B, "bravo")])),
-            limits=ServerLimits(**limits),  # type: ignore[arg-type]
-            metrics=Metrics(store),
-        )
-        try:
-            await scenario(ctx)
-        finally:
-            for conn in list(ctx.live):
-                transport = getattr(conn, "transport", None)
-                if transport is not None:
-                    transport.abort()
-            await asyncio.sleep(0)  # teardown: connection_lost runs on the next turn
-            ctx.executor.shutdown(wait=True)
-            store.close()
-
-    asyncio.run(main())
+    """Run `scenario(ctx)` in a fresh loop over a real SharedKvIndex (servers.py)."""
+    run_in_context(scenario, tokens={TOKEN_A: "alpha", TOKEN_B: "bravo"}, **limits)
 
 
 def test_healthz_needs_no_credentials() -> None:

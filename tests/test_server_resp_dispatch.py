@@ -15,12 +15,10 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from epistemic_kvcache.server.auth import CredentialAuthenticator, TokenTable
-from epistemic_kvcache.server.context import ServerContext, ServerLimits
-from epistemic_kvcache.server.metrics import Metrics
+from epistemic_kvcache.server.context import ServerContext
 from epistemic_kvcache.server.resp import make_resp_factory
-from epistemic_kvcache.store import SharedKvIndex
-from helpers import FakeTransport, eventually_async, feed
+from helpers import FakeTransport, eventually_async
+from servers import run_in_context
 
 TOKEN_A = "resp-dispatch-token-alpha"
 TOKEN_B = "resp-dispatch-token-bravo"
@@ -43,11 +41,7 @@ class Conn:
         self.transport = FakeTransport().connect(self.proto)
 
     def send(self, data: bytes, *, read_size: int | None = None) -> None:
-        if read_size is None:
-            feed(self.proto, data)
-            return
-        for i in range(0, len(data), read_size):
-            feed(self.proto, data[i : i + read_size])
+        self.transport.receive(data, read_size)
 
     async def reply(self, expected: bytes, timeout: float = 10.0) -> bytes:
         """Wait until `expected` has been written (exactly that, nothing else) and take it."""
@@ -64,28 +58,8 @@ class Conn:
 
 
 def run(scenario: Callable[[ServerContext], Awaitable[None]], **limits: object) -> None:
-    """Run `scenario(ctx)` in a fresh loop over a real SharedKvIndex; close all after."""
-
-    async def main() -> None:
-        store = SharedKvIndex()
-        ctx = ServerContext(
-            store=store,
-            auth=CredentialAuthenticator(TokenTable([(TOKEN_A, "alpha"), (TOKEN_B, "bravo")])),
-            limits=ServerLimits(**limits),  # type: ignore[arg-type]
-            metrics=Metrics(store),
-        )
-        try:
-            await scenario(ctx)
-        finally:
-            for conn in list(ctx.live):
-                transport = getattr(conn, "transport", None)
-                if transport is not None:
-                    transport.abort()
-            await asyncio.sleep(0)  # teardown: connection_lost runs on the next turn
-            ctx.executor.shutdown(wait=True)
-            store.close()
-
-    asyncio.run(main())
+    """Run `scenario(ctx)` in a fresh loop over a real SharedKvIndex (servers.py)."""
+    run_in_context(scenario, tokens={TOKEN_A: "alpha", TOKEN_B: "bravo"}, **limits)
 
 
 def test_commands_before_auth_are_refused_and_auth_lets_them_through() -> None:
