@@ -152,9 +152,17 @@ def running_server(dir: Path, **kw: Any) -> Iterator[RunningServer]:
 
 
 class ServeProcess:
-    """`python -m epistemic_kvcache serve` on free loopback ports (memory backend, TOKEN)."""
+    """`python -m epistemic_kvcache serve` on free loopback ports (memory backend, TOKEN,
+    RESP unless `resp=False`); `extra` flags go last."""
 
-    def __init__(self, tmp: Path, *extra: str) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        *extra: str,
+        backend: str = "memory",
+        token: str = TOKEN,
+        resp: bool = True,
+    ) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("EPISTEMIC_GRAPH_")}
         cmd = [
             sys.executable,
@@ -164,11 +172,11 @@ class ServeProcess:
             "--addr",
             "127.0.0.1:0",
             "--resp-addr",
-            "127.0.0.1:0",
+            "127.0.0.1:0" if resp else "off",
             "--backend",
-            "memory",
+            backend,
             "--token",
-            TOKEN,
+            token,
             "--persist-dir",
             str(tmp),
             *extra,
@@ -187,13 +195,14 @@ class ServeProcess:
                 m = LISTEN_RE.search(line)
                 if m:
                     self.ports[m.group(1)] = int(m.group(3))
-                    if len(self.ports) == 2:
+                    if len(self.ports) == wires:
                         ready.set()
             ready.set()
 
+        wires = 2 if resp else 1
         self._pump = threading.Thread(target=pump, daemon=True)
         self._pump.start()
-        if not ready.wait(30) or len(self.ports) != 2:
+        if not ready.wait(30) or len(self.ports) != wires:
             self.stop()
             raise RuntimeError("server did not start:\n" + "".join(self.output))
 
