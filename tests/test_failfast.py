@@ -22,8 +22,8 @@ from epistemic_kvcache.client import CircuitBreaker, EpistemicGraphKVBackend, Pu
 from epistemic_kvcache.integrations.lmcache.l2_native_connector import (
     EpistemicGraphL2Connector,
 )
+from helpers import held_port as free_port
 from servers import TOKEN, ServeProcess
-from test_client import free_port
 from test_lmcache_connector import wait
 
 FIRST_TIMEOUT_MAX_S = 3.0

@@ -20,8 +20,8 @@ from epistemic_kvcache.integrations.lmcache.l2_native_connector import (
     EpistemicGraphL2Connector,
     _groups,
 )
+from helpers import held_port as free_port
 from servers import TOKEN, ServeProcess
-from test_client import free_port
 
 Completion = tuple[int, bool, str, list[bool] | None]
 

@@ -23,8 +23,8 @@ import pytest
 pytest.importorskip("lmcache")
 
 from epistemic_kvcache.client import EpistemicGraphKVBackend
+from helpers import held_port as free_port
 from servers import TOKEN, ServeProcess
-from test_client import free_port
 
 pytestmark = [pytest.mark.lmcache, pytest.mark.slow]
 

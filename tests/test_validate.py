@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from epistemic_kvcache.client import EpistemicGraphKVBackend
+from helpers import held_port as free_port
 from servers import TOKEN, ServeProcess
-from test_client import free_port
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
