@@ -11,7 +11,7 @@ tokens per call, then a summary.
     python scripts/measure_bundle_kv_reuse.py --base-url http://127.0.0.1:8000/v1
 
 Against vLLM (`vllm serve <model>`) the counters are the engine's own; the tests run it
-against `epistemic_kvcache.context.prefix_cache_standin`, a stand-in that computes
+against `tests/prefix_cache_standin.py`, a stand-in that computes
 prefix reuse on token blocks the same way (vLLM cannot run on CPU-only machines).
 """
 

@@ -17,6 +17,11 @@ Rules every test keeps (helpers in tests/helpers.py):
   load for a while, a random kill moment) and says so in a comment.
 - **No real time for TTLs and epochs.** Stores take a `clock`; tests pass a fake clock
   they advance.
+- **One server harness.** A test that needs a server starts it through tests/servers.py:
+  `running_server` (the whole server in-process), `ServeProcess` (a `serve` child process
+  to kill), `running_listener` (one listener over a context and store the test holds) or,
+  with no socket at all, `run_in_context` + `helpers.FakeTransport` (a connection
+  protocol driven bytes in, bytes out).
 - **An honest time budget.** The default per-test timeout is pyproject's `timeout`; a
   test that needs more says so with `@pytest.mark.timeout(N)`, N = its time measured on
   a 2-core machine times ~3 for a loaded one.

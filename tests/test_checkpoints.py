@@ -21,9 +21,9 @@ from epistemic_kvcache.checkpoints import (
     checkpoint_id,
 )
 from epistemic_kvcache.client import EpistemicGraphKVBackend
-from epistemic_kvcache.config import load_config
 from epistemic_kvcache.errors import KvCacheError
-from epistemic_kvcache.server.app import ServerHandle, ServerThread
+from epistemic_kvcache.server.app import ServerHandle
+from servers import running_server
 
 TOKEN_A = "token-ckpt-a-0123456789"
 TOKEN_B = "token-ckpt-b-0123456789"
@@ -42,22 +42,9 @@ BLOB = bytes(range(256)) * 4096  # 1 MiB
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
-    tmp = tmp_path_factory.mktemp("ckpt")
-    tokens = tmp / "tokens"
-    tokens.write_text(f"{TOKEN_A} tenant-a\n{TOKEN_B} tenant-b\n")
-    tokens.chmod(0o600)
-    values = {
-        "addr": "127.0.0.1:0",
-        "resp_addr": "off",
-        "backend": "memory",
-        "persist_dir": str(tmp / "data"),
-        "token_file": str(tokens),
-        "stats_log_interval_s": "0",
-    }
-    thread = ServerThread(load_config(values, {}))
-    handle = thread.start()
-    yield handle
-    thread.stop()
+    tokens = {TOKEN_A: "tenant-a", TOKEN_B: "tenant-b"}
+    with running_server(tmp_path_factory.mktemp("ckpt"), tokens=tokens, resp=False) as srv:
+        yield srv.handle
 
 
 def _client(server: ServerHandle, token: str) -> EpistemicGraphKVBackend:

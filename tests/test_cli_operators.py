@@ -186,16 +186,10 @@ def test_unwritable_persist_dir_says_not_writable(tmp_path: Path) -> None:
 
 def test_mcp_says_missing_vs_invalid_token(tmp_path: Path) -> None:
     pytest.importorskip("mcp")
-    from epistemic_kvcache.config import load_config
-    from epistemic_kvcache.server.app import ServerThread
+    from servers import running_server
 
-    config = load_config(
-        {"addr": "127.0.0.1:0", "resp_addr": "off", "backend": "memory", "token": [TOKEN],
-         "stats_log_interval_s": "0"},
-        {},
-    )  # fmt: skip
-    with ServerThread(config) as handle:
-        url = handle.http_url
+    with running_server(tmp_path / "kv", tokens={TOKEN: "default"}, resp=False) as srv:
+        url = srv.url
         missing = cli(tmp_path, "mcp", env=_env(EPISTEMIC_GRAPH_KVCACHE_URL=url))
         wrong = cli(
             tmp_path, "mcp",

@@ -11,18 +11,18 @@ import pytest
 
 from epistemic_kvcache.client import EpistemicGraphKVBackend, KvCacheConfig, PutOutcome
 from epistemic_kvcache.errors import ConfigurationError
-from test_client import TOKEN, Server
+from servers import TOKEN, ServeProcess
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = Server(tmp_path_factory.mktemp("kv"))
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    s = ServeProcess(tmp_path_factory.mktemp("kv"))
     yield s
     s.stop()
 
 
 @pytest.fixture
-def kv(server: Server) -> Iterator[EpistemicGraphKVBackend]:
+def kv(server: ServeProcess) -> Iterator[EpistemicGraphKVBackend]:
     with EpistemicGraphKVBackend(base_url=server.url(), token=TOKEN) as c:
         yield c
 

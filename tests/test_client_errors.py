@@ -39,7 +39,7 @@ from epistemic_kvcache.proto.errors import (
     resp_text,
     row_for,
 )
-from test_client import TOKEN, Server
+from servers import TOKEN, ServeProcess
 
 # -- the table -----------------------------------------------------------------------------
 
@@ -222,8 +222,8 @@ class ResettingProxy:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = Server(tmp_path_factory.mktemp("kv"))
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    s = ServeProcess(tmp_path_factory.mktemp("kv"))
     yield s
     s.stop()
 
@@ -235,12 +235,14 @@ def _client(port: int) -> EpistemicGraphKVBackend:
 
 
 @pytest.fixture
-def direct(server: Server) -> Iterator[EpistemicGraphKVBackend]:
+def direct(server: ServeProcess) -> Iterator[EpistemicGraphKVBackend]:
     with _client(server.http_port) as c:
         yield c
 
 
-def test_reset_after_a_snapshot_is_not_retried(server: Server, direct: EpistemicGraphKVBackend):
+def test_reset_after_a_snapshot_is_not_retried(
+    server: ServeProcess, direct: EpistemicGraphKVBackend
+):
     """Before: the client sent the snapshot again and the server held two snapshots."""
     assert direct.put("snap-k", b"v")
     before = len(direct.list_snapshots())
@@ -254,7 +256,9 @@ def test_reset_after_a_snapshot_is_not_retried(server: Server, direct: Epistemic
     assert len(direct.list_snapshots()) == before + 1  # it was applied, once
 
 
-def test_reset_after_an_epoch_bump_is_not_retried(server: Server, direct: EpistemicGraphKVBackend):
+def test_reset_after_an_epoch_bump_is_not_retried(
+    server: ServeProcess, direct: EpistemicGraphKVBackend
+):
     start = direct.epoch_get("scope-r")
     proxy = ResettingProxy(server.http_port, lambda line: b"/bump " in line)
     try:
@@ -266,7 +270,7 @@ def test_reset_after_an_epoch_bump_is_not_retried(server: Server, direct: Episte
     assert direct.epoch_get("scope-r") == start + 1  # one bump, not two
 
 
-def test_reset_after_a_fork_is_not_retried(server: Server, direct: EpistemicGraphKVBackend):
+def test_reset_after_a_fork_is_not_retried(server: ServeProcess, direct: EpistemicGraphKVBackend):
     assert direct.put("fork-k", b"v")
     snap = direct.snapshot(keys=["fork-k"])
     assert snap is not None
@@ -282,7 +286,7 @@ def test_reset_after_a_fork_is_not_retried(server: Server, direct: EpistemicGrap
 
 
 def test_reset_after_a_conditional_put_is_not_retried(
-    server: Server, direct: EpistemicGraphKVBackend
+    server: ServeProcess, direct: EpistemicGraphKVBackend
 ) -> None:
     proxy = ResettingProxy(server.http_port, lambda line: line.startswith(b"PUT "))
     try:
@@ -294,7 +298,7 @@ def test_reset_after_a_conditional_put_is_not_retried(
     assert direct.get("nx-k") == b"v"  # it was applied
 
 
-def test_reset_on_a_get_is_retried(server: Server, direct: EpistemicGraphKVBackend) -> None:
+def test_reset_on_a_get_is_retried(server: ServeProcess, direct: EpistemicGraphKVBackend) -> None:
     assert direct.put("get-k", b"value")
     proxy = ResettingProxy(server.http_port, lambda line: line.startswith(b"GET /kv/get-k "))
     try:
@@ -305,7 +309,9 @@ def test_reset_on_a_get_is_retried(server: Server, direct: EpistemicGraphKVBacke
     assert proxy.count(b"GET /kv/get-k ") == 2
 
 
-def test_reset_on_a_plain_put_is_retried(server: Server, direct: EpistemicGraphKVBackend) -> None:
+def test_reset_on_a_plain_put_is_retried(
+    server: ServeProcess, direct: EpistemicGraphKVBackend
+) -> None:
     proxy = ResettingProxy(server.http_port, lambda line: line.startswith(b"PUT "))
     try:
         with _client(proxy.port) as c:

@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 import textwrap
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +18,7 @@ import pytest
 
 pytest.importorskip("epistemic_kvcache.client")
 pytest.importorskip("epistemic_kvcache.server.app")
+from servers import ServeProcess
 
 TOKEN = "e2e-token-0123456789"
 
@@ -60,57 +58,11 @@ WORKER = textwrap.dedent(
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[str]:
     """The real server on a free loopback port; yields its base URL."""
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "epistemic_kvcache",
-            "serve",
-            "--addr",
-            "127.0.0.1:0",
-            "--resp-addr",
-            "off",
-            "--backend",
-            "memory",
-            "--token",
-            TOKEN,
-            "--persist-dir",
-            str(tmp_path / "data"),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    found: list[str] = []
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:  # keep draining so the server never blocks on its pipe
-            lines.append(line)
-            m = re.search(r"listening http=(\S+)", line)
-            if m and not found:
-                found.append(m.group(1))
-                ready.set()
-        ready.set()
-
-    pumper = threading.Thread(target=pump, daemon=True)
-    pumper.start()
+    srv = ServeProcess(tmp_path / "data", token=TOKEN, resp=False)
     try:
-        if not ready.wait(30) or not found:
-            pytest.fail("server did not start:\n" + "".join(lines))
-        yield f"http://{found[0]}"
+        yield srv.url()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        pumper.join(5)
-        assert proc.stdout is not None
-        proc.stdout.close()
+        srv.stop()
 
 
 def run_worker(evidence: Path, url: str) -> dict[str, object]:

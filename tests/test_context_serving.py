@@ -27,7 +27,7 @@ from epistemic_kvcache.context import (
     make_openai_client,
 )
 from epistemic_kvcache.context.model import to_epoch_us
-from epistemic_kvcache.context.prefix_cache_standin import (
+from prefix_cache_standin import (
     BlockPrefixCache,
     PrefixCacheStandin,
     render_chat,

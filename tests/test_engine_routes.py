@@ -23,30 +23,22 @@ import pytest
 import urllib3
 
 from epistemic_kvcache.client import EpistemicGraphKVBackend, KvCacheUnavailableError
-from epistemic_kvcache.config import load_config
 from epistemic_kvcache.graph import pagerank, rank_order
 from epistemic_kvcache.proto.http import quote_key
 from epistemic_kvcache.server.app import ServerHandle, ServerThread
 from helpers import eventually
+from servers import running_server, server_config
 
 TOKEN_A = "token-tenant-a-0123456789"
 TOKEN_B = "token-tenant-b-0123456789"
 
 
 def _thread(tmp_path: Path, backend: str = "memory", **extra: str) -> ServerThread:
-    tokens = tmp_path / "tokens"
-    tokens.write_text(f"{TOKEN_A} tenant-a\n{TOKEN_B} tenant-b\n")
-    tokens.chmod(0o600)
-    values = {
-        "addr": "127.0.0.1:0",
-        "resp_addr": "off",
-        "backend": backend,
-        "persist_dir": str(tmp_path / "data"),
-        "token_file": str(tokens),
-        "stats_log_interval_s": "0",
-        **extra,
-    }
-    return ServerThread(load_config(values, {}))
+    tokens = {TOKEN_A: "tenant-a", TOKEN_B: "tenant-b"}
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    return ServerThread(
+        server_config(tmp_path, backend=backend, tokens=tokens, resp=False, **extra)
+    )
 
 
 def _url(handle: ServerHandle) -> str:
@@ -55,10 +47,9 @@ def _url(handle: ServerHandle) -> str:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
-    thread = _thread(tmp_path_factory.mktemp("engine"))
-    handle = thread.start()
-    yield handle
-    thread.stop()
+    tokens = {TOKEN_A: "tenant-a", TOKEN_B: "tenant-b"}
+    with running_server(tmp_path_factory.mktemp("engine"), tokens=tokens, resp=False) as srv:
+        yield srv.handle
 
 
 @pytest.fixture

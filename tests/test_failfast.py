@@ -22,7 +22,8 @@ from epistemic_kvcache.client import CircuitBreaker, EpistemicGraphKVBackend, Pu
 from epistemic_kvcache.integrations.lmcache.l2_native_connector import (
     EpistemicGraphL2Connector,
 )
-from test_client import TOKEN, Server, free_port
+from helpers import held_port as free_port
+from servers import TOKEN, ServeProcess
 from test_lmcache_connector import wait
 
 FIRST_TIMEOUT_MAX_S = 3.0
@@ -32,7 +33,7 @@ FAST_MAX_S = 0.5
 
 
 @contextmanager
-def stopped(server: Server) -> Iterator[None]:
+def stopped(server: ServeProcess) -> Iterator[None]:
     """SIGSTOP the server process for the block (always SIGCONT afterwards)."""
     server.proc.send_signal(signal.SIGSTOP)
     try:
@@ -58,8 +59,8 @@ def eventually(pred: Callable[[], bool], timeout_s: float) -> float:
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
-    s = Server(tmp_path)
+def server(tmp_path: Path) -> Iterator[ServeProcess]:
+    s = ServeProcess(tmp_path)
     yield s
     s.stop()
 
@@ -118,7 +119,9 @@ def test_breaker_rejects_bad_backoff() -> None:
 
 
 # -- the client against a SIGSTOPped server -----------------------------------------------
-def test_client_lookup_on_stalled_server_times_out_once_then_fails_fast(server: Server) -> None:
+def test_client_lookup_on_stalled_server_times_out_once_then_fails_fast(
+    server: ServeProcess,
+) -> None:
     with EpistemicGraphKVBackend(base_url=server.url(), token=TOKEN) as c:
         block = os.urandom(256 * 1024)
         assert c.put("k", block) is PutOutcome.NEW
@@ -150,7 +153,7 @@ def test_client_lookup_on_stalled_server_times_out_once_then_fails_fast(server: 
 
 
 def test_client_transfer_on_stalled_server_times_out_within_the_transfer_timeout(
-    server: Server,
+    server: ServeProcess,
 ) -> None:
     with EpistemicGraphKVBackend(base_url=server.url(), token=TOKEN) as c:
         assert c.put("big", os.urandom(4 * 1024 * 1024))
@@ -163,7 +166,7 @@ def test_client_transfer_on_stalled_server_times_out_within_the_transfer_timeout
             assert elapsed <= FAST_MAX_S
 
 
-def test_client_abort_cuts_requests_in_flight(server: Server) -> None:
+def test_client_abort_cuts_requests_in_flight(server: ServeProcess) -> None:
     c = EpistemicGraphKVBackend(base_url=server.url(), token=TOKEN, read_timeout_s=30)
     assert c.put("k", b"v")
     result: list[object] = []
@@ -184,7 +187,7 @@ def test_client_recovers_after_restart_on_the_same_port(tmp_path: Path) -> None:
     http, resp = free_port(), free_port()
     opts = ("--backend", "durable", "--addr", f"127.0.0.1:{http}")
     opts += ("--resp-addr", f"127.0.0.1:{resp}")
-    srv = Server(tmp_path, *opts)
+    srv = ServeProcess(tmp_path, *opts)
     try:
         with EpistemicGraphKVBackend(
             base_url=srv.url(), token=TOKEN, breaker_max_backoff_s=1.0
@@ -197,7 +200,7 @@ def test_client_recovers_after_restart_on_the_same_port(tmp_path: Path) -> None:
             assert elapsed <= FAST_MAX_S  # refused at once
             assert c.breaker is not None
             assert c.breaker.is_open
-            srv = Server(tmp_path, *opts)
+            srv = ServeProcess(tmp_path, *opts)
             # Back within the probe interval (1 s here) of the server answering.
             assert eventually(lambda: c.get("durable") == b"survives", 10) <= 3.0
     finally:
@@ -205,7 +208,7 @@ def test_client_recovers_after_restart_on_the_same_port(tmp_path: Path) -> None:
 
 
 # -- the native connector (what LMCache's MP server drives) --------------------------------
-def test_connector_on_stalled_server(server: Server) -> None:
+def test_connector_on_stalled_server(server: ServeProcess) -> None:
     conn = EpistemicGraphL2Connector(base_url=server.url(), token=TOKEN, num_workers=4)
     try:
         keys = [f"m@00000000@0@stall{i}" for i in range(4)]
@@ -229,7 +232,7 @@ def test_connector_on_stalled_server(server: Server) -> None:
         conn.close()
 
 
-def test_connector_close_is_bounded_with_requests_stuck(server: Server) -> None:
+def test_connector_close_is_bounded_with_requests_stuck(server: ServeProcess) -> None:
     conn = EpistemicGraphL2Connector(
         base_url=server.url(), token=TOKEN, num_workers=2, timeout_s=60
     )
@@ -249,7 +252,7 @@ def test_connector_close_is_bounded_with_requests_stuck(server: Server) -> None:
 @pytest.mark.lmcache
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_lmcache_mp_native_adapter_on_stalled_server(
-    server: Server, monkeypatch: pytest.MonkeyPatch
+    server: ServeProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("lmcache")
     import argparse
@@ -311,7 +314,9 @@ def test_lmcache_mp_native_adapter_on_stalled_server(
 
 @pytest.mark.lmcache
 @pytest.mark.filterwarnings("ignore::FutureWarning")
-def test_lmcache_path_a_on_stalled_server(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lmcache_path_a_on_stalled_server(
+    server: ServeProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytest.importorskip("lmcache")
     import torch
     from lmcache.utils import CacheEngineKey

@@ -24,6 +24,7 @@ from epistemic_kvcache.config import load_config
 from epistemic_kvcache.errors import ConfigurationError
 from epistemic_kvcache.server.app import ServerHandle, ServerThread
 from helpers import eventually
+from servers import start_server
 
 TOKEN_A = "hardening-token-tenant-a-0123456789"
 TOKEN_B = "hardening-token-tenant-b-0123456789"
@@ -31,22 +32,10 @@ TOKEN_OPS = "hardening-token-operator-0123456789"
 
 
 def start(tmp: Any, **overrides: str) -> tuple[ServerThread, ServerHandle]:
-    tokens = tmp / "tokens"
-    tokens.write_text(f"{TOKEN_A} tenant-a\n{TOKEN_B} tenant-b\n{TOKEN_OPS} default\n")
-    tokens.chmod(0o600)
-    values = {
-        "addr": "127.0.0.1:0",
-        "resp_addr": "127.0.0.1:0",
-        "backend": "durable",
-        "persist_dir": str(tmp / "data"),
-        "token_file": str(tokens),
-        "stats_log_interval_s": "0",
-        "hot_capacity_bytes": "64MiB",
-        "warm_capacity_bytes": "0",
-        **overrides,
-    }
-    thread = ServerThread(load_config(values, {}))
-    return thread, thread.start()
+    tokens = {TOKEN_A: "tenant-a", TOKEN_B: "tenant-b", TOKEN_OPS: "default"}
+    settings = {"backend": "durable", "hot_capacity_bytes": "64MiB", "warm_capacity_bytes": "0"}
+    srv = start_server(tmp, tokens=tokens, **{**settings, **overrides})
+    return srv.thread, srv.handle
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,7 @@ from epistemic_kvcache.integrations.lmcache.checks import cpu_metadata, tensor_o
 from epistemic_kvcache.integrations.lmcache.l2_native_connector import (  # noqa: E402
     EpistemicGraphL2Connector,
 )
-from test_client import TOKEN, Server  # noqa: E402
+from servers import TOKEN, ServeProcess  # noqa: E402
 
 pytestmark = [
     pytest.mark.lmcache,
@@ -54,14 +54,14 @@ MODEL = "meta-llama/Llama-3-8B"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = Server(tmp_path_factory.mktemp("kv"))
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    s = ServeProcess(tmp_path_factory.mktemp("kv"))
     yield s
     s.stop()
 
 
 @pytest.fixture
-def http(server: Server) -> Iterator[EpistemicGraphKVBackend]:
+def http(server: ServeProcess) -> Iterator[EpistemicGraphKVBackend]:
     with EpistemicGraphKVBackend(base_url=server.url(), token=TOKEN) as c:
         yield c
 
@@ -92,7 +92,7 @@ def native_call(client: Any, fid: int) -> tuple[bool, str, list[bool] | None]:
 
 
 def test_native_plugin_through_lmcache_factory(
-    server: Server, monkeypatch: pytest.MonkeyPatch
+    server: ServeProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spec = json.loads((DEPLOY / "mp-native-plugin.json").read_text())
     spec["adapter_params"]["base_url"] = server.url()
@@ -166,7 +166,7 @@ def http_key(key: ObjectKey) -> str:
     return str(_object_key_to_string(key))
 
 
-def test_connector_client_base_protocol(server: Server) -> None:
+def test_connector_client_base_protocol(server: ServeProcess) -> None:
     from lmcache.v1.storage_backend.native_clients.connector_client_base import (
         ConnectorClientBase,
     )
@@ -192,7 +192,7 @@ def test_connector_client_base_protocol(server: Server) -> None:
 
 
 def test_path_b_lmcache_redis_client_against_resp(
-    server: Server, http: EpistemicGraphKVBackend
+    server: ServeProcess, http: EpistemicGraphKVBackend
 ) -> None:
     resp = LMCacheRedisClient("127.0.0.1", server.ports["resp"], 2, "", TOKEN)
     try:
@@ -248,7 +248,7 @@ def path_a_backend(url: str) -> Iterator[tuple[Any, Any]]:
 
 
 @pytest.fixture
-def path_a(server: Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any]]:
+def path_a(server: ServeProcess, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any]]:
     monkeypatch.setenv("EPISTEMIC_GRAPH_KVCACHE_TOKEN", TOKEN)
     with path_a_backend(server.url()) as pair:
         yield pair
@@ -265,7 +265,7 @@ def _filled(local_cpu: Any, tokens: int = CHUNK_TOKENS) -> Any:
 
 
 def test_path_a_storage_plugin_and_path_b_share_keys(
-    path_a: tuple[Any, Any], server: Server, http: EpistemicGraphKVBackend
+    path_a: tuple[Any, Any], server: ServeProcess, http: EpistemicGraphKVBackend
 ) -> None:
     from lmcache.v1.storage_backend.abstract_backend import StorageBackendInterface
 

@@ -20,20 +20,21 @@ from epistemic_kvcache.integrations.lmcache.l2_native_connector import (
     EpistemicGraphL2Connector,
     _groups,
 )
-from test_client import TOKEN, Server, free_port
+from helpers import held_port as free_port
+from servers import TOKEN, ServeProcess
 
 Completion = tuple[int, bool, str, list[bool] | None]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = Server(tmp_path_factory.mktemp("kv"))
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    s = ServeProcess(tmp_path_factory.mktemp("kv"))
     yield s
     s.stop()
 
 
 @pytest.fixture
-def conn(server: Server) -> Iterator[EpistemicGraphL2Connector]:
+def conn(server: ServeProcess) -> Iterator[EpistemicGraphL2Connector]:
     c = EpistemicGraphL2Connector(base_url=server.url(), token=TOKEN, num_workers=4)
     yield c
     c.close()
@@ -113,7 +114,7 @@ def test_server_down_is_per_key_failure_never_an_exception() -> None:
 
 
 def test_auth_and_bad_keys_become_errors_in_the_completion(
-    server: Server, caplog: pytest.LogCaptureFixture
+    server: ServeProcess, caplog: pytest.LogCaptureFixture
 ) -> None:
     # A token revoked after start-up (the start-up check would refuse a wrong one).
     conn = EpistemicGraphL2Connector(
@@ -146,7 +147,7 @@ def test_auth_and_bad_keys_become_errors_in_the_completion(
 
 
 def test_server_killed_mid_batch(tmp_path: Path) -> None:
-    srv = Server(tmp_path)
+    srv = ServeProcess(tmp_path)
     conn = EpistemicGraphL2Connector(base_url=srv.url(), token=TOKEN, num_workers=2)
     try:
         blocks = [os.urandom(16 * 1024 * 1024) for _ in range(4)]
@@ -207,7 +208,7 @@ def test_construction_rules(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
 
 
 def test_start_up_check_fails_once_and_clearly(
-    server: Server, monkeypatch: pytest.MonkeyPatch
+    server: ServeProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("EPISTEMIC_GRAPH_KVCACHE_TOKEN", raising=False)
     with pytest.raises(ConfigurationError, match=r"no token .* EPISTEMIC_GRAPH_KVCACHE_TOKEN"):

@@ -30,7 +30,7 @@ from epistemic_kvcache.integrations.lmcache.checks import (  # noqa: E402
     cpu_metadata,
     tensor_obj,
 )
-from test_client import TOKEN, Server  # noqa: E402
+from servers import TOKEN, ServeProcess  # noqa: E402
 from test_lmcache import native_call, wait_for  # noqa: E402
 
 pytestmark = [
@@ -43,8 +43,8 @@ KV_SHAPE = (2, 2, 16, 2, 16)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = Server(tmp_path_factory.mktemp("kv"))
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    s = ServeProcess(tmp_path_factory.mktemp("kv"))
     yield s
     s.stop()
 
@@ -114,7 +114,7 @@ def remote_round_trip(config: Any) -> tuple[bool, bool]:
 
 
 def test_remote_url_file_takes_the_password_from_lmcache_remote_url(
-    server: Server, clean_env: pytest.MonkeyPatch
+    server: ServeProcess, clean_env: pytest.MonkeyPatch
 ) -> None:
     url = f"redis://:{TOKEN}@127.0.0.1:{server.ports['resp']}"
     clean_env.setenv("LMCACHE_REMOTE_URL", url)
@@ -124,7 +124,7 @@ def test_remote_url_file_takes_the_password_from_lmcache_remote_url(
 
 
 def test_remote_url_without_the_variable_has_no_password(
-    server: Server, clean_env: pytest.MonkeyPatch, tmp_path: Path
+    server: ServeProcess, clean_env: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     # As shipped but without LMCACHE_REMOTE_URL: LMCache starts, and every call fails
     # authentication (what the file's header warns about).
@@ -140,7 +140,7 @@ def test_remote_url_without_the_variable_has_no_password(
 
 
 def test_resp_url_file_takes_the_password_from_lmcache_resp_password(
-    server: Server, clean_env: pytest.MonkeyPatch
+    server: ServeProcess, clean_env: pytest.MonkeyPatch
 ) -> None:
     clean_env.setenv("LMCACHE_RESP_PASSWORD", TOKEN)
     clean_env.setenv("LMCACHE_REMOTE_URL", f"resp://127.0.0.1:{server.ports['resp']}")
@@ -150,7 +150,7 @@ def test_resp_url_file_takes_the_password_from_lmcache_resp_password(
 
 
 def test_path_a_file_takes_the_token_from_the_environment(
-    server: Server, clean_env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    server: ServeProcess, clean_env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     from lmcache.v1.storage_backend import storage_plugin_launcher
     from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
@@ -222,7 +222,7 @@ def _mp_store_and_lookup(adapter: Any) -> bool:
 
 
 def test_mp_json_files_take_credentials_from_the_environment(
-    server: Server, clean_env: pytest.MonkeyPatch
+    server: ServeProcess, clean_env: pytest.MonkeyPatch
 ) -> None:
     native = json.loads((DEPLOY / "mp-native-plugin.json").read_text())
     resp = json.loads((DEPLOY / "mp-resp.json").read_text())

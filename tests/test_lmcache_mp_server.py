@@ -23,7 +23,8 @@ import pytest
 pytest.importorskip("lmcache")
 
 from epistemic_kvcache.client import EpistemicGraphKVBackend
-from test_client import TOKEN, Server, free_port
+from helpers import held_port as free_port
+from servers import TOKEN, ServeProcess
 
 pytestmark = [pytest.mark.lmcache, pytest.mark.slow]
 
@@ -31,8 +32,8 @@ DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "lmcache"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = Server(tmp_path_factory.mktemp("kv"))
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    s = ServeProcess(tmp_path_factory.mktemp("kv"))
     yield s
     s.stop()
 
@@ -66,7 +67,7 @@ def call(url: str, method: str = "GET", doc: object = None) -> tuple[int, bytes]
         return exc.code, exc.read()
 
 
-def test_admin_delete_reaches_our_server(server: Server, tmp_path: Path) -> None:
+def test_admin_delete_reaches_our_server(server: ServeProcess, tmp_path: Path) -> None:
     http_port = free_port()
     log = (tmp_path / "lmcache.log").open("w")
     proc = subprocess.Popen(
@@ -114,7 +115,7 @@ def test_admin_delete_reaches_our_server(server: Server, tmp_path: Path) -> None
         log.close()
 
 
-def test_wrong_token_stops_lmcache_at_start_with_one_clear_error(server: Server) -> None:
+def test_wrong_token_stops_lmcache_at_start_with_one_clear_error(server: ServeProcess) -> None:
     done = subprocess.run(
         lmcache_server_cmd(server.url(), free_port()),
         env=env("wrong-token-wrong-token"),

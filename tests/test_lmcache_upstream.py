@@ -36,7 +36,7 @@ pytest.importorskip("torch")
 redis = pytest.importorskip("redis")
 
 from helpers import eventually, reserve_port  # noqa: E402
-from test_client import TOKEN, Server  # noqa: E402
+from servers import TOKEN, ServeProcess  # noqa: E402
 
 pytestmark = [pytest.mark.lmcache, pytest.mark.redis, pytest.mark.slow]
 
@@ -104,9 +104,9 @@ def upstream(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ours(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def ours(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     """Our server as shipped (durable backend), token = the RESP password."""
-    s = Server(tmp_path_factory.mktemp("ours"), "--backend", "durable")
+    s = ServeProcess(tmp_path_factory.mktemp("ours"), "--backend", "durable")
     yield s
     s.stop()
 
@@ -229,7 +229,7 @@ def test_upstream_file(
         port: int = request.getfixturevalue("control")
         results = REDIS_RESULTS[short] = run_upstream(upstream, short, "redis", port, "")
     else:
-        ours: Server = request.getfixturevalue("ours")
+        ours: ServeProcess = request.getfixturevalue("ours")
         results = run_upstream(upstream, short, "ours", ours.ports["resp"], ours.url())
     failed = sorted(t for t, o in results.items() if o == "failed")
     print(f"\n{short}.py against {target}: {sum(o == 'passed' for o in results.values())}"

@@ -32,8 +32,8 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 
 from epistemic_kvcache.client import EpistemicGraphKVBackend, KvCacheConfig
-from epistemic_kvcache.config import load_config
-from epistemic_kvcache.server.app import ServerHandle, ServerThread
+from epistemic_kvcache.server.app import ServerHandle
+from servers import running_server
 
 TOKEN_A = "a" * 40
 TOKEN_B = "b" * 40
@@ -41,20 +41,9 @@ TOKEN_B = "b" * 40
 
 @pytest.fixture(scope="module")
 def kv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
-    d = tmp_path_factory.mktemp("kv")
-    (d / "tokens").write_text(f"{TOKEN_A} tenant-a\n{TOKEN_B} tenant-b\n")
-    config = load_config(
-        {
-            "addr": "127.0.0.1:0",
-            "resp_addr": "off",
-            "backend": "memory",
-            "token_file": str(d / "tokens"),
-            "stats_log_interval_s": "0",
-        },
-        {},
-    )
-    with ServerThread(config) as handle:
-        yield handle
+    tokens = {TOKEN_A: "tenant-a", TOKEN_B: "tenant-b"}
+    with running_server(tmp_path_factory.mktemp("kv"), tokens=tokens, resp=False) as srv:
+        yield srv.handle
 
 
 def _env(url: str, token: str | None) -> dict[str, str]:

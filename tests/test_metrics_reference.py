@@ -14,10 +14,10 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from epistemic_kvcache import __version__
-from epistemic_kvcache.config import load_config
-from epistemic_kvcache.server.app import ServerHandle, ServerThread
+from epistemic_kvcache.server.app import ServerHandle
 from epistemic_kvcache.server.metrics import status_label
 from epistemic_kvcache.shared import STATS_FIELDS, TIER_FIELDS
+from servers import running_server
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 TOKEN = "m" * 32
@@ -40,18 +40,9 @@ def documented() -> dict[str, tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
-    config = load_config(
-        {
-            "addr": "127.0.0.1:0",
-            "resp_addr": "127.0.0.1:0",
-            "persist_dir": str(tmp_path_factory.mktemp("m")),
-            "token": [TOKEN],
-            "stats_log_interval_s": "0",
-        },
-        {},
-    )
-    with ServerThread(config) as handle:
-        yield handle
+    tmp = tmp_path_factory.mktemp("m")
+    with running_server(tmp, backend="durable", tokens={TOKEN: "default"}) as srv:
+        yield srv.handle
 
 
 def scrape(server: ServerHandle) -> str:

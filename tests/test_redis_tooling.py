@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from epistemic_kvcache.config import load_config
-from epistemic_kvcache.server.app import ServerHandle, ServerThread
+from epistemic_kvcache.server.app import ServerHandle
+from servers import running_server
 
 pytestmark = [
     pytest.mark.redis,
@@ -27,24 +27,13 @@ TOKEN_B = "tooling-token-b-0123456789"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
-    tmp = tmp_path_factory.mktemp("tooling")
-    tokens = tmp / "tokens"
-    tokens.write_text(f"{TOKEN_A} tenant-a\n{TOKEN_B} tenant-b\n")
-    tokens.chmod(0o600)
-    config = load_config(
-        {
-            "addr": "127.0.0.1:0",
-            "resp_addr": "127.0.0.1:0",
-            "backend": "memory",
-            "persist_dir": str(tmp / "data"),
-            "token_file": str(tokens),
-            "stats_log_interval_s": "0",
-            "hot_capacity_bytes": "64MiB",
-            "warm_capacity_bytes": "32MiB",
-        },
-        {},
-    )
-    with ServerThread(config) as handle:
+    with running_server(
+        tmp_path_factory.mktemp("tooling"),
+        tokens={TOKEN_A: "tenant-a", TOKEN_B: "tenant-b"},
+        hot_capacity_bytes="64MiB",
+        warm_capacity_bytes="32MiB",
+    ) as srv:
+        handle = srv.handle
         assert handle.resp is not None
         with redis.Redis(port=handle.resp.port, password=TOKEN_A) as a:
             a.set("small", b"s" * 10)

@@ -17,13 +17,13 @@ import pytest
 import redis
 import urllib3
 
-from epistemic_kvcache.config import load_config
 from epistemic_kvcache.proto.http import quote_key
-from epistemic_kvcache.server.app import ServerHandle, ServerThread
+from epistemic_kvcache.server.app import ServerHandle
 from epistemic_kvcache.store.durable import SharedKvStoreBackend
 from epistemic_kvcache.store.engine import branch_ns, snapshot_ns
 from epistemic_kvcache.store.index import _longkey, split_key_row
 from epistemic_kvcache.store.index import key_row as _key_row
+from servers import running_server
 
 TOKEN_A = "review-token-tenant-a-0123456789"
 TOKEN_B = "review-token-tenant-b-0123456789"
@@ -31,22 +31,12 @@ TOKEN_B = "review-token-tenant-b-0123456789"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
-    tmp = tmp_path_factory.mktemp("review")
-    tokens = tmp / "tokens"
-    tokens.write_text(f"{TOKEN_A} tenant-a\n{TOKEN_B} tenant-b\n")
-    tokens.chmod(0o600)
-    values = {
-        "addr": "127.0.0.1:0",
-        "resp_addr": "127.0.0.1:0",
-        "backend": "durable",
-        "persist_dir": str(tmp / "data"),
-        "token_file": str(tokens),
-        "stats_log_interval_s": "0",
-    }
-    thread = ServerThread(load_config(values, {}))
-    handle = thread.start()
-    yield handle
-    thread.stop()
+    with running_server(
+        tmp_path_factory.mktemp("review"),
+        backend="durable",
+        tokens={TOKEN_A: "tenant-a", TOKEN_B: "tenant-b"},
+    ) as srv:
+        yield srv.handle
 
 
 @pytest.fixture(scope="module")

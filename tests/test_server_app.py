@@ -32,12 +32,13 @@ import trustme
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from epistemic_kvcache.config import Address, load_config
+from epistemic_kvcache.config import Address
 from epistemic_kvcache.errors import ConfigurationError
 from epistemic_kvcache.server.app import ServerHandle, ServerThread
 from epistemic_kvcache.server.background import format_stats
 from epistemic_kvcache.store.api import StoreStats, TierStats
 from helpers import eventually
+from servers import server_config
 
 TOKEN = "test-token-0123456789"
 NO_RETRY = Retry(NoBackoff(), 0)
@@ -475,16 +476,7 @@ def test_bad_tls_key_is_a_configuration_error(tmp_path: Path, tls_files: dict[st
 
 
 def _thread_config(tmp_path: Path, **extra: str) -> ServerThread:
-    values = {
-        "addr": "127.0.0.1:0",
-        "resp_addr": "127.0.0.1:0",
-        "backend": "memory",
-        "persist_dir": str(tmp_path),
-        "token": [TOKEN],
-        "stats_log_interval_s": "0",
-        **extra,
-    }
-    return ServerThread(load_config(values, {}))
+    return ServerThread(server_config(tmp_path, tokens={TOKEN: "default"}, **extra))
 
 
 def _open_http_connections(handle: ServerHandle) -> int:

@@ -21,11 +21,11 @@ import redis
 
 import hangup
 from epistemic_kvcache.client import EpistemicGraphKVBackend, KvCacheConfig
-from epistemic_kvcache.config import load_config
 from epistemic_kvcache.proto.http import encode_batch_put_request
-from epistemic_kvcache.server.app import ServerHandle, ServerThread
+from epistemic_kvcache.server.app import ServerHandle
 from epistemic_kvcache.server.http.api import encode_json_chunked
 from helpers import eventually
+from servers import running_server
 
 TOKEN = "gc-token-0123456789abcdef"
 
@@ -88,16 +88,8 @@ def test_the_chunked_json_encoder_makes_no_cycles() -> None:
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[ServerHandle]:
-    values = {
-        "addr": "127.0.0.1:0",
-        "resp_addr": "127.0.0.1:0",
-        "backend": "memory",
-        "persist_dir": str(tmp_path / "data"),
-        "token": TOKEN,
-        "stats_log_interval_s": "0",
-    }
-    with ServerThread(load_config(values, {})) as handle:
-        yield handle
+    with running_server(tmp_path, tokens={TOKEN: "default"}) as srv:
+        yield srv.handle
 
 
 def test_requests_on_both_wires_leave_no_cyclic_garbage(server: ServerHandle) -> None:

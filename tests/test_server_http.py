@@ -6,7 +6,6 @@ tests talk to it over TCP exactly like a deployment would.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import gc
@@ -17,18 +16,15 @@ import os
 import pkgutil
 import socket
 import struct
-import threading
 import time
 import tracemalloc
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httptools
 import httpx
 import pytest
-import urllib3
-import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 
 import hangup
@@ -46,11 +42,11 @@ from epistemic_kvcache.proto.http import (
     encode_batch_put_request,
     quote_key,
 )
-from epistemic_kvcache.server.context import Identity, ServerContext, ServerLimits
-from epistemic_kvcache.server.http import make_http_factory
+from epistemic_kvcache.server.context import Identity, ServerLimits
 from epistemic_kvcache.server.metrics import Metrics
 from epistemic_kvcache.store import SharedKvIndex
 from epistemic_kvcache.store.api import Buffer, PutResult
+from servers import Listener, start_listener
 
 TOKENS = {"tok-a": "tenant-a", "tok-b": "tenant-b"}
 A = {"Authorization": "Bearer tok-a"}
@@ -87,76 +83,18 @@ class FaultyIndex(SharedKvIndex):
         return super().put(ns, key, data, **kw)
 
 
-@dataclass
-class Server:
-    ctx: ServerContext
-    loop: asyncio.AbstractEventLoop
-    server: asyncio.AbstractServer
-    thread: threading.Thread
-    port: int
-    pools: list[Any] = field(default_factory=list)
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def pool(self, **kw: Any) -> urllib3.HTTPConnectionPool:
-        kw.setdefault("maxsize", 4)
-        p = urllib3.HTTPConnectionPool("127.0.0.1", self.port, retries=False, **kw)
-        self.pools.append(p)
-        return p
-
-    def conn(self, timeout: float = 10.0) -> http.client.HTTPConnection:
-        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        self.pools.append(c)
-        return c
-
-    def raw(self, timeout: float = 10.0) -> socket.socket:
-        s = socket.create_connection(("127.0.0.1", self.port), timeout=timeout)
-        self.pools.append(s)
-        return s
-
-    def stop(self) -> None:
-        for p in self.pools:
-            p.close()
-
-        async def shutdown() -> None:
-            self.server.close()
-            await self.server.wait_closed()
-            await asyncio.sleep(0.05)  # teardown: a moment for closing handlers to run
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
-        self.ctx.executor.shutdown(wait=True)
-        self.ctx.store.close()
+Server = Listener
 
 
 def start_server(limits: ServerLimits | None = None, store: SharedKvIndex | None = None) -> Server:
-    store = store if store is not None else FaultyIndex()
-    ctx = ServerContext(
-        store=store,
+    return start_listener(
+        "http",
+        store=store if store is not None else FaultyIndex(),
+        limits=limits,
         auth=TokenAuth(),
-        limits=limits or ServerLimits(),
-        metrics=Metrics(store),
         executor=concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="test-store"),
         metrics_tenants=frozenset({"tenant-a"}),
     )
-    loop = uvloop.new_event_loop()
-
-    async def listen() -> asyncio.AbstractServer:
-        return await loop.create_server(make_http_factory(ctx), "127.0.0.1", 0)
-
-    server = loop.run_until_complete(listen())
-    port = server.sockets[0].getsockname()[1]
-    thread = threading.Thread(target=loop.run_forever, name="http-test-loop", daemon=True)
-    thread.start()
-    return Server(ctx, loop, server, thread, port)
 
 
 @pytest.fixture(scope="module")
@@ -1138,24 +1076,14 @@ def test_tls_listener_with_verified_clients() -> None:
     cert = ca.issue_cert("127.0.0.1")
     server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     cert.configure_cert(server_ctx)
-    store = SharedKvIndex()
-    ctx = ServerContext(
-        store=store,
+    s = start_listener(
+        "http",
+        store=SharedKvIndex(),
         auth=TokenAuth(),
-        limits=ServerLimits(),
-        metrics=Metrics(store),
         executor=concurrent.futures.ThreadPoolExecutor(2),
+        ssl=server_ctx,
     )
-    loop = uvloop.new_event_loop()
-
-    async def listen() -> asyncio.AbstractServer:
-        return await loop.create_server(make_http_factory(ctx), "127.0.0.1", 0, ssl=server_ctx)
-
-    server = loop.run_until_complete(listen())
-    port = server.sockets[0].getsockname()[1]
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    s = Server(ctx, loop, server, thread, port)
+    port = s.port
     try:
         client_ctx = ssl.create_default_context()
         ca.configure_trust(client_ctx)

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from epistemic_kvcache.client import EpistemicGraphKVBackend
-from test_client import TOKEN, Server, free_port
+from helpers import held_port as free_port
+from servers import TOKEN, ServeProcess
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -27,8 +28,8 @@ ENV["LMCACHE_TRACK_USAGE"] = "false"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = Server(tmp_path_factory.mktemp("kv"))
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    s = ServeProcess(tmp_path_factory.mktemp("kv"))
     yield s
     s.stop()
 
@@ -44,13 +45,13 @@ def validate(*args: str, prelude: str = "") -> subprocess.CompletedProcess[str]:
     )
 
 
-def leftover(server: Server) -> list[str]:
+def leftover(server: ServeProcess) -> list[str]:
     with EpistemicGraphKVBackend(base_url=server.url(), token=TOKEN) as c:
         return c.list_keys(prefix="epistemic-kvcache-validate-")
 
 
 @pytest.mark.lmcache
-def test_every_path_through_lmcache_and_nothing_left_behind(server: Server) -> None:
+def test_every_path_through_lmcache_and_nothing_left_behind(server: ServeProcess) -> None:
     pytest.importorskip("lmcache")
     resp = f"127.0.0.1:{server.ports['resp']}"
     done = validate(
@@ -76,7 +77,7 @@ def test_every_path_through_lmcache_and_nothing_left_behind(server: Server) -> N
 
 
 @pytest.mark.lmcache
-def test_skipped_paths_say_why(server: Server) -> None:
+def test_skipped_paths_say_why(server: ServeProcess) -> None:
     done = validate("--url", server.url(), "--token", TOKEN, "--resp-addr", "off",
                     "--block-bytes", "1000")  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
@@ -87,7 +88,7 @@ def test_skipped_paths_say_why(server: Server) -> None:
     assert leftover(server) == []
 
 
-def test_without_lmcache_the_connector_is_driven_directly(server: Server) -> None:
+def test_without_lmcache_the_connector_is_driven_directly(server: ServeProcess) -> None:
     done = validate(
         "--url", server.url(), "--token", TOKEN, "--resp-addr", f"127.0.0.1:{server.ports['resp']}",
         "--block-bytes", "50000",
@@ -104,7 +105,7 @@ def test_without_lmcache_the_connector_is_driven_directly(server: Server) -> Non
     assert leftover(server) == []
 
 
-def test_configuration_mistakes_exit_2_with_one_message(server: Server) -> None:
+def test_configuration_mistakes_exit_2_with_one_message(server: ServeProcess) -> None:
     bad = validate("--url", server.url(), "--token", "wrong-token-wrong-token", "--paths", "native")
     assert bad.returncode == 2
     assert "refused the token (401)" in bad.stderr
@@ -120,7 +121,7 @@ def test_configuration_mistakes_exit_2_with_one_message(server: Server) -> None:
     assert "invalid --paths: bogus" in paths.stderr
 
 
-def test_standalone_module_entry_point(server: Server, tmp_path: Path) -> None:
+def test_standalone_module_entry_point(server: ServeProcess, tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     done = subprocess.run(
@@ -136,7 +137,7 @@ def test_standalone_module_entry_point(server: Server, tmp_path: Path) -> None:
 
 
 @pytest.mark.lmcache
-def test_sigterm_still_deletes_what_it_wrote(server: Server) -> None:
+def test_sigterm_still_deletes_what_it_wrote(server: ServeProcess) -> None:
     """A run stopped by SIGTERM deletes its keys and says so (it used to leave them).
 
     The run is frozen (SIGSTOP) at a moment one of its keys is stored, SIGTERM is queued,

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import os
-import re
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,90 +20,18 @@ from epistemic_kvcache.client import (
 )
 from epistemic_kvcache.errors import AuthError, ConfigurationError, InvalidKeyError
 from helpers import held_port
-
-TOKEN = "client-test-token-0123456789"
-LISTEN_RE = re.compile(r"listening (http|resp)=(\S+):(\d+)")
-
-
-class Server:
-    """`python -m epistemic_kvcache serve` on free loopback ports."""
-
-    def __init__(self, tmp: Path, *extra: str) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("EPISTEMIC_GRAPH_")}
-        cmd = [
-            sys.executable,
-            "-m",
-            "epistemic_kvcache",
-            "serve",
-            "--addr",
-            "127.0.0.1:0",
-            "--resp-addr",
-            "127.0.0.1:0",
-            "--backend",
-            "memory",
-            "--token",
-            TOKEN,
-            "--persist-dir",
-            str(tmp),
-            *extra,
-        ]
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        self.ports: dict[str, int] = {}
-        self.output: list[str] = []
-        ready = threading.Event()
-
-        def pump() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                self.output.append(line)
-                m = LISTEN_RE.search(line)
-                if m:
-                    self.ports[m.group(1)] = int(m.group(3))
-                    if len(self.ports) == 2:
-                        ready.set()
-            ready.set()
-
-        self._pump = threading.Thread(target=pump, daemon=True)
-        self._pump.start()
-        if not ready.wait(30) or len(self.ports) != 2:
-            self.stop()
-            raise RuntimeError("server did not start:\n" + "".join(self.output))
-
-    @property
-    def http_port(self) -> int:
-        return self.ports["http"]
-
-    def url(self, scheme: str = "http", host: str = "127.0.0.1") -> str:
-        return f"{scheme}://{host}:{self.http_port}"
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._pump.join(10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+from servers import TOKEN, ServeProcess
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = Server(tmp_path_factory.mktemp("kv"))
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    s = ServeProcess(tmp_path_factory.mktemp("kv"))
     yield s
     s.stop()
 
 
 @pytest.fixture
-def client(server: Server) -> Iterator[EpistemicGraphKVBackend]:
+def client(server: ServeProcess) -> Iterator[EpistemicGraphKVBackend]:
     with EpistemicGraphKVBackend(KvCacheConfig(base_url=server.url(), token=TOKEN)) as c:
         yield c
 
@@ -283,7 +207,7 @@ def test_stats_show_dedup(client: EpistemicGraphKVBackend) -> None:
     assert after.tiers["hot"].capacity_bytes > 0
 
 
-def test_auth_failure_is_raised(server: Server) -> None:
+def test_auth_failure_is_raised(server: ServeProcess) -> None:
     with EpistemicGraphKVBackend(base_url=server.url(), token="wrong-token-wrong-token") as c:
         with pytest.raises(AuthError, match="401"):
             c.get("x")
@@ -348,7 +272,7 @@ def test_server_down_degrades_to_miss() -> None:
 
 
 def test_server_killed_between_and_during_requests(tmp_path: Path) -> None:
-    srv = Server(tmp_path)
+    srv = ServeProcess(tmp_path)
     try:
         with EpistemicGraphKVBackend(base_url=srv.url(), token=TOKEN) as c:
             big = os.urandom(64 * 1024 * 1024)
@@ -472,7 +396,7 @@ def tls_files(ca: trustme.CA, tmp_path_factory: pytest.TempPathFactory) -> dict[
 
 
 def test_https_with_a_test_ca(tls_files: dict[str, str], tmp_path: Path) -> None:
-    srv = Server(tmp_path, "--tls-cert", tls_files["cert"], "--tls-key", tls_files["key"])
+    srv = ServeProcess(tmp_path, "--tls-cert", tls_files["cert"], "--tls-key", tls_files["key"])
     try:
         with EpistemicGraphKVBackend(
             base_url=srv.url("https", "localhost"), token=TOKEN, ca_file=tls_files["ca"]
@@ -502,7 +426,7 @@ def test_https_with_a_test_ca(tls_files: dict[str, str], tmp_path: Path) -> None
 
 
 def test_mutual_tls(tls_files: dict[str, str], tmp_path: Path) -> None:
-    srv = Server(
+    srv = ServeProcess(
         tmp_path,
         "--tls-cert",
         tls_files["cert"],
@@ -550,7 +474,7 @@ def test_batch_gets_into_buffers_split_by_bytes() -> None:
 
 
 def test_get_many_splits_when_the_hits_exceed_the_server_batch_limit(tmp_path: Path) -> None:
-    server = Server(
+    server = ServeProcess(
         tmp_path,
         "--max-batch-bytes",
         "1MiB",

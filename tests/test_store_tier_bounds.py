@@ -28,11 +28,11 @@ import pytest
 import redis
 
 from epistemic_kvcache.client import EpistemicGraphKVBackend, KvCacheConfig
-from epistemic_kvcache.config import load_config
 from epistemic_kvcache.errors import CapacityError
 from epistemic_kvcache.server.app import ServerHandle, ServerThread
 from epistemic_kvcache.store import SharedKvIndex, SharedKvStoreBackend
 from epistemic_kvcache.store.engine import WOULD_BLOCK, TieredEngine
+from servers import server_config
 
 KiB, MiB = 1 << 10, 1 << 20
 NS = "tenant"
@@ -182,19 +182,10 @@ def test_a_block_that_fits_no_tier_is_refused_and_nothing_is_lost() -> None:
 
 # -- the wires -------------------------------------------------------------------------
 def _server(tmp_path: Path, backend: str, **extra: str) -> ServerThread:
-    values = {
-        "addr": "127.0.0.1:0",
-        "resp_addr": "127.0.0.1:0",
-        "backend": backend,
-        "persist_dir": str(tmp_path / "data"),
-        "token": TOKEN,
-        "stats_log_interval_s": "0",
-        "hot_capacity_bytes": "2MiB",
-        "warm_capacity_bytes": "0",
-        "cold_capacity_bytes": "256MiB",
-        **extra,
-    }
-    return ServerThread(load_config(values, {}))
+    settings = {"hot_capacity_bytes": "2MiB", "warm_capacity_bytes": "0"}
+    settings |= {"cold_capacity_bytes": "256MiB", **extra}
+    config = server_config(tmp_path, backend=backend, tokens={TOKEN: "default"}, **settings)
+    return ServerThread(config)
 
 
 def http_tiers(handle: ServerHandle) -> dict[str, dict[str, int]]:

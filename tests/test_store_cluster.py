@@ -34,7 +34,7 @@ from epistemic_kvcache.store.cluster import ClusterBackend, parse_cluster_url
 from epistemic_kvcache.store.engine import digest_of
 from helpers import eventually, held_port
 from redis_cluster import LocalCluster
-from test_client import TOKEN, Server
+from servers import TOKEN, ServeProcess
 
 pytestmark = [
     pytest.mark.redis,
@@ -44,12 +44,12 @@ pytestmark = [
 TOKEN_B = "cluster-test-token-tenant-b-0123456789"
 
 
-def front_end(tmp: Path, cluster: LocalCluster, *extra: str) -> Server:
+def front_end(tmp: Path, cluster: LocalCluster, *extra: str) -> ServeProcess:
     """A front-end process over `cluster`: tenant `default` (TOKEN) and tenant `b`."""
     tmp.mkdir(parents=True, exist_ok=True)
     tokens = tmp / "tokens"
     tokens.write_text(f"{TOKEN_B} b\n")
-    return Server(
+    return ServeProcess(
         tmp,
         "--cluster-url",
         cluster.url,
@@ -61,13 +61,13 @@ def front_end(tmp: Path, cluster: LocalCluster, *extra: str) -> Server:
     )
 
 
-def resp(srv: Server, token: str = TOKEN, **kw: Any) -> redis.Redis:
+def resp(srv: ServeProcess, token: str = TOKEN, **kw: Any) -> redis.Redis:
     return redis.Redis(
         host="127.0.0.1", port=srv.ports["resp"], password=token, socket_timeout=30, **kw
     )
 
 
-def http(srv: Server, token: str = TOKEN) -> EpistemicGraphKVBackend:
+def http(srv: ServeProcess, token: str = TOKEN) -> EpistemicGraphKVBackend:
     return EpistemicGraphKVBackend(base_url=srv.url(), token=token)
 
 
@@ -88,9 +88,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 @pytest.fixture(scope="module")
 def fleet(
     cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[list[Server]]:
+) -> Iterator[list[ServeProcess]]:
     base = tmp_path_factory.mktemp("fe")
-    servers: list[Server] = []
+    servers: list[ServeProcess] = []
     try:
         for name in ("a", "b", "c"):
             servers.append(front_end(base / name, cluster))
@@ -159,7 +159,7 @@ def test_tls_cluster_with_a_ca_file_and_a_password_file(tmp_path: Path) -> None:
 
 
 # -- two wires, several front-ends --------------------------------------------------------
-def test_put_through_a_get_through_b_on_both_wires(fleet: list[Server]) -> None:
+def test_put_through_a_get_through_b_on_both_wires(fleet: list[ServeProcess]) -> None:
     a, b, c = fleet
     block = os.urandom(300_000)
     with http(a) as ha, http(b) as hb:
@@ -179,7 +179,7 @@ def test_put_through_a_get_through_b_on_both_wires(fleet: list[Server]) -> None:
         assert ra.exists("wire-resp") == 0
 
 
-def test_dedup_across_front_ends(fleet: list[Server], cluster: LocalCluster) -> None:
+def test_dedup_across_front_ends(fleet: list[ServeProcess], cluster: LocalCluster) -> None:
     a, b, _ = fleet
     block = os.urandom(200_000)
     digest = digest_of(block)
@@ -201,7 +201,7 @@ def _slot(cluster: LocalCluster, key: bytes) -> int:
         return int(r.execute_command("CLUSTER KEYSLOT", key))
 
 
-def test_tenants_isolated_through_every_front_end(fleet: list[Server]) -> None:
+def test_tenants_isolated_through_every_front_end(fleet: list[ServeProcess]) -> None:
     secret = os.urandom(50_000)
     with resp(fleet[0]) as ra:
         ra.set("tenant-secret", secret)
@@ -222,7 +222,7 @@ def test_tenants_isolated_through_every_front_end(fleet: list[Server]) -> None:
         assert ra.get("tenant-secret") == secret
 
 
-def test_epoch_bump_through_a_reaches_a_resp_subscriber_on_b(fleet: list[Server]) -> None:
+def test_epoch_bump_through_a_reaches_a_resp_subscriber_on_b(fleet: list[ServeProcess]) -> None:
     a, b, _ = fleet
     with resp(b) as rb:
         ps = rb.pubsub()
@@ -243,7 +243,7 @@ def test_epoch_bump_through_a_reaches_a_resp_subscriber_on_b(fleet: list[Server]
         assert hb.epoch_get("fleet-scope") == epoch
 
 
-def test_epoch_scoped_entries_go_stale_fleet_wide(fleet: list[Server]) -> None:
+def test_epoch_scoped_entries_go_stale_fleet_wide(fleet: list[ServeProcess]) -> None:
     a, b, _ = fleet
     with http(a) as ha, http(b) as hb:
         assert ha.put("scoped-key", b"x" * 1000, epoch_scope="doc-7")
@@ -254,7 +254,7 @@ def test_epoch_scoped_entries_go_stale_fleet_wide(fleet: list[Server]) -> None:
         assert hb.get("scoped-key") == b"y" * 1000
 
 
-def test_stats_are_fleet_wide(fleet: list[Server]) -> None:
+def test_stats_are_fleet_wide(fleet: list[ServeProcess]) -> None:
     with http(fleet[0], TOKEN_B) as h:
         before = h.stats()
     assert before is not None
@@ -274,7 +274,7 @@ def test_stats_are_fleet_wide(fleet: list[Server]) -> None:
     eventually(counted, timeout=30, interval=0.2, what="5 hits and 5 refs seen fleet-wide")
 
 
-def test_snapshot_through_a_fork_through_b_read_through_c(fleet: list[Server]) -> None:
+def test_snapshot_through_a_fork_through_b_read_through_c(fleet: list[ServeProcess]) -> None:
     a, b, c = fleet
     block = os.urandom(80_000)
     with http(a) as ha, http(b) as hb, http(c) as hc:
@@ -294,7 +294,7 @@ def test_snapshot_through_a_fork_through_b_read_through_c(fleet: list[Server]) -
         assert hb.get("snap-key") == b"replaced"
 
 
-def test_lmcache_stores_through_a_and_loads_through_b(fleet: list[Server]) -> None:
+def test_lmcache_stores_through_a_and_loads_through_b(fleet: list[ServeProcess]) -> None:
     pytest.importorskip("lmcache")
     from lmcache.lmcache_redis import LMCacheRedisClient
 
@@ -321,7 +321,7 @@ def test_lmcache_stores_through_a_and_loads_through_b(fleet: list[Server]) -> No
 
 
 def test_a_damaged_value_in_the_cluster_is_never_served(
-    fleet: list[Server], cluster: LocalCluster
+    fleet: list[ServeProcess], cluster: LocalCluster
 ) -> None:
     _a, b, c = fleet
     block = os.urandom(100_000)
@@ -677,7 +677,7 @@ class Ledger:
         return self.errors[-1][0] - self.errors[0][0]
 
 
-def writer(srv: Server, ledger: Ledger, stop: threading.Event, name: str, seed: int) -> None:
+def writer(srv: ServeProcess, ledger: Ledger, stop: threading.Event, name: str, seed: int) -> None:
     rnd = random.Random(seed)
     with resp(srv) as r:
         i = 0
@@ -696,7 +696,7 @@ def writer(srv: Server, ledger: Ledger, stop: threading.Event, name: str, seed: 
             i += 1
 
 
-def reader(srv: Server, ledger: Ledger, stop: threading.Event, seed: int) -> None:
+def reader(srv: ServeProcess, ledger: Ledger, stop: threading.Event, seed: int) -> None:
     rnd = random.Random(seed)
     with resp(srv) as r:
         while not stop.is_set():
@@ -722,7 +722,7 @@ def acked_at_least(ledger: Ledger, n: int) -> None:
     eventually(lambda: len(ledger.acked) >= n, timeout=120, interval=0.05, what=f"{n} acks")
 
 
-def verify_all(srv: Server, ledger: Ledger) -> None:
+def verify_all(srv: ServeProcess, ledger: Ledger) -> None:
     with resp(srv) as r:
         keys = list(ledger.acked)
         for i in range(0, len(keys), 50):

@@ -1,4 +1,4 @@
-"""A small OpenAI-compatible stand-in for vLLM's automatic prefix cache (for tests/demos).
+"""A small OpenAI-compatible stand-in for vLLM's automatic prefix cache (a test oracle).
 
 vLLM cannot run on machines without a GPU, so this server stands in for it when
 measuring whether rendered bundles reuse the engine's prefix cache. It is *not* a
@@ -20,7 +20,8 @@ here, the way vLLM does it:
 
 It also records each request's `kv_transfer_params`, so tests can check what a client
 asked LMCache to do. Run it with
-`python -m epistemic_kvcache.context.prefix_cache_standin --port 0`.
+`python tests/prefix_cache_standin.py --port 0`. It lives under tests/, not in the
+package: nothing in src/ uses it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,210 @@
+"""The RESP connection and dispatcher (server/resp/connection.py, dispatch.py) driven
+directly: bytes in through the protocol's read callbacks, bytes out of a recording
+transport (`helpers.FakeTransport`), a real `SharedKvIndex` behind it. No socket, no
+client library: what a read of N bytes makes the server write, exactly.
+
+The tests stay at the connection's outer edge (`make_resp_factory`, `connection_made`,
+`get_buffer`/`buffer_updated`, `pause_writing`, the transport) so they hold whatever the
+parser's inner surface becomes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from epistemic_kvcache.server.context import ServerContext
+from epistemic_kvcache.server.resp import make_resp_factory
+from helpers import FakeTransport, eventually_async
+from servers import run_in_context
+
+TOKEN_A = "resp-dispatch-token-alpha"
+TOKEN_B = "resp-dispatch-token-bravo"
+
+
+def cmd(*args: str | bytes) -> bytes:
+    """One command as a RESP array of bulk strings."""
+    out = [f"*{len(args)}\r\n".encode()]
+    for a in args:
+        raw = a.encode() if isinstance(a, str) else a
+        out.append(b"$%d\r\n%s\r\n" % (len(raw), raw))
+    return b"".join(out)
+
+
+class Conn:
+    """One RESP connection over a FakeTransport, inside the running loop."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.proto = make_resp_factory(ctx)()
+        self.transport = FakeTransport().connect(self.proto)
+
+    def send(self, data: bytes, *, read_size: int | None = None) -> None:
+        self.transport.receive(data, read_size)
+
+    async def reply(self, expected: bytes, timeout: float = 10.0) -> bytes:
+        """Wait until `expected` has been written (exactly that, nothing else) and take it."""
+        await eventually_async(
+            lambda: len(self.transport.written) >= len(expected), timeout=timeout, what=expected
+        )
+        got = self.transport.take()
+        assert got == expected
+        return got
+
+    async def login(self, token: str = TOKEN_A) -> None:
+        self.send(cmd("AUTH", token))
+        await self.reply(b"+OK\r\n")
+
+
+def run(scenario: Callable[[ServerContext], Awaitable[None]], **limits: object) -> None:
+    """Run `scenario(ctx)` in a fresh loop over a real SharedKvIndex (servers.py)."""
+    run_in_context(scenario, tokens={TOKEN_A: "alpha", TOKEN_B: "bravo"}, **limits)
+
+
+def test_commands_before_auth_are_refused_and_auth_lets_them_through() -> None:
+    async def scenario(ctx: ServerContext) -> None:
+        c = Conn(ctx)
+        c.send(cmd("GET", "k"))
+        await c.reply(b"-NOAUTH Authentication required.\r\n")
+        c.send(cmd("AUTH", "wrong-token"))
+        got = await eventually_async(lambda: c.transport.take(), what="an AUTH error")
+        assert got.startswith(b"-WRONGPASS")
+        assert got.endswith(b"\r\n")
+        await c.login()
+        c.send(cmd("GET", "k"))
+        await c.reply(b"$-1\r\n")
+
+    run(scenario)
+
+
+def test_set_then_get_round_trips_through_the_store() -> None:
+    async def scenario(ctx: ServerContext) -> None:
+        c = Conn(ctx)
+        await c.login()
+        c.send(cmd("SET", "k1", b"\x00value\r\n"))
+        await c.reply(b"+OK\r\n")
+        c.send(cmd("GET", "k1"))
+        await c.reply(b"$8\r\n\x00value\r\n\r\n")
+        c.send(cmd("EXISTS", "k1", "nope"))
+        await c.reply(b":1\r\n")
+        assert ctx.store.stats(None).unique_blocks == 1
+
+    run(scenario)
+
+
+def test_tenants_do_not_see_each_others_keys() -> None:
+    async def scenario(ctx: ServerContext) -> None:
+        a, b = Conn(ctx), Conn(ctx)
+        await a.login(TOKEN_A)
+        await b.login(TOKEN_B)
+        a.send(cmd("SET", "shared-name", "alpha's"))
+        await a.reply(b"+OK\r\n")
+        b.send(cmd("GET", "shared-name"))
+        await b.reply(b"$-1\r\n")
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("read_size", [1, 2, 3, 7, 64, 10_000])
+def test_pipelined_commands_in_any_read_size_are_answered_in_order(read_size: int) -> None:
+    pipeline = [cmd("SET", f"k{i}", f"v{i}" * (i + 1)) for i in range(20)]
+    pipeline += [cmd("GET", f"k{i}") for i in range(20)]
+    pipeline += [cmd("GET", "missing"), cmd("PING"), cmd("DEL", "k0", "k1", "missing")]
+    expected = b"+OK\r\n" * 20
+    for i in range(20):
+        value = f"v{i}".encode() * (i + 1)
+        expected += b"$%d\r\n%s\r\n" % (len(value), value)
+    expected += b"$-1\r\n+PONG\r\n:2\r\n"
+
+    async def scenario(ctx: ServerContext) -> None:
+        c = Conn(ctx)
+        await c.login()
+        c.send(b"".join(pipeline), read_size=read_size)
+        await c.reply(expected)
+
+    run(scenario)
+
+
+def test_a_large_set_read_in_pieces_lands_whole() -> None:
+    value = bytes(range(256)) * 4096  # 1 MiB: read straight into its final buffer
+
+    async def scenario(ctx: ServerContext) -> None:
+        c = Conn(ctx)
+        await c.login()
+        c.send(cmd("SET", "big", value), read_size=65536)
+        await c.reply(b"+OK\r\n")
+        c.send(cmd("STRLEN", "big"))
+        await c.reply(b":%d\r\n" % len(value))
+        c.send(cmd("GET", "big"))
+        await c.reply(b"$%d\r\n%s\r\n" % (len(value), value))
+
+    run(scenario)
+
+
+def test_unknown_command_names_itself_and_the_connection_lives_on() -> None:
+    async def scenario(ctx: ServerContext) -> None:
+        c = Conn(ctx)
+        await c.login()
+        c.send(cmd("NOSUCHCMD", "a", "b") + cmd("PING"))
+        await c.reply(
+            b"-ERR unknown command 'NOSUCHCMD', with args beginning with: 'a' 'b' \r\n+PONG\r\n"
+        )
+        assert not c.transport.closing
+
+    run(scenario)
+
+
+def test_a_protocol_error_is_answered_then_the_connection_closes() -> None:
+    async def scenario(ctx: ServerContext) -> None:
+        c = Conn(ctx)
+        await c.login()
+        c.send(b"*1\r\n$x\r\n")
+        await eventually_async(lambda: c.transport.closing, what="the connection closed")
+        assert c.transport.written.startswith(b"-ERR Protocol error")
+
+    run(scenario)
+
+
+def test_quit_answers_ok_and_closes() -> None:
+    async def scenario(ctx: ServerContext) -> None:
+        c = Conn(ctx)
+        await c.login()
+        c.send(cmd("QUIT"))
+        await c.reply(b"+OK\r\n")
+        await eventually_async(lambda: c.transport.closing, what="the connection closed")
+
+    run(scenario)
+
+
+def test_a_peer_that_does_not_read_is_not_served_until_it_does() -> None:
+    async def scenario(ctx: ServerContext) -> None:
+        c = Conn(ctx)
+        await c.login()
+        c.send(cmd("SET", "k", "v"))
+        await c.reply(b"+OK\r\n")
+        c.transport.fill(c.transport.high_water + 1)  # pause_writing
+        # Commands the task serves wait for the peer to read. (Not the inline fast path's
+        # GET/SET/EXISTS/STRLEN: `buffer_updated` answers those of one read even while
+        # writing is paused, up to its next flush.)
+        c.send(cmd("PING") + cmd("ECHO", "x"))
+        for _ in range(20):  # give the task every chance to (wrongly) answer
+            await asyncio.sleep(0)
+        assert c.transport.written == b""
+        c.transport.drain()  # resume_writing
+        await c.reply(b"+PONG\r\n$1\r\nx\r\n")
+
+    run(scenario)
+
+
+def test_connection_lost_releases_the_slot_and_the_live_set() -> None:
+    async def scenario(ctx: ServerContext) -> None:
+        c = Conn(ctx)
+        await c.login()
+        assert c.proto in ctx.live
+        assert ctx.open_connections["resp"] == 1
+        c.transport.close()
+        await eventually_async(lambda: c.proto not in ctx.live, what="the connection left")
+        assert ctx.open_connections["resp"] == 0
+
+    run(scenario)
