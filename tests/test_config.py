@@ -46,7 +46,7 @@ def test_defaults() -> None:
     assert c.backend == "durable"
     assert c.persist_dir == Path("kvcache-data")
     assert c.jwt_tenant_claim == "tenant"
-    assert c.dedup_scope == "namespace"
+    assert c.store.dedup_scope == "namespace"
     assert c.limits == ServerLimits()
     assert c.stats_log_interval_s == 60.0
     assert not c.auth_configured
@@ -76,11 +76,11 @@ def test_precedence_flag_env_toml_default(tmp_path: Path) -> None:
         "EPISTEMIC_GRAPH_KVCACHE_CONFIG": str(path),
     }
     c = load_config(_parse_flags("--hot-capacity-bytes", "1GiB"), env)
-    assert c.hot_capacity_bytes == GiB  # flag beats env and TOML
-    assert c.warm_capacity_bytes == 2 * MiB  # env beats TOML
+    assert c.store.hot_capacity_bytes == GiB  # flag beats env and TOML
+    assert c.store.warm_capacity_bytes == 2 * MiB  # env beats TOML
     assert c.log_level == "DEBUG"  # TOML beats default
-    assert c.dedup_scope == "global"
-    assert c.cold_capacity_bytes == ServerConfig().cold_capacity_bytes  # default
+    assert c.store.dedup_scope == "global"
+    assert c.store.cold_capacity_bytes == ServerConfig().store.cold_capacity_bytes  # default
     assert c.config_file == path
     # --config beats the env variable naming the file.
     other = _toml(tmp_path / "..", 'log_level = "error"\n')
@@ -180,7 +180,7 @@ def test_flags_parse_every_kind() -> None:
     assert c.limits.request_timeout_s == 2.5
     assert c.limits.max_connections == 10
     assert c.stats_log_interval_s == 0.0
-    assert c.store_options()["max_block_bytes"] == 64 * MiB
+    assert c.store.max_block_bytes == 64 * MiB
 
 
 def test_secrets_not_in_repr() -> None:
