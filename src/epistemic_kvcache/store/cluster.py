@@ -1532,12 +1532,15 @@ def run_check(config: Any, *, fix: bool, deep: bool) -> int:
 
     if config.cluster_url is None:
         raise ConfigurationError("invalid cluster_url: cluster check needs --cluster-url")
-    options = config.store_options()
-    options.pop("cold_capacity_bytes")
-    options.update(hot_capacity_bytes=0, warm_capacity_bytes=0)
-    opts = config.cluster_options()
-    opts["scrub_interval_s"] = 0.0
-    store = ClusterBackend(config.cluster_url, **options, **opts)
+    options = dataclasses.replace(
+        config.store, hot_capacity_bytes=0, warm_capacity_bytes=0, cluster_scrub_interval_s=0.0
+    )
+    store = ClusterBackend(
+        config.cluster_url,
+        options,
+        tls_ca=config.cluster_tls_ca,
+        password_file=config.cluster_password_file,
+    )
     try:
         report = store.scrub(fix=fix, deep=deep)
         if fix:
