@@ -11,8 +11,8 @@ configurable the moment it is added there; the settings named like `StoreOptions
 fields (`options`) fill the one options object the store is built from.
 
 Modules: `schema` (`ServerConfig`, `Address`, shared names), `parsing` (raw value ->
-value), `settings` (the table and the flags), `loading` (`load_config`, the effective
-settings), `checks` (cross-setting, machine and bind checks). Each imports only those
+value), `settings` (the table and the flags), `checks` (cross-setting, machine and bind
+checks), `loading` (`load_config`, the effective settings). Each imports only those
 before it in this list.
 """
 
