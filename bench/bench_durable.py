@@ -28,6 +28,7 @@ from pathlib import Path
 
 from bench import loadgen
 from bench.bench_server import TOKEN, human, our_server, redis_server, workload
+from epistemic_kvcache.options import StoreOptions
 
 KiB, MiB = 1024, 1024 * 1024
 
@@ -67,9 +68,9 @@ def reopen_times(tmp: Path, n: int) -> list[str]:
     from epistemic_kvcache.store.tools import rebuild_index
 
     path = tmp / "reopen"
-    opts = {"hot_capacity_bytes": 64 * MiB, "warm_capacity_bytes": 0}
+    opts = StoreOptions(hot_capacity_bytes=64 * MiB, warm_capacity_bytes=0)
     t0 = time.perf_counter()
-    with SharedKvStoreBackend(path, **opts) as store:  # type: ignore[arg-type]
+    with SharedKvStoreBackend(path, opts) as store:
         batch = []
         for i in range(n):
             batch.append((f"model@{i:08x}@0@{i:016x}", os.urandom(4096)))
@@ -81,7 +82,7 @@ def reopen_times(tmp: Path, n: int) -> list[str]:
     fill_s = time.perf_counter() - t0
     seg_bytes = sum(p.stat().st_size for p in (path / "segments").iterdir())
     t0 = time.perf_counter()
-    with SharedKvStoreBackend(path, **opts) as store:  # type: ignore[arg-type]
+    with SharedKvStoreBackend(path, opts) as store:
         reopen = store.open_seconds
         assert store.count("bench") == n
     total = time.perf_counter() - t0
@@ -89,9 +90,10 @@ def reopen_times(tmp: Path, n: int) -> list[str]:
     script = textwrap.dedent(
         f"""
         import os, sys
+        from epistemic_kvcache.options import StoreOptions
         from epistemic_kvcache.store import SharedKvStoreBackend
-        s = SharedKvStoreBackend(sys.argv[1], checkpoint_interval_s=3600,
-                                 hot_capacity_bytes={64 * MiB}, warm_capacity_bytes=0)
+        s = SharedKvStoreBackend(sys.argv[1], StoreOptions(checkpoint_interval_s=3600,
+                                 hot_capacity_bytes={64 * MiB}, warm_capacity_bytes=0))
         b = [(f"tail@{{i:08x}}", os.urandom(4096)) for i in range(20000)]
         for j in range(0, len(b), 1000):
             s.put_many("bench", b[j:j + 1000])
@@ -106,11 +108,11 @@ def reopen_times(tmp: Path, n: int) -> list[str]:
         assert p.stdout.readline().strip() == "DONE"
         p.send_signal(signal.SIGKILL)
         p.wait()
-    with SharedKvStoreBackend(path, **opts) as store:  # type: ignore[arg-type]
+    with SharedKvStoreBackend(path, opts) as store:
         tail_reopen = store.open_seconds
         assert store.count("bench") == n + 20000
     shutil.rmtree(path / "index")
-    rebuilt = rebuild_index(path, **opts)
+    rebuilt = rebuild_index(path, opts)
     return [
         f"Store of {n:,} blocks of 4 KiB ({seg_bytes / MiB:.0f} MiB of segments, filled in "
         f"{fill_s:.1f} s):",
@@ -127,11 +129,11 @@ def churn(tmp: Path, rounds: int) -> list[str]:
     from epistemic_kvcache.store import SharedKvStoreBackend
 
     path = tmp / "churn"
-    opts = {"hot_capacity_bytes": 16 * MiB, "warm_capacity_bytes": 0}
+    opts = StoreOptions(hot_capacity_bytes=16 * MiB, warm_capacity_bytes=0)
     live: dict[str, int] = {}
     rows = []
     for r in range(rounds):
-        with SharedKvStoreBackend(path, **opts) as store:  # type: ignore[arg-type]
+        with SharedKvStoreBackend(path, opts) as store:
             for i in range(160):
                 key = f"r{r}-{i}"
                 store.put("bench", key, os.urandom(256 * KiB))
@@ -150,8 +152,8 @@ def churn(tmp: Path, rounds: int) -> list[str]:
     # the cold capacity bound: 64 MiB, 300 MiB written
     cap_path = tmp / "cap"
     peak = 0
-    with SharedKvStoreBackend(  # type: ignore[arg-type]
-        cap_path, cold_capacity_bytes=64 * MiB, hot_capacity_bytes=0
+    with SharedKvStoreBackend(
+        cap_path, StoreOptions(cold_capacity_bytes=64 * MiB, hot_capacity_bytes=0)
     ) as store:
         for i in range(1200):
             store.put("bench", f"k{i}", os.urandom(256 * KiB))

@@ -26,6 +26,7 @@ import numpy as np
 
 from epistemic_kvcache.client import EpistemicGraphKVBackend
 from epistemic_kvcache.config import load_config
+from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.server.app import ServerThread
 from epistemic_kvcache.store import SharedKvIndex, SharedKvStoreBackend
 from epistemic_kvcache.store.api import SharedKvBackend
@@ -46,7 +47,7 @@ def timed(fn: Callable[[], object]) -> float:
 
 
 def durable(path: Path) -> SharedKvStoreBackend:
-    return SharedKvStoreBackend(path, map_size_bytes=4 << 30)
+    return SharedKvStoreBackend(path, StoreOptions(map_size_bytes=4 << 30))
 
 
 def disk_bytes(store: SharedKvBackend) -> int:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.bench_cpu import parse_size
+from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.store import SharedKvIndex
 
 try:
@@ -45,7 +46,9 @@ def one_round(
 ) -> tuple[float, float]:
     """Seconds per put and per get (hot hit) of `n` new blocks of `size`."""
     data = [wrap(b) for b in blocks(size, n, seed)]
-    store = SharedKvIndex(hot_capacity_bytes=(n + 1) * size + MiB, warm_capacity_bytes=0)
+    store = SharedKvIndex(
+        StoreOptions(hot_capacity_bytes=(n + 1) * size + MiB, warm_capacity_bytes=0)
+    )
     gc.collect()
     t0 = time.perf_counter()
     for i, d in enumerate(data):

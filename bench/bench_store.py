@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.server.app import tune_allocator
 from epistemic_kvcache.store import SharedKvIndex, SharedKvStoreBackend, WarmCodec
 
@@ -90,7 +91,7 @@ def bench_hot(budget: int) -> list[str]:
         base = os.urandom(size)
         blocks = [i.to_bytes(8, "little") + base[8:] for i in range(n)]
         keys = [f"k{i}" for i in range(n)]
-        store = SharedKvIndex(hot_capacity_bytes=4 * budget, warm_capacity_bytes=0)
+        store = SharedKvIndex(StoreOptions(hot_capacity_bytes=4 * budget, warm_capacity_bytes=0))
         t_put = timed(lambda: [store.put("b", k, v) for k, v in zip(keys, blocks, strict=True)])
         same = blocks[0]
         t_dup = timed(lambda: [store.put("b", f"d{i}", same) for i in range(n)])
@@ -121,7 +122,10 @@ def bench_durable(d: Path, budget: int) -> list[str]:
         for writers in (1, 16):
             path = d / f"dur-{size}-{writers}"
             store = SharedKvStoreBackend(
-                path, hot_capacity_bytes=0, warm_capacity_bytes=0, cold_capacity_bytes=1 << 40
+                path,
+                StoreOptions(
+                    hot_capacity_bytes=0, warm_capacity_bytes=0, cold_capacity_bytes=1 << 40
+                ),
             )
             per = max(1, n // writers)
 
@@ -187,7 +191,7 @@ def bench_codec() -> list[str]:
 def bench_index(d: Path, n: int) -> list[str]:
     path = d / "index"
     key = "meta-llama/Llama-3.1-8B-Instruct@00000000@0@{:016x}"
-    store = SharedKvStoreBackend(path, hot_capacity_bytes=0, warm_capacity_bytes=0)
+    store = SharedKvStoreBackend(path, StoreOptions(hot_capacity_bytes=0, warm_capacity_bytes=0))
     batch = 1000
     t_fill = 0.0
     for start in range(0, n, batch):
@@ -195,12 +199,14 @@ def bench_index(d: Path, n: int) -> list[str]:
         t_fill += timed(lambda items=items: store.put_many("b", items))
     store.close()
     gc.collect()
-    t_open = timed(lambda: SharedKvStoreBackend(path, hot_capacity_bytes=0).close())
+    t_open = timed(lambda: SharedKvStoreBackend(path, StoreOptions(hot_capacity_bytes=0)).close())
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.take_snapshot()
     # a second open, under tracemalloc (slow), only to measure RAM
-    globals()["_s"] = SharedKvStoreBackend(path, hot_capacity_bytes=0, warm_capacity_bytes=0)
+    globals()["_s"] = SharedKvStoreBackend(
+        path, StoreOptions(hot_capacity_bytes=0, warm_capacity_bytes=0)
+    )
     gc.collect()
     after = tracemalloc.take_snapshot()
     tracemalloc.stop()

@@ -41,12 +41,13 @@ def content(key: str) -> bytes:
 WRITER = textwrap.dedent(
     """
     import os, sys
+    from epistemic_kvcache.options import StoreOptions
     from epistemic_kvcache.store import SharedKvStoreBackend
     sys.path.insert(0, sys.argv[3])
     from fault_run import content
     n = int(sys.argv[2])
-    s = SharedKvStoreBackend(sys.argv[1], map_size_bytes=256 << 20, segment_bytes=1 << 20,
-                             checkpoint_interval_s=3600)
+    s = SharedKvStoreBackend(sys.argv[1], StoreOptions(map_size_bytes=256 << 20,
+                             segment_bytes=1 << 20, checkpoint_interval_s=3600))
     for i in range(n):
         s.put("tenant", f"k{i}", content(f"k{i}"))
         if i == n * 3 // 4:
@@ -61,10 +62,11 @@ WRITER = textwrap.dedent(
 READER = textwrap.dedent(
     """
     import sys, json
+    from epistemic_kvcache.options import StoreOptions
     from epistemic_kvcache.store import SharedKvStoreBackend
     sys.path.insert(0, sys.argv[3])
     from fault_run import content
-    s = SharedKvStoreBackend(sys.argv[1], map_size_bytes=256 << 20, segment_bytes=1 << 20)
+    s = SharedKvStoreBackend(sys.argv[1], StoreOptions(map_size_bytes=256 << 20, segment_bytes=1 << 20))
     ok = wrong = missing = 0
     for key in sys.argv[2].split(","):
         s.evict("tenant", key)

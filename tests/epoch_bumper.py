@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import sys
 
+from epistemic_kvcache.options import StoreOptions
+
 
 def main() -> None:
     from epistemic_kvcache.store import SharedKvStoreBackend
 
     persist_dir, epoch_dir = sys.argv[1], sys.argv[2]
-    store = SharedKvStoreBackend(persist_dir, epoch_dir=epoch_dir, map_size_bytes=64 << 20)
+    store = SharedKvStoreBackend(
+        persist_dir, StoreOptions(map_size_bytes=64 << 20), epoch_dir=epoch_dir
+    )
 
     def answer(text: str) -> None:
         sys.stdout.write(text + "\n")

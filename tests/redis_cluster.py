@@ -399,6 +399,7 @@ def cluster_parts(
 ) -> Parts:
     """`Parts` over the cluster at `url`, keys under `prefix`; `conn_options` override
     `ClusterConnection`'s (`retry_window_s`, `wait_replicas`, ...)."""
+    from epistemic_kvcache.options import StoreOptions
     from epistemic_kvcache.store import cluster_lua as L
     from epistemic_kvcache.store.cluster_blocks import ClusterBlocks
     from epistemic_kvcache.store.cluster_conn import ClusterConnection, parse_cluster_url
@@ -419,11 +420,11 @@ def cluster_parts(
     conn = ClusterConnection(parse_cluster_url(url), **options)
     counters = SharedCounters(conn, prefix)
     cache = BlockCache(
-        hot_capacity_bytes=hot_capacity_bytes,
-        warm_capacity_bytes=0,
-        max_block_bytes=hot_capacity_bytes,
-        dedup_scope="namespace",
-        codec=None,
+        StoreOptions(
+            hot_capacity_bytes=hot_capacity_bytes,
+            warm_capacity_bytes=0,
+            max_block_bytes=hot_capacity_bytes,
+        )
     )
     ram = RamTier(cache)
     blocks = ClusterBlocks(

@@ -23,16 +23,18 @@ import time
 
 import blake3
 
+from epistemic_kvcache.options import StoreOptions
+
 NAMESPACES = ("crash-a", "crash-b")
 CONTENT_IDS = 48  # keys draw content from a small pool, so dedup happens
 MIN_BLOCK, MAX_BLOCK = 1 << 10, 2 << 20
 MAX_KEYS = 160  # delete more eagerly above this many keys, to bound the disk used
-STORE_OPTIONS = {
-    "hot_capacity_bytes": 8 << 20,
-    "warm_capacity_bytes": 4 << 20,
-    "segment_bytes": 4 << 20,  # small segments: batches roll over, dead ones get deleted
-    "map_size_bytes": 256 << 20,
-}
+STORE_OPTIONS = StoreOptions(
+    hot_capacity_bytes=8 << 20,
+    warm_capacity_bytes=4 << 20,
+    segment_bytes=4 << 20,  # small segments: batches roll over, dead ones get deleted
+    map_size_bytes=256 << 20,
+)
 
 
 def block_size(seed: int, cid: int) -> int:
@@ -56,7 +58,7 @@ def main() -> None:
 
     persist_dir, seed, cycle = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     threads = int(sys.argv[4]) if len(sys.argv) > 4 else 4
-    store = SharedKvStoreBackend(persist_dir, **STORE_OPTIONS)  # type: ignore[arg-type]
+    store = SharedKvStoreBackend(persist_dir, STORE_OPTIONS)
     out_lock = threading.Lock()
     live: list[tuple[str, str]] = [(ns, k) for ns in NAMESPACES for k in store.keys(ns)]
     live_lock = threading.Lock()

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.store.cluster_ram import BlockCache, KeyMemo, RamTier
 from epistemic_kvcache.store.engine import digest_of
 
@@ -14,11 +15,7 @@ from epistemic_kvcache.store.engine import digest_of
 @pytest.fixture
 def cache() -> Iterator[BlockCache]:
     c = BlockCache(
-        hot_capacity_bytes=64 << 10,
-        warm_capacity_bytes=0,
-        max_block_bytes=64 << 10,
-        dedup_scope="namespace",
-        codec=None,
+        StoreOptions(hot_capacity_bytes=64 << 10, warm_capacity_bytes=0, max_block_bytes=64 << 10)
     )
     yield c
     c.close()

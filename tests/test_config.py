@@ -14,12 +14,14 @@ from epistemic_kvcache.config import (
     Address,
     ServerConfig,
     add_arguments,
+    effective_settings,
     format_size,
     is_loopback_host,
     load_config,
     parse_size,
 )
 from epistemic_kvcache.errors import ConfigurationError
+from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.server.context import ServerLimits
 from epistemic_kvcache.server.tls import check_bind
 
@@ -46,7 +48,7 @@ def test_defaults() -> None:
     assert c.backend == "durable"
     assert c.persist_dir == Path("kvcache-data")
     assert c.jwt_tenant_claim == "tenant"
-    assert c.dedup_scope == "namespace"
+    assert c.store.dedup_scope == "namespace"
     assert c.limits == ServerLimits()
     assert c.stats_log_interval_s == 60.0
     assert not c.auth_configured
@@ -76,11 +78,11 @@ def test_precedence_flag_env_toml_default(tmp_path: Path) -> None:
         "EPISTEMIC_GRAPH_KVCACHE_CONFIG": str(path),
     }
     c = load_config(_parse_flags("--hot-capacity-bytes", "1GiB"), env)
-    assert c.hot_capacity_bytes == GiB  # flag beats env and TOML
-    assert c.warm_capacity_bytes == 2 * MiB  # env beats TOML
+    assert c.store.hot_capacity_bytes == GiB  # flag beats env and TOML
+    assert c.store.warm_capacity_bytes == 2 * MiB  # env beats TOML
     assert c.log_level == "DEBUG"  # TOML beats default
-    assert c.dedup_scope == "global"
-    assert c.cold_capacity_bytes == ServerConfig().cold_capacity_bytes  # default
+    assert c.store.dedup_scope == "global"
+    assert c.store.cold_capacity_bytes == ServerConfig().store.cold_capacity_bytes  # default
     assert c.config_file == path
     # --config beats the env variable naming the file.
     other = _toml(tmp_path / "..", 'log_level = "error"\n')
@@ -180,7 +182,54 @@ def test_flags_parse_every_kind() -> None:
     assert c.limits.request_timeout_s == 2.5
     assert c.limits.max_connections == 10
     assert c.stats_log_interval_s == 0.0
-    assert c.store_options()["max_block_bytes"] == 64 * MiB
+    assert c.store.max_block_bytes == 64 * MiB
+
+
+def test_store_options_are_filled_from_the_settings_of_the_same_names() -> None:
+    c = load_config(
+        {
+            "hot_capacity_bytes": "2MiB",
+            "max_block_bytes": "64MiB",
+            "cluster_key_prefix": "abc",
+            "first_write_wins_tenants": "*",
+            "rebuild_index": "true",
+        },
+        {},
+    )
+    assert c.store == StoreOptions(
+        hot_capacity_bytes=2 * MiB,
+        max_block_bytes=64 * MiB,
+        cluster_key_prefix="abc",
+        first_write_wins=True,
+        rebuild_index=True,
+    )
+    shown = {name: value for name, value, _source in effective_settings(c)}
+    assert shown["hot_capacity_bytes"] == "2MiB"
+    assert shown["cluster_key_prefix"] == "abc"
+    assert load_config({}, {}).store == StoreOptions()  # the setting defaults are its own
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("hot_capacity_bytes", -1, "invalid hot_capacity_bytes: expected a non-negative integer"),
+        ("cold_capacity_bytes", 0, "invalid cold_capacity_bytes: expected a positive integer"),
+        ("max_block_bytes", 0, "invalid max_block_bytes: expected a positive integer"),
+        ("dedup_scope", "tenant", "invalid dedup_scope: expected namespace or global"),
+        ("max_pinned_fraction", 0.0, r"invalid max_pinned_fraction: expected \(0, 1\]"),
+        ("max_snapshots_per_tenant", 0, "invalid max_snapshots_per_tenant: expected a positive"),
+        ("max_keys_per_tenant", -1, "invalid max_keys_per_tenant: expected 0 \\(no limit\\)"),
+        ("first_write_wins", "a", "invalid first_write_wins: expected a bool or a frozenset"),
+        ("cluster_wait_replicas", -1, "invalid cluster_wait_replicas: expected 0 or more"),
+        ("cluster_retry_window_s", 0, "invalid cluster_retry_window_s: expected > 0"),
+        ("cluster_key_prefix", "a:b", "invalid cluster_key_prefix: expected a word without"),
+    ],
+)
+def test_store_options_refuse_a_bad_value_naming_it(
+    field: str, value: object, message: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=message + r".*\(got " + re.escape(repr(value))):
+        StoreOptions(**{field: value})  # type: ignore[arg-type]
 
 
 def test_secrets_not_in_repr() -> None:

@@ -14,6 +14,7 @@ from epistemic_kvcache.graph import (
     pagerank,
     rank_order,
 )
+from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.store.memory import SharedKvIndex
 
 NS = "tenant-graph"
@@ -202,7 +203,7 @@ def test_page_in_skips_absent_keys_without_using_budget() -> None:
 
 
 def test_paged_in_blocks_come_hot_and_outlive_recent_ones() -> None:
-    store = SharedKvIndex(hot_capacity_bytes=1 * MiB, warm_capacity_bytes=8 * MiB)
+    store = SharedKvIndex(StoreOptions(hot_capacity_bytes=1 * MiB, warm_capacity_bytes=8 * MiB))
     block = 256 * KiB
     for i in range(8):  # 2 MiB: the first four end up demoted to warm
         store.put(NS, f"k{i}", _block(i, block))

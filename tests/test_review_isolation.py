@@ -17,6 +17,7 @@ import pytest
 import redis
 import urllib3
 
+from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.proto.http import quote_key
 from epistemic_kvcache.server.app import ServerHandle
 from epistemic_kvcache.store.durable import SharedKvStoreBackend
@@ -167,13 +168,17 @@ def test_key_rows_with_nul_round_trip_and_never_collide() -> None:
 
 
 def test_durable_nul_keys_stay_apart_across_reopen(tmp_path: Path) -> None:
-    store = SharedKvStoreBackend(tmp_path, hot_capacity_bytes=1 << 20, warm_capacity_bytes=0)
+    store = SharedKvStoreBackend(
+        tmp_path, StoreOptions(hot_capacity_bytes=1 << 20, warm_capacity_bytes=0)
+    )
     store.put("a", "k", b"A")
     sid = store.snapshot_create("a").id
     store.put("b", f"\x00s\x00{sid}k", b"B")
     store.put("a", f"\x00s\x00{sid}k", b"A2")
     store.close()
-    store = SharedKvStoreBackend(tmp_path, hot_capacity_bytes=1 << 20, warm_capacity_bytes=0)
+    store = SharedKvStoreBackend(
+        tmp_path, StoreOptions(hot_capacity_bytes=1 << 20, warm_capacity_bytes=0)
+    )
     try:
         assert store.snapshot_get("a", sid, "k") == b"A"
         assert store.get("b", f"\x00s\x00{sid}k") == b"B"

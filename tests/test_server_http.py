@@ -37,6 +37,7 @@ from epistemic_kvcache.errors import (
     StorageIOError,
     StoreClosedError,
 )
+from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.proto.http import (
     decode_batch_get_response,
     encode_batch_put_request,
@@ -1134,7 +1135,7 @@ def test_every_http_write_hands_its_receive_buffer_to_the_store(
     store: SharedKvIndex = (
         SharedKvIndex()
         if backend == "memory"
-        else SharedKvStoreBackend(tmp_path / "d", map_size_bytes=64 * MiB)  # type: ignore[assignment]
+        else SharedKvStoreBackend(tmp_path / "d", StoreOptions(map_size_bytes=64 * MiB))  # type: ignore[assignment]
     )
     s = start_server(store=store)
     try:

@@ -22,6 +22,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from epistemic_kvcache.errors import AuthError, DiskFullError, StorageIOError
+from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.proto.glob import Glob
 from epistemic_kvcache.server.context import Identity, ServerContext, ServerLimits
 from epistemic_kvcache.server.metrics import Metrics
@@ -908,7 +909,7 @@ def test_set_and_mset_hand_their_receive_buffers_to_the_store(backend: str, tmp_
     store: SharedKvIndex = (
         SharedKvIndex()
         if backend == "memory"
-        else SharedKvStoreBackend(tmp_path / "d", map_size_bytes=64 * MiB)  # type: ignore[assignment]
+        else SharedKvStoreBackend(tmp_path / "d", StoreOptions(map_size_bytes=64 * MiB))  # type: ignore[assignment]
     )
     srv = ServerThread(store=store)
     try:

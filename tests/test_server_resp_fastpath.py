@@ -18,6 +18,7 @@ import redis
 import uvloop
 
 import hangup
+from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.server.context import Identity, ServerContext, ServerLimits
 from epistemic_kvcache.server.metrics import Metrics
 from epistemic_kvcache.server.resp import make_resp_factory
@@ -74,9 +75,11 @@ class _Server:
 def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[_Server]:
     store: SharedKvBackend
     if request.param == "durable":
-        store = SharedKvStoreBackend(tmp_path, map_size_bytes=64 << 20, warm_capacity_bytes=0)
+        store = SharedKvStoreBackend(
+            tmp_path, StoreOptions(map_size_bytes=64 << 20, warm_capacity_bytes=0)
+        )
     else:
-        store = SharedKvIndex(warm_capacity_bytes=0)
+        store = SharedKvIndex(StoreOptions(warm_capacity_bytes=0))
     s = _Server(store)
     yield s
     s.close()

@@ -21,6 +21,7 @@ import redis
 import uvloop
 
 from epistemic_kvcache.errors import AuthError
+from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.server.context import Identity, ServerContext, ServerLimits
 from epistemic_kvcache.server.metrics import Metrics
 from epistemic_kvcache.server.resp import make_resp_factory
@@ -89,8 +90,10 @@ class _Server:
 
 def _store(kind: str, path: Path) -> SharedKvBackend:
     if kind == "durable":
-        return SharedKvStoreBackend(path, map_size_bytes=64 << 20, warm_capacity_bytes=0)
-    return SharedKvIndex(warm_capacity_bytes=0)
+        return SharedKvStoreBackend(
+            path, StoreOptions(map_size_bytes=64 << 20, warm_capacity_bytes=0)
+        )
+    return SharedKvIndex(StoreOptions(warm_capacity_bytes=0))
 
 
 @pytest.fixture(params=["durable", "memory"])
@@ -225,7 +228,7 @@ def test_durable_exec_shares_group_commits(tmp_path: Path) -> None:
     finally:
         s.close()
     # acknowledged by EXEC means on disk: a reopened store has every value
-    store = SharedKvStoreBackend(tmp_path, map_size_bytes=64 << 20)
+    store = SharedKvStoreBackend(tmp_path, StoreOptions(map_size_bytes=64 << 20))
     try:
         assert [bytes(store.get("alpha", k) or b"") for k in values] == list(values.values())
     finally:

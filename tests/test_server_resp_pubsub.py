@@ -26,6 +26,7 @@ import redis
 import uvloop
 
 from epistemic_kvcache.errors import AuthError
+from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.server.app import retire_forever, watch_epochs_forever
 from epistemic_kvcache.server.context import Identity, ServerContext, ServerLimits
 from epistemic_kvcache.server.metrics import Metrics
@@ -321,7 +322,11 @@ class Peer:
 
 def test_watcher_publishes_bumps_made_by_another_process(tmp_path: Path) -> None:
     epochs = tmp_path / "epochs"
-    srv = Server(SharedKvStoreBackend(tmp_path / "here", epoch_dir=epochs, map_size_bytes=1 << 26))
+    srv = Server(
+        SharedKvStoreBackend(
+            tmp_path / "here", StoreOptions(map_size_bytes=1 << 26), epoch_dir=epochs
+        )
+    )
     peer = Peer(tmp_path / "peer", epochs)
     try:
         srv.start_task(watch_epochs_forever, srv.ctx, 0.05)

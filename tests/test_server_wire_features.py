@@ -21,6 +21,7 @@ import urllib3
 import uvloop
 
 from epistemic_kvcache.errors import AuthError
+from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.server.context import Identity, ServerContext, ServerLimits
 from epistemic_kvcache.server.http import make_http_factory
 from epistemic_kvcache.server.metrics import Metrics
@@ -91,7 +92,8 @@ class Srv:
 
 
 def start(limits: ServerLimits | None = None, **store_kw: Any) -> Srv:
-    store = SwitchableHealthIndex(hot_capacity_bytes=256 * MiB, warm_capacity_bytes=0, **store_kw)
+    options = StoreOptions(hot_capacity_bytes=256 * MiB, warm_capacity_bytes=0, **store_kw)
+    store = SwitchableHealthIndex(options)
     ctx = ServerContext(
         store=store,
         auth=TokenAuth(),

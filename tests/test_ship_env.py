@@ -86,12 +86,12 @@ def test_bad_client_value_names_the_variable() -> None:
 
 
 def test_first_write_wins_tenants() -> None:
-    assert load_config({}, {}).store_options()["first_write_wins"] is False
+    assert load_config({}, {}).store.first_write_wins is False
     c = load_config({"first_write_wins_tenants": "a,b"}, {})
     assert c.first_write_wins_tenants == ("a", "b")
-    assert c.store_options()["first_write_wins"] == frozenset({"a", "b"})
+    assert c.store.first_write_wins == frozenset({"a", "b"})
     c = load_config({}, {P + "FIRST_WRITE_WINS_TENANTS": "*"})
-    assert c.store_options()["first_write_wins"] is True
+    assert c.store.first_write_wins is True
 
 
 def test_client_token_from_a_file(tmp_path) -> None:  # type: ignore[no-untyped-def]

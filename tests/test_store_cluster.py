@@ -27,6 +27,7 @@ from epistemic_kvcache.errors import (
     ConfigurationError,
     QuotaExceededError,
 )
+from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.store import SharedKvIndex
 from epistemic_kvcache.store import cluster_lua as L
 from epistemic_kvcache.store.api import PutOutcome
@@ -119,7 +120,7 @@ def test_cluster_url_parsing(tmp_path: Path) -> None:
 def test_unreachable_cluster_is_a_clear_startup_error() -> None:
     port = held_port()  # reserved, nothing listens: connections are refused
     with pytest.raises(ConfigurationError, match="cannot reach the cluster"):
-        ClusterBackend(f"redis://127.0.0.1:{port}", retry_window_s=0.5)
+        ClusterBackend(f"redis://127.0.0.1:{port}", StoreOptions(cluster_retry_window_s=0.5))
 
 
 def test_tls_cluster_with_a_ca_file_and_a_password_file(tmp_path: Path) -> None:
@@ -136,9 +137,17 @@ def test_tls_cluster_with_a_ca_file_and_a_password_file(tmp_path: Path) -> None:
         pw = tmp_path / "cluster-password"
         pw.write_text(cluster.password + "\n")
         with pytest.raises(ConfigurationError, match=r"cannot reach|verify|certificate"):
-            ClusterBackend(f"rediss://default@{hosts}", password_file=pw, retry_window_s=1)
+            ClusterBackend(
+                f"rediss://default@{hosts}",
+                StoreOptions(cluster_retry_window_s=1),
+                password_file=pw,
+            )
         with pytest.raises(ConfigurationError, match="credentials"):
-            ClusterBackend(f"rediss://default:wrong@{hosts}", tls_ca=files[0], retry_window_s=1)
+            ClusterBackend(
+                f"rediss://default:wrong@{hosts}",
+                StoreOptions(cluster_retry_window_s=1),
+                tls_ca=files[0],
+            )
         srv = front_end(
             tmp_path / "fe",
             cluster,
@@ -376,7 +385,9 @@ def test_kill_a_front_end_the_others_serve_and_it_restarts_at_once(
 # -- the store API directly: write rules, leaks and the scrub ------------------------------
 @pytest.fixture(scope="module")
 def store(cluster: LocalCluster) -> Iterator[ClusterBackend]:
-    s = ClusterBackend(cluster.url, key_prefix="api", scrub_interval_s=0)
+    s = ClusterBackend(
+        cluster.url, StoreOptions(cluster_key_prefix="api", cluster_scrub_interval_s=0)
+    )
     s.release_limit_ms, s.scrub_settle_ms = 300, 600  # no concurrent releases here
     yield s
     s.close()
@@ -416,7 +427,12 @@ def test_write_rules_match_the_single_node_store(
 
 def test_first_write_wins_tenants(cluster: LocalCluster) -> None:
     s = ClusterBackend(
-        cluster.url, key_prefix="fww", scrub_interval_s=0, first_write_wins=frozenset({"audit"})
+        cluster.url,
+        StoreOptions(
+            cluster_key_prefix="fww",
+            cluster_scrub_interval_s=0,
+            first_write_wins=frozenset({"audit"}),
+        ),
     )
     try:
         assert s.put("audit", "k", b"one").outcome is PutOutcome.NEW
@@ -431,7 +447,9 @@ def test_first_write_wins_tenants(cluster: LocalCluster) -> None:
 def test_evicted_block_reads_as_a_miss_and_is_cleaned_up(
     store: ClusterBackend, cluster: LocalCluster
 ) -> None:
-    other = ClusterBackend(cluster.url, key_prefix="api", scrub_interval_s=0)
+    other = ClusterBackend(
+        cluster.url, StoreOptions(cluster_key_prefix="api", cluster_scrub_interval_s=0)
+    )
     try:
         store.put("evict", "k1", b"e" * 5000)
         store.put("evict", "k2", b"e" * 5000)
@@ -517,7 +535,12 @@ def test_a_late_release_is_refused_and_left_to_the_scrub(
 
 
 def test_pins_make_a_block_unevictable(store: ClusterBackend, cluster: LocalCluster) -> None:
-    s = ClusterBackend(cluster.url, key_prefix="ttl", block_ttl_s=3600, scrub_interval_s=0)
+    s = ClusterBackend(
+        cluster.url,
+        StoreOptions(
+            cluster_key_prefix="ttl", cluster_block_ttl_s=3600, cluster_scrub_interval_s=0
+        ),
+    )
     try:
         s.put("p", "k", b"pinned bytes")
         bkey = L.blob_key("ttl", digest_of(b"pinned bytes"), "p")
@@ -539,7 +562,9 @@ def test_pins_make_a_block_unevictable(store: ClusterBackend, cluster: LocalClus
 
 
 def test_batches_mix_ram_cluster_and_misses(store: ClusterBackend, cluster: LocalCluster) -> None:
-    other = ClusterBackend(cluster.url, key_prefix="api", scrub_interval_s=0)
+    other = ClusterBackend(
+        cluster.url, StoreOptions(cluster_key_prefix="api", cluster_scrub_interval_s=0)
+    )
     try:
         blocks = {f"m{i}": os.urandom(3000 + i) for i in range(6)}
         for k, v in blocks.items():
@@ -621,8 +646,12 @@ def test_a_write_whose_reply_is_lost_keeps_the_counts_right(
     reuse a reference that the entry consumed and a later writer may have released."""
     from epistemic_kvcache.store.cluster_conn import Unknown
 
-    s = ClusterBackend(cluster.url, key_prefix="lost", scrub_interval_s=0)
-    other = ClusterBackend(cluster.url, key_prefix="lost", scrub_interval_s=0)
+    s = ClusterBackend(
+        cluster.url, StoreOptions(cluster_key_prefix="lost", cluster_scrub_interval_s=0)
+    )
+    other = ClusterBackend(
+        cluster.url, StoreOptions(cluster_key_prefix="lost", cluster_scrub_interval_s=0)
+    )
     try:
         real = s._conn.exec
         fired = []
@@ -822,7 +851,9 @@ def test_add_a_master_and_rebalance_while_clients_write_and_read(tmp_path: Path)
 @pytest.mark.slow
 def test_a_front_end_that_loses_the_cluster_serves_ram_and_recovers(tmp_path: Path) -> None:
     with LocalCluster(tmp_path / "cluster", masters=3, replicas=0) as cluster:
-        s = ClusterBackend(cluster.url, retry_window_s=2.0, scrub_interval_s=0)
+        s = ClusterBackend(
+            cluster.url, StoreOptions(cluster_retry_window_s=2.0, cluster_scrub_interval_s=0)
+        )
         try:
             blocks = {f"k{i}": os.urandom(10_000) for i in range(10)}
             for k, v in blocks.items():

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from epistemic_kvcache.errors import QuotaExceededError
+from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.store import cluster_snapshots as CS
 from epistemic_kvcache.store.api import PutOutcome
 from epistemic_kvcache.store.cluster import ClusterBackend
@@ -79,7 +80,10 @@ def scope() -> str:
 @pytest.fixture
 def store(cluster: LocalCluster) -> Iterator[ClusterBackend]:
     """A front-end with a prefix of its own: every test starts from an empty deployment."""
-    s = ClusterBackend(cluster.url, key_prefix=f"t{secrets.token_hex(4)}", scrub_interval_s=0)
+    s = ClusterBackend(
+        cluster.url,
+        StoreOptions(cluster_key_prefix=f"t{secrets.token_hex(4)}", cluster_scrub_interval_s=0),
+    )
     s.release_limit_ms, s.scrub_settle_ms = 300, 600
     yield s
     s.close()
@@ -92,7 +96,8 @@ def opener(cluster: LocalCluster) -> Iterator[Callable[..., ClusterBackend]]:
 
     def open_store(**options: Any) -> ClusterBackend:
         prefix = f"t{secrets.token_hex(4)}"
-        s = ClusterBackend(cluster.url, key_prefix=prefix, scrub_interval_s=0, **options)
+        opts = StoreOptions(cluster_key_prefix=prefix, cluster_scrub_interval_s=0)
+        s = ClusterBackend(cluster.url, opts, **options)
         s.release_limit_ms, s.scrub_settle_ms = 300, 600
         opened.append(s)
         return s
@@ -103,7 +108,9 @@ def opener(cluster: LocalCluster) -> Iterator[Callable[..., ClusterBackend]]:
 
 
 def peer(cluster: LocalCluster, store: ClusterBackend) -> ClusterBackend:
-    return ClusterBackend(cluster.url, key_prefix=store.prefix, scrub_interval_s=0)
+    return ClusterBackend(
+        cluster.url, StoreOptions(cluster_key_prefix=store.prefix, cluster_scrub_interval_s=0)
+    )
 
 
 def test_another_front_end_sees_and_forks_the_snapshot(
@@ -200,7 +207,10 @@ def test_an_interrupted_drop_is_finished_by_any_front_end(
 
 def test_snapshot_quota(cluster: LocalCluster) -> None:
     s = ClusterBackend(
-        cluster.url, key_prefix="quota", scrub_interval_s=0, max_snapshots_per_tenant=2
+        cluster.url,
+        StoreOptions(
+            cluster_key_prefix="quota", cluster_scrub_interval_s=0, max_snapshots_per_tenant=2
+        ),
     )
     try:
         s.put(NS, "a", os.urandom(100))

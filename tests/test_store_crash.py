@@ -81,7 +81,7 @@ def _verify(
     acked_deleted: set[Ref],
 ) -> set[Ref]:
     """Reopen the store, check it against what was acknowledged; return the keys found."""
-    with SharedKvStoreBackend(persist_dir, **writer.STORE_OPTIONS) as store:  # type: ignore[arg-type]
+    with SharedKvStoreBackend(persist_dir, writer.STORE_OPTIONS) as store:
         report = store.check(deep=True)
         assert report.ok, report
         found = {(ns, k) for ns in writer.NAMESPACES for k in store.keys(ns, limit=1 << 20)}

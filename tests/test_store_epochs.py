@@ -22,6 +22,7 @@ import blake3
 import pytest
 
 from epistemic_kvcache.errors import ConfigurationError, InvalidKeyError
+from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.store import PutOutcome, SharedKvBackend, SharedKvIndex, SharedKvStoreBackend
 
 NS = "tenant-a"
@@ -41,7 +42,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SharedKvBa
     if request.param == "memory":
         s = SharedKvIndex()
     else:
-        s = SharedKvStoreBackend(tmp_path / "store", map_size_bytes=64 << 20)
+        s = SharedKvStoreBackend(tmp_path / "store", StoreOptions(map_size_bytes=64 << 20))
     yield s
     s.close()
 
@@ -212,17 +213,17 @@ def test_invalid_scopes_are_refused(store: SharedKvBackend) -> None:
 
 def test_epochs_and_tags_persist_across_reopen(tmp_path: Path) -> None:
     path = tmp_path / "store"
-    with SharedKvStoreBackend(path, map_size_bytes=64 << 20) as s:
+    with SharedKvStoreBackend(path, StoreOptions(map_size_bytes=64 << 20)) as s:
         s.put(NS, "old", blob("old"), epoch_scope=SCOPE)
         assert s.epoch_bump(NS, SCOPE) == 1
         s.put(NS, "new", blob("new"), epoch_scope=SCOPE)
-    with SharedKvStoreBackend(path, map_size_bytes=64 << 20) as s:
+    with SharedKvStoreBackend(path, StoreOptions(map_size_bytes=64 << 20)) as s:
         assert s.epoch_get(NS, SCOPE) == 1
         assert read(s, "old") is None
         assert read(s, "new") == blob("new")
         assert s.epoch_bump(NS, SCOPE) == 2
         assert read(s, "new") is None
-    with SharedKvStoreBackend(path, map_size_bytes=64 << 20) as s:
+    with SharedKvStoreBackend(path, StoreOptions(map_size_bytes=64 << 20)) as s:
         assert s.retire_stale() == 2
         assert s.count(NS) == 0
         assert s.stats(None).unique_blocks == 0
@@ -231,22 +232,26 @@ def test_epochs_and_tags_persist_across_reopen(tmp_path: Path) -> None:
 
 def test_a_custom_epoch_dir_is_used(tmp_path: Path) -> None:
     epochs = tmp_path / "registry"
-    with SharedKvStoreBackend(tmp_path / "a", epoch_dir=epochs, map_size_bytes=64 << 20) as s:
+    with SharedKvStoreBackend(
+        tmp_path / "a", StoreOptions(map_size_bytes=64 << 20), epoch_dir=epochs
+    ) as s:
         assert s.epoch_dir == epochs
         s.epoch_bump(NS, SCOPE)
     assert (epochs / "data.mdb").exists()
     assert not (tmp_path / "a" / "epochs").exists()
-    with SharedKvStoreBackend(tmp_path / "b", epoch_dir=epochs, map_size_bytes=64 << 20) as s:
+    with SharedKvStoreBackend(
+        tmp_path / "b", StoreOptions(map_size_bytes=64 << 20), epoch_dir=epochs
+    ) as s:
         assert s.epoch_get(NS, SCOPE) == 1  # another store, same registry
 
 
 def test_one_persist_dir_is_one_process(tmp_path: Path) -> None:
     """Sharing means sharing the epoch registry: a persist dir itself is locked."""
     with (
-        SharedKvStoreBackend(tmp_path / "store", map_size_bytes=64 << 20),
+        SharedKvStoreBackend(tmp_path / "store", StoreOptions(map_size_bytes=64 << 20)),
         pytest.raises(ConfigurationError, match="in use"),
     ):
-        SharedKvStoreBackend(tmp_path / "store", map_size_bytes=64 << 20)
+        SharedKvStoreBackend(tmp_path / "store", StoreOptions(map_size_bytes=64 << 20))
 
 
 class _Peer:
@@ -288,7 +293,7 @@ def test_a_bump_in_another_process_is_seen_at_once(tmp_path: Path) -> None:
     peer = _Peer(tmp_path / "peer", epochs)
     try:
         with SharedKvStoreBackend(
-            tmp_path / "here", epoch_dir=epochs, map_size_bytes=64 << 20
+            tmp_path / "here", StoreOptions(map_size_bytes=64 << 20), epoch_dir=epochs
         ) as here:
             here.put(NS, "k", blob("here"), epoch_scope=SCOPE)
             here.put(NS, "plain", blob("plain"))
@@ -321,7 +326,7 @@ def test_a_bump_in_another_process_is_seen_at_once(tmp_path: Path) -> None:
             # a bump made while this store is closed is seen when it reopens
         assert peer.ask("bump", NS, SCOPE) == "3"
         with SharedKvStoreBackend(
-            tmp_path / "here", epoch_dir=epochs, map_size_bytes=64 << 20
+            tmp_path / "here", StoreOptions(map_size_bytes=64 << 20), epoch_dir=epochs
         ) as here:
             assert here.epoch_get(NS, SCOPE) == 3
             assert read(here, "k3") is None

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from epistemic_kvcache.errors import DiskFullError, StorageIOError
+from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.store import (
     DiskIO,
     PutOutcome,
@@ -111,8 +112,7 @@ def bf16_block(seed: int, size: int = 48 << 10) -> bytes:
 
 
 def open_durable(path: Path, io: DiskIO | None = None, **kw: int) -> SharedKvStoreBackend:
-    opts: dict[str, int] = {"map_size_bytes": 64 << 20, **kw}
-    return SharedKvStoreBackend(path, io=io, **opts)  # type: ignore[arg-type]
+    return SharedKvStoreBackend(path, StoreOptions(**{"map_size_bytes": 64 << 20, **kw}), io=io)
 
 
 def assert_reads(store: SharedKvBackend, expected: dict[str, bytes]) -> None:
@@ -324,7 +324,9 @@ def test_deep_check_reports_a_flipped_byte_on_disk(tmp_path: Path) -> None:
 def test_flipped_byte_in_warm_tier_is_detected(tmp_path: Path, backend: str, kind: str) -> None:
     caps = {"hot_capacity_bytes": 64 << 10, "warm_capacity_bytes": 1 << 20}
     store: SharedKvBackend = (
-        SharedKvIndex(**caps) if backend == "memory" else open_durable(tmp_path, **caps)
+        SharedKvIndex(StoreOptions(**caps))
+        if backend == "memory"
+        else open_durable(tmp_path, **caps)
     )
     make = (
         (lambda i: bf16_block(i)) if kind == "compressed" else (lambda i: block(str(i), 48 << 10))

@@ -23,6 +23,7 @@ from pathlib import Path
 import lmdb
 import pytest
 
+from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.store import SharedKvStoreBackend, tools
 from epistemic_kvcache.store.index import _BLOB_ROW, seal_row
 from epistemic_kvcache.store.records import Op
@@ -38,7 +39,7 @@ def block(i: int, size: int = 20_000) -> bytes:
 
 
 def open_store(path: Path, **kw: object) -> SharedKvStoreBackend:
-    return SharedKvStoreBackend(path, **{**OPTS, **kw})  # type: ignore[arg-type]
+    return SharedKvStoreBackend(path, StoreOptions(**{**OPTS, **kw}))  # type: ignore[arg-type]
 
 
 def fill(path: Path, n: int = 40) -> dict[str, bytes]:
@@ -182,7 +183,8 @@ def test_a_rebuild_lifts_a_quarantine_whose_block_verifies(tmp_path: Path) -> No
 def _start(path: Path) -> subprocess.CompletedProcess[str]:
     code = (
         "import sys; from epistemic_kvcache.store import SharedKvStoreBackend as S\n"
-        "s = S(sys.argv[1], map_size_bytes=64 << 20)\n"
+        "from epistemic_kvcache.options import StoreOptions\n"
+        "s = S(sys.argv[1], StoreOptions(map_size_bytes=64 << 20))\n"
         "print(len(s.keys('tenant', limit=100000)), s.stats(None).extra['lost_keys'])\n"
         "s.close()"
     )

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from epistemic_kvcache.errors import CapacityError, InvalidKeyError, NotFoundError
+from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.store import SharedKvIndex, SharedKvStoreBackend
 from epistemic_kvcache.store.engine import WOULD_BLOCK, branch_ns
 
@@ -19,7 +20,7 @@ LONG = "p/" + "k" * 1022  # 1024 bytes: the documented maximum
 
 
 def _durable(path: Path, **kw: int) -> SharedKvStoreBackend:
-    return SharedKvStoreBackend(path, **kw)  # type: ignore[arg-type]
+    return SharedKvStoreBackend(path, StoreOptions(**kw))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("backend", ["memory", "durable"])
@@ -94,7 +95,7 @@ def test_too_long_keys_and_scopes_are_refused_clearly(tmp_path: Path) -> None:
 @pytest.mark.parametrize("backend", ["memory", "durable"])
 def test_branch_put_racing_branch_delete_leaves_no_orphan(tmp_path: Path, backend: str) -> None:
     store = (
-        SharedKvIndex(hot_capacity_bytes=256 << 20)
+        SharedKvIndex(StoreOptions(hot_capacity_bytes=256 << 20))
         if backend == "memory"
         else _durable(tmp_path, hot_capacity_bytes=256 << 20, warm_capacity_bytes=0)
     )
@@ -214,7 +215,7 @@ def test_one_tenant_cannot_pin_the_store_full(tmp_path: Path, backend: str) -> N
     so another tenant's PUTs still find room."""
     caps = {"hot_capacity_bytes": 1 << 20, "warm_capacity_bytes": 0}
     store = (
-        SharedKvIndex(**caps, max_snapshots_per_tenant=3)
+        SharedKvIndex(StoreOptions(**caps, max_snapshots_per_tenant=3))
         if backend == "memory"
         else _durable(
             tmp_path,
@@ -256,7 +257,7 @@ def test_per_tenant_key_and_epoch_scope_quotas(tmp_path: Path, backend: str) -> 
 
     opts = {"max_keys_per_tenant": 5, "max_epoch_scopes_per_tenant": 3}
     store = (
-        SharedKvIndex(**opts)
+        SharedKvIndex(StoreOptions(**opts))
         if backend == "memory"
         else _durable(tmp_path, map_size_bytes=64 << 20, **opts)
     )
@@ -294,7 +295,9 @@ def test_quotas_hold_under_concurrent_requests(tmp_path: Path, backend: str) -> 
 
     store = (
         SharedKvIndex(
-            hot_capacity_bytes=64 << 20, warm_capacity_bytes=0, max_snapshots_per_tenant=5
+            StoreOptions(
+                hot_capacity_bytes=64 << 20, warm_capacity_bytes=0, max_snapshots_per_tenant=5
+            )
         )
         if backend == "memory"
         else _durable(

@@ -23,6 +23,7 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.store import (
     PutOutcome,
     SharedKvBackend,
@@ -323,7 +324,7 @@ class MemoryModel(StoreModel):
     durable = False
 
     def open_store(self, *, rebuild: bool = False) -> SharedKvBackend:
-        return SharedKvIndex(dedup_scope=self.scope)  # type: ignore[arg-type]
+        return SharedKvIndex(StoreOptions(dedup_scope=self.scope))  # type: ignore[arg-type]
 
 
 class DurableModel(StoreModel):
@@ -333,11 +334,13 @@ class DurableModel(StoreModel):
         assert self.tmpdir is not None
         return SharedKvStoreBackend(
             self.tmpdir,
-            dedup_scope=self.scope,  # type: ignore[arg-type]
-            map_size_bytes=64 << 20,
-            segment_bytes=64 << 10,  # small segments: rollover and segment deletion happen
-            checkpoint_interval_s=0.05,  # checkpoints land between steps, or lag behind
-            rebuild_index=rebuild,
+            StoreOptions(
+                dedup_scope=self.scope,  # type: ignore[arg-type]
+                map_size_bytes=64 << 20,
+                segment_bytes=64 << 10,  # small segments: rollover and segment deletion happen
+                checkpoint_interval_s=0.05,  # checkpoints land between steps, or lag behind
+                rebuild_index=rebuild,
+            ),
         )
 
 
@@ -351,13 +354,15 @@ class DurableUnderPressureModel(DurableModel):
         assert self.tmpdir is not None
         return SharedKvStoreBackend(
             self.tmpdir,
-            dedup_scope=self.scope,  # type: ignore[arg-type]
-            hot_capacity_bytes=8 << 10,
-            warm_capacity_bytes=6 << 10,
-            map_size_bytes=64 << 20,
-            segment_bytes=64 << 10,
-            checkpoint_interval_s=0.05,
-            rebuild_index=rebuild,
+            StoreOptions(
+                dedup_scope=self.scope,  # type: ignore[arg-type]
+                hot_capacity_bytes=8 << 10,
+                warm_capacity_bytes=6 << 10,
+                map_size_bytes=64 << 20,
+                segment_bytes=64 << 10,
+                checkpoint_interval_s=0.05,
+                rebuild_index=rebuild,
+            ),
         )
 
 

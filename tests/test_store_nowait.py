@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from epistemic_kvcache.errors import InvalidKeyError
+from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.store import PutResult, SharedKvIndex, SharedKvStoreBackend
 from epistemic_kvcache.store.api import PutOutcome
 from epistemic_kvcache.store.engine import INLINE_MAX_BYTES, WOULD_BLOCK
@@ -20,11 +21,14 @@ NS = "tenant"
 
 
 def durable(path: Path, **kw: int) -> SharedKvStoreBackend:
-    return SharedKvStoreBackend(path, map_size_bytes=64 << 20, warm_capacity_bytes=0, **kw)  # type: ignore[arg-type]
+    return SharedKvStoreBackend(
+        path,
+        StoreOptions(map_size_bytes=64 << 20, warm_capacity_bytes=0, **kw),  # type: ignore[arg-type]
+    )
 
 
 def test_memory_get_nowait_hit_and_miss_are_counted_once() -> None:
-    store = SharedKvIndex(warm_capacity_bytes=0)
+    store = SharedKvIndex(StoreOptions(warm_capacity_bytes=0))
     store.put(NS, "k", b"v" * 100)
     assert store.get_nowait(NS, "k") == b"v" * 100
     assert store.get_nowait(NS, "absent") is None
@@ -35,7 +39,7 @@ def test_memory_get_nowait_hit_and_miss_are_counted_once() -> None:
 
 
 def test_memory_put_nowait_small_is_done_large_or_full_would_block() -> None:
-    store = SharedKvIndex(hot_capacity_bytes=1 << 20, warm_capacity_bytes=1 << 20)
+    store = SharedKvIndex(StoreOptions(hot_capacity_bytes=1 << 20, warm_capacity_bytes=1 << 20))
     r = store.put_nowait(NS, "small", b"x" * 1000)
     assert isinstance(r, PutResult)
     assert r.outcome is PutOutcome.NEW
@@ -56,7 +60,7 @@ def test_memory_put_nowait_small_is_done_large_or_full_would_block() -> None:
 def test_memory_put_nowait_into_a_full_cache_evicts_inline_within_the_bound() -> None:
     # no warm tier: making room only drops blocks, so a full cache still answers inline
     cap = 64 * 4096
-    store = SharedKvIndex(hot_capacity_bytes=cap, warm_capacity_bytes=0)
+    store = SharedKvIndex(StoreOptions(hot_capacity_bytes=cap, warm_capacity_bytes=0))
     for i in range(200):
         r = store.put_nowait(NS, f"k{i}", os.urandom(4096))
         assert isinstance(r, PutResult), i
@@ -71,7 +75,7 @@ def test_memory_put_nowait_into_a_full_cache_evicts_inline_within_the_bound() ->
 
 def test_memory_put_nowait_into_a_full_cache_compresses_only_small_victims_inline() -> None:
     cap = 1 << 20
-    store = SharedKvIndex(hot_capacity_bytes=cap, warm_capacity_bytes=cap)
+    store = SharedKvIndex(StoreOptions(hot_capacity_bytes=cap, warm_capacity_bytes=cap))
     for i in range(300):  # small, compressible blocks: demoted to warm on the caller's thread
         block = i.to_bytes(4, "little") + bytes(4092)  # unique, compressible
         assert isinstance(store.put_nowait(NS, f"s{i}", block), PutResult)

@@ -19,6 +19,7 @@ import pytest
 
 from epistemic_kvcache import buffers
 from epistemic_kvcache.buffers import Handover
+from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.store import Buffer, SharedKvIndex, SharedKvStoreBackend
 from epistemic_kvcache.store.api import owned_buffer
 from epistemic_kvcache.store.engine import WOULD_BLOCK, TieredEngine
@@ -42,16 +43,18 @@ def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opener]:
             if opened:
                 return opened[0]
             store: TieredEngine = SharedKvIndex(
-                hot_capacity_bytes=64 * MiB, warm_capacity_bytes=64 * MiB
+                StoreOptions(hot_capacity_bytes=64 * MiB, warm_capacity_bytes=64 * MiB)
             )
         else:
             for s in opened:
                 s.close()
             store = SharedKvStoreBackend(
                 tmp_path / "store",
-                map_size_bytes=64 * MiB,
-                hot_capacity_bytes=64 * MiB,
-                warm_capacity_bytes=64 * MiB,
+                StoreOptions(
+                    map_size_bytes=64 * MiB,
+                    hot_capacity_bytes=64 * MiB,
+                    warm_capacity_bytes=64 * MiB,
+                ),
             )
         opened.append(store)
         return store

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from epistemic_kvcache.errors import ConfigurationError
+from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.store import SharedKvStoreBackend, tools
 from epistemic_kvcache.store.segments import Segment, scan
 
@@ -36,7 +37,7 @@ def block(i: int, size: int = 20_000) -> bytes:
 
 def fill(path: Path, n: int = 60, **kw: object) -> dict[str, bytes]:
     data = {f"k{i}": block(i) for i in range(n)}
-    with SharedKvStoreBackend(path, **{**OPTS, **kw}) as store:  # type: ignore[arg-type]
+    with SharedKvStoreBackend(path, StoreOptions(**{**OPTS, **kw})) as store:  # type: ignore[arg-type]
         for key, value in data.items():
             store.put(NS, key, value)
     return data
@@ -47,7 +48,7 @@ def seg_files(path: Path) -> dict[str, bytes]:
 
 
 def open_store(path: Path, **kw: object) -> SharedKvStoreBackend:
-    return SharedKvStoreBackend(path, **{**OPTS, **kw})  # type: ignore[arg-type]
+    return SharedKvStoreBackend(path, StoreOptions(**{**OPTS, **kw}))  # type: ignore[arg-type]
 
 
 def assert_all(store: SharedKvStoreBackend, data: dict[str, bytes]) -> None:
@@ -82,7 +83,8 @@ def test_a_lost_index_is_refused_then_rebuilt_from_the_log(tmp_path: Path, how: 
             sys.executable,
             "-c",
             "import sys; from epistemic_kvcache.store import SharedKvStoreBackend as S; "
-            "S(sys.argv[1], map_size_bytes=64 << 20)",
+            "from epistemic_kvcache.options import StoreOptions as O; "
+            "S(sys.argv[1], O(map_size_bytes=64 << 20))",
             str(tmp_path),
         ],
         capture_output=True,
@@ -168,8 +170,9 @@ def test_sigkill_before_a_checkpoint_replays_the_log_tail(tmp_path: Path) -> Non
     script = textwrap.dedent(
         f"""
         import sys
+        from epistemic_kvcache.options import StoreOptions
         from epistemic_kvcache.store import SharedKvStoreBackend
-        s = SharedKvStoreBackend(sys.argv[1], checkpoint_interval_s=3600, **{OPTS!r})
+        s = SharedKvStoreBackend(sys.argv[1], StoreOptions(checkpoint_interval_s=3600, **{OPTS!r}))
         for i in range(200):
             s.put("{NS}", f"k{{i}}", (f"block-{{i}}:".encode() * 2501)[:20000])
         for i in range(0, 200, 3):

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -37,6 +38,7 @@ from hypothesis.stateful import (
 )
 
 from epistemic_kvcache.errors import CapacityError, NotFoundError
+from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.store import PutOutcome, SharedKvBackend, SharedKvIndex, SharedKvStoreBackend
 from helpers import FakeClock
 
@@ -68,15 +70,15 @@ def opener(backend: str, scope: str, tmp_path: Path) -> Iterator[Opener]:
     """Opens a store of the parametrized kind; the durable one always in the same dir."""
     opened: list[SharedKvBackend] = []
 
-    def open_store(**options: Any) -> SharedKvBackend:
+    def open_store(*, clock: Callable[[], float] = time.time, **options: Any) -> SharedKvBackend:
         store: SharedKvBackend
         if backend == "memory":
-            options.pop("cold_capacity_bytes", None)
-            store = SharedKvIndex(dedup_scope=scope, **options)  # type: ignore[arg-type]
+            store = SharedKvIndex(StoreOptions(dedup_scope=scope, **options), clock=clock)  # type: ignore[arg-type]
         else:
             options.setdefault("map_size_bytes", 256 << 20)
             options.setdefault("segment_bytes", 16 << 20)
-            store = SharedKvStoreBackend(tmp_path / "store", dedup_scope=scope, **options)  # type: ignore[arg-type]
+            opts = StoreOptions(dedup_scope=scope, **options)  # type: ignore[arg-type]
+            store = SharedKvStoreBackend(tmp_path / "store", opts, clock=clock)
         opened.append(store)
         return store
 
@@ -318,10 +320,12 @@ def test_snapshot_blocks_are_pinned_until_the_snapshot_goes(opener: Opener, back
 @pytest.mark.parametrize("scope", ["namespace", "global"])
 def test_a_memory_store_full_of_snapshot_blocks_refuses_new_ones(scope: str) -> None:
     store = SharedKvIndex(
-        hot_capacity_bytes=2 * 4096,
-        warm_capacity_bytes=2 * 4096,
-        dedup_scope=scope,  # type: ignore[arg-type]
-        max_pinned_fraction=1.0,  # a single-tenant deployment may pin everything
+        StoreOptions(
+            hot_capacity_bytes=2 * 4096,
+            warm_capacity_bytes=2 * 4096,
+            dedup_scope=scope,  # type: ignore[arg-type]
+            max_pinned_fraction=1.0,
+        ),  # a single-tenant deployment may pin everything
     )
     fill(store, NS, {f"h{i}": blob(f"h{i}") for i in range(4)})
     store.snapshot_create(NS)
@@ -421,14 +425,14 @@ def test_tenants_cannot_see_fork_or_delete_each_others_snapshots(store: SharedKv
 
 def test_durable_snapshots_and_branches_survive_reopen(tmp_path: Path, scope: str) -> None:
     path = tmp_path / "store"
-    with SharedKvStoreBackend(path, dedup_scope=scope, map_size_bytes=64 << 20) as s:  # type: ignore[arg-type]
+    with SharedKvStoreBackend(path, StoreOptions(dedup_scope=scope, map_size_bytes=64 << 20)) as s:  # type: ignore[arg-type]
         fill(s, NS, {"a": blob("a"), "b": blob("b")})
         snap = s.snapshot_create(NS, ttl_s=3600)
         br = s.branch_create(NS, snap.id)
         s.branch_put(NS, br.id, "a", blob("a-branch"))
         s.delete(NS, "a")
         stats = s.stats(None)
-    with SharedKvStoreBackend(path, dedup_scope=scope, map_size_bytes=64 << 20) as s:  # type: ignore[arg-type]
+    with SharedKvStoreBackend(path, StoreOptions(dedup_scope=scope, map_size_bytes=64 << 20)) as s:  # type: ignore[arg-type]
         assert s.snapshot_info(NS, snap.id) == snap
         assert s.branch_info(NS, br.id) is not None
         assert bytes(s.snapshot_get(NS, snap.id, "a") or b"") == blob("a")
@@ -443,7 +447,7 @@ def test_durable_snapshots_and_branches_survive_reopen(tmp_path: Path, scope: st
         )
         assert s.check(deep=True).ok
         assert s.snapshot_delete(NS, snap.id)
-    with SharedKvStoreBackend(path, dedup_scope=scope, map_size_bytes=64 << 20) as s:  # type: ignore[arg-type]
+    with SharedKvStoreBackend(path, StoreOptions(dedup_scope=scope, map_size_bytes=64 << 20)) as s:  # type: ignore[arg-type]
         assert s.snapshot_info(NS, snap.id) is None
         assert s.branch_info(NS, br.id) is None
         assert s.stats(NS).unique_blocks == 1  # b
@@ -454,12 +458,13 @@ _HOLDER = textwrap.dedent(
     """
     import sys, time
     import blake3
+    from epistemic_kvcache.options import StoreOptions
     from epistemic_kvcache.store import SharedKvStoreBackend
 
     def blob(label, size=4096):
         return blake3.blake3(label.encode()).digest(length=size)
 
-    s = SharedKvStoreBackend(sys.argv[1], map_size_bytes=64 << 20)
+    s = SharedKvStoreBackend(sys.argv[1], StoreOptions(map_size_bytes=64 << 20))
     for i in range(8):
         s.put("tenant-a", f"k{i}", blob(f"k{i}"))
     snap = s.snapshot_create("tenant-a")
@@ -489,7 +494,7 @@ def test_durable_snapshot_survives_sigkill_of_its_process(tmp_path: Path) -> Non
         proc.wait(10)
         if proc.stdout is not None:
             proc.stdout.close()
-    with SharedKvStoreBackend(path, map_size_bytes=64 << 20) as s:
+    with SharedKvStoreBackend(path, StoreOptions(map_size_bytes=64 << 20)) as s:
         assert s.count(NS) == 0
         for i in range(8):
             assert bytes(s.snapshot_get(NS, sid, f"k{i}") or b"") == blob(f"k{i}")
@@ -547,15 +552,17 @@ class SnapshotModel(RuleBasedStateMachine):
 
     def open_store(self, *, rebuild: bool = False) -> SharedKvBackend:
         if not self.durable:
-            return SharedKvIndex(dedup_scope=self.scope)  # type: ignore[arg-type]
+            return SharedKvIndex(StoreOptions(dedup_scope=self.scope))  # type: ignore[arg-type]
         assert self.tmpdir is not None
         return SharedKvStoreBackend(
             self.tmpdir,
-            dedup_scope=self.scope,  # type: ignore[arg-type]
-            map_size_bytes=64 << 20,
-            segment_bytes=1 << 20,
-            checkpoint_interval_s=0.05,
-            rebuild_index=rebuild,
+            StoreOptions(
+                dedup_scope=self.scope,  # type: ignore[arg-type]
+                map_size_bytes=64 << 20,
+                segment_bytes=1 << 20,
+                checkpoint_interval_s=0.05,
+                rebuild_index=rebuild,
+            ),
         )
 
     @property

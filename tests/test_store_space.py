@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from epistemic_kvcache.errors import DiskFullError
+from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.store import PutOutcome, SharedKvStoreBackend
 from test_store_faults import block, small_tmpfs
 
@@ -54,7 +55,9 @@ def wait_for_compaction(store: SharedKvStoreBackend, path: Path, bound: int) -> 
 def test_full_disk_deletes_work_and_space_comes_back_without_restart(tmp_path: Path) -> None:
     with small_tmpfs(tmp_path / "mnt", "8m") as mnt:
         path = mnt / "store"
-        store = SharedKvStoreBackend(path, segment_bytes=512 << 10, map_size_bytes=1 << 20)
+        store = SharedKvStoreBackend(
+            path, StoreOptions(segment_bytes=512 << 10, map_size_bytes=1 << 20)
+        )
         stored: dict[str, bytes] = {}
         for i in range(400):  # 64 KiB blocks until the file system is full
             key = f"k{i}"
@@ -87,7 +90,9 @@ def test_full_disk_deletes_work_and_space_comes_back_without_restart(tmp_path: P
             assert bytes(store.get(NS, key) or b"") == value
         assert store.check(deep=True).ok
         store.close()
-        with SharedKvStoreBackend(path, segment_bytes=512 << 10, map_size_bytes=1 << 20) as again:
+        with SharedKvStoreBackend(
+            path, StoreOptions(segment_bytes=512 << 10, map_size_bytes=1 << 20)
+        ) as again:
             assert sorted(again.keys(NS, limit=1000)) == sorted(stored)
             assert again.check(deep=True).ok
 
@@ -96,10 +101,10 @@ def test_churn_with_restarts_stays_within_the_disk_bound(tmp_path: Path) -> None
     """Rounds of write, delete, restart (each restart used to leave a sealed segment that
     was never compacted): the log stays within ~1.5x the live bytes plus a segment."""
     seg = 1 << 20
-    opts = {"segment_bytes": seg, "map_size_bytes": 64 << 20, "hot_capacity_bytes": 1 << 20}
+    opts = StoreOptions(segment_bytes=seg, map_size_bytes=64 << 20, hot_capacity_bytes=1 << 20)
     live: dict[str, bytes] = {}
     for r in range(10):
-        with SharedKvStoreBackend(tmp_path, **opts) as store:  # type: ignore[arg-type]
+        with SharedKvStoreBackend(tmp_path, opts) as store:
             for i in range(40):
                 key = f"r{r}-{i}"
                 live[key] = os.urandom(64 << 10)
@@ -111,7 +116,7 @@ def test_churn_with_restarts_stays_within_the_disk_bound(tmp_path: Path) -> None
             bound = int(1.5 * live_bytes) + 2 * seg + (256 << 10)
             got = wait_for_compaction(store, tmp_path, bound)
             assert got <= bound, (r, got, bound, store.stats(None).extra)
-    with SharedKvStoreBackend(tmp_path, **opts) as store:  # type: ignore[arg-type]
+    with SharedKvStoreBackend(tmp_path, opts) as store:
         assert sorted(store.keys(NS)) == sorted(live)
         for key, value in live.items():
             assert bytes(store.get(NS, key) or b"") == value
@@ -123,10 +128,10 @@ def test_the_cold_capacity_bounds_the_files_on_disk(tmp_path: Path) -> None:
     blocks are evicted (their payloads punched out) or their space compacted before new
     ones are written."""
     cap = 8 << 20
-    opts = {"cold_capacity_bytes": cap, "map_size_bytes": 64 << 20, "hot_capacity_bytes": 0}
+    opts = StoreOptions(cold_capacity_bytes=cap, map_size_bytes=64 << 20, hot_capacity_bytes=0)
     peak = 0
     for r in range(4):
-        with SharedKvStoreBackend(tmp_path, **opts) as store:  # type: ignore[arg-type]
+        with SharedKvStoreBackend(tmp_path, opts) as store:
             for i in range(100):
                 store.put(NS, f"r{r}-{i}", os.urandom(100 << 10))
                 peak = max(peak, disk_use(tmp_path))
@@ -134,7 +139,7 @@ def test_the_cold_capacity_bounds_the_files_on_disk(tmp_path: Path) -> None:
             assert stats.evictions > 0 or r == 0
             assert stats.tiers["cold"].bytes <= store.live_capacity_bytes
     assert peak <= cap, peak
-    with SharedKvStoreBackend(tmp_path, **opts) as store:  # type: ignore[arg-type]
+    with SharedKvStoreBackend(tmp_path, opts) as store:
         assert store.check(deep=True).ok
         n = store.count(NS)
         assert 40 <= n <= 80

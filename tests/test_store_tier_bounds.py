@@ -29,6 +29,7 @@ import redis
 
 from epistemic_kvcache.client import EpistemicGraphKVBackend, KvCacheConfig
 from epistemic_kvcache.errors import CapacityError
+from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.server.app import ServerHandle, ServerThread
 from epistemic_kvcache.store import SharedKvIndex, SharedKvStoreBackend
 from epistemic_kvcache.store.engine import WOULD_BLOCK, TieredEngine
@@ -63,16 +64,18 @@ def store_tiers(store: TieredEngine) -> dict[str, dict[str, int]]:
 
 # -- the engine, one path at a time ----------------------------------------------------
 def _memory(warm: int) -> TieredEngine:
-    return SharedKvIndex(hot_capacity_bytes=1 * MiB, warm_capacity_bytes=warm)
+    return SharedKvIndex(StoreOptions(hot_capacity_bytes=1 * MiB, warm_capacity_bytes=warm))
 
 
 def _durable(tmp_path: Path, warm: int) -> TieredEngine:
     return SharedKvStoreBackend(
         tmp_path,
-        hot_capacity_bytes=1 * MiB,
-        warm_capacity_bytes=warm,
-        cold_capacity_bytes=64 * MiB,
-        map_size_bytes=64 * MiB,
+        StoreOptions(
+            hot_capacity_bytes=1 * MiB,
+            warm_capacity_bytes=warm,
+            cold_capacity_bytes=64 * MiB,
+            map_size_bytes=64 * MiB,
+        ),
     )
 
 
@@ -139,7 +142,7 @@ def test_reads_that_promote_keep_every_tier_within_capacity(
     data = {f"k{i}": bf16(i, 256 * KiB) for i in range(n)}
     if backend == "memory":  # 1 MiB hot + 2 MiB warm hold all 12 (compressed in warm)
         store: TieredEngine = SharedKvIndex(
-            hot_capacity_bytes=1 * MiB, warm_capacity_bytes=2 * MiB + warm
+            StoreOptions(hot_capacity_bytes=1 * MiB, warm_capacity_bytes=2 * MiB + warm)
         )
         store.put_many(NS, list(data.items()))
     else:
@@ -164,7 +167,9 @@ def test_a_block_that_fits_no_tier_is_refused_and_nothing_is_lost() -> None:
     (the PUT said stored, the key was gone): now the PUT is refused with a precise error
     and the store is unchanged."""
     store = SharedKvIndex(
-        hot_capacity_bytes=1 * MiB, warm_capacity_bytes=256 * KiB, max_pinned_fraction=1.0
+        StoreOptions(
+            hot_capacity_bytes=1 * MiB, warm_capacity_bytes=256 * KiB, max_pinned_fraction=1.0
+        )
     )
     for i in range(3):
         store.put(NS, f"pin{i}", bf16(i, 256 * KiB))
@@ -314,17 +319,21 @@ def test_cluster_ram_tiers_stay_within_capacity(cluster: Any, warm: int) -> None
 
     writer = ClusterBackend(
         cluster.url,
-        key_prefix=f"bounds{warm}",
-        scrub_interval_s=3600,
-        hot_capacity_bytes=1 * MiB,
-        warm_capacity_bytes=warm,
+        StoreOptions(
+            cluster_key_prefix=f"bounds{warm}",
+            cluster_scrub_interval_s=3600,
+            hot_capacity_bytes=1 * MiB,
+            warm_capacity_bytes=warm,
+        ),
     )
     reader = ClusterBackend(
         cluster.url,
-        key_prefix=f"bounds{warm}",
-        scrub_interval_s=3600,
-        hot_capacity_bytes=1 * MiB,
-        warm_capacity_bytes=warm,
+        StoreOptions(
+            cluster_key_prefix=f"bounds{warm}",
+            cluster_scrub_interval_s=3600,
+            hot_capacity_bytes=1 * MiB,
+            warm_capacity_bytes=warm,
+        ),
     )
     try:
         data: dict[str, bytes] = {}

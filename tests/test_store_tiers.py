@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from epistemic_kvcache.errors import CapacityError
+from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.store import (
     PutOutcome,
     SharedKvIndex,
@@ -40,7 +41,7 @@ def rnd(seed: int, size: int = 256 * KiB) -> bytes:
 
 
 def durable(path: Path, **kw: Any) -> SharedKvStoreBackend:
-    return SharedKvStoreBackend(path, map_size_bytes=64 * MiB, **kw)
+    return SharedKvStoreBackend(path, StoreOptions(map_size_bytes=64 * MiB, **kw))
 
 
 def recount(store: TieredEngine, ns: str | None) -> dict[str, int]:
@@ -116,7 +117,7 @@ def assert_within_capacity(store: TieredEngine) -> None:
 
 # -- memory backend ----------------------------------------------------------------------
 def test_memory_demotes_to_compressed_warm_and_promotes_on_get() -> None:
-    store = SharedKvIndex(hot_capacity_bytes=1 * MiB, warm_capacity_bytes=2 * MiB)
+    store = SharedKvIndex(StoreOptions(hot_capacity_bytes=1 * MiB, warm_capacity_bytes=2 * MiB))
     data = {f"k{i}": bf16(i) for i in range(8)}  # 2 MiB logical
     for key, value in data.items():
         assert store.put(NS, key, value).outcome is PutOutcome.NEW
@@ -155,7 +156,7 @@ def _in(tier: Any, store: TieredEngine, key: str) -> bool:
 
 
 def test_memory_incompressible_blocks_stay_raw_and_overflow_evicts() -> None:
-    store = SharedKvIndex(hot_capacity_bytes=1 * MiB, warm_capacity_bytes=1 * MiB)
+    store = SharedKvIndex(StoreOptions(hot_capacity_bytes=1 * MiB, warm_capacity_bytes=1 * MiB))
     for i in range(16):  # 4 MiB of random bytes through 2 MiB of RAM
         store.put(NS, f"k{i}", rnd(i))
     s = store.stats(NS)
@@ -176,7 +177,9 @@ def test_memory_incompressible_blocks_stay_raw_and_overflow_evicts() -> None:
 
 def test_memory_pinned_blocks_are_never_evicted_and_full_pins_refuse_puts() -> None:
     store = SharedKvIndex(
-        hot_capacity_bytes=1 * MiB, warm_capacity_bytes=1 * MiB, max_pinned_fraction=1.0
+        StoreOptions(
+            hot_capacity_bytes=1 * MiB, warm_capacity_bytes=1 * MiB, max_pinned_fraction=1.0
+        )
     )
     for i in range(2):
         store.put(NS, f"pin{i}", rnd(100 + i))
@@ -325,7 +328,7 @@ def test_stats_exact_under_concurrency(tmp_path: Path, backend: str, scope: str)
     caps = {"hot_capacity_bytes": 1 * MiB, "warm_capacity_bytes": 1 * MiB}
     store: TieredEngine
     if backend == "memory":
-        store = SharedKvIndex(dedup_scope=scope, **caps)  # type: ignore[arg-type]
+        store = SharedKvIndex(StoreOptions(dedup_scope=scope, **caps))  # type: ignore[arg-type]
     else:
         store = durable(tmp_path, dedup_scope=scope, cold_capacity_bytes=3 * MiB, **caps)
     namespaces = ["a", "b", "c"]
@@ -518,7 +521,7 @@ def test_large_blocks_demote_to_warm_and_come_back(tmp_path: Path) -> None:
     """A 9 MiB block (three slices) through warm in both backends, bytes exact."""
     block = bf16(7, 9 * MiB)
     for store in (
-        SharedKvIndex(hot_capacity_bytes=10 * MiB, warm_capacity_bytes=64 * MiB),
+        SharedKvIndex(StoreOptions(hot_capacity_bytes=10 * MiB, warm_capacity_bytes=64 * MiB)),
         durable(tmp_path / "d", hot_capacity_bytes=10 * MiB, warm_capacity_bytes=64 * MiB),
     ):
         try:

@@ -158,18 +158,23 @@ def build_store(config: ServerConfig) -> SharedKvBackend:
     """The store `config` describes (durable in `persist_dir`, or in RAM)."""
     from epistemic_kvcache.store import SharedKvIndex, SharedKvStoreBackend
 
-    options = config.store_options()
     if config.cluster_url is not None:
         from epistemic_kvcache.store.cluster import ClusterBackend
 
-        options.pop("cold_capacity_bytes")
-        return ClusterBackend(config.cluster_url, **options, **config.cluster_options())
+        return ClusterBackend(
+            config.cluster_url,
+            config.store,
+            tls_ca=config.cluster_tls_ca,
+            password_file=config.cluster_password_file,
+        )
     if config.backend == "memory":
-        options.pop("cold_capacity_bytes")
-        return SharedKvIndex(**options)
+        return SharedKvIndex(config.store)
     epoch_dir = config.epoch_dir if config.epoch_dir is not None else config.persist_dir / "epochs"
     return SharedKvStoreBackend(
-        config.persist_dir, epoch_dir=epoch_dir, **options, **config.durable_options()
+        config.persist_dir,
+        config.store,
+        epoch_dir=epoch_dir,
+        shutdown_timeout_s=config.shutdown_timeout_s,
     )
 
 
@@ -448,7 +453,7 @@ async def serve(
             config.persist_dir.resolve()
             if config.backend == "durable" and not config.cluster_mode
             else "-",
-            config.dedup_scope,
+            config.store.dedup_scope,
             extra={
                 "event": "started",
                 "version": server_version(),

@@ -48,6 +48,7 @@ from epistemic_kvcache.errors import (
     QuotaExceededError,
     StoreClosedError,
 )
+from epistemic_kvcache.options import DEFAULT_STORE_OPTIONS, DedupScope, StoreOptions
 from epistemic_kvcache.store import cluster_epochs
 from epistemic_kvcache.store import cluster_lua as L
 from epistemic_kvcache.store.api import (
@@ -81,7 +82,7 @@ from epistemic_kvcache.store.cluster_scrub import ClusterScrub
 from epistemic_kvcache.store.cluster_snapshots import SCRIPTS as SNAPSHOT_SCRIPTS
 from epistemic_kvcache.store.cluster_snapshots import ClusterSnapshots
 from epistemic_kvcache.store.codec import WarmCodec
-from epistemic_kvcache.store.engine import DedupScope, validate_scope
+from epistemic_kvcache.store.engine import validate_scope
 
 __all__ = ["ClusterBackend", "ClusterTarget", "EpochListener", "parse_cluster_url", "run_check"]
 
@@ -92,84 +93,52 @@ class ClusterBackend(SharedKvBackend):
     def __init__(
         self,
         url: str,
+        options: StoreOptions = DEFAULT_STORE_OPTIONS,
         *,
         tls_ca: Path | None = None,
         password_file: Path | None = None,
-        wait_replicas: int = 0,
-        wait_timeout_s: float = 2.0,
-        retry_window_s: float = 10.0,
-        key_prefix: str = "kvc",
-        block_ttl_s: float = 0.0,
-        scrub_interval_s: float = 3600.0,
-        socket_timeout_s: float = 5.0,
-        hot_capacity_bytes: int = 1 << 30,
-        warm_capacity_bytes: int = 1 << 30,
-        max_block_bytes: int = 128 << 20,
-        dedup_scope: DedupScope = "namespace",
         codec: WarmCodec | None = None,
-        max_pinned_fraction: float = 0.5,
-        max_snapshots_per_tenant: int = 256,
-        max_keys_per_tenant: int = 0,
-        first_write_wins: bool | frozenset[str] = False,
-        max_epoch_scopes_per_tenant: int = 10_000,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        """`clock`: wall-clock seconds for snapshot TTLs and creation times (tests pass a
+        """`url`, `tls_ca`, `password_file`: the cluster and how to reach it; `options`:
+        the tiers of this front-end's RAM cache, the quotas and the `cluster_*` tuning;
+        `clock`: wall-clock seconds for snapshot TTLs and creation times (tests pass a
         fake clock they advance)."""
         self._clock = clock
-        if not isinstance(wait_replicas, int) or wait_replicas < 0:
-            raise ConfigurationError(
-                f"invalid cluster_wait_replicas: expected 0 or more (got {wait_replicas!r})"
-            )
-        if not retry_window_s > 0:
-            raise ConfigurationError(
-                f"invalid cluster_retry_window_s: expected > 0 (got {retry_window_s!r})"
-            )
-        if not key_prefix or any(c in key_prefix for c in "{}: \r\n"):
-            raise ConfigurationError(
-                "invalid cluster_key_prefix: expected a word without braces, colons or spaces "
-                f"(got {key_prefix!r})"
-            )
-        if dedup_scope not in ("namespace", "global"):
-            raise ConfigurationError(
-                f"invalid dedup_scope: expected namespace or global (got {dedup_scope!r})"
-            )
-        if not isinstance(max_block_bytes, int) or max_block_bytes <= 0:
-            raise ConfigurationError(
-                f"invalid max_block_bytes: expected a positive integer (got {max_block_bytes!r})"
-            )
-        if not 0.0 < max_pinned_fraction <= 1.0:
-            raise ConfigurationError(
-                f"invalid max_pinned_fraction: expected (0, 1] (got {max_pinned_fraction!r})"
-            )
+        self.options = options
+        key_prefix = options.cluster_key_prefix
+        dedup_scope: DedupScope = options.dedup_scope
+        max_block_bytes = options.max_block_bytes
+        first_write_wins = options.first_write_wins
         self.max_block_bytes = max_block_bytes
-        self.dedup_scope: DedupScope = dedup_scope
-        self.wait_replicas = wait_replicas
-        self.wait_timeout_s = wait_timeout_s
-        self.retry_window_s = retry_window_s
+        self.dedup_scope = dedup_scope
+        self.wait_replicas = options.cluster_wait_replicas
+        self.wait_timeout_s = options.cluster_wait_timeout_s
+        self.retry_window_s = options.cluster_retry_window_s
         self.prefix = key_prefix
-        self.block_ttl_ms = int(block_ttl_s * 1000)
-        self.scrub_interval_s = scrub_interval_s
-        self.max_keys_per_tenant = max_keys_per_tenant
-        self.max_epoch_scopes_per_tenant = max_epoch_scopes_per_tenant
-        self.max_pinned_fraction = max_pinned_fraction
-        self.max_snapshots_per_tenant = max_snapshots_per_tenant
+        self.block_ttl_ms = int(options.cluster_block_ttl_s * 1000)
+        self.scrub_interval_s = options.cluster_scrub_interval_s
+        self.max_keys_per_tenant = options.max_keys_per_tenant
+        self.max_epoch_scopes_per_tenant = options.max_epoch_scopes_per_tenant
+        self.max_pinned_fraction = options.max_pinned_fraction
+        self.max_snapshots_per_tenant = options.max_snapshots_per_tenant
         self.first_write_wins = first_write_wins
-        self._cache = BlockCache(
-            hot_capacity_bytes=hot_capacity_bytes,
-            warm_capacity_bytes=warm_capacity_bytes,
+        # the RAM cache holds blocks only: its tiers, none of the quotas (the cluster's)
+        cache_options = StoreOptions(
+            hot_capacity_bytes=options.hot_capacity_bytes,
+            warm_capacity_bytes=options.warm_capacity_bytes,
             max_block_bytes=max_block_bytes,
             dedup_scope=dedup_scope,
-            codec=codec,
         )
+        self._cache = BlockCache(cache_options, codec=codec)
         self.target = parse_cluster_url(url, password_file=password_file)
         conn = self._conn = ClusterConnection(
             self.target,
             tls_ca=tls_ca,
-            socket_timeout_s=socket_timeout_s,
-            retry_window_s=retry_window_s,
-            wait_replicas=wait_replicas,
-            wait_timeout_s=wait_timeout_s,
+            socket_timeout_s=options.cluster_socket_timeout_s,
+            retry_window_s=self.retry_window_s,
+            wait_replicas=self.wait_replicas,
+            wait_timeout_s=self.wait_timeout_s,
             scripts=(*L.SCRIPTS, *SNAPSHOT_SCRIPTS),
         )
         try:
@@ -202,7 +171,7 @@ class ClusterBackend(SharedKvBackend):
             self._counters,
             prefix=key_prefix,
             clock=clock,
-            max_snapshots_per_tenant=max_snapshots_per_tenant,
+            max_snapshots_per_tenant=self.max_snapshots_per_tenant,
             max_block_bytes=max_block_bytes,
         )
         self._stop = threading.Event()
@@ -218,7 +187,7 @@ class ClusterBackend(SharedKvBackend):
         self._retirer = StaleRetirer(conn, self._entries, self._counters, self._snaps.retire)
         self._notices = EpochNotices(conn, key_prefix, self._stop)
         self._maint = Maintenance(
-            conn, self._counters, self.scrub, self._stop, scrub_interval_s=scrub_interval_s
+            conn, self._counters, self.scrub, self._stop, scrub_interval_s=self.scrub_interval_s
         )
         self._maint.start()
         self._notices.start()
@@ -546,12 +515,15 @@ def run_check(config: Any, *, fix: bool, deep: bool) -> int:
 
     if config.cluster_url is None:
         raise ConfigurationError("invalid cluster_url: cluster check needs --cluster-url")
-    options = config.store_options()
-    options.pop("cold_capacity_bytes")
-    options.update(hot_capacity_bytes=0, warm_capacity_bytes=0)
-    opts = config.cluster_options()
-    opts["scrub_interval_s"] = 0.0
-    store = ClusterBackend(config.cluster_url, **options, **opts)
+    options = dataclasses.replace(
+        config.store, hot_capacity_bytes=0, warm_capacity_bytes=0, cluster_scrub_interval_s=0.0
+    )
+    store = ClusterBackend(
+        config.cluster_url,
+        options,
+        tls_ca=config.cluster_tls_ca,
+        password_file=config.cluster_password_file,
+    )
     try:
         report = store.scrub(fix=fix, deep=deep)
         if fix:

@@ -25,12 +25,13 @@ from typing import Any
 import redis
 
 from epistemic_kvcache.errors import StoreError
+from epistemic_kvcache.options import DedupScope
 from epistemic_kvcache.store import cluster_lua as L
 from epistemic_kvcache.store.api import Buffer
 from epistemic_kvcache.store.cluster_conn import ClusterConnection
 from epistemic_kvcache.store.cluster_counters import SharedCounters
 from epistemic_kvcache.store.cluster_ram import BlockCache
-from epistemic_kvcache.store.engine import DedupScope, digest_of
+from epistemic_kvcache.store.engine import digest_of
 
 log = logging.getLogger(__name__)
 

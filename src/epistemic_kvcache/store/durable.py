@@ -69,6 +69,7 @@ from epistemic_kvcache.errors import (
     StoreClosedError,
     StoreError,
 )
+from epistemic_kvcache.options import DEFAULT_SEGMENT_BYTES, DEFAULT_STORE_OPTIONS, StoreOptions
 from epistemic_kvcache.store import compaction, records
 from epistemic_kvcache.store.api import (
     BlockData,
@@ -87,7 +88,6 @@ from epistemic_kvcache.store.codec import WarmCodec
 from epistemic_kvcache.store.committer import Committer, settle
 from epistemic_kvcache.store.engine import (
     AddKey,
-    DedupScope,
     DelKey,
     Effect,
     MetaDel,
@@ -102,7 +102,7 @@ from epistemic_kvcache.store.engine import (
     snapshot_ns,
     tenant_of,
 )
-from epistemic_kvcache.store.epochs import DEFAULT_MAX_SCOPES_PER_TENANT, EpochRegistry
+from epistemic_kvcache.store.epochs import EpochRegistry
 from epistemic_kvcache.store.index import (
     FORMAT_VERSION,
     OLD_FORMATS,
@@ -145,7 +145,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["DiskIO", "SharedKvStoreBackend"]
 
-DEFAULT_SEGMENT_BYTES = 256 << 20
 _CHECKPOINT_TRIGGER_BYTES = 32 << 20
 """Log bytes after which the checkpointer runs without waiting for its interval."""
 _HOT_LOW_WATER = 0.8
@@ -293,53 +292,25 @@ class SharedKvStoreBackend(TieredEngine):
     def __init__(
         self,
         persist_dir: str | os.PathLike[str],
+        options: StoreOptions = DEFAULT_STORE_OPTIONS,
         *,
-        hot_capacity_bytes: int = 1 << 30,
-        warm_capacity_bytes: int = 1 << 30,
-        cold_capacity_bytes: int = 100 << 30,
-        max_block_bytes: int = 128 << 20,
-        dedup_scope: DedupScope = "namespace",
-        codec: WarmCodec | None = None,
-        max_pinned_fraction: float = 0.5,
-        max_snapshots_per_tenant: int = 256,
-        max_keys_per_tenant: int = 0,
-        max_epoch_scopes_per_tenant: int = DEFAULT_MAX_SCOPES_PER_TENANT,
-        segment_bytes: int | None = None,
-        map_size_bytes: int = 64 << 30,
-        max_batch_bytes: int = 512 << 20,
-        checkpoint_interval_s: float = 1.0,
-        max_checkpoint_lag_bytes: int = 512 << 20,
-        shutdown_timeout_s: float = 30.0,
-        rebuild_index: bool = False,
-        io: DiskIO | None = None,
         epoch_dir: str | os.PathLike[str] | None = None,
-        first_write_wins: bool | frozenset[str] = False,
+        shutdown_timeout_s: float = 30.0,
+        codec: WarmCodec | None = None,
+        io: DiskIO | None = None,
         progress: Any = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        super().__init__(
-            clock=clock,
-            hot_capacity_bytes=hot_capacity_bytes,
-            warm_capacity_bytes=warm_capacity_bytes,
-            max_block_bytes=max_block_bytes,
-            dedup_scope=dedup_scope,
-            codec=codec,
-            max_pinned_fraction=max_pinned_fraction,
-            max_snapshots_per_tenant=max_snapshots_per_tenant,
-            max_keys_per_tenant=max_keys_per_tenant,
-            first_write_wins=first_write_wins,
-            max_epoch_scopes_per_tenant=max_epoch_scopes_per_tenant,
-        )
-        if not isinstance(cold_capacity_bytes, int) or cold_capacity_bytes <= 0:
-            raise ConfigurationError(
-                f"invalid cold_capacity_bytes: expected a positive integer "
-                f"(got {cold_capacity_bytes!r})"
-            )
+        """`epoch_dir`: the epoch registry (default `<persist_dir>/epochs`);
+        `shutdown_timeout_s`: how long `close` waits for the committer and checkpointer;
+        `io`: the disk calls (tests inject faults); `progress`: rebuild progress."""
+        super().__init__(options, codec=codec, clock=clock)
+        cold_capacity_bytes = options.cold_capacity_bytes
         self.cold_capacity_bytes = cold_capacity_bytes
+        segment_bytes = options.segment_bytes
         if segment_bytes is None:
             segment_bytes = min(DEFAULT_SEGMENT_BYTES, max(1 << 20, cold_capacity_bytes // 16))
         self._segment_bytes = segment_bytes
-        # room kept free inside the cold capacity for compaction and deletes
         # room kept free inside the cold capacity: two segments (at most an eighth) for
         # compaction to copy into, and the allocated space deletes write into
         self._delete_reserve = min(DELETE_RESERVE_BYTES, cold_capacity_bytes // 8)
@@ -347,9 +318,9 @@ class SharedKvStoreBackend(TieredEngine):
         self.live_capacity_bytes = cold_capacity_bytes - self._reserve
         """Live block bytes the cold tier holds before it evicts: the capacity less the
         reserve that compaction and deletes work in."""
-        self._max_batch_bytes = max_batch_bytes
-        self._ckpt_interval = checkpoint_interval_s
-        self._max_lag = max_checkpoint_lag_bytes
+        self._max_batch_bytes = options.commit_batch_bytes
+        self._ckpt_interval = options.checkpoint_interval_s
+        self._max_lag = options.max_checkpoint_lag_bytes
         self._shutdown_timeout_s = shutdown_timeout_s
         self._io = io or DiskIO()
         self._progress = progress
@@ -414,13 +385,13 @@ class SharedKvStoreBackend(TieredEngine):
             self._epochs = EpochRegistry(
                 epoch_path,
                 shared=epoch_path.resolve() != private.resolve(),
-                max_scopes_per_tenant=max_epoch_scopes_per_tenant,
+                max_scopes_per_tenant=options.max_epoch_scopes_per_tenant,
             )
             t0 = time.perf_counter()
             gc_was_enabled = gc.isenabled()
             gc.disable()  # loading N rows makes ~3N long-lived objects: no GC rescans
             try:
-                self._open(map_size_bytes, rebuild_index)
+                self._open(options.map_size_bytes, options.rebuild_index)
             finally:
                 if gc_was_enabled:
                     gc.enable()
@@ -447,7 +418,7 @@ class SharedKvStoreBackend(TieredEngine):
             commit=self._commit,
             idle=self._idle,
             release=self._release,
-            max_batch_bytes=max_batch_bytes,
+            max_batch_bytes=options.commit_batch_bytes,
         )
         self._ckpt_thread.start()
         self._tier_thread.start()

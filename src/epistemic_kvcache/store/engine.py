@@ -42,7 +42,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Literal, overload
+from typing import Any, Final, overload
 
 import blake3
 from sortedcontainers import SortedList
@@ -50,12 +50,12 @@ from sortedcontainers import SortedList
 from epistemic_kvcache.errors import (
     BlockTooLargeError,
     CapacityError,
-    ConfigurationError,
     InvalidKeyError,
     NotFoundError,
     QuotaExceededError,
     StoreClosedError,
 )
+from epistemic_kvcache.options import DedupScope, StoreOptions
 from epistemic_kvcache.shared import MAX_SCOPE_BYTES
 from epistemic_kvcache.store.api import (
     BlockData,
@@ -74,8 +74,6 @@ from epistemic_kvcache.store.api import (
     validate_namespace,
 )
 from epistemic_kvcache.store.codec import WarmCodec
-
-DedupScope = Literal["namespace", "global"]
 
 DIGEST_BYTES = 32
 # Above this size BLAKE3 hashes with several threads (and releases the GIL).
@@ -324,73 +322,27 @@ class TieredEngine(SharedKvBackend):
 
     def __init__(
         self,
+        options: StoreOptions,
         *,
-        hot_capacity_bytes: int,
-        warm_capacity_bytes: int,
-        max_block_bytes: int,
-        dedup_scope: DedupScope,
         codec: WarmCodec | None,
-        max_pinned_fraction: float = 0.5,
-        max_snapshots_per_tenant: int = 256,
-        max_keys_per_tenant: int = 0,
-        first_write_wins: bool | frozenset[str] = False,
-        max_epoch_scopes_per_tenant: int = 10_000,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        """`clock`: wall-clock seconds for snapshot TTLs and creation times (tests pass a
-        fake clock they advance)."""
+        """`options` were validated when built; `clock`: wall-clock seconds for snapshot
+        TTLs and creation times (tests pass a fake clock they advance)."""
         self._clock = clock
-        if max_epoch_scopes_per_tenant < 1:
-            raise ConfigurationError(
-                "invalid max_epoch_scopes_per_tenant: expected a positive integer "
-                f"(got {max_epoch_scopes_per_tenant!r})"
-            )
-        self.max_epoch_scopes_per_tenant = max_epoch_scopes_per_tenant
-        if not isinstance(max_keys_per_tenant, int) or max_keys_per_tenant < 0:
-            raise ConfigurationError(
-                "invalid max_keys_per_tenant: expected 0 (no limit) or a positive integer "
-                f"(got {max_keys_per_tenant!r})"
-            )
-        self.max_keys_per_tenant = max_keys_per_tenant
-        for name, value in (
-            ("hot_capacity_bytes", hot_capacity_bytes),
-            ("warm_capacity_bytes", warm_capacity_bytes),
-        ):
-            if not isinstance(value, int) or value < 0:
-                raise ConfigurationError(
-                    f"invalid {name}: expected a non-negative integer (got {value!r})"
-                )
-        if not isinstance(max_block_bytes, int) or max_block_bytes <= 0:
-            raise ConfigurationError(
-                f"invalid max_block_bytes: expected a positive integer (got {max_block_bytes!r})"
-            )
-        if dedup_scope not in ("namespace", "global"):
-            raise ConfigurationError(
-                f"invalid dedup_scope: expected namespace or global (got {dedup_scope!r})"
-            )
-        self.hot_capacity_bytes = hot_capacity_bytes
-        self.warm_capacity_bytes = warm_capacity_bytes
-        self.max_block_bytes = max_block_bytes
-        self.dedup_scope: DedupScope = dedup_scope
-        if not 0.0 < max_pinned_fraction <= 1.0:
-            raise ConfigurationError(
-                f"invalid max_pinned_fraction: expected (0, 1] (got {max_pinned_fraction!r})"
-            )
-        if max_snapshots_per_tenant < 1:
-            raise ConfigurationError(
-                "invalid max_snapshots_per_tenant: expected a positive integer "
-                f"(got {max_snapshots_per_tenant!r})"
-            )
+        self.options = options
+        # read on every call: plain attributes, one lookup each
+        self.hot_capacity_bytes = options.hot_capacity_bytes
+        self.warm_capacity_bytes = options.warm_capacity_bytes
+        self.max_block_bytes = options.max_block_bytes
+        self.dedup_scope: DedupScope = options.dedup_scope
         # Per-tenant quotas, so one tenant cannot pin (or snapshot) the store full and
         # leave every other tenant's PUTs without room.
-        self.max_pinned_fraction = max_pinned_fraction
-        self.max_snapshots_per_tenant = max_snapshots_per_tenant
-        if not isinstance(first_write_wins, bool | frozenset):
-            raise ConfigurationError(
-                "invalid first_write_wins: expected a bool or a frozenset of tenants "
-                f"(got {first_write_wins!r})"
-            )
-        self.first_write_wins = first_write_wins
+        self.max_pinned_fraction = options.max_pinned_fraction
+        self.max_snapshots_per_tenant = options.max_snapshots_per_tenant
+        self.max_keys_per_tenant = options.max_keys_per_tenant
+        self.max_epoch_scopes_per_tenant = options.max_epoch_scopes_per_tenant
+        self.first_write_wins = options.first_write_wins
         self._codec = codec if codec is not None else WarmCodec()
         self._lock = threading.Lock()
         self._closed = False

@@ -47,11 +47,12 @@ from pathlib import Path
 import lmdb
 
 from epistemic_kvcache.errors import ConfigurationError, QuotaExceededError, StorageIOError
+from epistemic_kvcache.options import DEFAULT_STORE_OPTIONS
 
 _U16 = struct.Struct(">H")
 _U64 = struct.Struct(">Q")
 
-DEFAULT_MAX_SCOPES_PER_TENANT = 10_000
+DEFAULT_MAX_SCOPES_PER_TENANT = DEFAULT_STORE_OPTIONS.max_epoch_scopes_per_tenant
 """A tenant's epoch scopes; each is one small row, so this bounds the registry per tenant."""
 DEFAULT_MAP_BYTES = 64 << 20
 """The registry's LMDB map (address space; the file grows with its rows)."""

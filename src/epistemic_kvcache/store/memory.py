@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from epistemic_kvcache.errors import CapacityError, NotFoundError
+from epistemic_kvcache.options import DEFAULT_STORE_OPTIONS, StoreOptions
 from epistemic_kvcache.store.api import (
     BlockData,
     Buffer,
@@ -28,7 +29,6 @@ from epistemic_kvcache.store.engine import (
     _VICTIM_WINDOW,
     INLINE_MAX_BYTES,
     AddKey,
-    DedupScope,
     DelKey,
     Effect,
     MetaPut,
@@ -47,32 +47,12 @@ class SharedKvIndex(TieredEngine):
 
     def __init__(
         self,
+        options: StoreOptions = DEFAULT_STORE_OPTIONS,
         *,
-        hot_capacity_bytes: int = 1 << 30,
-        warm_capacity_bytes: int = 1 << 30,
-        max_block_bytes: int = 128 << 20,
-        dedup_scope: DedupScope = "namespace",
         codec: WarmCodec | None = None,
-        max_pinned_fraction: float = 0.5,
-        max_snapshots_per_tenant: int = 256,
-        max_keys_per_tenant: int = 0,
-        first_write_wins: bool | frozenset[str] = False,
-        max_epoch_scopes_per_tenant: int = 10_000,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        super().__init__(
-            clock=clock,
-            max_keys_per_tenant=max_keys_per_tenant,
-            max_epoch_scopes_per_tenant=max_epoch_scopes_per_tenant,
-            hot_capacity_bytes=hot_capacity_bytes,
-            warm_capacity_bytes=warm_capacity_bytes,
-            max_block_bytes=max_block_bytes,
-            dedup_scope=dedup_scope,
-            codec=codec,
-            max_pinned_fraction=max_pinned_fraction,
-            max_snapshots_per_tenant=max_snapshots_per_tenant,
-            first_write_wins=first_write_wins,
-        )
+        super().__init__(options, codec=codec, clock=clock)
 
     def _cheap_room(self) -> bool:
         """Whether the blocks the hot tier would demote next can leave it on the caller's

@@ -13,6 +13,7 @@ from the log, exactly as a server started with `--rebuild-index` does.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
 import time
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from epistemic_kvcache.errors import ConfigurationError
+from epistemic_kvcache.options import DEFAULT_STORE_OPTIONS, StoreOptions
 from epistemic_kvcache.store import records
 from epistemic_kvcache.store.index import Index, IndexError_, open_index
 from epistemic_kvcache.store.recovery import (
@@ -267,19 +269,16 @@ class RebuildSummary:
 
 def rebuild_index(
     persist_dir: str | os.PathLike[str],
+    options: StoreOptions = DEFAULT_STORE_OPTIONS,
     *,
     progress: Progress | None = None,
-    **store_options: object,
 ) -> RebuildSummary:
     """Set the index aside and build a new one from the log (offline)."""
     from epistemic_kvcache.store.durable import SharedKvStoreBackend
 
     t0 = time.perf_counter()
     store = SharedKvStoreBackend(
-        persist_dir,
-        rebuild_index=True,
-        progress=progress,
-        **store_options,  # type: ignore[arg-type]
+        persist_dir, dataclasses.replace(options, rebuild_index=True), progress=progress
     )
     try:
         extra = store.stats(None).extra
