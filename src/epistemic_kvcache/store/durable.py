@@ -49,7 +49,6 @@ import contextlib
 import errno
 import fcntl
 import gc
-import json
 import logging
 import os
 import secrets
@@ -61,10 +60,8 @@ from pathlib import Path
 from typing import Any
 
 from epistemic_kvcache.errors import (
-    CapacityError,
     ConfigurationError,
     DiskFullError,
-    NotFoundError,
     StorageIOError,
     StoreClosedError,
     StoreError,
@@ -86,20 +83,13 @@ from epistemic_kvcache.store.api import (
 from epistemic_kvcache.store.codec import WarmCodec
 from epistemic_kvcache.store.committer import Committer, settle
 from epistemic_kvcache.store.engine import (
-    AddKey,
     DedupScope,
-    DelKey,
     Effect,
-    MetaDel,
     MetaPut,
     Move,
-    PinDelta,
     TieredEngine,
     _Blob,
-    branch_ns,
     digest_of,
-    parse_internal_ns,
-    snapshot_ns,
     tenant_of,
 )
 from epistemic_kvcache.store.epochs import DEFAULT_MAX_SCOPES_PER_TENANT, EpochRegistry
@@ -115,9 +105,10 @@ from epistemic_kvcache.store.index import (
     pack_loc,
     unpack_loc,
 )
+from epistemic_kvcache.store.plan import BatchOp as _Op
+from epistemic_kvcache.store.plan import KeyView, Plan, decide_batch, plan_evictions, plan_room
 from epistemic_kvcache.store.records import Op
 from epistemic_kvcache.store.recovery import (
-    META_CODES,
     LogState,
     Salvage,
     StoreMismatchError,
@@ -160,106 +151,77 @@ def _rebuild_hint(path: Path) -> str:
     )
 
 
-@dataclass(slots=True)
-class _Op:
-    kind: str  # put | delete | pin | unpin | quarantine | snapshot | drop | meta_put |
-    #            retire | flush
-    ns: str
-    key: str
-    sdig: bytes = b""
-    digest: bytes = b""
-    data: Buffer | None = None
-    deduped: bool = False  # a new key whose bytes were already stored
-    loc: tuple[int, int] = (-1, 0)  # quarantine: (segment, offset) of the copy that failed
-    tag: tuple[str, int] | None = None  # put: the epoch tag to write with the entry
-    payload: Any = None  # snapshot / drop / meta_put arguments
-    cond: PutCond = None
-    future: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
+class _RamReader:
+    """RAM as the batch decision (`store/plan.py`) reads it: each call takes the lock."""
 
-    @property
-    def nbytes(self) -> int:
-        return len(self.data) if self.data is not None else 0
-
-
-@dataclass(slots=True)
-class _KS:
-    """A key's state while a batch is decided."""
-
-    sdig: bytes
-    size: int
-    pins: int
-    tag: tuple[str, int] | None
-
-
-class _View:
-    """RAM as the earlier operations of this batch left it (nothing applied yet)."""
+    __slots__ = ("cold_capacity_bytes", "live_capacity_bytes", "max_keys_per_tenant", "s")
 
     def __init__(self, store: SharedKvStoreBackend) -> None:
         self.s = store
-        self.keys: dict[tuple[str, str], _KS | None] = {}
-        self.ref_delta: dict[bytes, int] = {}
-        self.placed: dict[bytes, tuple[int, int, int]] = {}  # size, segment, payload offset
-        self.added: dict[bytes, list[tuple[str, str]]] = {}
-        self.metas: dict[tuple[str, str, str], dict[str, Any] | None] = {}
-        self.effects: list[Effect] = []
-        self.key_recs: dict[tuple[str, str], tuple[int, int] | None] = {}
-        self.meta_recs: dict[tuple[str, str, str], tuple[int, int] | None] = {}
-        self.tomb: dict[int, int] = {}
-        self.quarantine: dict[bytes, float] = {}
-        self.new_bytes = 0
-        self.freed = 0
-        self.dropped: set[bytes] = set()
-        self.touched: set[bytes] = set()
-        self.pinned_extra: dict[str, int] = {}
-        self.new_data = False
-        self.segdel: list[int] = []
+        self.live_capacity_bytes = store.live_capacity_bytes
+        self.cold_capacity_bytes = store.cold_capacity_bytes
+        self.max_keys_per_tenant = store.max_keys_per_tenant
 
-    def key(self, ns: str, key: str) -> _KS | None:
-        ref = (ns, key)
-        if ref in self.keys:
-            return self.keys[ref]
+    def key(self, ns: str, key: str) -> KeyView | None:
         s = self.s
         with s._lock:
             b = s._lookup(ns, key)
             if b is None:
                 return None
-            return _KS(b.sdig, b.size, s._pins.get(ref, 0), s._tags.get(ref))
+            ref = (ns, key)
+            return KeyView(b.sdig, b.size, s._pins.get(ref, 0), s._tags.get(ref))
 
-    def refs(self, sdig: bytes) -> int:
-        b = self.s._blobs.get(sdig)
-        return (b.refs if b is not None else 0) + self.ref_delta.get(sdig, 0)
+    def blob(self, sdig: bytes) -> _Blob | None:
+        return self.s._blobs.get(sdig)
 
-    def blob_loc(self, sdig: bytes) -> tuple[int, int, int] | None:
-        """(size, segment, payload offset) of a blob that exists after the batch so far."""
-        if self.refs(sdig) <= 0:
-            return None
-        if sdig in self.placed:
-            return self.placed[sdig]
-        b = self.s._blobs.get(sdig)
-        if b is None:
-            return None
-        return b.size, b.seg, b.off
-
-    def incref(self, sdig: bytes, ref: tuple[str, str]) -> None:
-        self.ref_delta[sdig] = self.ref_delta.get(sdig, 0) + 1
-        self.added.setdefault(sdig, []).append(ref)
-        self.touched.add(sdig)
-
-    def decref(self, sdig: bytes) -> None:
-        self.ref_delta[sdig] = self.ref_delta.get(sdig, 0) - 1
+    def key_refs(self, sdig: bytes) -> list[tuple[str, str]]:
+        with self.s._lock:
+            b = self.s._blobs.get(sdig)
+            return b.key_refs() if b is not None else []
 
     def meta(self, kind: str, tenant: str, rid: str) -> dict[str, Any] | None:
-        k = (kind, tenant, rid)
-        if k in self.metas:
-            return self.metas[k]
         return self.s._meta(kind).get(tenant, {}).get(rid)
 
     def ns_keys(self, ns: str) -> list[str]:
-        """Keys of `ns` as this batch sees them (RAM's, plus this batch's additions)."""
         with self.s._lock:
-            names = list(self.s._index.get(ns) or ())
-        extra = [k for (n, k), st in self.keys.items() if n == ns and st is not None]
-        return list(dict.fromkeys([*names, *extra]))
+            return list(self.s._index.get(ns) or ())
+
+    def cold_bytes(self) -> int:
+        with self.s._lock:
+            return self.s._total.cold_bytes
+
+    def lru_victims(self, need: int, skip: set[bytes]) -> list[tuple[bytes, int]] | None:
+        victims: list[tuple[bytes, int]] = []
+        with self.s._lock:
+            for b in self.s._blobs.values():  # least recently used first
+                if need <= 0:
+                    break
+                if b.pins or b.sdig in skip:
+                    continue
+                victims.append((b.sdig, b.size))
+                need -= b.size
+        return victims if need <= 0 else None
+
+    def epoch(self, tenant: str, scope: str) -> int:
+        return self.s._epoch_current(tenant, scope)
+
+    def first_write_wins(self, ns: str) -> bool:
+        return self.s._fww(ns)
+
+    def check_key_quota(self, ns: str, pending: int) -> None:
+        with self.s._lock:
+            self.s._check_key_quota(ns, pending)
+
+    def check_pin_quota(self, tenant: str, extra: int) -> None:
+        with self.s._lock:
+            self.s._check_pin_quota(tenant, extra)
+
+    def check_snapshot_quota(self, tenant: str, pending: int) -> None:
+        with self.s._lock:
+            self.s._check_snapshot_quota(tenant, pending)
+
+    def now(self) -> float:
+        return time.time()
 
 
 @dataclass(slots=True)
@@ -430,6 +392,7 @@ class SharedKvStoreBackend(TieredEngine):
             raise
         self._recovering = False
         self._compact = compaction.Compactor(self)
+        self._reader = _RamReader(self)
         self._ckpt_cv = threading.Condition()
         self._dirty = _Dirty()  # rows the next checkpoint writes (under self._lock)
         self._ckpt_lag = 0
@@ -1129,7 +1092,7 @@ class SharedKvStoreBackend(TieredEngine):
 
     # -- the committer -------------------------------------------------------------------
     def _commit(self, batch: list[_Op]) -> None:
-        """Decide, write + sync once, apply, answer (committer thread)."""
+        """Decide (`plan.decide_batch`), write + sync once, apply, answer (committer thread)."""
         incoming = sum(op.nbytes for op in batch if op.kind == "put")
         if incoming and self._compact is not None:
             # Room first, so the files never outgrow the cold capacity: evict what the new
@@ -1137,25 +1100,14 @@ class SharedKvStoreBackend(TieredEngine):
             self._pre_evict(incoming)
             self._compact.make_disk_room(incoming)
         self._wait_for_checkpoint_lag()
-        w = self._writer
-        w.begin()
-        v = _View(self)
-        results: list[Any] = []
-        for op in batch:
-            try:
-                results.append(self._decide(v, op))
-            except StoreError as exc:
-                results.append(exc)
-        written: list[tuple[int, int]] = []
-        if not w.empty:
-            res = self._write(v)
-            if isinstance(res, StoreError):
-                for op in batch:
-                    settle(op.future, res)
-                self._release(batch)
-                return
-            written = res
-        self._finish(v, batch, results, written)
+        p = decide_batch(self._reader, batch)
+        res = self._write(p)
+        if isinstance(res, StoreError):
+            for op in batch:
+                settle(op.future, res)
+            self._release(batch)
+            return
+        self._finish(p, batch, *res)
 
     def _pre_evict(self, incoming: int) -> None:
         """Commit the evictions `incoming` new bytes will need, before their batch."""
@@ -1163,18 +1115,12 @@ class SharedKvStoreBackend(TieredEngine):
             over = self._total.cold_bytes + incoming - self.live_capacity_bytes
         if over <= 0:
             return
-        w = self._writer
-        w.begin()
-        v = _View(self)
-        try:
-            self._make_room(v, incoming)
-        except CapacityError:
-            return  # the batch itself will say so, per PUT
-        if w.empty:
+        p = plan_room(self._reader, incoming)
+        if p is None:
             return
-        res = self._write(v)
+        res = self._write(p)
         if not isinstance(res, StoreError):
-            self._finish(v, [], [], res)
+            self._finish(p, [], *res)
 
     def _evict_segment(self, sid: int) -> bool:
         """Evict every unpinned block stored in segment `sid` (a batch of its own), so
@@ -1183,27 +1129,26 @@ class SharedKvStoreBackend(TieredEngine):
             victims = [b.sdig for b in self._blobs.values() if b.seg == sid and not b.pins]
         if not victims:
             return True
-        w = self._writer
-        w.begin()
-        v = _View(self)
-        for sdig in victims:
-            v.dropped.add(sdig)
-            for ns, key in self._keys_of_blob(v, sdig):
-                self._emit_del(v, ns, key, evicted=True)
-        if w.empty:
+        p = plan_evictions(self._reader, victims)
+        if not p.records:
             return True
-        res = self._write(v)
+        res = self._write(p)
         if isinstance(res, StoreError):
             return False
-        self._finish(v, [], [], res)
+        self._finish(p, [], *res)
         return True
 
-    def _write(self, v: _View) -> list[tuple[int, int]] | StoreError:
-        """Write and sync the batch: (segment, new end) of each written, or the error to
-        answer (the batch undone)."""
+    def _write(self, p: Plan) -> tuple[list[tuple[int, int]], list[tuple[int, int]]] | StoreError:
+        """Place the plan's records and write + sync them once: ((segment, offset) of each
+        record, (segment, new end) of each segment written), or the error to answer (the
+        batch undone)."""
         w = self._writer
+        w.begin()
+        positions = [w.alloc(hdr, payload) for hdr, payload in p.records]
+        if not positions:
+            return positions, []
         try:
-            return w.write(reserve_ok=not v.new_data)
+            return positions, w.write(reserve_ok=not p.new_data)
         except SyncFailed as exc:
             for sid, end in w.abandon():
                 self._seg_len[sid] = min(self._seg_len.get(sid, end), end)
@@ -1221,33 +1166,46 @@ class SharedKvStoreBackend(TieredEngine):
 
     def _finish(
         self,
-        v: _View,
+        p: Plan,
         batch: list[_Op],
-        results: list[Any],
+        positions: list[tuple[int, int]],
         written: list[tuple[int, int]],
     ) -> None:
         """The batch is durable: apply it to RAM, answer, mark the rows for the checkpointer."""
+        p.resolve(positions)
+        key_recs = {
+            ref: (pack_loc(*positions[i]) if i is not None else None)
+            for ref, i in p.key_recs.items()
+        }
+        meta_recs = {
+            mk: ((pack_loc(*positions[r[0]]), r[1]) if r is not None else None)
+            for mk, r in p.meta_recs.items()
+        }
+        tomb: dict[int, int] = {}
+        for i in p.tombs:
+            sid = positions[i][0]
+            tomb[sid] = tomb.get(sid, 0) + len(p.records[i][0])
         w = self._writer
         with self._lock:
             dirty = self._dirty  # (swapped by the checkpointer under this lock)
             # where the blobs this batch may destroy are: their bytes go back to the disk
             doomed = {}
-            for sdig in [*(d for d, n in v.ref_delta.items() if n < 0), *v.dropped]:
+            for sdig in [*(d for d, n in p.ref_delta.items() if n < 0), *p.dropped]:
                 b = self._blobs.get(sdig)
-                if b is not None and b.seg >= 0 and sdig not in v.quarantine:
+                if b is not None and b.seg >= 0 and sdig not in p.quarantine:
                     doomed[sdig] = (b, b.seg, b.off, b.size)
-            for ns, key in v.key_recs:  # the old record of each rewritten key goes dead
+            for ns, key in key_recs:  # the old record of each rewritten key goes dead
                 old = self._kloc.get(ns, {}).get(key)
                 b = self._lookup(ns, key)
                 if old is not None and b is not None:
                     self._count_key_rec(old, ns, key, b.sdig, self._tags.get((ns, key)), -1)
-            for mk in v.meta_recs:
+            for mk in meta_recs:
                 om = self._mloc.pop(mk, None)
                 if om is not None:
                     sid = unpack_loc(om[0])[0]
                     self._seg_live[sid] = self._seg_live.get(sid, 0) - om[1]
-            self._apply(v.effects)
-            for (ns, key), rec in v.key_recs.items():
+            self._apply(p.effects)
+            for (ns, key), rec in key_recs.items():
                 locs = self._kloc.get(ns)
                 b = self._lookup(ns, key)
                 if rec is None or b is None:
@@ -1256,27 +1214,27 @@ class SharedKvStoreBackend(TieredEngine):
                         if not locs:
                             del self._kloc[ns]
                     continue
-                self._kloc.setdefault(ns, {})[key] = rec[0]
+                self._kloc.setdefault(ns, {})[key] = rec
                 tag = self._tags.get((ns, key))
-                self._count_key_rec(rec[0], ns, key, b.sdig, tag, +1)
-            dirty.keys.update(v.key_recs)
-            for mk, mrec in v.meta_recs.items():
+                self._count_key_rec(rec, ns, key, b.sdig, tag, +1)
+            dirty.keys.update(key_recs)
+            for mk, mrec in meta_recs.items():
                 if mrec is not None:
                     self._mloc[mk] = mrec
                     sid = unpack_loc(mrec[0])[0]
                     self._seg_live[sid] = self._seg_live.get(sid, 0) + mrec[1]
-            dirty.metas.update(v.meta_recs)
-            dirty.blobs.update(v.placed, v.ref_delta, v.dropped)
-            for sid, n in v.tomb.items():
+            dirty.metas.update(meta_recs)
+            dirty.blobs.update(p.placed, p.ref_delta, p.dropped)
+            for sid, n in tomb.items():
                 self._seg_tomb[sid] = self._seg_tomb.get(sid, 0) + n
             for sid, end in written:
                 self._seg_len[sid] = end
-            dirty.segs.update(v.tomb, (sid for sid, _e in written))
-            self._quarantined.update(v.quarantine)
-            dirty.quarantine.update(v.quarantine)
-            for op, res in zip(batch, results, strict=True):
+            dirty.segs.update(tomb, (sid for sid, _e in written))
+            self._quarantined.update(p.quarantine)
+            dirty.quarantine.update(p.quarantine)
+            for op, res, deduped in zip(batch, p.results, p.deduped, strict=True):
                 if op.kind == "put" and isinstance(res, PutResult):
-                    self._count_put(op.ns, res.outcome, op.deduped)
+                    self._count_put(op.ns, res.outcome, deduped)
             self._release_locked(batch)
             self._batches += 1
             self._committed_ops += len(batch)
@@ -1287,7 +1245,7 @@ class SharedKvStoreBackend(TieredEngine):
                 for sdig, (b, sid, off, size) in doomed.items()
                 if self._blobs.get(sdig) is not b
             ]
-        for op, res in zip(batch, results, strict=True):
+        for op, res in zip(batch, p.results, strict=True):
             settle(op.future, res)
         if dead:
             self._punch(dead)
@@ -1319,282 +1277,6 @@ class SharedKvStoreBackend(TieredEngine):
             with self._lock:
                 self._seg_punched[sid] = self._seg_punched.get(sid, 0) + end - start
                 self._punched_bytes += end - start
-
-    def _emit(self, v: _View, header: bytearray, payload: Buffer | None = None) -> tuple[int, int]:
-        return self._writer.alloc(header, payload)
-
-    def _emit_key(self, v: _View, ns: str, key: str, ks: _KS) -> None:
-        hdr = records.encode(Op.KEY, ns=ns, key=key, sdig=ks.sdig, pins=ks.pins, tag=ks.tag)
-        sid, off = self._emit(v, hdr)
-        v.key_recs[(ns, key)] = (pack_loc(sid, off), len(hdr))
-        v.keys[(ns, key)] = ks
-
-    def _emit_del(
-        self, v: _View, ns: str, key: str, *, evicted: bool = False, aux: int = 0
-    ) -> None:
-        cur = v.key(ns, key)
-        hdr = records.encode(Op.DEL, ns=ns, key=key, aux=records.DEL_EVICTED if evicted else aux)
-        sid, _off = self._emit(v, hdr)
-        v.tomb[sid] = v.tomb.get(sid, 0) + len(hdr)
-        v.key_recs[(ns, key)] = None
-        v.keys[(ns, key)] = None
-        v.effects.append(DelKey(ns, key, evicted=evicted))
-        if cur is not None:
-            v.decref(cur.sdig)
-
-    def _emit_meta(self, v: _View, kind: str, tenant: str, rid: str, rec: dict[str, Any]) -> None:
-        body = json.dumps(rec).encode()
-        hdr = records.encode(
-            Op.META,
-            ns=tenant,
-            key=rid,
-            aux=META_CODES[kind],
-            plen=len(body),
-            pcrc=records.payload_crc(body),
-        )
-        sid, off = self._emit(v, hdr, body)
-        v.meta_recs[(kind, tenant, rid)] = (pack_loc(sid, off), len(hdr) + len(body))
-        v.metas[(kind, tenant, rid)] = rec
-        v.effects.append(MetaPut(kind, tenant, rid, rec))
-
-    def _emit_mdel(self, v: _View, kind: str, tenant: str, rid: str) -> None:
-        hdr = records.encode(Op.MDEL, ns=tenant, key=rid, aux=META_CODES[kind])
-        sid, _off = self._emit(v, hdr)
-        v.tomb[sid] = v.tomb.get(sid, 0) + len(hdr)
-        v.meta_recs[(kind, tenant, rid)] = None
-        v.metas[(kind, tenant, rid)] = None
-        v.effects.append(MetaDel(kind, tenant, rid))
-
-    def _is_stale(self, ns: str, ks: _KS) -> bool:
-        return ks.tag is not None and ks.tag[1] < self._epoch_current(tenant_of(ns), ks.tag[0])
-
-    def _decide(self, v: _View, op: _Op) -> Any:
-        kind = op.kind
-        if kind == "put":
-            return self._decide_put(v, op)
-        if kind == "delete":
-            if v.key(op.ns, op.key) is None:
-                return False
-            self._emit_del(v, op.ns, op.key)
-            return True
-        if kind in ("pin", "unpin"):
-            return self._decide_pin(v, op)
-        if kind == "quarantine":
-            return self._decide_quarantine(v, op)
-        if kind == "snapshot":
-            return self._decide_snapshot(v, op)
-        if kind == "drop":
-            return self._decide_drop(v, op)
-        if kind == "meta_put":
-            e: MetaPut = op.payload
-            if e.kind == "branch" and v.meta("snap", e.tenant, e.record["snapshot_id"]) is None:
-                raise NotFoundError(f"no snapshot {e.record['snapshot_id']!r}")
-            self._emit_meta(v, e.kind, e.tenant, e.id, e.record)
-            return None
-        if kind == "retire":
-            cur = v.key(op.ns, op.key)
-            if cur is None or not self._is_stale(op.ns, cur):
-                return False
-            self._emit_del(v, op.ns, op.key)
-            return True
-        if kind == "rewrite":
-            cur = v.key(op.ns, op.key)
-            if cur is None:
-                return False
-            self._emit_key(v, op.ns, op.key, cur)
-            return True
-        if kind == "flush":
-            names = v.ns_keys(op.ns)
-            n = 0
-            for key in names:
-                if v.key(op.ns, key) is not None:
-                    self._emit_del(v, op.ns, key)
-                    n += 1
-            return n
-        raise StoreError(f"unknown operation {kind!r}")
-
-    def _decide_put(self, v: _View, op: _Op) -> PutResult:
-        assert op.data is not None
-        ns, key = op.ns, op.key
-        internal = parse_internal_ns(ns)
-        if internal is not None and v.meta(internal[1], internal[0], internal[2]) is None:
-            # the branch was deleted while this PUT was being hashed or queued
-            raise NotFoundError(f"no {internal[1]} {internal[2]!r}")
-        cur = v.key(ns, key)
-        stale = cur is not None and self._is_stale(ns, cur)
-        live = None if cur is None or stale else cur
-        outcome = decide_put(live.sdig if live else None, op.sdig, op.cond, self._fww(ns))
-        if outcome is PutOutcome.MISSING:
-            return PutResult(outcome, op.digest, len(op.data))
-        if outcome is PutOutcome.DUPLICATE or outcome is PutOutcome.CONFLICT:
-            assert live is not None
-            return PutResult(outcome, live.sdig[-32:], live.size)
-        if cur is None and self.max_keys_per_tenant and internal is None:
-            self._key_quota(v, ns)
-        pins = live.pins if live is not None else 0
-        loc = v.blob_loc(op.sdig)
-        data: Buffer | None = None
-        if loc is None:
-            size = len(op.data)
-            self._make_room(v, size)
-            hdr = records.encode(Op.BLOB, sdig=op.sdig, plen=size)
-            sid, off = self._emit(v, hdr, op.data)
-            loc = (size, sid, off + len(hdr))
-            v.placed[op.sdig] = loc
-            v.new_bytes += size
-            v.new_data = True
-            data = op.data  # enters hot when applied if the tier has room (`_hot_room`)
-        else:
-            op.deduped = True
-        size, sid, data_off = loc
-        if cur is not None:
-            v.effects.append(DelKey(ns, key))
-            v.decref(cur.sdig)
-        self._emit_key(v, ns, key, _KS(op.sdig, size, pins, op.tag))
-        v.incref(op.sdig, (ns, key))
-        v.effects.append(AddKey(ns, key, op.sdig, size, data, sid, data_off, op.tag))
-        if pins:
-            v.effects.append(PinDelta(ns, key, pins))  # pins belong to the key: they stay
-        return PutResult(outcome, op.digest, size)
-
-    def _key_quota(self, v: _View, ns: str) -> None:
-        """The tenant's key count as RAM and this batch have it, against its quota."""
-        with self._lock:
-            idx = self._index.get(ns) or {}
-            added = sum(
-                1 for (n, k), st in v.keys.items() if n == ns and st is not None and k not in idx
-            )
-            self._check_key_quota(ns, added)
-
-    def _pin_room(self, v: _View, tenant: str, extra: int) -> None:
-        """Atomic pin quota: RAM's pinned bytes plus what this batch pins (committer)."""
-        if extra <= 0:
-            return
-        pending = v.pinned_extra.get(tenant, 0)
-        with self._lock:
-            self._check_pin_quota(tenant, pending + extra)
-        v.pinned_extra[tenant] = pending + extra
-
-    def _blob_pinned(self, v: _View, sdig: bytes) -> bool:
-        b = self._blobs.get(sdig)
-        if b is not None and b.pins:
-            return True
-        return any(st is not None and st.sdig == sdig and st.pins for st in v.keys.values())
-
-    def _decide_pin(self, v: _View, op: _Op) -> bool:
-        cur = v.key(op.ns, op.key)
-        if cur is None:
-            return False
-        if op.kind == "pin":
-            if not self._blob_pinned(v, cur.sdig):
-                self._pin_room(v, tenant_of(op.ns), cur.size)
-            new = _KS(cur.sdig, cur.size, cur.pins + 1, cur.tag)
-            delta = 1
-        else:
-            if cur.pins == 0:
-                return False
-            new = _KS(cur.sdig, cur.size, cur.pins - 1, cur.tag)
-            delta = -1
-        self._emit_key(v, op.ns, op.key, new)
-        v.effects.append(PinDelta(op.ns, op.key, delta))
-        return True
-
-    def _keys_of_blob(self, v: _View, sdig: bytes) -> list[tuple[str, str]]:
-        """Keys that reference `sdig` after the batch so far."""
-        with self._lock:
-            b = self._blobs.get(sdig)
-            refs = b.key_refs() if b is not None else []
-        out = []
-        for ns, key in dict.fromkeys([*refs, *v.added.get(sdig, ())]):
-            st = v.key(ns, key)
-            if st is not None and st.sdig == sdig:
-                out.append((ns, key))
-        return out
-
-    def _decide_quarantine(self, v: _View, op: _Op) -> None:
-        b = self._blobs.get(op.sdig)
-        if b is None or (b.seg, b.off) != op.loc or op.sdig in v.placed:
-            return  # gone, or stored again since: a fresh copy, not the one that failed
-        now = time.time()
-        hdr = records.encode(Op.QUAR, sdig=op.sdig, aux=int(now * 1000))
-        sid, _off = self._emit(v, hdr)
-        v.tomb[sid] = v.tomb.get(sid, 0) + len(hdr)
-        v.quarantine[op.sdig] = now
-        for ns, key in self._keys_of_blob(v, op.sdig):
-            self._emit_del(v, ns, key, aux=records.DEL_QUARANTINED)
-        v.dropped.add(op.sdig)
-
-    def _make_room(self, v: _View, size: int) -> None:
-        """Evict the least valuable unpinned blocks until `size` more live bytes fit."""
-        budget = self.live_capacity_bytes
-        with self._lock:
-            used = self._total.cold_bytes
-        need = used - v.freed + v.new_bytes + size - budget
-        if need <= 0:
-            return
-        victims: list[_Blob] = []
-        with self._lock:
-            for b in self._blobs.values():  # least recently used first
-                if need <= 0:
-                    break
-                if b.pins or b.sdig in v.touched or b.sdig in v.dropped:
-                    continue
-                victims.append(b)
-                need -= b.size
-        if need > 0:
-            raise CapacityError(
-                f"no room for a {size}-byte block: the cold tier ({self.cold_capacity_bytes} "
-                f"bytes) is full of pinned or in-flight blocks"
-            )
-        for b in victims:
-            v.dropped.add(b.sdig)
-            for ns, key in self._keys_of_blob(v, b.sdig):
-                self._emit_del(v, ns, key, evicted=True)
-            v.freed += b.size
-
-    def _decide_snapshot(self, v: _View, op: _Op) -> int:
-        """Reference and pin the tenant's live entries under the snapshot namespace."""
-        keys, prefix, rec = op.payload
-        tenant, sid = op.ns, op.key
-        pending = sum(1 for (k, t, _r), m in v.metas.items() if k == "snap" and t == tenant and m)
-        with self._lock:
-            self._check_snapshot_quota(tenant, pending)
-        names = list(dict.fromkeys(keys)) if keys is not None else v.ns_keys(tenant)
-        entries: list[tuple[str, _KS]] = []
-        for key in names:
-            if prefix is not None and not key.startswith(prefix):
-                continue
-            cur = v.key(tenant, key)
-            if cur is None or self._is_stale(tenant, cur):
-                continue  # stale entries are not captured
-            entries.append((key, cur))
-        newly = {st.sdig: st.size for _k, st in entries if not self._blob_pinned(v, st.sdig)}
-        self._pin_room(v, tenant, sum(newly.values()))
-        sns = snapshot_ns(tenant, sid)
-        for key, cur in entries:
-            loc = v.blob_loc(cur.sdig)
-            assert loc is not None
-            self._emit_key(v, sns, key, _KS(cur.sdig, cur.size, 1, None))
-            v.incref(cur.sdig, (sns, key))
-            v.effects.append(AddKey(sns, key, cur.sdig, cur.size, None, loc[1], loc[2]))
-            v.effects.append(PinDelta(sns, key, +1))
-        self._emit_meta(v, "snap", tenant, sid, rec)
-        return len(entries)
-
-    def _decide_drop(self, v: _View, op: _Op) -> int:
-        """Delete every entry of the named snapshots / branches, and their records."""
-        tenant = op.ns
-        n = 0
-        for kind, rid in op.payload:
-            if v.meta(kind, tenant, rid) is None:
-                continue
-            ins = snapshot_ns(tenant, rid) if kind == "snap" else branch_ns(tenant, rid)
-            for key in v.ns_keys(ins):
-                if v.key(ins, key) is not None:
-                    self._emit_del(v, ins, key)
-                    n += 1
-            self._emit_mdel(v, kind, tenant, rid)
-        return n
 
     def _snapshot_commit(
         self,
