@@ -51,11 +51,9 @@ import fcntl
 import gc
 import logging
 import os
-import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -80,11 +78,11 @@ from epistemic_kvcache.store.api import (
     validate_cond,
     validate_namespace,
 )
+from epistemic_kvcache.store.checkpointer import Checkpointer
 from epistemic_kvcache.store.codec import WarmCodec
 from epistemic_kvcache.store.committer import Committer, settle
 from epistemic_kvcache.store.engine import (
     DedupScope,
-    Effect,
     MetaPut,
     Move,
     TieredEngine,
@@ -94,65 +92,36 @@ from epistemic_kvcache.store.engine import (
 )
 from epistemic_kvcache.store.epochs import DEFAULT_MAX_SCOPES_PER_TENANT, EpochRegistry
 from epistemic_kvcache.store.index import (
-    FORMAT_VERSION,
-    OLD_FORMATS,
-    Changes,
     Index,
-    IndexError_,
-    KeyState,
-    create_index,
-    open_index,
     pack_loc,
     unpack_loc,
 )
+from epistemic_kvcache.store.opening import Opener
 from epistemic_kvcache.store.plan import BatchOp as _Op
 from epistemic_kvcache.store.plan import KeyView, Plan, decide_batch, plan_evictions, plan_room
-from epistemic_kvcache.store.records import Op
 from epistemic_kvcache.store.recovery import (
-    LogState,
     Salvage,
-    StoreMismatchError,
-    finish,
-    load_index,
-    read_seals,
-    replay,
-    reverify_quarantine,
-    salvage,
-    valid_ends,
 )
 from epistemic_kvcache.store.segments import (
-    DELETE_RESERVE_BYTES,
-    PUNCH_ALIGN,
-    Damage,
     DiskIO,
-    LogWriter,
-    Segment,
     SyncFailed,
-    scan,
-    seg_id_of,
 )
+from epistemic_kvcache.store.space import Dirty, SegmentSpace
 
 log = logging.getLogger(__name__)
 
 __all__ = ["DiskIO", "SharedKvStoreBackend"]
 
 DEFAULT_SEGMENT_BYTES = 256 << 20
-_CHECKPOINT_TRIGGER_BYTES = 32 << 20
-"""Log bytes after which the checkpointer runs without waiting for its interval."""
 _HOT_LOW_WATER = 0.8
 """When the hot tier refused a block (no room it could make without codec work), the tier
 thread demotes to here."""
 
 
-def _rebuild_hint(path: Path) -> str:
-    return (
-        f"run `epistemic-kvcache store rebuild-index --persist-dir {path}` "
-        "(or start the server with --rebuild-index)"
-    )
-
-
 class _RamReader:
-    """RAM as the batch decision (`store/plan.py`) reads it: each call takes the lock."""
+    """RAM as the batch decision (`store/plan.py`, its `Reader`) and the compactor
+    (`store/compaction.py`, its `LiveRam`) read it: each call takes the lock, but those
+    named `*_locked`, made with it held."""
 
     __slots__ = ("cold_capacity_bytes", "live_capacity_bytes", "max_keys_per_tenant", "s")
 
@@ -163,13 +132,8 @@ class _RamReader:
         self.max_keys_per_tenant = store.max_keys_per_tenant
 
     def key(self, ns: str, key: str) -> KeyView | None:
-        s = self.s
-        with s._lock:
-            b = s._lookup(ns, key)
-            if b is None:
-                return None
-            ref = (ns, key)
-            return KeyView(b.sdig, b.size, s._pins.get(ref, 0), s._tags.get(ref))
+        with self.s._lock:
+            return self.key_locked(ns, key)
 
     def blob(self, sdig: bytes) -> _Blob | None:
         return self.s._blobs.get(sdig)
@@ -223,26 +187,39 @@ class _RamReader:
     def now(self) -> float:
         return time.time()
 
+    # -- what the compactor asks ---------------------------------------------------------
+    def key_locked(self, ns: str, key: str) -> KeyView | None:
+        s = self.s
+        b = s._lookup(ns, key)
+        if b is None:
+            return None
+        ref = (ns, key)
+        return KeyView(b.sdig, b.size, s._pins.get(ref, 0), s._tags.get(ref))
 
-@dataclass(slots=True)
-class _Dirty:
-    """What changed since the last checkpoint: the index rows to rewrite from RAM."""
+    def use_order(self) -> list[tuple[int, int, int]]:
+        with self.s._lock:
+            return [(b.seg, b.size, b.pins) for b in self.s._blobs.values()]
 
-    keys: set[tuple[str, str]] = field(default_factory=set)
-    blobs: set[bytes] = field(default_factory=set)
-    metas: set[tuple[str, str, str]] = field(default_factory=set)
-    segs: set[int] = field(default_factory=set)
-    quarantine: dict[bytes, float] = field(default_factory=dict)
+    def relocate(self, sdig: bytes, wrong: tuple[int, int], right: tuple[int, int]) -> None:
+        b = self.s._blobs.get(sdig)
+        if b is not None:
+            self.s._relocate(b, wrong, right)
 
-    def __bool__(self) -> bool:
-        return bool(self.keys or self.blobs or self.metas or self.segs or self.quarantine)
+    def move_locked(self, sdig: bytes, old: tuple[int, int], new: tuple[int, int]) -> int:
+        b = self.s._blobs.get(sdig)
+        if b is None or (b.seg, b.off) != old:
+            return 0
+        self.s._apply([Move(sdig, new[0], new[1])])
+        return b.size
 
-    def merge(self, later: _Dirty) -> None:
-        self.keys |= later.keys
-        self.blobs |= later.blobs
-        self.metas |= later.metas
-        self.segs |= later.segs
-        self.quarantine.update(later.quarantine)
+    def quarantine_async(self, sdig: bytes, loc: tuple[int, int]) -> None:
+        self.s._quarantine_async(sdig, loc)
+
+    def evict_segment(self, sid: int) -> bool:
+        return self.s._evict_segment(sid)
+
+    def checkpoint_due(self, nbytes: int) -> None:
+        self.s._ckpt.due(nbytes)
 
 
 class SharedKvStoreBackend(TieredEngine):
@@ -300,23 +277,22 @@ class SharedKvStoreBackend(TieredEngine):
         self.cold_capacity_bytes = cold_capacity_bytes
         if segment_bytes is None:
             segment_bytes = min(DEFAULT_SEGMENT_BYTES, max(1 << 20, cold_capacity_bytes // 16))
-        self._segment_bytes = segment_bytes
-        # room kept free inside the cold capacity for compaction and deletes
-        # room kept free inside the cold capacity: two segments (at most an eighth) for
-        # compaction to copy into, and the allocated space deletes write into
-        self._delete_reserve = min(DELETE_RESERVE_BYTES, cold_capacity_bytes // 8)
-        self._reserve = min(2 * segment_bytes, cold_capacity_bytes // 8) + self._delete_reserve
-        self.live_capacity_bytes = cold_capacity_bytes - self._reserve
+        self._io = io or DiskIO()
+        self.path = Path(persist_dir)
+        self._seg_dir = self.path / "segments"
+        self._space = SegmentSpace(
+            self._seg_dir,
+            self._lock,
+            segment_bytes=segment_bytes,
+            cold_capacity_bytes=cold_capacity_bytes,
+            io=self._io,
+        )
+        self.live_capacity_bytes = cold_capacity_bytes - self._space.reserve
         """Live block bytes the cold tier holds before it evicts: the capacity less the
         reserve that compaction and deletes work in."""
         self._max_batch_bytes = max_batch_bytes
-        self._ckpt_interval = checkpoint_interval_s
-        self._max_lag = max_checkpoint_lag_bytes
         self._shutdown_timeout_s = shutdown_timeout_s
-        self._io = io or DiskIO()
         self._progress = progress
-        self.path = Path(persist_dir)
-        self._seg_dir = self.path / "segments"
         self._index_dir = self.path / "index"
         if self.path.exists() and not self.path.is_dir():
             raise ConfigurationError(f"invalid persist_dir: {str(self.path)!r} is not a directory")
@@ -335,13 +311,7 @@ class SharedKvStoreBackend(TieredEngine):
             raise ConfigurationError(
                 f"invalid persist_dir: {str(self.path)!r} is in use by another process"
             ) from exc
-        # state filled by _open
-        self._segs: dict[int, Segment] = {}
-        self._seg_len: dict[int, int] = {}  # valid end of each segment
-        self._seg_live: dict[int, int] = {}  # bytes of live records per segment
-        self._seg_tomb: dict[int, int] = {}  # bytes of tombstones per segment
-        self._kloc: dict[str, dict[str, int]] = {}  # record location of each key's state
-        self._mloc: dict[tuple[str, str, str], tuple[int, int]] = {}  # (location, bytes)
+        # state filled by _open (the segments and their accounting: self._space)
         self._quarantined: dict[bytes, float] = {}
         self._lost: list[tuple[str, str, bytes]] = []
         self._damage: list[tuple[int, int, int, str]] = []
@@ -350,15 +320,7 @@ class SharedKvStoreBackend(TieredEngine):
         self._batches = 0
         self._committed_ops = 0
         self._write_failures = 0
-        self._compactions = 0
-        self._compacted_bytes = 0
-        self._segments_deleted = 0
-        self._checkpoints = 0
-        self._checkpoint_failures = 0
         self._index_repairs = 0
-        self._seg_punched: dict[int, int] = {}  # bytes of dead payloads punched out
-        self._punched_bytes = 0
-        self._punch_ok = True
         self._rewrite: list[tuple[str, str]] = []  # keys whose state the log must state again
         self.salvaged: Salvage | None = None
         """What a rebuild took from the old index, and what it could not restore."""
@@ -366,7 +328,6 @@ class SharedKvStoreBackend(TieredEngine):
         self._unfound: dict[bytes, tuple[int, int]] = {}
         self._recovering = True
         self._compact: compaction.Compactor | None = None
-        self._maint_lock = threading.Lock()
         epoch_path = Path(epoch_dir) if epoch_dir is not None else self.path / "epochs"
         self.epoch_dir = epoch_path
         self._ix: Index | None = None
@@ -382,7 +343,7 @@ class SharedKvStoreBackend(TieredEngine):
             gc_was_enabled = gc.isenabled()
             gc.disable()  # loading N rows makes ~3N long-lived objects: no GC rescans
             try:
-                self._open(map_size_bytes, rebuild_index)
+                ix = self._open(map_size_bytes, rebuild_index)
             finally:
                 if gc_was_enabled:
                     gc.enable()
@@ -391,15 +352,15 @@ class SharedKvStoreBackend(TieredEngine):
             self._release_files()
             raise
         self._recovering = False
-        self._compact = compaction.Compactor(self)
         self._reader = _RamReader(self)
-        self._ckpt_cv = threading.Condition()
-        self._dirty = _Dirty()  # rows the next checkpoint writes (under self._lock)
-        self._ckpt_lag = 0
-        self._ckpt_stop = False
-        self._ckpt_error: str | None = None
-        self._ckpt_thread = threading.Thread(
-            target=self._checkpoint_loop, name="kvcache-checkpoint", daemon=True
+        self._compact = compaction.Compactor(self._space, self._reader)
+        self._ckpt = Checkpointer(
+            self._space,
+            ix,
+            self._reader,
+            interval_s=checkpoint_interval_s,
+            max_lag_bytes=max_checkpoint_lag_bytes,
+            counters=self._persisted_counters,
         )
         self._tier_event = threading.Event()
         self._tier_stop = False
@@ -412,7 +373,7 @@ class SharedKvStoreBackend(TieredEngine):
             release=self._release,
             max_batch_bytes=max_batch_bytes,
         )
-        self._ckpt_thread.start()
+        self._ckpt.start()
         self._tier_thread.start()
         self._committer.start()
         if self._rewrite:
@@ -425,7 +386,7 @@ class SharedKvStoreBackend(TieredEngine):
             "opened %d blocks, %d keys, %d segments in %.2f s (%s)",
             len(self._blobs),
             sum(len(v) for v in self._index.values()),
-            len(self._segs),
+            len(self._space.segs),
             self.open_seconds,
             self.path,
         )
@@ -435,7 +396,7 @@ class SharedKvStoreBackend(TieredEngine):
             if res is not None:
                 with contextlib.suppress(Exception):
                     res.close()
-        self._segs.clear()
+        self._space.segs.clear()
         with contextlib.suppress(OSError):
             os.close(self._lock_fd)
 
@@ -445,262 +406,24 @@ class SharedKvStoreBackend(TieredEngine):
         if self._progress is not None:
             self._progress(msg)
 
-    def _open(self, map_size: int, rebuild: bool) -> None:
-        for p in sorted(self._seg_dir.iterdir()):
-            sid = seg_id_of(p)
-            if sid is not None:
-                self._segs[sid] = Segment(sid, p, create=False)
-        log_nonempty = any(seg.size() > 0 for seg in self._segs.values())
-        why: str | None = None
-        ix: Index | None = None
-        if rebuild:
-            why = "rebuild requested"
-        else:
-            try:
-                ix = open_index(self._index_dir, map_size)
-                if ix.is_empty():
-                    why = "index is empty"
-                else:
-                    fmt = ix.meta(b"format")
-                    if fmt in OLD_FORMATS:
-                        # an index is a checkpoint of the log: an older one is rebuilt
-                        log.warning(
-                            "the index of %s has format %s (no row checksums); rebuilding "
-                            "it from the log",
-                            self.path,
-                            (fmt or b"?").decode(),
-                        )
-                        rebuild = True
-                        why = f"index format {(fmt or b'?').decode()}"
-                    elif fmt != FORMAT_VERSION:
-                        raise ConfigurationError(
-                            f"invalid persist_dir: {self.path} holds a store of format "
-                            f"{(fmt or b'?').decode()}; this version reads format "
-                            f"{FORMAT_VERSION.decode()} (move it aside or run "
-                            f"`epistemic-kvcache store upgrade --persist-dir {self.path}`)"
-                        )
-                    elif ix.checkpoint() is None:
-                        why = "index has no checkpoint"
-            except IndexError_ as exc:
-                why = str(exc)
-                ix = None
-            if why is not None and ix is not None:
-                ix.close()
-                ix = None
-        if why is not None and log_nonempty and not rebuild:
-            raise ConfigurationError(
-                f"the store in {self.path} has segment files but its index cannot be used "
-                f"({why}); refusing to start empty over existing data: {_rebuild_hint(self.path)}"
-            )
-        st: LogState
-        try:
-            if why is None and ix is not None:
-                self._ix = ix
-                self._say(f"loading the index of {self.path}")
-                try:
-                    st = load_index(ix, self._say)
-                except IndexError_ as exc:
-                    raise ConfigurationError(
-                        f"the store in {self.path} has segment files but its index cannot "
-                        f"be used ({exc}); refusing to start over damaged rows: "
-                        f"{_rebuild_hint(self.path)}"
-                    ) from exc
-                read_seals(self._segs, st)
-                start = ix.checkpoint()
-                assert start is not None
-                replay(self._segs, st, start, progress=self._say)
-                if st.end is None:
-                    st.end = start
-            elif log_nonempty:
-                self._say(f"rebuilding the index of {self.path} from its log ({why})")
-                st = LogState()
-                read_seals(self._segs, st)
-                replay(self._segs, st, None, progress=self._say)
-                for ns, key, hexd in reverify_quarantine(st):
-                    self._say(f"block {hexd} verifies in the log: {ns}/{key} is back")
-                    self._rewrite.append((ns, key))
-                self._salvage(st, map_size)
-                self._set_index_aside()
-                self._ix = create_index(
-                    self._index_dir, map_size, st.store_id or secrets.token_hex(8)
-                )
-            else:
-                st = LogState(store_id=secrets.token_hex(8))
-                self._set_index_aside()
-                self._ix = create_index(self._index_dir, map_size, st.store_id or "")
-        except StoreMismatchError as exc:
-            raise ConfigurationError(f"invalid persist_dir: {exc}") from exc
-        if self._ix is not None:
-            ix_id = self._ix.meta(b"store_id")
-            if st.store_id and ix_id and ix_id.decode() != st.store_id:
-                raise ConfigurationError(
-                    f"invalid persist_dir: its index belongs to store {ix_id.decode()}, its "
-                    f"segments to {st.store_id}: {_rebuild_hint(self.path)}"
-                )
-        self._store_id = st.store_id or secrets.token_hex(8)
-        self._finish_open(st)
-
-    def _salvage(self, st: LogState, map_size: int) -> None:
-        """A rebuild: take what damaged log records hide from the old index where it
-        still reads (rows that fail their checksum are skipped), and name every key that
-        cannot be restored (`salvaged`)."""
-        old: LogState | None = None
-        if (self._index_dir / "data.mdb").exists():
-            try:
-                ix = open_index(self._index_dir, map_size)
-            except IndexError_ as exc:
-                self._say(f"the old index cannot be read ({exc}): the log alone decides")
-            else:
-                try:
-                    ix.tolerant = True
-                    start = ix.checkpoint()
-                    if start is not None and ix.meta(b"format") == FORMAT_VERSION:
-                        old = load_index(ix)
-                        old.seals = dict(st.seals)
-                        replay(self._segs, old, start, verify=False)
-                        if ix.damaged_rows:
-                            self._say(f"the old index has {ix.damaged_rows} damaged rows")
-                except (IndexError_, StoreMismatchError) as exc:
-                    self._say(f"the old index cannot be read ({exc}): the log alone decides")
-                    old = None
-                finally:
-                    ix.close()
-        sv = salvage(st, old, self._segs)
-        self.salvaged = sv
-        for ns, key in sv.restored:
-            self._say(f"{ns}/{key}: its log record is damaged; restored from the old index")
-            self._rewrite.append((ns, key))
-        for ns, key, why in sv.unrestored:
-            log.error("%s/%s is lost: %s", ns, key, why)
-        for ns, key, what in sv.suspects:
-            log.error("%s/%s may be lost: %s", ns, key, what)
-
-    def _set_index_aside(self) -> None:
-        """Move an unusable index out of the way (kept for inspection, never deleted)."""
-        if self._index_dir.exists() and any(self._index_dir.iterdir()):
-            aside = self.path / f"index.unusable-{time.strftime('%Y%m%d-%H%M%S')}"
-            self._index_dir.rename(aside)
-            log.warning("moved the unusable index to %s", aside)
-
-    def _finish_open(self, st: LogState) -> None:
-        assert self._ix is not None
-        ckpt = self._ix.checkpoint() or (0, 0)
-        last = max(self._segs, default=0)
-        valid = valid_ends(st, self._segs, ckpt)  # where each segment's trusted bytes end
-        if ckpt[0] > 0:
-            from epistemic_kvcache.store.tools import missing_segments
-
-            later = sorted(sid for sid in self._segs if sid >= ckpt[0])
-            self._missing_segments = missing_segments(later, st.segdel, ckpt[0] - 1)
-        for sid in list(self._segs):
-            if sid in st.segdel:  # deleted on purpose; the unlink did not happen before a crash
-                with contextlib.suppress(OSError):
-                    self._segs.pop(sid).path.unlink()
-                valid.pop(sid, None)
-        finish(st, self._segs, valid)
-        self._damage = st.damage
-        for sid, off, dend, reason in st.damage:
-            log.error("damaged log bytes in segment %08d at %d..%d: %s", sid, off, dend, reason)
-        for sid, off, hexd in st.bad_blobs:
-            log.error("block %s in segment %08d at %d fails verification", hexd, sid, off)
-        if self._missing_segments:
-            log.error(
-                "segment files missing from %s: %s (deleted by hand?); their records are lost",
-                self._seg_dir,
-                ", ".join(f"{s:08d}" for s in self._missing_segments),
-            )
-        self._lost = st.lost_keys
-        if self._lost:
-            log.error(
-                "%d keys (%d blocks) have lost their bytes (segment deleted, truncated or "
-                "damaged): they read as misses; `epistemic-kvcache store check` lists them",
-                len(self._lost),
-                len(st.lost_blobs),
-            )
-        self._seg_len = valid
-        for sid, seg in self._segs.items():  # holes punched before this open
-            with contextlib.suppress(OSError):
-                on_disk = os.fstat(seg.fd).st_blocks * 512
-                if on_disk < valid.get(sid, 0):
-                    self._seg_punched[sid] = valid[sid] - on_disk
-        self._seg_tomb = {sid: n for sid, n in st.tomb.items() if sid in self._segs}
-        self._quarantined = dict(st.quarantine)
-        failures = max(st.counters.get("integrity_failures", 0), len(st.quarantine))
-        self._total.integrity_failures = failures + len(st.bad_blobs)
-        # RAM: the keys whose bytes are here, loaded in bulk
-        blobs, lost = st.blobs, st.lost_blobs
-        kloc = self._kloc
-        live = self._seg_live
-        nslen: dict[str, int] = {}
-        entries = []
-        for (ns, key), ks in st.keys.items():
-            bl = blobs.get(ks.sdig)
-            if bl is None or ks.sdig in lost:
-                continue
-            size, off, sid = bl
-            entries.append((ns, key, ks.sdig, size, sid, off, ks.tag, ks.pins))
-            locs = kloc.get(ns)
-            if locs is None:
-                locs = kloc[ns] = {}
-                nslen[ns] = len(ns.encode())
-            locs[key] = ks.loc
-            # the key record's bytes count as live in its segment
-            rsid = unpack_loc(ks.loc)[0]
-            n = records.FIXED_BYTES + nslen[ns] + len(key.encode()) + len(ks.sdig)
-            if ks.tag is not None:
-                n += len(ks.tag[0].encode())
-            live[rsid] = live.get(rsid, 0) + n
-        metas: list[Effect] = []
-        for (kind, tenant, rid), (mloc, nbytes, rec) in st.metas.items():
-            metas.append(MetaPut(kind, tenant, rid, rec))
-            self._mloc[(kind, tenant, rid)] = (mloc, nbytes)
-            msid = unpack_loc(mloc)[0]
-            live[msid] = live.get(msid, 0) + nbytes
+    def _open(self, map_size: int, rebuild: bool) -> Index:
+        """Open the log and index (`store/opening.py`), then load RAM from them."""
+        o = Opener(self.path, self._space, map_size=map_size, rebuild=rebuild, say=self._say)
+        opened = o.run()
+        self._ix = opened.ix
+        self._store_id = opened.store_id
+        self._writer = self._space.writer
+        self._rewrite = o.rewrite
+        self.salvaged = o.salvaged
+        self._missing_segments = o.missing_segments
+        self._damage = o.damage
+        self._lost = o.lost
+        self._quarantined = o.quarantined
+        self._total.integrity_failures = o.integrity_failures
         with self._lock:
-            self._load(entries)
-            self._apply(metas)
-        # bring the index up to date with what the tail replay found, then resume writing
-        end = st.end or (last, valid.get(last, 0))
-        for sid in self._segs:
-            st.changes.segs[sid] = (self._seg_tomb.get(sid, 0), valid[sid])
-        for sid in st.seg_rows:
-            if sid not in self._segs:
-                st.changes.segs[sid] = None
-        self._ix.apply(st.changes, end, self._persisted_counters())
-        self._writer = LogWriter(
-            self._seg_dir,
-            self._store_id,
-            self._segment_bytes,
-            self._io,
-            self._segs,
-            next_id=max([last, ckpt[0], *st.segdel]) + 1,
-            delete_reserve=self._delete_reserve,
-        )
-        if last in self._segs and last not in st.seals and end[0] == last:
-            seg = self._segs[last]
-            if seg.size() > end[1]:  # bytes past the last complete batch: never acknowledged
-                with open(seg.path, "r+b") as f:
-                    f.truncate(end[1])
-                    os.fsync(f.fileno())
-            self._writer.resume(seg, end[1])
-        else:
-            self._writer.seal_active(prev_id=last)
-        self._log_end: tuple[int, int] = end
-        self._ckpt_pos: tuple[int, int] = end
-
-    def _count_key_rec(
-        self,
-        loc: int,
-        ns: str,
-        key: str,
-        sdig: bytes,
-        tag: tuple[str, int] | None,
-        sign: int,
-    ) -> None:
-        """Add (or remove) a key record's bytes to its segment's live bytes (lock held)."""
-        sid = unpack_loc(loc)[0]
-        n = records.record_length(Op.KEY, ns, key, sdig, tag[0] if tag else "")
-        self._seg_live[sid] = self._seg_live.get(sid, 0) + sign * n
+            self._load(o.entries)
+            self._apply(o.metas)
+        return opened.ix
 
     # -- hooks from the engine -----------------------------------------------------------
     def _has_lower_tier(self) -> bool:
@@ -716,11 +439,11 @@ class SharedKvStoreBackend(TieredEngine):
 
     def _on_blob_created(self, b: _Blob) -> None:
         n = records.blob_header_length(b.sdig) + b.size
-        self._seg_live[b.seg] = self._seg_live.get(b.seg, 0) + n
+        self._space.seg_live[b.seg] = self._space.seg_live.get(b.seg, 0) + n
 
     def _on_blob_destroyed(self, b: _Blob) -> None:
         n = records.blob_header_length(b.sdig) + b.size
-        self._seg_live[b.seg] = self._seg_live.get(b.seg, 0) - n
+        self._space.seg_live[b.seg] = self._space.seg_live.get(b.seg, 0) - n
 
     def _tier_caps(self) -> dict[str, int]:
         caps = super()._tier_caps()
@@ -733,9 +456,7 @@ class SharedKvStoreBackend(TieredEngine):
     def disk_bytes(self) -> int:
         """Bytes of the segment files on disk (what the cold capacity bounds): their
         lengths less the dead payloads punched out, plus the zeroed space ahead."""
-        w = self._writer
-        punched = sum(self._seg_punched.values())
-        return sum(self._seg_len.values()) - punched + max(0, w.zeroed_to - w.pos)
+        return self._space.disk_bytes()
 
     def _extra_stats(self) -> dict[str, int | float]:
         out = super()._extra_stats()
@@ -745,18 +466,18 @@ class SharedKvStoreBackend(TieredEngine):
             commit_batches=self._batches,
             committed_ops=self._committed_ops,
             write_failures=self._write_failures,
-            segments=len(self._segs),
-            segment_bytes=sum(self._seg_len.values()),
-            live_log_bytes=sum(self._seg_live.values()),
+            segments=len(self._space.segs),
+            segment_bytes=sum(self._space.seg_len.values()),
+            live_log_bytes=sum(self._space.seg_live.values()),
             disk_bytes=self.disk_bytes(),
-            compactions=self._compactions,
-            compacted_bytes=self._compacted_bytes,
-            punched_bytes=self._punched_bytes,
-            segments_deleted=self._segments_deleted,
-            checkpoints=self._checkpoints,
-            checkpoint_failures=self._checkpoint_failures,
+            compactions=self._space.compactions,
+            compacted_bytes=self._space.compacted_bytes,
+            punched_bytes=self._space.punched_bytes,
+            segments_deleted=self._space.segments_deleted,
+            checkpoints=self._ckpt.checkpoints,
+            checkpoint_failures=self._ckpt.failures,
             index_repairs=self._index_repairs,
-            checkpoint_lag_bytes=self._ckpt_lag,
+            checkpoint_lag_bytes=self._ckpt.lag,
             lost_keys=len(self._lost),
             quarantined_blocks=len(self._quarantined),
             damaged_log_regions=len(self._damage),
@@ -784,7 +505,7 @@ class SharedKvStoreBackend(TieredEngine):
         return StoreHealth()
 
     def _read_lower(self, b: _Blob, loc: tuple[int, int]) -> Buffer | None:
-        seg = self._segs.get(loc[0])
+        seg = self._space.segs.get(loc[0])
         if seg is None:
             return None
         try:
@@ -793,52 +514,13 @@ class SharedKvStoreBackend(TieredEngine):
             log.error("read of %s failed: %s", b.digest.hex(), exc)
             return None
 
-    def _blob_placed(self, sdig: bytes, size: int, loc: tuple[int, int]) -> bool:
-        """Whether the log holds a BLOB record of `sdig` with `size` bytes at `loc`."""
-        seg = self._segs.get(loc[0])
-        hlen = records.blob_header_length(sdig)
-        if seg is None or loc[1] < hlen:
-            return False
-        try:
-            rec = records.decode(seg.read(loc[1] - hlen, hlen))
-        except (OSError, records.RecordError):
-            return False
-        return rec.op is Op.BLOB and rec.sdig == sdig and rec.plen == size
-
-    def _find_in_log(self, sdig: bytes, size: int, first: int) -> tuple[int, int, Buffer] | None:
-        """A copy of `sdig` in the log whose bytes verify: (segment, payload offset, bytes).
-        Reads record headers only, from segment `first`, then newest first."""
-        with self._lock:
-            segs = dict(self._segs)
-            ends = dict(self._seg_len)
-        if self._writer.active is not None:
-            ends[self._writer.active.id] = self._writer.pos
-        order = sorted(segs, reverse=True)
-        if first in segs:
-            order.remove(first)
-            order.insert(0, first)
-        for sid in order:
-            seg = segs[sid]
-            try:
-                for item in scan(seg, 0, ends.get(sid, 0), payloads=False, verify=False):
-                    if isinstance(item, Damage) or item.rec.op is not Op.BLOB:
-                        continue
-                    if item.rec.sdig != sdig or item.rec.plen != size:
-                        continue
-                    data = seg.read(item.data_off, size)
-                    if digest_of(data) == sdig[-32:]:
-                        return sid, item.data_off, data
-            except OSError as exc:
-                log.error("reading segment %08d failed: %s", sid, exc)
-        return None
-
     def _recover_lower(self, b: _Blob, loc: tuple[int, int]) -> Buffer | None:
         """A read at `loc` failed or did not verify. Distrust the location before the
         bytes: if the log holds the block's BLOB record at `loc`, the bytes are damaged
         (None: the caller quarantines them). Otherwise the location is wrong (a damaged
         index row): look for a copy in the log whose bytes verify, point RAM at it (the
         index row is rewritten at the next checkpoint) and serve it."""
-        if self._blob_placed(b.sdig, b.size, loc):
+        if self._space.blob_placed(b.sdig, b.size, loc):
             return None
         with self._recover_lock:
             if self._unfound.get(b.sdig) == loc:
@@ -846,7 +528,7 @@ class SharedKvStoreBackend(TieredEngine):
             with self._lock:
                 if self._blobs.get(b.sdig) is not b or (b.seg, b.off) != loc:
                     return None  # moved or gone meanwhile: the caller's read was stale
-            found = self._find_in_log(b.sdig, b.size, loc[0])
+            found = self._space.find_in_log(b.sdig, b.size, loc[0])
             if found is None:
                 self._unfound[b.sdig] = loc
                 log.error(
@@ -867,7 +549,7 @@ class SharedKvStoreBackend(TieredEngine):
             if self._blobs.get(b.sdig) is not b or (b.seg, b.off) != wrong:
                 return
             self._apply([Move(b.sdig, right[0], right[1])])
-            self._dirty.blobs.add(b.sdig)
+            self._space.dirty.blobs.add(b.sdig)
             self._index_repairs += 1
         log.warning(
             "block %s was not where the index put it (segment %08d offset %d): found "
@@ -1099,7 +781,7 @@ class SharedKvStoreBackend(TieredEngine):
             # blocks displace (a batch of its own), then compact the space it frees.
             self._pre_evict(incoming)
             self._compact.make_disk_room(incoming)
-        self._wait_for_checkpoint_lag()
+        self._ckpt.wait_for_lag()
         p = decide_batch(self._reader, batch)
         res = self._write(p)
         if isinstance(res, StoreError):
@@ -1151,7 +833,7 @@ class SharedKvStoreBackend(TieredEngine):
             return positions, w.write(reserve_ok=not p.new_data)
         except SyncFailed as exc:
             for sid, end in w.abandon():
-                self._seg_len[sid] = min(self._seg_len.get(sid, end), end)
+                self._space.seg_len[sid] = min(self._space.seg_len.get(sid, end), end)
             return self._io_error(exc.cause, "sync")
         except OSError as exc:
             w.rollback()
@@ -1187,7 +869,7 @@ class SharedKvStoreBackend(TieredEngine):
             tomb[sid] = tomb.get(sid, 0) + len(p.records[i][0])
         w = self._writer
         with self._lock:
-            dirty = self._dirty  # (swapped by the checkpointer under this lock)
+            dirty = self._space.dirty  # (swapped by the checkpointer under this lock)
             # where the blobs this batch may destroy are: their bytes go back to the disk
             doomed = {}
             for sdig in [*(d for d, n in p.ref_delta.items() if n < 0), *p.dropped]:
@@ -1195,40 +877,40 @@ class SharedKvStoreBackend(TieredEngine):
                 if b is not None and b.seg >= 0 and sdig not in p.quarantine:
                     doomed[sdig] = (b, b.seg, b.off, b.size)
             for ns, key in key_recs:  # the old record of each rewritten key goes dead
-                old = self._kloc.get(ns, {}).get(key)
+                old = self._space.kloc.get(ns, {}).get(key)
                 b = self._lookup(ns, key)
                 if old is not None and b is not None:
-                    self._count_key_rec(old, ns, key, b.sdig, self._tags.get((ns, key)), -1)
+                    self._space.count_key_rec(old, ns, key, b.sdig, self._tags.get((ns, key)), -1)
             for mk in meta_recs:
-                om = self._mloc.pop(mk, None)
+                om = self._space.mloc.pop(mk, None)
                 if om is not None:
                     sid = unpack_loc(om[0])[0]
-                    self._seg_live[sid] = self._seg_live.get(sid, 0) - om[1]
+                    self._space.seg_live[sid] = self._space.seg_live.get(sid, 0) - om[1]
             self._apply(p.effects)
             for (ns, key), rec in key_recs.items():
-                locs = self._kloc.get(ns)
+                locs = self._space.kloc.get(ns)
                 b = self._lookup(ns, key)
                 if rec is None or b is None:
                     if locs is not None:
                         locs.pop(key, None)
                         if not locs:
-                            del self._kloc[ns]
+                            del self._space.kloc[ns]
                     continue
-                self._kloc.setdefault(ns, {})[key] = rec
+                self._space.kloc.setdefault(ns, {})[key] = rec
                 tag = self._tags.get((ns, key))
-                self._count_key_rec(rec, ns, key, b.sdig, tag, +1)
+                self._space.count_key_rec(rec, ns, key, b.sdig, tag, +1)
             dirty.keys.update(key_recs)
             for mk, mrec in meta_recs.items():
                 if mrec is not None:
-                    self._mloc[mk] = mrec
+                    self._space.mloc[mk] = mrec
                     sid = unpack_loc(mrec[0])[0]
-                    self._seg_live[sid] = self._seg_live.get(sid, 0) + mrec[1]
+                    self._space.seg_live[sid] = self._space.seg_live.get(sid, 0) + mrec[1]
             dirty.metas.update(meta_recs)
             dirty.blobs.update(p.placed, p.ref_delta, p.dropped)
             for sid, n in tomb.items():
-                self._seg_tomb[sid] = self._seg_tomb.get(sid, 0) + n
+                self._space.seg_tomb[sid] = self._space.seg_tomb.get(sid, 0) + n
             for sid, end in written:
-                self._seg_len[sid] = end
+                self._space.seg_len[sid] = end
             dirty.segs.update(tomb, (sid for sid, _e in written))
             self._quarantined.update(p.quarantine)
             dirty.quarantine.update(p.quarantine)
@@ -1239,7 +921,7 @@ class SharedKvStoreBackend(TieredEngine):
             self._batches += 1
             self._committed_ops += len(batch)
             if w.active is not None:
-                self._log_end = (w.active.id, w.pos)
+                self._space.log_end = (w.active.id, w.pos)
             dead = [
                 (sid, off, size)
                 for sdig, (b, sid, off, size) in doomed.items()
@@ -1248,35 +930,8 @@ class SharedKvStoreBackend(TieredEngine):
         for op, res in zip(batch, p.results, strict=True):
             settle(op.future, res)
         if dead:
-            self._punch(dead)
-        self._checkpoint_due(w.last_batch_bytes)
-
-    def _punch(self, dead: list[tuple[int, int, int]]) -> None:
-        """Give the disk back the payload bytes of blocks that just died (their deleting
-        batch is durable): whole pages inside each payload are punched out of the file,
-        record headers stay, so the log still scans. Deleted data makes room at once,
-        whatever its layout, without copying anything (a full disk has no room to copy
-        into). Replay and compaction never read a dead payload; one that is read back
-        (a whole-log `check`) is not reported, since no key references it."""
-        if not self._punch_ok:
-            return
-        for sid, off, size in dead:
-            seg = self._segs.get(sid)
-            start = -(-off // PUNCH_ALIGN) * PUNCH_ALIGN
-            end = (off + size) // PUNCH_ALIGN * PUNCH_ALIGN
-            if seg is None or end <= start:
-                continue
-            try:
-                if not self._io.punch_hole(seg.fd, start, end - start):
-                    self._punch_ok = False
-                    log.info("%s cannot punch holes: dead bytes wait for compaction", self.path)
-                    return
-            except OSError as exc:
-                log.warning("punching dead bytes out of segment %08d failed: %s", sid, exc)
-                continue
-            with self._lock:
-                self._seg_punched[sid] = self._seg_punched.get(sid, 0) + end - start
-                self._punched_bytes += end - start
+            self._space.punch(dead)
+        self._ckpt.due(w.last_batch_bytes)
 
     def _snapshot_commit(
         self,
@@ -1341,115 +996,9 @@ class SharedKvStoreBackend(TieredEngine):
     def _persisted_counters(self) -> dict[str, int]:
         return {"integrity_failures": self._total.integrity_failures}
 
-    def _checkpoint_due(self, nbytes: int) -> None:
-        """`nbytes` more of log the index does not cover yet (the rows are marked dirty)."""
-        with self._ckpt_cv:
-            self._ckpt_lag += nbytes
-            if self._ckpt_lag >= _CHECKPOINT_TRIGGER_BYTES:
-                self._ckpt_cv.notify_all()
-
-    def _rows(self, dirty: _Dirty) -> Changes:
-        """The index rows of `dirty`, read from RAM in chunks (the lock is released
-        between chunks, so readers never wait long)."""
-        ch = Changes.empty()
-        keys = list(dirty.keys)
-        for i in range(0, len(keys), 2000):
-            with self._lock:
-                for ns, key in keys[i : i + 2000]:
-                    b = self._lookup(ns, key)
-                    loc = self._kloc.get(ns, {}).get(key)
-                    if b is None or loc is None:
-                        ch.keys[(ns, key)] = None
-                    else:
-                        pins = self._pins.get((ns, key), 0)
-                        ch.keys[(ns, key)] = KeyState(b.sdig, pins, self._tags.get((ns, key)), loc)
-        sdigs = list(dirty.blobs)
-        for i in range(0, len(sdigs), 2000):
-            with self._lock:
-                for sdig in sdigs[i : i + 2000]:
-                    blob = self._blobs.get(sdig)
-                    ch.blobs[sdig] = (blob.size, blob.off, blob.seg) if blob is not None else None
-        with self._lock:
-            for mk in dirty.metas:
-                body = self._meta(mk[0]).get(mk[1], {}).get(mk[2])
-                ml = self._mloc.get(mk)
-                ch.metas[mk] = (ml[0], body) if body is not None and ml is not None else None
-            for sid in dirty.segs:
-                ch.segs[sid] = (
-                    (self._seg_tomb.get(sid, 0), self._seg_len.get(sid, 0))
-                    if sid in self._segs
-                    else None
-                )
-            ch.quarantine.update(dirty.quarantine)
-        return ch
-
-    def _wait_for_checkpoint_lag(self) -> None:
-        """Back-pressure: the log may run ahead of the index by `max_checkpoint_lag_bytes`
-        (bounding the replay at the next open), unless checkpoints are failing."""
-        with self._ckpt_cv:
-            deadline = time.monotonic() + 5.0
-            while (
-                self._ckpt_lag > self._max_lag
-                and self._ckpt_error is None
-                and not self._ckpt_stop
-                and time.monotonic() < deadline
-            ):
-                self._ckpt_cv.notify_all()
-                self._ckpt_cv.wait(0.1)
-
-    def _checkpoint_loop(self) -> None:
-        next_at = time.monotonic() + self._ckpt_interval
-        while True:
-            with self._ckpt_cv:
-                while (
-                    not self._ckpt_stop
-                    and self._ckpt_lag < _CHECKPOINT_TRIGGER_BYTES
-                    and time.monotonic() < next_at
-                ):
-                    self._ckpt_cv.wait(max(0.01, next_at - time.monotonic()))
-                stopping = self._ckpt_stop
-            self.checkpoint()
-            next_at = time.monotonic() + self._ckpt_interval
-            if stopping:
-                return
-
     def checkpoint(self) -> bool:
-        """Write the dirty rows to the index now (True when it is up to date).
-
-        The rows are read from RAM here, so they may be newer than the checkpoint position
-        they are written with: that is safe, since every record after the position is
-        replayed at open and each one sets a key's whole state (last writer wins)."""
-        with self._lock:
-            dirty, self._dirty = self._dirty, _Dirty()
-            target = self._log_end
-        if not dirty and target == self._ckpt_pos:
-            return True
-        with self._ckpt_cv:
-            lag, self._ckpt_lag = self._ckpt_lag, 0
-        ch = self._rows(dirty)
-        assert self._ix is not None
-        try:
-            self._ix.apply(ch, target, self._persisted_counters())
-        except StorageIOError as exc:
-            with self._lock:
-                dirty.merge(self._dirty)
-                self._dirty = dirty
-            with self._ckpt_cv:
-                self._ckpt_lag += lag
-                if self._ckpt_error is None:
-                    log.error("index checkpoint failed (the log still has everything): %s", exc)
-                self._ckpt_error = str(exc)
-                self._checkpoint_failures += 1
-            time.sleep(0.5)
-            return False
-        with self._ckpt_cv:
-            if self._ckpt_error is not None:
-                log.info("index checkpoints work again")
-            self._ckpt_error = None
-            self._ckpt_pos = target
-            self._checkpoints += 1
-            self._ckpt_cv.notify_all()
-        return True
+        """Write the dirty rows to the index now (True when it is up to date)."""
+        return self._ckpt.checkpoint()
 
     # -- checks and shutdown -------------------------------------------------------------
     def lost_keys(self) -> list[tuple[str, str, str]]:
@@ -1458,13 +1007,13 @@ class SharedKvStoreBackend(TieredEngine):
 
     def check(self, *, deep: bool = False) -> ConsistencyReport:
         """RAM invariants, every block inside a segment's trusted bytes (`deep`: re-hash)."""
-        with self._maint_lock:
+        with self._space.maint_lock:
             report = ConsistencyReport()
             with self._lock:
                 self._base_check(report)
                 blobs = [(b.sdig, b.size, b.seg, b.off) for b in self._blobs.values()]
-                segs = dict(self._segs)
-                ends = dict(self._seg_len)
+                segs = dict(self._space.segs)
+                ends = dict(self._space.seg_len)
             report.lost_keys = [f"{ns}/{key}" for ns, key, _d in self._lost]
             for sdig, size, sid, off in blobs:
                 name = sdig[-32:].hex()
@@ -1479,13 +1028,10 @@ class SharedKvStoreBackend(TieredEngine):
     def _close_without_checkpoint(self) -> None:
         """Stop as a crash right after the last acknowledged write would: every write is
         in the log, the index is left wherever its last checkpoint put it (tests)."""
-        with self._ckpt_cv:
-            self._ckpt_stop = True
-            self._ckpt_cv.notify_all()
-        self._ckpt_thread.join(self._shutdown_timeout_s)
+        self._ckpt.stop(self._shutdown_timeout_s)
         with self._lock:
-            self._dirty = _Dirty()
-            self._log_end = self._ckpt_pos
+            self._space.dirty = Dirty()
+            self._space.log_end = self._space.ckpt_pos
         self.close()
 
     def close(self) -> None:
@@ -1498,10 +1044,7 @@ class SharedKvStoreBackend(TieredEngine):
             self._closed = True
         self._tier_stop = True
         self._tier_event.set()
-        with self._ckpt_cv:
-            self._ckpt_stop = True
-            self._ckpt_cv.notify_all()
-        self._ckpt_thread.join(self._shutdown_timeout_s)
+        self._ckpt.stop(self._shutdown_timeout_s)
         if done:
             self.checkpoint()  # the index is current: the next open replays nothing
         self._tier_thread.join(5.0)
