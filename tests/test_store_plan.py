@@ -9,7 +9,9 @@ operation at a time (each applied before the next).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 from typing import Any
 
 import blake3
@@ -82,15 +84,10 @@ class MemReader:
         return sum(b.size for b in self.blobs.values())
 
     def lru_victims(self, need: int, skip: set[bytes]) -> list[tuple[bytes, int]] | None:
-        out = []
-        for b in self.blobs.values():
-            if need <= 0:
-                break
-            if b.pins or b.sdig in skip:
-                continue
-            out.append((b.sdig, b.size))
-            need -= b.size
-        return out if need <= 0 else None
+        free = [(b.sdig, b.size) for b in self.blobs.values() if not b.pins and b.sdig not in skip]
+        sizes = list(itertools.accumulate(size for _s, size in free))
+        n = bisect.bisect_left(sizes, need) + 1 if need > 0 else 0
+        return free[:n] if n <= len(free) else None
 
     def epoch(self, tenant: str, scope: str) -> int:
         return self.epochs.get((tenant, scope), 0)
