@@ -47,6 +47,7 @@ from epistemic_kvcache.store.recovery import (
     StoreMismatchError,
     finish,
     load_index,
+    missing_segments,
     read_seals,
     replay,
     reverify_quarantine,
@@ -263,8 +264,6 @@ class Opener:
         last = max(self.space.segs, default=0)
         valid = valid_ends(st, self.space.segs, ckpt)  # where each segment's trusted bytes end
         if ckpt[0] > 0:
-            from epistemic_kvcache.store.tools import missing_segments
-
             later = sorted(sid for sid in self.space.segs if sid >= ckpt[0])
             self.missing_segments = missing_segments(later, st.segdel, ckpt[0] - 1)
         for sid in list(self.space.segs):
