@@ -98,7 +98,8 @@ from epistemic_kvcache.store.index import (
 )
 from epistemic_kvcache.store.opening import Opener
 from epistemic_kvcache.store.plan import BatchOp as _Op
-from epistemic_kvcache.store.plan import KeyView, Plan, decide_batch, plan_evictions, plan_room
+from epistemic_kvcache.store.plan import Plan, decide_batch, plan_evictions, plan_room
+from epistemic_kvcache.store.ramview import RamView
 from epistemic_kvcache.store.recovery import (
     Salvage,
 )
@@ -116,110 +117,6 @@ DEFAULT_SEGMENT_BYTES = 256 << 20
 _HOT_LOW_WATER = 0.8
 """When the hot tier refused a block (no room it could make without codec work), the tier
 thread demotes to here."""
-
-
-class _RamReader:
-    """RAM as the batch decision (`store/plan.py`, its `Reader`) and the compactor
-    (`store/compaction.py`, its `LiveRam`) read it: each call takes the lock, but those
-    named `*_locked`, made with it held."""
-
-    __slots__ = ("cold_capacity_bytes", "live_capacity_bytes", "max_keys_per_tenant", "s")
-
-    def __init__(self, store: SharedKvStoreBackend) -> None:
-        self.s = store
-        self.live_capacity_bytes = store.live_capacity_bytes
-        self.cold_capacity_bytes = store.cold_capacity_bytes
-        self.max_keys_per_tenant = store.max_keys_per_tenant
-
-    def key(self, ns: str, key: str) -> KeyView | None:
-        with self.s._lock:
-            return self.key_locked(ns, key)
-
-    def blob(self, sdig: bytes) -> _Blob | None:
-        return self.s._blobs.get(sdig)
-
-    def key_refs(self, sdig: bytes) -> list[tuple[str, str]]:
-        with self.s._lock:
-            b = self.s._blobs.get(sdig)
-            return b.key_refs() if b is not None else []
-
-    def meta(self, kind: str, tenant: str, rid: str) -> dict[str, Any] | None:
-        return self.s._meta(kind).get(tenant, {}).get(rid)
-
-    def ns_keys(self, ns: str) -> list[str]:
-        with self.s._lock:
-            return list(self.s._index.get(ns) or ())
-
-    def cold_bytes(self) -> int:
-        with self.s._lock:
-            return self.s._total.cold_bytes
-
-    def lru_victims(self, need: int, skip: set[bytes]) -> list[tuple[bytes, int]] | None:
-        victims: list[tuple[bytes, int]] = []
-        with self.s._lock:
-            for b in self.s._blobs.values():  # least recently used first
-                if need <= 0:
-                    break
-                if b.pins or b.sdig in skip:
-                    continue
-                victims.append((b.sdig, b.size))
-                need -= b.size
-        return victims if need <= 0 else None
-
-    def epoch(self, tenant: str, scope: str) -> int:
-        return self.s._epoch_current(tenant, scope)
-
-    def first_write_wins(self, ns: str) -> bool:
-        return self.s._fww(ns)
-
-    def check_key_quota(self, ns: str, pending: int) -> None:
-        with self.s._lock:
-            self.s._check_key_quota(ns, pending)
-
-    def check_pin_quota(self, tenant: str, extra: int) -> None:
-        with self.s._lock:
-            self.s._check_pin_quota(tenant, extra)
-
-    def check_snapshot_quota(self, tenant: str, pending: int) -> None:
-        with self.s._lock:
-            self.s._check_snapshot_quota(tenant, pending)
-
-    def now(self) -> float:
-        return time.time()
-
-    # -- what the compactor asks ---------------------------------------------------------
-    def key_locked(self, ns: str, key: str) -> KeyView | None:
-        s = self.s
-        b = s._lookup(ns, key)
-        if b is None:
-            return None
-        ref = (ns, key)
-        return KeyView(b.sdig, b.size, s._pins.get(ref, 0), s._tags.get(ref))
-
-    def use_order(self) -> list[tuple[int, int, int]]:
-        with self.s._lock:
-            return [(b.seg, b.size, b.pins) for b in self.s._blobs.values()]
-
-    def relocate(self, sdig: bytes, wrong: tuple[int, int], right: tuple[int, int]) -> None:
-        b = self.s._blobs.get(sdig)
-        if b is not None:
-            self.s._relocate(b, wrong, right)
-
-    def move_locked(self, sdig: bytes, old: tuple[int, int], new: tuple[int, int]) -> int:
-        b = self.s._blobs.get(sdig)
-        if b is None or (b.seg, b.off) != old:
-            return 0
-        self.s._apply([Move(sdig, new[0], new[1])])
-        return b.size
-
-    def quarantine_async(self, sdig: bytes, loc: tuple[int, int]) -> None:
-        self.s._quarantine_async(sdig, loc)
-
-    def evict_segment(self, sid: int) -> bool:
-        return self.s._evict_segment(sid)
-
-    def checkpoint_due(self, nbytes: int) -> None:
-        self.s._ckpt.due(nbytes)
 
 
 class SharedKvStoreBackend(TieredEngine):
@@ -352,7 +249,15 @@ class SharedKvStoreBackend(TieredEngine):
             self._release_files()
             raise
         self._recovering = False
-        self._reader = _RamReader(self)
+        self._reader = RamView(
+            self,
+            live_capacity_bytes=self.live_capacity_bytes,
+            cold_capacity_bytes=self.cold_capacity_bytes,
+            relocate=self._relocate,
+            quarantine_async=self._quarantine_async,
+            evict_segment=self._evict_segment,
+            checkpoint_due=self._checkpoint_due,
+        )
         self._compact = compaction.Compactor(self._space, self._reader)
         self._ckpt = Checkpointer(
             self._space,
@@ -931,7 +836,7 @@ class SharedKvStoreBackend(TieredEngine):
             settle(op.future, res)
         if dead:
             self._space.punch(dead)
-        self._ckpt.due(w.last_batch_bytes)
+        self._checkpoint_due(w.last_batch_bytes)
 
     def _snapshot_commit(
         self,
@@ -995,6 +900,9 @@ class SharedKvStoreBackend(TieredEngine):
 
     def _persisted_counters(self) -> dict[str, int]:
         return {"integrity_failures": self._total.integrity_failures}
+
+    def _checkpoint_due(self, nbytes: int) -> None:
+        self._ckpt.due(nbytes)
 
     def checkpoint(self) -> bool:
         """Write the dirty rows to the index now (True when it is up to date)."""
