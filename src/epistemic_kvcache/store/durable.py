@@ -5,17 +5,21 @@ How a write becomes durable
 1. The caller's thread validates, hashes (BLAKE3) and, when the PUT writes nothing (the
    key already holds these bytes, or a condition refuses it), answers at once. Otherwise
    it queues an operation for the committer (`store/committer.py`) and waits.
-2. The committer takes every queued operation (group commit) and decides each one
-   against RAM as the earlier operations of the same batch left it (`_View`), emitting
-   log records (`store/records.py`) into the batch: a BLOB record for new bytes, a KEY
-   record with the key's whole new state, DEL tombstones, snapshot/branch records.
-3. The batch is written to the active segment and `fdatasync`ed once
-   (`store/segments.py`): then, and only then, its effects are applied to RAM and the
-   callers answered. An acknowledged write is in the log; an unacknowledged one is
-   invisible. One sync per batch.
-4. The row changes of the batch go to the checkpointer thread, which writes them to the
-   LMDB index (`store/index.py`) in the background, a few times a second, and moves the
-   checkpoint position. Opening loads the index and replays the log after the checkpoint
+2. The committer takes every queued operation (group commit) and decides the batch with
+   a pure function (`store/plan.py`: `decide_batch(reader, ops) -> Plan`): each operation
+   against RAM as the earlier operations of the same batch left it, giving the log
+   records (`store/records.py`) to write (a BLOB record for new bytes, a KEY record with
+   the key's whole new state, DEL tombstones, snapshot/branch records), the effects to
+   apply to RAM, and each operation's answer. RAM is read through `store/ramview.py`.
+3. The plan's records are placed and written to the active segment and `fdatasync`ed
+   once (`store/segments.py`): then, and only then, its effects are applied to RAM, the
+   segment space's accounting updated (`store/space.py`) and the callers answered. An
+   acknowledged write is in the log; an unacknowledged one is invisible. One sync per
+   batch.
+4. The rows the batch changed are marked dirty for the checkpointer thread
+   (`store/checkpointer.py`), which writes them to the LMDB index (`store/index.py`) in
+   the background, a few times a second, and moves the checkpoint position. Opening
+   (`store/opening.py`) loads the index and replays the log after the checkpoint
    (`store/recovery.py`): O(index + tail), never O(data).
 
 The log is the truth: an index that is missing, empty, damaged or from another store is
