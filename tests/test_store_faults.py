@@ -545,22 +545,23 @@ def test_a_late_quarantine_does_not_drop_a_rewritten_blob(tmp_path: Path) -> Non
 
 
 def test_an_unexpected_error_in_the_committer_is_a_loud_read_only_fault(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Never a hang: every waiting and every later write fails at once, reads go on,
     readiness says why, the log says it once."""
     from epistemic_kvcache.errors import StoreFaultError
+    from epistemic_kvcache.store import durable as durable_mod
 
     store = open_durable(tmp_path)
     store.put(NS, "before", block("before"))
-    real = store._decide
+    real = durable_mod.decide_batch
 
-    def broken(v: Any, op: Any) -> Any:
-        if op.key == "boom":
+    def broken(reader: Any, ops: Any) -> Any:
+        if any(op.key == "boom" for op in ops):
             raise RuntimeError("a bug in the committer")
-        return real(v, op)
+        return real(reader, ops)
 
-    store._decide = broken  # type: ignore[method-assign]
+    monkeypatch.setattr(durable_mod, "decide_batch", broken)
     with pytest.raises(StoreFaultError, match="a bug in the committer"):
         store.put(NS, "boom", block("boom"))
     t0 = time.monotonic()

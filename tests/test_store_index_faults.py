@@ -138,7 +138,7 @@ def test_compaction_keeps_a_block_whose_row_points_elsewhere(tmp_path: Path) -> 
             del data[f"k{i}"]
         assert store._compact is not None
         for _ in range(200):
-            with store._maint_lock:
+            with store._space.maint_lock:
                 pass
             if not store._compact.step():
                 break
@@ -153,7 +153,7 @@ def test_a_rebuild_lifts_a_quarantine_whose_block_verifies(tmp_path: Path) -> No
         with store._lock:
             b = store._lookup(NS, "k5")
             assert b is not None
-            seg_file, off = store._segs[b.seg].path, b.off
+            seg_file, off = store._space.segs[b.seg].path, b.off
     # a transient read fault: the bytes read back wrong once (then the medium is fine)
     raw = bytearray(seg_file.read_bytes())
     good = bytes(raw[off + 100 : off + 101])
@@ -375,7 +375,7 @@ def test_rebuild_and_check_name_keys_lost_to_a_quarantine(tmp_path: Path) -> Non
     with open_store(tmp_path) as store, store._lock:
         b = store._lookup(NS, "k4")
         assert b is not None
-        seg_file, off = store._segs[b.seg].path, b.off
+        seg_file, off = store._space.segs[b.seg].path, b.off
     with seg_file.open("r+b") as f:  # damaged for good
         f.seek(off + 10)
         f.write(b"\x00" * 64)

@@ -4,8 +4,10 @@ How it works
 ------------
 Records go dead when a later record supersedes them (a key replaced or deleted, a blob
 whose last key went, a snapshot dropped). Each segment's *live* bytes are known exactly
-(`_seg_live`: the blobs, key records and snapshot/branch records RAM points at),
-tombstone bytes are counted apart (`_seg_tomb`); the rest of a sealed segment is dead.
+(`SegmentSpace.seg_live`: the blobs, key records and snapshot/branch records RAM points
+at), tombstone bytes are counted apart (`seg_tomb`); the rest of a sealed segment is dead.
+The compactor works on the segment space (`store/space.py`) and asks RAM what is live
+through `LiveRam`, a handful of calls the store answers; it never reads the store.
 
 Between batches, on the committer thread, `Compactor.step` picks a sealed segment and
 copies its live records to the head of the log, in steps of `STEP_BYTES`, through the
@@ -38,18 +40,16 @@ import json
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from epistemic_kvcache.errors import StoreError
 from epistemic_kvcache.store import records
-from epistemic_kvcache.store.engine import Move
 from epistemic_kvcache.store.index import pack_loc, unpack_loc
+from epistemic_kvcache.store.plan import BlobView, KeyView
 from epistemic_kvcache.store.records import Op
 from epistemic_kvcache.store.recovery import META_CODES, META_KINDS
 from epistemic_kvcache.store.segments import Damage, SyncFailed, scan
-
-if TYPE_CHECKING:
-    from epistemic_kvcache.store.durable import SharedKvStoreBackend
+from epistemic_kvcache.store.space import SegmentSpace
 
 log = logging.getLogger(__name__)
 
@@ -58,57 +58,77 @@ STEP_BYTES = 32 << 20
 _BACKOFF_S = 5.0
 
 
-class Compactor:
-    """Compaction of one store (runs on its committer thread)."""
+class LiveRam(Protocol):
+    """What the compactor asks of RAM (the store answers; `*_locked`: lock held)."""
 
-    def __init__(self, store: SharedKvStoreBackend) -> None:
-        self.s = store
+    def key(self, ns: str, key: str) -> KeyView | None: ...
+
+    def blob(self, sdig: bytes) -> BlobView | None: ...
+
+    def meta(self, kind: str, tenant: str, rid: str) -> dict[str, Any] | None: ...
+
+    def key_locked(self, ns: str, key: str) -> KeyView | None: ...
+
+    def use_order(self) -> list[tuple[int, int, int]]:
+        """(segment, size, pins) of every blob, least recently used first."""
+
+    def relocate(self, sdig: bytes, wrong: tuple[int, int], right: tuple[int, int]) -> None:
+        """Point RAM at a verified copy of a blob RAM places at `wrong`."""
+
+    def move_locked(self, sdig: bytes, old: tuple[int, int], new: tuple[int, int]) -> int:
+        """Point RAM at the copy at `new` if the blob is still at `old`: its size, or 0."""
+
+    def quarantine_async(self, sdig: bytes, loc: tuple[int, int]) -> None: ...
+
+    def evict_segment(self, sid: int) -> bool:
+        """Evict every unpinned block of segment `sid` (a batch of its own)."""
+
+    def checkpoint_due(self, nbytes: int) -> None: ...
+
+
+class Compactor:
+    """Compaction of one store's segment space (runs on its committer thread)."""
+
+    def __init__(self, space: SegmentSpace, ram: LiveRam) -> None:
+        self.space = space
+        self.ram = ram
         self.cursor: tuple[int, int] | None = None
         self.backoff_until = 0.0
         self._bad: set[bytes] = set()
 
     # -- policy --------------------------------------------------------------------------
-    def _dead(self, sid: int) -> int:
-        s = self.s
-        return max(0, s._seg_len.get(sid, 0) - s._seg_live.get(sid, 0) - s._seg_tomb.get(sid, 0))
-
-    def _sealed(self) -> list[int]:
-        w = self.s._writer
-        active = w.active.id if w.active is not None else -1
-        return [sid for sid in self.s._segs if sid != active]
-
     def pressure(self) -> bool:
-        s = self.s
-        return s._writer.disk_full or s.disk_bytes() + s._reserve > s.cold_capacity_bytes
+        sp = self.space
+        return sp.writer.disk_full or sp.disk_bytes() + sp.reserve > sp.cold_capacity_bytes
 
     def candidate(self, *, room: int | None = None) -> int | None:
         """The segment to work on next, if any is worth it."""
-        s = self.s
-        if self.cursor is not None and self.cursor[0] in s._segs:
+        sp = self.space
+        if self.cursor is not None and self.cursor[0] in sp.segs:
             return self.cursor[0]
-        sealed = self._sealed()
+        sealed = sp.sealed()
         if not sealed:
             return None
-        with s._lock:
+        with sp.lock:
             for sid in sealed:  # nothing live, nothing to carry: just delete it
-                if s._seg_live.get(sid, 0) <= 0 and s._seg_tomb.get(sid, 0) <= 0:
+                if sp.seg_live.get(sid, 0) <= 0 and sp.seg_tomb.get(sid, 0) <= 0:
                     return sid
             pressure = room is not None or self.pressure()
             best, best_dead = None, 0
             for sid in sealed:
-                length = s._seg_len.get(sid, 0)
-                dead = self._dead(sid)
+                length = sp.seg_len.get(sid, 0)
+                dead = sp.dead(sid)
                 if pressure:  # worth it when a fair share comes back, and the copy fits
                     live_part = length - dead
                     ok = dead >= max(64 << 10, length // 8) and (room is None or live_part <= room)
                 else:
-                    ok = dead * 3 >= length and dead >= min(1 << 20, s._segment_bytes // 64)
+                    ok = dead * 3 >= length and dead >= min(1 << 20, sp.segment_bytes // 64)
                 if ok and dead > best_dead:
                     best, best_dead = sid, dead
             if best is not None:
                 return best
-            live_total = sum(s._seg_live.values())
-            tomb_total = sum(s._seg_tomb.values())
+            live_total = sum(sp.seg_live.values())
+            tomb_total = sum(sp.seg_tomb.values())
             if tomb_total > max(16 << 20, live_total // 10):
                 return min(sealed)
         return None
@@ -127,14 +147,14 @@ class Compactor:
     def _seal_a_dead_active(self) -> None:
         """The active segment is never compacted; one that is mostly dead (a store whose
         keys churn in place) is sealed while idle, so its space can come back."""
-        s = self.s
-        w = s._writer
+        sp = self.space
+        w = sp.writer
         if w.active is None:
             return
         length = w.pos
-        with s._lock:
-            live = s._seg_live.get(w.active.id, 0) + s._seg_tomb.get(w.active.id, 0)
-        if length >= max(32 << 20, s._segment_bytes // 4) and (length - live) * 2 >= length:
+        with sp.lock:
+            live = sp.seg_live.get(w.active.id, 0) + sp.seg_tomb.get(w.active.id, 0)
+        if length >= max(32 << 20, sp.segment_bytes // 4) and (length - live) * 2 >= length:
             try:
                 w.seal()
             except OSError as exc:
@@ -143,15 +163,15 @@ class Compactor:
     def make_disk_room(self, incoming: int) -> None:
         """Before a batch: compact until `incoming` more bytes fit, both the cold capacity
         and (after an ENOSPC) the file system's free space."""
-        s = self.s
-        w = s._writer
+        sp = self.space
+        w = sp.writer
         incoming += 64 << 10  # record headers and slack
         for _ in range(256):
             # the files may grow by the batch, and by the delete reserve zeroed after it
-            cap_room = s.cold_capacity_bytes - s.disk_bytes() - w.delete_reserve
+            cap_room = sp.cold_capacity_bytes - sp.disk_bytes() - w.delete_reserve
             room = cap_room
             if w.disk_full:
-                w._free_checked = 0.0  # look again
+                w.recheck_free()  # look again
                 room = min(room, w.free_bytes() - w.delete_reserve)
             if incoming <= room:
                 return
@@ -165,7 +185,7 @@ class Compactor:
             # nothing can be copied into the room left: empty a segment by evicting its
             # blocks (the cache gives up some blocks; it never needs room to do so)
             sid = self._eviction_victim(max(0, room))
-            if sid is None or not s._evict_segment(sid) or not self._work(sid):
+            if sid is None or not self.ram.evict_segment(sid) or not self._work(sid):
                 return
 
     def _eviction_victim(self, room: int) -> int | None:
@@ -173,30 +193,27 @@ class Compactor:
         is the least recently used (LRU, by segment); a segment holding no block goes
         first (it frees space without evicting anything). What stays (pinned blocks, key
         records) must fit the room left."""
-        s = self.s
-        sealed = set(self._sealed())
-        with s._lock:
-            last_use: dict[int, int] = {}
-            pinned: dict[int, int] = {}
-            for rank, b in enumerate(s._blobs.values()):  # least recently used first
-                if b.pins:
-                    pinned[b.seg] = pinned.get(b.seg, 0) + b.size
-                else:
-                    last_use[b.seg] = rank
-            best, best_key = None, None
-            for sid in sealed:
-                if pinned.get(sid, 0) > room:
-                    continue
-                key = (last_use.get(sid, -1), sid)
-                if best_key is None or key < best_key:
-                    best, best_key = sid, key
+        sealed = set(self.space.sealed())
+        last_use: dict[int, int] = {}
+        pinned: dict[int, int] = {}
+        for rank, (seg, size, pins) in enumerate(self.ram.use_order()):
+            if pins:
+                pinned[seg] = pinned.get(seg, 0) + size
+            else:
+                last_use[seg] = rank
+        best, best_key = None, None
+        for sid in sealed:
+            if pinned.get(sid, 0) > room:
+                continue
+            key = (last_use.get(sid, -1), sid)
+            if best_key is None or key < best_key:
+                best, best_key = sid, key
         return best
 
     # -- one step ------------------------------------------------------------------------
     def _work(self, sid: int) -> bool:
-        s = self.s
         try:
-            with s._maint_lock:
+            with self.space.maint_lock:
                 return self._copy_step(sid)
         except (OSError, StoreError) as exc:
             log.error("compaction of segment %08d failed (nothing lost): %s", sid, exc)
@@ -204,19 +221,30 @@ class Compactor:
             self.cursor = None
             return False
 
+    def _write(self) -> list[tuple[int, int]]:
+        w = self.space.writer
+        try:
+            return w.write(reserve_ok=True)
+        except SyncFailed:
+            self.space.abandon()
+            raise
+        except OSError:
+            w.rollback()
+            raise
+
     def _copy_step(self, sid: int) -> bool:
-        s = self.s
-        seg = s._segs[sid]
+        sp, ram = self.space, self.ram
+        seg = sp.segs[sid]
         start = self.cursor[1] if self.cursor is not None and self.cursor[0] == sid else 0
-        end = s._seg_len.get(sid, 0)
-        with s._lock:
-            nothing_live = s._seg_live.get(sid, 0) <= 0 and s._seg_tomb.get(sid, 0) <= 0
+        end = sp.seg_len.get(sid, 0)
+        with sp.lock:
+            nothing_live = sp.seg_live.get(sid, 0) <= 0 and sp.seg_tomb.get(sid, 0) <= 0
         if nothing_live or start >= end:
             return self._delete_if_dead(sid)
-        w = s._writer
+        w = sp.writer
         w.begin()
-        ckpt_seg = s._ckpt_pos[0]
-        older_exists = min(s._segs) < sid
+        ckpt_seg = sp.ckpt_pos[0]
+        older_exists = min(sp.segs) < sid
         keep_tombs = older_exists or sid >= ckpt_seg
         blob_moves: list[tuple[bytes, int, int, int]] = []  # sdig, old off, new seg, new off
         key_moves: list[tuple[str, str, int, int]] = []  # ns, key, old loc, new loc
@@ -237,7 +265,7 @@ class Compactor:
             op = rec.op
             here = pack_loc(sid, item.off)
             if op is Op.BLOB:
-                b = s._blobs.get(rec.sdig)
+                b = ram.blob(rec.sdig)
                 if b is None:
                     continue
                 if (b.seg, b.off) != (sid, item.data_off):
@@ -245,9 +273,9 @@ class Compactor:
                         continue
                     # RAM places the block elsewhere: only a copy if that place holds it
                     # (a damaged index row may have sent it astray; this copy verifies)
-                    if s._blob_placed(b.sdig, b.size, (b.seg, b.off)):
+                    if sp.blob_placed(b.sdig, b.size, (b.seg, b.off)):
                         continue
-                    s._relocate(b, (b.seg, b.off), (sid, item.data_off))
+                    ram.relocate(b.sdig, (b.seg, b.off), (sid, item.data_off))
                     if (b.seg, b.off) != (sid, item.data_off):
                         continue
                 if not item.ok or item.payload is None:
@@ -257,24 +285,21 @@ class Compactor:
                 nsid, noff = w.alloc(hdr, item.payload)
                 blob_moves.append((rec.sdig, item.data_off, nsid, noff + len(hdr)))
             elif op is Op.KEY:
-                if s._kloc.get(rec.ns, {}).get(rec.key) != here:
+                if sp.kloc.get(rec.ns, {}).get(rec.key) != here:
                     continue
-                with s._lock:
-                    b = s._lookup(rec.ns, rec.key)
-                    if b is None:
-                        continue
-                    pins = s._pins.get((rec.ns, rec.key), 0)
-                    tag = s._tags.get((rec.ns, rec.key))
+                ks = ram.key(rec.ns, rec.key)
+                if ks is None:
+                    continue
                 hdr = records.encode(
-                    Op.KEY, ns=rec.ns, key=rec.key, sdig=b.sdig, pins=pins, tag=tag
+                    Op.KEY, ns=rec.ns, key=rec.key, sdig=ks.sdig, pins=ks.pins, tag=ks.tag
                 )
                 nsid, noff = w.alloc(hdr)
                 key_moves.append((rec.ns, rec.key, here, pack_loc(nsid, noff)))
             elif op is Op.META:
                 kind = META_KINDS.get(rec.aux, "")
                 mk = (kind, rec.ns, rec.key)
-                cur = s._mloc.get(mk)
-                body = s._meta(kind).get(rec.ns, {}).get(rec.key) if kind else None
+                cur = sp.mloc.get(mk)
+                body = ram.meta(kind, rec.ns, rec.key) if kind else None
                 if cur is None or cur[0] != here or body is None:
                     continue
                 raw = json.dumps(body).encode()
@@ -292,12 +317,11 @@ class Compactor:
                 if not keep_tombs:
                     continue
                 if op is Op.DEL:
-                    with s._lock:
-                        if s._lookup(rec.ns, rec.key) is not None:
-                            continue  # the key exists again: a later KEY record wins
+                    if ram.key(rec.ns, rec.key) is not None:
+                        continue  # the key exists again: a later KEY record wins
                 else:
                     kind = META_KINDS.get(rec.aux, "")
-                    if kind and s._meta(kind).get(rec.ns, {}).get(rec.key) is not None:
+                    if kind and ram.meta(kind, rec.ns, rec.key) is not None:
                         continue
                 hdr = records.encode(op, ns=rec.ns, key=rec.key, aux=rec.aux)
                 nsid, _noff = w.alloc(hdr)
@@ -308,27 +332,17 @@ class Compactor:
                 tomb[nsid] = tomb.get(nsid, 0) + len(hdr)
             elif op is Op.SEAL:
                 self._cut_sealed(rec.aux, rec.epoch)
-        written: list[tuple[int, int]] = []
-        if not w.empty:
-            try:
-                written = w.write(reserve_ok=True)
-            except SyncFailed:
-                for asid, aend in w.abandon():
-                    s._seg_len[asid] = min(s._seg_len.get(asid, aend), aend)
-                raise
-            except OSError:
-                w.rollback()
-                raise
+        written = self._write() if not w.empty else []
         self._apply(sid, blob_moves, key_moves, meta_moves, tomb, written)
         for sdig, loc in bad:
             if sdig not in self._bad:
                 self._bad.add(sdig)
                 log.error("integrity failure during compaction: %s", sdig[-32:].hex())
                 with contextlib.suppress(StoreError):
-                    s._quarantine_async(sdig, loc)
+                    ram.quarantine_async(sdig, loc)
         self.cursor = (sid, pos) if pos < end else None
         if pos >= end:
-            s._compactions += 1
+            sp.compactions += 1
             self._delete_if_dead(sid)
         return True
 
@@ -341,50 +355,44 @@ class Compactor:
         tomb: dict[int, int],
         written: list[tuple[int, int]],
     ) -> None:
-        s = self.s
+        sp, ram = self.space, self.ram
         moved = 0
-        w = s._writer
-        with s._lock:
-            dirty = s._dirty
+        with sp.lock:
+            dirty = sp.dirty
             for sdig, old_off, nsid, noff in blob_moves:
-                b = s._blobs.get(sdig)
-                if b is not None and (b.seg, b.off) == (sid, old_off):
-                    s._apply([Move(sdig, nsid, noff)])
+                n = ram.move_locked(sdig, (sid, old_off), (nsid, noff))
+                if n:
                     dirty.blobs.add(sdig)
-                    moved += b.size
+                    moved += n
             for ns, key, old, new in key_moves:
-                locs = s._kloc.get(ns)
-                b = s._lookup(ns, key)
-                if locs is None or locs.get(key) != old or b is None:
+                locs = sp.kloc.get(ns)
+                ks = ram.key_locked(ns, key)
+                if locs is None or locs.get(key) != old or ks is None:
                     continue
                 locs[key] = new
-                tag = s._tags.get((ns, key))
-                s._count_key_rec(old, ns, key, b.sdig, tag, -1)
-                s._count_key_rec(new, ns, key, b.sdig, tag, +1)
+                sp.count_key_rec(old, ns, key, ks.sdig, ks.tag, -1)
+                sp.count_key_rec(new, ns, key, ks.sdig, ks.tag, +1)
                 dirty.keys.add((ns, key))
             for mk, old, new, nbytes in meta_moves:
-                cur = s._mloc.get(mk)
+                cur = sp.mloc.get(mk)
                 if cur is None or cur[0] != old:
                     continue
-                s._mloc[mk] = (new, nbytes)
-                osid, nsid = unpack_loc(old)[0], unpack_loc(new)[0]
-                s._seg_live[osid] = s._seg_live.get(osid, 0) - cur[1]
-                s._seg_live[nsid] = s._seg_live.get(nsid, 0) + nbytes
+                sp.mloc[mk] = (new, nbytes)
+                sp.add_live(unpack_loc(old)[0], -cur[1])
+                sp.add_live(unpack_loc(new)[0], nbytes)
                 dirty.metas.add(mk)
             for tsid, n in tomb.items():
-                s._seg_tomb[tsid] = s._seg_tomb.get(tsid, 0) + n
-            for wsid, wend in written:
-                s._seg_len[wsid] = wend
-            dirty.segs.update(tomb, (ws for ws, _e in written))
-            if written and w.active is not None:
-                s._log_end = (w.active.id, w.pos)
-        s._compacted_bytes += moved
+                sp.add_tomb(tsid, n)
+            dirty.segs.update(tomb)
+            if written:
+                sp.written(written)
+        sp.compacted_bytes += moved
         if written:
-            s._checkpoint_due(w.last_batch_bytes)
+            ram.checkpoint_due(sp.writer.last_batch_bytes)
 
     def _cut_sealed(self, target: int, trusted_end: int) -> None:
         """Cut an abandoned segment to its trusted end, so its SEAL is needed no more."""
-        seg = self.s._segs.get(target)
+        seg = self.space.segs.get(target)
         if seg is None or seg.size() <= trusted_end:
             return
         os.ftruncate(seg.fd, trusted_end)
@@ -392,42 +400,27 @@ class Compactor:
 
     def _delete_if_dead(self, sid: int) -> bool:
         """Delete a segment that holds nothing live (a SEGDEL record first, then unlink)."""
-        s = self.s
-        with s._lock:
-            if s._seg_live.get(sid, 0) > 0:
+        sp = self.space
+        with sp.lock:
+            if sp.seg_live.get(sid, 0) > 0:
                 return False
-        w = s._writer
+        w = sp.writer
         if w.active is not None and w.active.id == sid:
             return False
         w.begin()
         hdr = records.encode(Op.SEGDEL, aux=sid)
         tsid, _off = w.alloc(hdr)
-        try:
-            written = w.write(reserve_ok=True)
-        except SyncFailed:
-            for asid, aend in w.abandon():
-                s._seg_len[asid] = min(s._seg_len.get(asid, aend), aend)
-            raise
-        except OSError:
-            w.rollback()
-            raise
-        seg = s._segs.pop(sid, None)
-        with s._lock:
-            s._seg_len.pop(sid, None)
-            s._seg_live.pop(sid, None)
-            s._seg_tomb.pop(sid, None)
-            s._seg_punched.pop(sid, None)
-            s._seg_tomb[tsid] = s._seg_tomb.get(tsid, 0) + len(hdr)
-            for wsid, wend in written:
-                s._seg_len[wsid] = wend
-            s._dirty.segs.update((sid, tsid))
-            if w.active is not None:
-                s._log_end = (w.active.id, w.pos)
+        written = self._write()
+        with sp.lock:
+            seg = sp.drop_segment(sid)
+            sp.add_tomb(tsid, len(hdr))
+            sp.dirty.segs.add(tsid)
+            sp.written(written)
         if seg is not None:
             with contextlib.suppress(OSError):
                 seg.path.unlink()
-        s._segments_deleted += 1
+        sp.segments_deleted += 1
         if self.cursor is not None and self.cursor[0] == sid:
             self.cursor = None
-        s._checkpoint_due(w.last_batch_bytes)
+        self.ram.checkpoint_due(w.last_batch_bytes)
         return True

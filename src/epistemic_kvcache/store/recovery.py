@@ -344,6 +344,22 @@ def finish(st: LogState, segments: dict[int, Segment], valid_end: dict[int, int]
             st.lost_keys.append((ns, key, ks.sdig[-32:]))
 
 
+def missing_segments(ids: list[int], deleted: set[int], first: int | None = None) -> list[int]:
+    """Segment ids missing from the sequence `ids` (sorted), not deleted on purpose.
+    Gaps are walked, not the whole id range (a stray file named 99999999.seg must not
+    make this a hundred million steps); a gap longer than 1000 lists its first 1000."""
+    out: list[int] = []
+    prev = ids[0] if first is None and ids else first
+    if prev is None:
+        return out
+    for sid in ids:
+        if sid > prev + 1:
+            gap = [i for i in range(prev + 1, min(sid, prev + 1001)) if i not in deleted]
+            out.extend(gap)
+        prev = max(prev, sid)
+    return out
+
+
 def valid_ends(st: LogState, segments: dict[int, Segment], ckpt: tuple[int, int]) -> dict[int, int]:
     """Where each segment's trusted bytes end, after replaying from `ckpt`.
 

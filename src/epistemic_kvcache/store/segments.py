@@ -518,6 +518,10 @@ class LogWriter:
                     views[i] = views[i][n:]
                     n = 0
 
+    def recheck_free(self) -> None:
+        """The next `free_bytes` asks the file system again (not its cached answer)."""
+        self._free_checked = 0.0
+
     def free_bytes(self) -> int:
         now = time.monotonic()
         if now - self._free_checked > 0.5:

@@ -29,6 +29,7 @@ from epistemic_kvcache.store.recovery import (
     LogState,
     finish,
     load_index,
+    missing_segments,
     read_seals,
     replay,
     reverify_quarantine,
@@ -37,22 +38,6 @@ from epistemic_kvcache.store.recovery import (
 from epistemic_kvcache.store.segments import Segment, seg_id_of
 
 Progress = Callable[[str], None]
-
-
-def missing_segments(ids: list[int], deleted: set[int], first: int | None = None) -> list[int]:
-    """Segment ids missing from the sequence `ids` (sorted), not deleted on purpose.
-    Gaps are walked, not the whole id range (a stray file named 99999999.seg must not
-    make this a hundred million steps); a gap longer than 1000 lists its first 1000."""
-    out: list[int] = []
-    prev = ids[0] if first is None and ids else first
-    if prev is None:
-        return out
-    for sid in ids:
-        if sid > prev + 1:
-            gap = [i for i in range(prev + 1, min(sid, prev + 1001)) if i not in deleted]
-            out.extend(gap)
-        prev = max(prev, sid)
-    return out
 
 
 @dataclass(slots=True)
