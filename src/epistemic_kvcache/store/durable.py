@@ -129,6 +129,7 @@ from epistemic_kvcache.store.recovery import (
     salvage,
     valid_ends,
 )
+from epistemic_kvcache.store.seams import Started, Tag
 from epistemic_kvcache.store.segments import (
     DELETE_RESERVE_BYTES,
     PUNCH_ALIGN,
@@ -1646,30 +1647,32 @@ class DiskLogTier:
     def extra_stats(self) -> dict[str, int | float]:
         s = self._s
         w = s._writer
-        return {
-            "fsyncs": w.fsyncs,
-            "commit_batches": s._batches,
-            "committed_ops": s._committed_ops,
-            "write_failures": s._write_failures,
-            "segments": len(s._segs),
-            "segment_bytes": sum(s._seg_len.values()),
-            "live_log_bytes": sum(s._seg_live.values()),
-            "disk_bytes": s.disk_bytes(),
-            "compactions": s._compactions,
-            "compacted_bytes": s._compacted_bytes,
-            "punched_bytes": s._punched_bytes,
-            "segments_deleted": s._segments_deleted,
-            "checkpoints": s._checkpoints,
-            "checkpoint_failures": s._checkpoint_failures,
-            "index_repairs": s._index_repairs,
-            "checkpoint_lag_bytes": s._ckpt_lag,
-            "lost_keys": len(s._lost),
-            "quarantined_blocks": len(s._quarantined),
-            "damaged_log_regions": len(s._damage),
-            "missing_segments": len(s._missing_segments),
-            "store_fault": int(s._committer.fault is not None),
-            "disk_full": int(w.disk_full),
-        }
+        out: dict[str, int | float] = {}
+        out.update(
+            fsyncs=w.fsyncs,
+            commit_batches=s._batches,
+            committed_ops=s._committed_ops,
+            write_failures=s._write_failures,
+            segments=len(s._segs),
+            segment_bytes=sum(s._seg_len.values()),
+            live_log_bytes=sum(s._seg_live.values()),
+            disk_bytes=s.disk_bytes(),
+            compactions=s._compactions,
+            compacted_bytes=s._compacted_bytes,
+            punched_bytes=s._punched_bytes,
+            segments_deleted=s._segments_deleted,
+            checkpoints=s._checkpoints,
+            checkpoint_failures=s._checkpoint_failures,
+            index_repairs=s._index_repairs,
+            checkpoint_lag_bytes=s._ckpt_lag,
+            lost_keys=len(s._lost),
+            quarantined_blocks=len(s._quarantined),
+            damaged_log_regions=len(s._damage),
+            missing_segments=len(s._missing_segments),
+            store_fault=int(s._committer.fault is not None),
+            disk_full=int(w.disk_full),
+        )
+        return out
 
     def read(self, b: _Blob, loc: tuple[int, int]) -> Buffer | None:
         seg = self._s._segs.get(loc[0])
@@ -1774,28 +1777,16 @@ class GroupCommit:
         self._s = store
 
     def put(
-        self,
-        ns: str,
-        scope_raw: bytes,
-        key: str,
-        data: BlockData,
-        tag: tuple[str, int] | None,
-        cond: PutCond,
-        wait: bool,
-    ) -> PutResult | concurrent.futures.Future[PutResult]:
-        started = self._s._put_submit(ns, scope_raw, key, data, tag, cond, make_room=wait)
+        self, ns: str, raw: bytes, key: str, data: BlockData, tag: Tag, cond: PutCond, wait: bool
+    ) -> Started:
+        started = self._s._put_submit(ns, raw, key, data, tag, cond, make_room=wait)
         if wait and not isinstance(started, PutResult):
             result: PutResult = started.result()
             return result
         return started
 
     def snapshot(
-        self,
-        tenant: str,
-        sid: str,
-        keys: list[str] | None,
-        prefix: str | None,
-        rec: dict[str, Any],
+        self, tenant: str, sid: str, keys: list[str] | None, prefix: str | None, rec: dict[str, Any]
     ) -> None:
         self._s._call(_Op("snapshot", tenant, sid, payload=(keys, prefix, rec)))
 

@@ -38,6 +38,7 @@ from epistemic_kvcache.store.engine import (
     digest_of,
     parse_internal_ns,
 )
+from epistemic_kvcache.store.seams import Tag
 
 
 class ApplyNow:
@@ -47,19 +48,12 @@ class ApplyNow:
         self._e = engine
 
     def put(
-        self,
-        ns: str,
-        scope_raw: bytes,
-        key: str,
-        data: BlockData,
-        tag: tuple[str, int] | None,
-        cond: PutCond,
-        wait: bool = True,
+        self, ns: str, raw: bytes, key: str, data: BlockData, tag: Tag, cond: PutCond, wait: bool
     ) -> PutResult:
         e = self._e
         data = owned_buffer(data)  # the hot tier keeps it
         digest = digest_of(data)
-        sdig = e._scoped(scope_raw, digest)
+        sdig = e._scoped(raw, digest)
         if sdig not in e._blobs:  # unlocked look: new bytes will need room in hot
             e._make_hot_room((len(data),))
         with e._lock:
@@ -145,12 +139,7 @@ class ApplyNow:
             )
 
     def snapshot(
-        self,
-        tenant: str,
-        sid: str,
-        keys: list[str] | None,
-        prefix: str | None,
-        rec: dict[str, Any],
+        self, tenant: str, sid: str, keys: list[str] | None, prefix: str | None, rec: dict[str, Any]
     ) -> None:
         e = self._e
         with e._lock:

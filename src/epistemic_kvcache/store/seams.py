@@ -29,6 +29,10 @@ from epistemic_kvcache.store.model import MetaPut, _Blob
 
 Loc = tuple[int, int]
 """(segment, payload offset) of a block on disk; (-1, 0) when it has none."""
+Tag = tuple[str, int] | None
+"""(epoch scope, epoch) an entry is written in, or None."""
+Started = PutResult | concurrent.futures.Future[PutResult]
+"""A PUT's result, or a future of it (resolved once the PUT is durable)."""
 
 
 class LowerTier(Protocol):
@@ -114,28 +118,16 @@ class Sequencer(Protocol):
     """How writes reach RAM: decided and applied now, or through a group commit."""
 
     def put(
-        self,
-        ns: str,
-        scope_raw: bytes,
-        key: str,
-        data: BlockData,
-        tag: tuple[str, int] | None,
-        cond: PutCond,
-        wait: bool,
-    ) -> PutResult | concurrent.futures.Future[PutResult]:
-        """PUT into a (possibly internal) namespace, validated; blobs scoped by
-        `scope_raw`. `wait`: a blocking caller (it may make room in hot first, and gets
-        the result once the write is visible and durable); else a caller on an event
-        loop, which may get a future resolved once it is durable."""
+        self, ns: str, raw: bytes, key: str, data: BlockData, tag: Tag, cond: PutCond, wait: bool
+    ) -> Started:
+        """PUT into a (possibly internal) namespace, validated; blobs are scoped by `raw`
+        (the namespace's UTF-8). `wait`: a blocking caller (it may make room in hot
+        first, and gets the result once the write is visible and durable); else a caller
+        on an event loop, which may get a future, resolved once the write is durable."""
         ...
 
     def snapshot(
-        self,
-        tenant: str,
-        sid: str,
-        keys: list[str] | None,
-        prefix: str | None,
-        rec: dict[str, Any],
+        self, tenant: str, sid: str, keys: list[str] | None, prefix: str | None, rec: dict[str, Any]
     ) -> None:
         """Reference (and pin) the live entries named, under snapshot_ns(tenant, sid)."""
         ...
