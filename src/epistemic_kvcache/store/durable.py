@@ -1773,6 +1773,8 @@ class GroupCommit:
     """`Sequencer`: writes queue for the committer, which decides a batch, writes and
     syncs it once, then applies it to RAM and answers."""
 
+    queues = True
+
     def __init__(self, store: SharedKvStoreBackend) -> None:
         self._s = store
 

@@ -36,6 +36,7 @@ from epistemic_kvcache.errors import (
     QuotaExceededError,
     StoreClosedError,
 )
+from epistemic_kvcache.shared import MAX_SCOPE_BYTES
 from epistemic_kvcache.store.api import (
     BlockData,
     Buffer,
@@ -81,6 +82,7 @@ from epistemic_kvcache.store.tiers import RamTiers
 __all__ = [
     "DIGEST_BYTES",
     "INLINE_MAX_BYTES",
+    "MAX_SCOPE_BYTES",
     "WOULD_BLOCK",
     "AddKey",
     "DedupScope",
@@ -548,6 +550,8 @@ class TieredEngine(Catalog, SharedKvBackend):
             and not self._tiers.cheap_room()
         ):
             return WOULD_BLOCK
+        if not self._seq.queues:  # applied at once: the whole PUT, as `put` (or an override)
+            return self.put(ns, key, data, epoch_scope=epoch_scope, cond=cond)
         ns_raw = self._validate(ns, key)
         self._check_size(data)
         validate_cond(cond)

@@ -44,6 +44,8 @@ from epistemic_kvcache.store.seams import Tag
 class ApplyNow:
     """`Sequencer` that decides and applies under the engine lock, in the caller's thread."""
 
+    queues = False
+
     def __init__(self, engine: TieredEngine) -> None:
         self._e = engine
 

@@ -117,6 +117,9 @@ class NoLowerTier:
 class Sequencer(Protocol):
     """How writes reach RAM: decided and applied now, or through a group commit."""
 
+    queues: bool
+    """Writes wait for a commit (a PUT can be started, and awaited as a future)."""
+
     def put(
         self, ns: str, raw: bytes, key: str, data: BlockData, tag: Tag, cond: PutCond, wait: bool
     ) -> Started:
