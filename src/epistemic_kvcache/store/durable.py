@@ -69,10 +69,9 @@ from epistemic_kvcache.errors import (
     StoreError,
 )
 from epistemic_kvcache.options import DEFAULT_SEGMENT_BYTES, DEFAULT_STORE_OPTIONS, StoreOptions
-from epistemic_kvcache.store import compaction, records
+from epistemic_kvcache.store import compaction
 from epistemic_kvcache.store.api import (
     BlockData,
-    Buffer,
     ConsistencyReport,
     PutCond,
     PutOutcome,
@@ -86,13 +85,10 @@ from epistemic_kvcache.store.api import (
 from epistemic_kvcache.store.checkpointer import Checkpointer
 from epistemic_kvcache.store.codec import WarmCodec
 from epistemic_kvcache.store.committer import Committer, settle
+from epistemic_kvcache.store.disklog import DiskLogTier, GroupCommit, RegistryEpochs
 from epistemic_kvcache.store.engine import (
-    MetaPut,
-    Move,
     TieredEngine,
-    _Blob,
     digest_of,
-    tenant_of,
 )
 from epistemic_kvcache.store.epochs import EpochRegistry
 from epistemic_kvcache.store.index import (
@@ -204,13 +200,21 @@ class SharedKvStoreBackend(TieredEngine):
         epoch_path = Path(epoch_dir) if epoch_dir is not None else self.path / "epochs"
         self.epoch_dir = epoch_path
         self._ix: Index | None = None
-        self._epochs: EpochRegistry | None = None  # type: ignore[assignment]
+        self._epochs: EpochRegistry | None = None
         try:
             private = self.path / "epochs"
             self._epochs = EpochRegistry(
                 epoch_path,
                 shared=epoch_path.resolve() != private.resolve(),
                 max_scopes_per_tenant=options.max_epoch_scopes_per_tenant,
+            )
+            self._disk = DiskLogTier(self)
+            self._relocate = self._disk.relocate  # for the compactor
+            self._quarantine_async = self._disk.quarantine_async
+            self._compose(
+                sequencer=GroupCommit(self),
+                lower=self._disk,
+                epochs=RegistryEpochs(self._epochs, self._disk.live_tagged),
             )
             t0 = time.perf_counter()
             gc_was_enabled = gc.isenabled()
@@ -306,67 +310,10 @@ class SharedKvStoreBackend(TieredEngine):
             self._apply(o.metas)
         return opened.ix
 
-    # -- hooks from the engine -----------------------------------------------------------
-    def _has_lower_tier(self) -> bool:
-        return True
-
-    def _hot_full(self) -> None:
-        self._tier_event.set()  # the tier thread makes room in hot for the next blocks
-
-    def _cheap_room(self) -> bool:
-        """Without a warm tier, a block leaves hot by being dropped (it is on disk): a PUT
-        into a full hot tier may start on the event loop."""
-        return self.warm_capacity_bytes == 0
-
-    def _on_blob_created(self, b: _Blob) -> None:
-        n = records.blob_header_length(b.sdig) + b.size
-        self._space.seg_live[b.seg] = self._space.seg_live.get(b.seg, 0) + n
-
-    def _on_blob_destroyed(self, b: _Blob) -> None:
-        n = records.blob_header_length(b.sdig) + b.size
-        self._space.seg_live[b.seg] = self._space.seg_live.get(b.seg, 0) - n
-
-    def _tier_caps(self) -> dict[str, int]:
-        caps = super()._tier_caps()
-        caps["cold"] = self.cold_capacity_bytes
-        return caps
-
-    def _pin_capacity(self) -> int:
-        return self.live_capacity_bytes
-
     def disk_bytes(self) -> int:
         """Bytes of the segment files on disk (what the cold capacity bounds): their
         lengths less the dead payloads punched out, plus the zeroed space ahead."""
         return self._space.disk_bytes()
-
-    def _extra_stats(self) -> dict[str, int | float]:
-        out = super()._extra_stats()
-        w = self._writer
-        out.update(
-            fsyncs=w.fsyncs,
-            commit_batches=self._batches,
-            committed_ops=self._committed_ops,
-            write_failures=self._write_failures,
-            segments=len(self._space.segs),
-            segment_bytes=sum(self._space.seg_len.values()),
-            live_log_bytes=sum(self._space.seg_live.values()),
-            disk_bytes=self.disk_bytes(),
-            compactions=self._space.compactions,
-            compacted_bytes=self._space.compacted_bytes,
-            punched_bytes=self._space.punched_bytes,
-            segments_deleted=self._space.segments_deleted,
-            checkpoints=self._ckpt.checkpoints,
-            checkpoint_failures=self._ckpt.failures,
-            index_repairs=self._index_repairs,
-            checkpoint_lag_bytes=self._ckpt.lag,
-            lost_keys=len(self._lost),
-            quarantined_blocks=len(self._quarantined),
-            damaged_log_regions=len(self._damage),
-            missing_segments=len(self._missing_segments),
-            store_fault=int(self._committer.fault is not None),
-            disk_full=int(w.disk_full),
-        )
-        return out
 
     def health(self) -> StoreHealth:
         fault = self._committer.fault
@@ -385,127 +332,7 @@ class SharedKvStoreBackend(TieredEngine):
             )
         return StoreHealth()
 
-    def _read_lower(self, b: _Blob, loc: tuple[int, int]) -> Buffer | None:
-        seg = self._space.segs.get(loc[0])
-        if seg is None:
-            return None
-        try:
-            return seg.read(loc[1], b.size)
-        except OSError as exc:
-            log.error("read of %s failed: %s", b.digest.hex(), exc)
-            return None
-
-    def _recover_lower(self, b: _Blob, loc: tuple[int, int]) -> Buffer | None:
-        """A read at `loc` failed or did not verify. Distrust the location before the
-        bytes: if the log holds the block's BLOB record at `loc`, the bytes are damaged
-        (None: the caller quarantines them). Otherwise the location is wrong (a damaged
-        index row): look for a copy in the log whose bytes verify, point RAM at it (the
-        index row is rewritten at the next checkpoint) and serve it."""
-        if self._space.blob_placed(b.sdig, b.size, loc):
-            return None
-        with self._recover_lock:
-            if self._unfound.get(b.sdig) == loc:
-                return None  # looked already: nothing in the log
-            with self._lock:
-                if self._blobs.get(b.sdig) is not b or (b.seg, b.off) != loc:
-                    return None  # moved or gone meanwhile: the caller's read was stale
-            found = self._space.find_in_log(b.sdig, b.size, loc[0])
-            if found is None:
-                self._unfound[b.sdig] = loc
-                log.error(
-                    "block %s is not at segment %08d offset %d where the index puts it, "
-                    "and no copy in the log verifies",
-                    b.digest.hex(),
-                    loc[0],
-                    loc[1],
-                )
-                return None
-            sid, off, data = found
-            self._relocate(b, loc, (sid, off))
-            return data
-
-    def _relocate(self, b: _Blob, wrong: tuple[int, int], right: tuple[int, int]) -> None:
-        """Point RAM (and, at the next checkpoint, the index row) at the verified copy."""
-        with self._lock:
-            if self._blobs.get(b.sdig) is not b or (b.seg, b.off) != wrong:
-                return
-            self._apply([Move(b.sdig, right[0], right[1])])
-            self._space.dirty.blobs.add(b.sdig)
-            self._index_repairs += 1
-        log.warning(
-            "block %s was not where the index put it (segment %08d offset %d): found "
-            "intact in segment %08d at %d; the index row is repaired",
-            b.digest.hex(),
-            wrong[0],
-            wrong[1],
-            right[0],
-            right[1],
-        )
-
-    def _quarantine(self, b: _Blob, reason: str, loc: tuple[int, int]) -> None:
-        with self._lock:
-            if self._blobs.get(b.sdig) is not b or (b.seg, b.off) != loc:
-                return  # deleted (its payload punched) or moved while it was read: a miss
-        log.error("integrity failure: blob %s (%s); quarantined", b.digest.hex(), reason)
-        with self._lock:
-            self._total.integrity_failures += 1
-            for ns in b.owners():
-                self._counters(ns).integrity_failures += 1
-        op = _Op("quarantine", "", "", sdig=b.sdig, loc=loc)
-        with contextlib.suppress(StoreError):
-            self._submit(op)
-            op.future.result()
-
-    def _quarantine_async(self, sdig: bytes, loc: tuple[int, int]) -> None:
-        """Queue a quarantine without waiting for it (from the committer thread itself)."""
-        with self._lock:
-            self._total.integrity_failures += 1
-            b = self._blobs.get(sdig)
-            for ns in b.owners() if b is not None else ():
-                self._counters(ns).integrity_failures += 1
-        self._committer.submit(_Op("quarantine", "", "", sdig=sdig, loc=loc))
-
     # -- the public operations -----------------------------------------------------------
-    def put(
-        self,
-        ns: str,
-        key: str,
-        data: BlockData,
-        *,
-        epoch_scope: str | None = None,
-        cond: PutCond = None,
-    ) -> PutResult:
-        ns_raw = self._validate(ns, key)
-        self._check_size(data)
-        validate_cond(cond)
-        self._check_open()
-        return self._put_into(ns, ns_raw, key, data, self._tag_for(ns, epoch_scope), cond)
-
-    def _put_into(
-        self,
-        ns: str,
-        scope_raw: bytes,
-        key: str,
-        data: BlockData,
-        tag: tuple[str, int] | None,
-        cond: PutCond,
-    ) -> PutResult:
-        started = self._put_submit(ns, scope_raw, key, data, tag, cond, make_room=True)
-        if isinstance(started, PutResult):
-            return started
-        result: PutResult = started.result()
-        return result
-
-    def _put_start(
-        self, ns: str, key: str, data: BlockData, epoch_scope: str | None, cond: PutCond
-    ) -> PutResult | concurrent.futures.Future[PutResult]:
-        ns_raw = self._validate(ns, key)
-        self._check_size(data)
-        validate_cond(cond)
-        self._check_open()
-        tag = self._tag_for(ns, epoch_scope)
-        return self._put_submit(ns, ns_raw, key, data, tag, cond)
-
     def _put_submit(
         self,
         ns: str,
@@ -813,46 +640,6 @@ class SharedKvStoreBackend(TieredEngine):
         if dead:
             self._space.punch(dead)
         self._checkpoint_due(w.last_batch_bytes)
-
-    def _snapshot_commit(
-        self,
-        tenant: str,
-        sid: str,
-        keys: list[str] | None,
-        prefix: str | None,
-        rec: dict[str, Any],
-    ) -> None:
-        self._call(_Op("snapshot", tenant, sid, payload=(keys, prefix, rec)))
-
-    def _drop(self, tenant: str, items: list[tuple[str, str]]) -> None:
-        self._call(_Op("drop", tenant, "", payload=items))
-        with self._lock:
-            self._forget_internal(tenant, items)
-
-    def _commit_meta(self, effect: MetaPut) -> None:
-        self._call(_Op("meta_put", effect.tenant, "", payload=effect))
-
-    def _retire(self, pairs: list[tuple[str, str]]) -> int:
-        ops = [_Op("retire", ns, key) for ns, key in pairs]
-        self._submit_many(ops)
-        return sum(1 for op in ops if op.future.result())
-
-    # -- the epoch registry ----------------------------------------------------------------
-    def _epoch_current(self, tenant: str, scope: str) -> int:
-        assert self._epochs is not None
-        return self._epochs.current(tenant, scope)
-
-    def _epoch_advance(self, tenant: str, scope: str) -> int:
-        assert self._epochs is not None
-        return self._epochs.advance(tenant, scope, self._live_tagged)
-
-    def _live_tagged(self, tenant: str, scope: str) -> int:
-        with self._lock:
-            return sum(
-                1
-                for (ns, _k), tag in self._tags.items()
-                if tag[0] == scope and tenant_of(ns) == tenant
-            )
 
     # -- background threads ----------------------------------------------------------------
     def _idle(self) -> bool:

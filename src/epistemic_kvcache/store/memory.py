@@ -1,7 +1,11 @@
-"""The memory backend (`--backend memory`): the tiered engine with no disk.
+"""The memory backend (`--backend memory`): the tier engine with no disk, applying now.
 
-Decisions are taken and applied under the engine lock in one step (there is nothing to
-make durable first); eviction from the warm tier drops blocks and their keys.
+How it works
+------------
+`SharedKvIndex` is `TieredEngine` composed with `NoLowerTier` (a block that leaves RAM
+leaves the store: eviction from warm drops blocks and their keys) and `ApplyNow`, the
+sequencer that decides a write and applies its effects under the engine lock in one
+step, in the caller's thread (there is nothing to make durable first).
 """
 
 from __future__ import annotations
@@ -21,13 +25,10 @@ from epistemic_kvcache.store.api import (
     PutResult,
     decide_put,
     owned_buffer,
-    validate_cond,
     validate_namespace,
 )
 from epistemic_kvcache.store.codec import WarmCodec
 from epistemic_kvcache.store.engine import (
-    _VICTIM_WINDOW,
-    INLINE_MAX_BYTES,
     AddKey,
     DelKey,
     Effect,
@@ -37,6 +38,143 @@ from epistemic_kvcache.store.engine import (
     digest_of,
     parse_internal_ns,
 )
+from epistemic_kvcache.store.seams import Tag
+
+
+class ApplyNow:
+    """`Sequencer` that decides and applies under the engine lock, in the caller's thread."""
+
+    queues = False
+
+    def __init__(self, engine: TieredEngine) -> None:
+        self._e = engine
+
+    def put(
+        self, ns: str, raw: bytes, key: str, data: BlockData, tag: Tag, cond: PutCond, wait: bool
+    ) -> PutResult:
+        e = self._e
+        data = owned_buffer(data)  # the hot tier keeps it
+        digest = digest_of(data)
+        sdig = e._scoped(raw, digest)
+        if sdig not in e._blobs:  # unlocked look: new bytes will need room in hot
+            e._make_hot_room((len(data),))
+        with e._lock:
+            return self.put_locked(ns, key, sdig, digest, data, tag, cond)
+
+    def put_locked(
+        self,
+        ns: str,
+        key: str,
+        sdig: bytes,
+        digest: bytes,
+        data: Buffer,
+        tag: tuple[str, int] | None = None,
+        cond: PutCond = None,
+    ) -> PutResult:
+        """Decide and apply a PUT of hashed bytes (engine lock held)."""
+        e = self._e
+        size = len(data)
+        internal = parse_internal_ns(ns)
+        if internal is not None and internal[2] not in e._meta(internal[1]).get(internal[0], {}):
+            # the branch was deleted while this PUT was being hashed
+            raise NotFoundError(f"no {internal[1]} {internal[2]!r}")
+        idx = e._index.get(ns)
+        existing = idx.get(key) if idx is not None else None
+        stale = existing is not None and bool(e._tags) and e._stale(ns, key)
+        outcome = decide_put(
+            None if existing is None or stale else existing.sdig, sdig, cond, e._fww(ns)
+        )
+        if outcome is PutOutcome.MISSING:
+            e._count_put(ns, outcome, False)
+            return PutResult(outcome, digest, size)
+        if outcome is PutOutcome.DUPLICATE or outcome is PutOutcome.CONFLICT:
+            assert existing is not None  # nothing written
+            e._count_put(ns, outcome, False)
+            return PutResult(outcome, existing.digest, existing.size)
+        if existing is None and internal is None:
+            e._check_key_quota(ns)
+        shared = sdig in e._blobs
+        # the same bytes over a stale entry that is their only reference: the blob goes
+        # with the entry, and this PUT brings its bytes back
+        reborn = shared and existing is not None and existing.sdig == sdig and existing.refs == 1
+        warm_copy: bytes | None = None
+        if not shared or reborn:
+            self._check_ram_room(size)
+            if not e._hot_room(size):
+                # larger than the hot tier, or hot is full of blocks that cannot leave it
+                # now (pinned, being demoted): straight to warm, compressed when worth it
+                warm_copy = e._codec.compress(data) or bytes(data)
+                if not e._warm_room(len(warm_copy)):
+                    raise CapacityError(
+                        f"no room for a {size}-byte block: the hot tier "
+                        f"({e.hot_capacity_bytes} bytes) and the warm tier "
+                        f"({e.warm_capacity_bytes} bytes) are full of pinned blocks "
+                        "or too small for it"
+                    )
+        effects: list[Effect] = []
+        pins = 0
+        if existing is not None:  # replaced, or stale (a stale entry is replaced, not kept)
+            pins = e._pins.get((ns, key), 0)
+            effects.append(DelKey(ns, key))
+        hot_data = None if (shared and not reborn) or warm_copy is not None else data
+        effects.append(AddKey(ns, key, sdig, size, hot_data, tag=tag))
+        if pins:
+            effects.append(PinDelta(ns, key, pins))  # pins belong to the key: they stay
+        e._apply(effects)
+        if warm_copy is not None:
+            e._set_warm(e._blobs[sdig], warm_copy)
+        e._count_put(ns, outcome, shared)
+        return PutResult(outcome, digest, size)
+
+    def _check_ram_room(self, size: int) -> None:
+        """Refuse a block that cannot fit beside the pinned ones (lock held)."""
+        e = self._e
+        budget = e.hot_capacity_bytes + e.warm_capacity_bytes
+        if size > budget:
+            raise CapacityError(
+                f"block of {size} bytes is larger than the RAM tiers ({budget} bytes)"
+            )
+        pinned = e._pinned_bytes
+        if pinned + size > budget:
+            raise CapacityError(
+                f"no room for a {size}-byte block: {pinned} of {budget} bytes are pinned"
+            )
+
+    def snapshot(
+        self, tenant: str, sid: str, keys: list[str] | None, prefix: str | None, rec: dict[str, Any]
+    ) -> None:
+        e = self._e
+        with e._lock:
+            e._check_snapshot_quota(tenant)
+            effects = e._snapshot_effects(tenant, sid, keys, prefix)
+            newly = {
+                x.sdig: x.size
+                for x in effects
+                if isinstance(x, AddKey) and not e._blobs[x.sdig].pins
+            }
+            e._check_pin_quota(tenant, sum(newly.values()))
+            effects.append(MetaPut("snap", tenant, sid, rec))
+            e._apply(effects)
+
+    def drop(self, tenant: str, items: list[tuple[str, str]]) -> None:
+        e = self._e
+        with e._lock:
+            e._apply(e._drop_effects(tenant, items))
+            e._forget_internal(tenant, items)
+
+    def commit_meta(self, effect: MetaPut) -> None:
+        with self._e._lock:
+            self._e._apply([effect])
+
+    def retire(self, pairs: list[tuple[str, str]]) -> int:
+        e = self._e
+        n = 0
+        with e._lock:
+            for ns, key in pairs:
+                if e._lookup(ns, key) is not None and e._stale(ns, key):
+                    e._apply([DelKey(ns, key)])
+                    n += 1
+        return n
 
 
 class SharedKvIndex(TieredEngine):
@@ -53,115 +191,9 @@ class SharedKvIndex(TieredEngine):
         clock: Callable[[], float] = time.time,
     ) -> None:
         super().__init__(options, codec=codec, clock=clock)
-
-    def _cheap_room(self) -> bool:
-        """Whether the blocks the hot tier would demote next can leave it on the caller's
-        thread: dropped (no warm tier), or compressed into warm when each is at most
-        `INLINE_MAX_BYTES` (a few tens of microseconds of codec work, like the hash). A
-        full cache, the normal state of one, must not send every PUT to the thread pool."""
-        if self.warm_capacity_bytes == 0:
-            return True
-        with self._lock:
-            for n, b in enumerate(self._hot.values()):
-                if n >= _VICTIM_WINDOW:
-                    return True
-                if b.size > INLINE_MAX_BYTES:
-                    return False
-        return True
-
-    def put(
-        self,
-        ns: str,
-        key: str,
-        data: BlockData,
-        *,
-        epoch_scope: str | None = None,
-        cond: PutCond = None,
-    ) -> PutResult:
-        ns_raw = self._validate(ns, key)
-        self._check_size(data)
-        validate_cond(cond)
-        self._check_open()
-        return self._put_into(ns, ns_raw, key, data, self._tag_for(ns, epoch_scope), cond)
-
-    def _put_into(
-        self,
-        ns: str,
-        scope_raw: bytes,
-        key: str,
-        data: BlockData,
-        tag: tuple[str, int] | None,
-        cond: PutCond,
-    ) -> PutResult:
-        data = owned_buffer(data)  # the hot tier keeps it
-        digest = digest_of(data)
-        sdig = self._scoped(scope_raw, digest)
-        if sdig not in self._blobs:  # unlocked look: new bytes will need room in hot
-            self._make_hot_room((len(data),))
-        with self._lock:
-            return self._put_locked(ns, key, sdig, digest, data, tag, cond)
-
-    def _put_locked(
-        self,
-        ns: str,
-        key: str,
-        sdig: bytes,
-        digest: bytes,
-        data: Buffer,
-        tag: tuple[str, int] | None = None,
-        cond: PutCond = None,
-    ) -> PutResult:
-        size = len(data)
-        internal = parse_internal_ns(ns)
-        if internal is not None and internal[2] not in self._meta(internal[1]).get(internal[0], {}):
-            # the branch was deleted while this PUT was being hashed
-            raise NotFoundError(f"no {internal[1]} {internal[2]!r}")
-        existing = self._lookup(ns, key)
-        stale = existing is not None and bool(self._tags) and self._stale(ns, key)
-        outcome = decide_put(
-            None if existing is None or stale else existing.sdig, sdig, cond, self._fww(ns)
-        )
-        if outcome is PutOutcome.MISSING:
-            self._count_put(ns, outcome, False)
-            return PutResult(outcome, digest, size)
-        if outcome is PutOutcome.DUPLICATE or outcome is PutOutcome.CONFLICT:
-            assert existing is not None  # nothing written
-            self._count_put(ns, outcome, False)
-            return PutResult(outcome, existing.digest, existing.size)
-        if existing is None and internal is None:
-            self._check_key_quota(ns)
-        shared = sdig in self._blobs
-        # the same bytes over a stale entry that is their only reference: the blob goes
-        # with the entry, and this PUT brings its bytes back
-        reborn = shared and existing is not None and existing.sdig == sdig and existing.refs == 1
-        warm_copy: bytes | None = None
-        if not shared or reborn:
-            self._check_ram_room(size)
-            if not self._hot_room(size):
-                # larger than the hot tier, or hot is full of blocks that cannot leave it
-                # now (pinned, being demoted): straight to warm, compressed when worth it
-                warm_copy = self._codec.compress(data) or bytes(data)
-                if not self._warm_room(len(warm_copy)):
-                    raise CapacityError(
-                        f"no room for a {size}-byte block: the hot tier "
-                        f"({self.hot_capacity_bytes} bytes) and the warm tier "
-                        f"({self.warm_capacity_bytes} bytes) are full of pinned blocks "
-                        "or too small for it"
-                    )
-        effects: list[Effect] = []
-        pins = 0
-        if existing is not None:  # replaced, or stale (a stale entry is replaced, not kept)
-            pins = self._pins.get((ns, key), 0)
-            effects.append(DelKey(ns, key))
-        hot_data = None if (shared and not reborn) or warm_copy is not None else data
-        effects.append(AddKey(ns, key, sdig, size, hot_data, tag=tag))
-        if pins:
-            effects.append(PinDelta(ns, key, pins))  # pins belong to the key: they stay
-        self._apply(effects)
-        if warm_copy is not None:
-            self._set_warm(self._blobs[sdig], warm_copy)
-        self._count_put(ns, outcome, shared)
-        return PutResult(outcome, digest, size)
+        self._now = ApplyNow(self)
+        self._compose(sequencer=self._now)
+        self._put_locked = self._now.put_locked
 
     def put_many(
         self, ns: str, items: Sequence[tuple[str, BlockData]], *, cond: PutCond = None
@@ -184,44 +216,6 @@ class SharedKvIndex(TieredEngine):
                 return False
             self._apply([DelKey(ns, key)])
             return True
-
-    def _snapshot_commit(
-        self,
-        tenant: str,
-        sid: str,
-        keys: list[str] | None,
-        prefix: str | None,
-        rec: dict[str, Any],
-    ) -> None:
-        with self._lock:
-            self._check_snapshot_quota(tenant)
-            effects = self._snapshot_effects(tenant, sid, keys, prefix)
-            newly = {
-                e.sdig: e.size
-                for e in effects
-                if isinstance(e, AddKey) and not self._blobs[e.sdig].pins
-            }
-            self._check_pin_quota(tenant, sum(newly.values()))
-            effects.append(MetaPut("snap", tenant, sid, rec))
-            self._apply(effects)
-
-    def _drop(self, tenant: str, items: list[tuple[str, str]]) -> None:
-        with self._lock:
-            self._apply(self._drop_effects(tenant, items))
-            self._forget_internal(tenant, items)
-
-    def _commit_meta(self, effect: MetaPut) -> None:
-        with self._lock:
-            self._apply([effect])
-
-    def _retire(self, pairs: list[tuple[str, str]]) -> int:
-        n = 0
-        with self._lock:
-            for ns, key in pairs:
-                if self._lookup(ns, key) is not None and self._stale(ns, key):
-                    self._apply([DelKey(ns, key)])
-                    n += 1
-        return n
 
     def pin(self, ns: str, key: str) -> bool:
         self._validate(ns, key)

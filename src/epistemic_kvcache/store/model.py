@@ -1,0 +1,373 @@
+"""The engine's data model: blobs, counters, effects, internal namespaces.
+
+How it works
+------------
+- A `_Blob` is one content-addressed block, keyed by its *scoped digest*: the BLAKE3
+  digest of the bytes, prefixed by the namespace in the default `namespace` dedup scope
+  (tenants never share or probe each other's blobs) or by nothing in `global` scope.
+  Every key holding the same bytes in the same scope points at the same `_Blob`; `refs`
+  counts them, `keys` lists them (compactly: most blobs have one key).
+- Mutations are *effects* (`AddKey`, `DelKey`, `PinDelta`, `MetaPut`, `MetaDel`,
+  `Move`); the engine applies them to RAM in one place (`TieredEngine._apply`).
+- Snapshot and branch entries live in internal namespaces that contain NUL, which a
+  tenant's namespace never does, so no client can name them.
+- `Ledger` keeps the counters: every blob's footprint (unique block, resident bytes,
+  per-tier occupancy, pinned) is added to each namespace that references it and to the
+  total, and moved with it, under the engine lock.
+
+This module imports nothing else of the store but `api`: every other store module may
+import it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import blake3
+
+from epistemic_kvcache.errors import InvalidKeyError
+from epistemic_kvcache.shared import MAX_SCOPE_BYTES
+from epistemic_kvcache.store.api import Buffer, PutOutcome, StoreStats, TierStats
+
+DIGEST_BYTES = 32
+# Above this size BLAKE3 hashes with several threads (and releases the GIL).
+_PARALLEL_HASH_BYTES = 1 << 20
+# Namespaces remembered as valid (tenants, plus snapshot/branch namespaces in use).
+_VALID_NS_CACHE = 4096
+# How many least-recently-used entries compete when a tier picks a victim.
+_VICTIM_WINDOW = 8
+INLINE_MAX_BYTES: Final = 256 << 10
+"""Largest block `put_nowait` hashes in the caller's thread (BLAKE3 at ~5 GB/s: ~50 us)."""
+
+
+class WouldBlock(enum.Enum):
+    """Answer of the `*_nowait` calls when answering needs I/O, codec work or a lot of
+    hashing: make the blocking call instead (off the event loop)."""
+
+    WOULD_BLOCK = "WOULD_BLOCK"
+
+
+WOULD_BLOCK: Final = WouldBlock.WOULD_BLOCK
+
+
+def validate_scope(scope: str) -> None:
+    """An epoch scope is 1..`MAX_SCOPE_BYTES` bytes of UTF-8 without NUL."""
+    try:
+        raw = scope.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidKeyError("invalid epoch scope: not valid UTF-8") from exc
+    if not raw or len(raw) > MAX_SCOPE_BYTES or b"\x00" in raw:
+        raise InvalidKeyError(
+            f"invalid epoch scope: expected 1..{MAX_SCOPE_BYTES} bytes without NUL "
+            f"(got {len(raw)} bytes)"
+        )
+
+
+def digest_of(data: Buffer) -> bytes:
+    """BLAKE3-256 of `data` (multi-threaded for large blocks)."""
+    if len(data) >= _PARALLEL_HASH_BYTES:
+        return blake3.blake3(data, max_threads=blake3.blake3.AUTO).digest()
+    return blake3.blake3(data).digest()
+
+
+class _Blob:
+    """One stored block. `seg >= 0` means it is on disk (durable backend)."""
+
+    __slots__ = (
+        "busy",
+        "hits",
+        "hot",
+        "importance",
+        "keys",
+        "off",
+        "owner",
+        "pins",
+        "refs",
+        "sdig",
+        "seg",
+        "size",
+        "warm",
+    )
+
+    def __init__(self, sdig: bytes, size: int) -> None:
+        self.sdig = sdig
+        self.size = size
+        self.refs = 0
+        self.pins = 0
+        self.hits = 0
+        self.importance = 0.0
+        self.hot: Buffer | None = None
+        self.warm: bytes | None = None
+        self.seg = -1
+        self.off = 0
+        # namespace scope: the one owning namespace; global scope: {ns: refs}
+        self.owner: str | dict[str, int] = ""
+        # The keys referencing the blob: None; one key of the owning namespace as its bare
+        # name (the common case: no tuple per block); one (ns, key); or a list of them.
+        self.keys: str | tuple[str, str] | list[tuple[str, str]] | None = None
+        self.busy = False
+
+    @property
+    def digest(self) -> bytes:
+        return self.sdig[-DIGEST_BYTES:]
+
+    def key_refs(self) -> list[tuple[str, str]]:
+        k = self.keys
+        if k is None:
+            return []
+        if isinstance(k, str):
+            return [(self.owner, k)]  # type: ignore[list-item]  # owner is a str then
+        return [k] if isinstance(k, tuple) else list(k)
+
+    def add_keyref(self, ref: tuple[str, str]) -> None:
+        k = self.keys
+        if k is None:
+            self.keys = ref[1] if ref[0] == self.owner else ref
+        elif isinstance(k, list):
+            k.append(ref)
+        else:
+            self.keys = [*self.key_refs(), ref]
+
+    def remove_keyref(self, ref: tuple[str, str]) -> None:
+        k = self.keys
+        if isinstance(k, list):
+            k.remove(ref)
+            if len(k) == 1:
+                self.keys = None
+                self.add_keyref(k[0])
+        elif k is not None and self.key_refs()[0] == ref:
+            self.keys = None
+
+    def owners(self) -> Iterable[str]:
+        o = self.owner
+        return (o,) if isinstance(o, str) else tuple(o)
+
+
+@dataclass(slots=True)
+class _Counters:
+    """Per-namespace counters and gauges (gauges are kept exact under the lock)."""
+
+    cold_blocks: int = 0
+    cold_bytes: int = 0
+    cold_peak: int = 0
+    dedup_hits: int = 0
+    demotions: int = 0
+    evictions: int = 0
+    get_hits: int = 0
+    get_misses: int = 0
+    hot_blocks: int = 0
+    hot_bytes: int = 0
+    hot_peak: int = 0
+    integrity_failures: int = 0
+    logical_bytes: int = 0
+    pinned_blocks: int = 0
+    pinned_bytes: int = 0
+    promotions: int = 0
+    put_conflicts: int = 0
+    put_new: int = 0
+    put_replaced: int = 0
+    resident_bytes: int = 0
+    stale_missed: int = 0
+    total_refs: int = 0
+    unique_blocks: int = 0
+    warm_blocks: int = 0
+    warm_bytes: int = 0
+    warm_logical: int = 0
+    warm_peak: int = 0
+
+    def stats(self, caps: dict[str, int]) -> StoreStats:
+        """These counters as `StoreStats`; `caps`: tier capacities by name."""
+        s = StoreStats(
+            unique_blocks=self.unique_blocks,
+            total_refs=self.total_refs,
+            logical_bytes=self.logical_bytes,
+            resident_bytes=self.resident_bytes,
+            dedup_savings_bytes=self.logical_bytes - self.resident_bytes,
+            dedup_hits=self.dedup_hits,
+            put_new=self.put_new,
+            put_conflicts=self.put_conflicts,
+            put_replaced=self.put_replaced,
+            get_hits=self.get_hits,
+            get_misses=self.get_misses,
+            stale_missed=self.stale_missed,
+            integrity_failures=self.integrity_failures,
+            evictions=self.evictions,
+            promotions=self.promotions,
+            demotions=self.demotions,
+            pinned_blocks=self.pinned_blocks,
+        )
+        s.tiers["hot"] = TierStats(
+            self.hot_blocks, self.hot_bytes, caps["hot"], self.hot_bytes, self.hot_peak
+        )
+        s.tiers["warm"] = TierStats(
+            self.warm_blocks, self.warm_bytes, caps["warm"], self.warm_logical, self.warm_peak
+        )
+        if "cold" in caps:
+            s.tiers["cold"] = TierStats(
+                self.cold_blocks, self.cold_bytes, caps["cold"], self.cold_bytes, self.cold_peak
+            )
+        return s
+
+
+# AddKey and DelKey are built once per PUT/DELETE: not frozen, because a frozen
+# dataclass's __init__ sets each field through object.__setattr__ (~4x the cost).
+# Nothing mutates an effect after it is built.
+@dataclass(slots=True)
+class AddKey:
+    """Effect: `key` now references the blob `sdig` (creating it when `data` is given)."""
+
+    ns: str
+    key: str
+    sdig: bytes
+    size: int
+    data: Buffer | None = None  # the block's bytes when the blob is new
+    seg: int = -1
+    off: int = 0
+    tag: tuple[str, int] | None = None  # (epoch scope, epoch) the entry was written in
+
+
+@dataclass(slots=True)
+class DelKey:
+    """Effect: `key` no longer exists (its blob goes with its last reference)."""
+
+    ns: str
+    key: str
+    evicted: bool = False  # removed by the cache (counts as an eviction), not by a client
+
+
+@dataclass(frozen=True, slots=True)
+class PinDelta:
+    """Effect: the key's pin count changes by `delta`."""
+
+    ns: str
+    key: str
+    delta: int
+
+
+@dataclass(frozen=True, slots=True)
+class MetaPut:
+    """Effect: a snapshot or branch record is created (`kind` is "snap" or "branch")."""
+
+    kind: str
+    tenant: str
+    id: str
+    record: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class MetaDel:
+    """Effect: a snapshot or branch record is gone."""
+
+    kind: str
+    tenant: str
+    id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """Effect: compaction copied the blob to a new place on disk."""
+
+    sdig: bytes
+    seg: int
+    off: int
+
+
+Effect = AddKey | DelKey | PinDelta | MetaPut | MetaDel | Move
+
+# Internal namespaces (snapshot entries, branch overlays) contain NUL, which a tenant
+# namespace never does, so no client can name them.
+_SEP = "\x00"
+
+
+def tenant_of(ns: str) -> str:
+    """The tenant namespace an (internal) namespace belongs to."""
+    return ns.partition(_SEP)[0]
+
+
+def snapshot_ns(tenant: str, snapshot_id: str) -> str:
+    """The internal namespace holding a snapshot's entries."""
+    return f"{tenant}{_SEP}s{_SEP}{snapshot_id}"
+
+
+def branch_ns(tenant: str, branch_id: str) -> str:
+    """The internal namespace holding a branch's overlay entries."""
+    return f"{tenant}{_SEP}b{_SEP}{branch_id}"
+
+
+def parse_internal_ns(ns: str) -> tuple[str, str, str] | None:
+    """(tenant, "snap" | "branch", id) for an internal namespace, None for a tenant's."""
+    if _SEP not in ns:  # a tenant's namespace: the common case, without a split
+        return None
+    parts = ns.split(_SEP)
+    if len(parts) != 3:
+        return None
+    return parts[0], "snap" if parts[1] == "s" else "branch", parts[2]
+
+
+class Ledger:
+    """The counters of every namespace and of the store (mutated under the engine lock)."""
+
+    __slots__ = ("by_ns", "total")
+
+    def __init__(self) -> None:
+        self.by_ns: dict[str, _Counters] = {}
+        self.total = _Counters()
+
+    def counters(self, ns: str) -> _Counters:
+        c = self.by_ns.get(ns)
+        if c is None:
+            c = self.by_ns[ns] = _Counters()
+        return c
+
+    @staticmethod
+    def footprint(b: _Blob, c: _Counters, sign: int) -> None:
+        """Add (+1) or remove (-1) the blob's footprint from one set of counters."""
+        c.unique_blocks += sign
+        c.resident_bytes += sign * b.size
+        if b.hot is not None:
+            c.hot_blocks += sign
+            c.hot_bytes += sign * b.size
+            c.hot_peak = max(c.hot_peak, c.hot_bytes)
+        if b.warm is not None:
+            c.warm_blocks += sign
+            c.warm_bytes += sign * len(b.warm)
+            c.warm_logical += sign * b.size
+            c.warm_peak = max(c.warm_peak, c.warm_bytes)
+        if b.seg >= 0:
+            c.cold_blocks += sign
+            c.cold_bytes += sign * b.size
+            c.cold_peak = max(c.cold_peak, c.cold_bytes)
+        if b.pins:
+            c.pinned_blocks += sign
+            c.pinned_bytes += sign * b.size
+
+    def account(self, b: _Blob, sign: int) -> None:
+        """Add (+1) or remove (-1) the blob's footprint from its owners and the total."""
+        self.footprint(b, self.total, sign)
+        for ns in b.owners():
+            self.footprint(b, self.counters(ns), sign)
+
+    def bump(self, b: _Blob, name: str) -> None:
+        """Count one event (`demotions`, `promotions`, ...) on the blob's owners and the
+        total."""
+        setattr(self.total, name, getattr(self.total, name) + 1)
+        for ns in b.owners():
+            c = self.counters(ns)
+            setattr(c, name, getattr(c, name) + 1)
+
+    def count_put(self, ns: str, outcome: PutOutcome, deduped: bool) -> None:
+        for cc in (self.counters(ns), self.total):
+            if outcome is PutOutcome.NEW or outcome is PutOutcome.REPLACED:
+                if outcome is PutOutcome.NEW:
+                    cc.put_new += 1
+                else:
+                    cc.put_replaced += 1
+                if deduped:
+                    cc.dedup_hits += 1
+            elif outcome is PutOutcome.DUPLICATE:
+                cc.dedup_hits += 1
+            elif outcome is PutOutcome.CONFLICT:
+                cc.put_conflicts += 1
