@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures
-import enum
 import itertools
 import secrets
 import threading
@@ -57,6 +56,7 @@ from epistemic_kvcache.errors import (
     StoreClosedError,
 )
 from epistemic_kvcache.shared import MAX_SCOPE_BYTES
+from epistemic_kvcache.store.api import WOULD_BLOCK as WOULD_BLOCK  # noqa: PLC0414
 from epistemic_kvcache.store.api import (
     BlockData,
     BranchInfo,
@@ -73,6 +73,7 @@ from epistemic_kvcache.store.api import (
     validate_key,
     validate_namespace,
 )
+from epistemic_kvcache.store.api import WouldBlock as WouldBlock  # noqa: PLC0414
 from epistemic_kvcache.store.codec import WarmCodec
 
 DedupScope = Literal["namespace", "global"]
@@ -86,16 +87,6 @@ _VALID_NS_CACHE = 4096
 _VICTIM_WINDOW = 8
 INLINE_MAX_BYTES: Final = 256 << 10
 """Largest block `put_nowait` hashes in the caller's thread (BLAKE3 at ~5 GB/s: ~50 us)."""
-
-
-class WouldBlock(enum.Enum):
-    """Answer of the `*_nowait` calls when answering needs I/O, codec work or a lot of
-    hashing: make the blocking call instead (off the event loop)."""
-
-    WOULD_BLOCK = "WOULD_BLOCK"
-
-
-WOULD_BLOCK: Final = WouldBlock.WOULD_BLOCK
 
 
 def validate_scope(scope: str) -> None:
@@ -321,6 +312,8 @@ def parse_internal_ns(ns: str) -> tuple[str, str, str] | None:
 
 class TieredEngine(SharedKvBackend):
     """RAM tiers, index, refcounts and stats; subclasses add (or omit) the disk."""
+
+    index_in_ram = True
 
     def __init__(
         self,
