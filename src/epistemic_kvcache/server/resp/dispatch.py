@@ -31,8 +31,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from epistemic_kvcache.buffers import received_block
@@ -60,6 +59,12 @@ from epistemic_kvcache.server.resp.common import (
     text,
     to_key,
     wrong_args,
+)
+from epistemic_kvcache.server.resp.registry import (
+    COMMANDS,
+    UNSUPPORTED,
+    BlockingHandler,
+    CommandSpec,
 )
 from epistemic_kvcache.store.api import WOULD_BLOCK, PutCond, PutResult
 
@@ -115,78 +120,9 @@ before them, so they need not wait for those SETs first (a read does)."""
 _HOLDS_TENANT: Final = frozenset({"getset", "getdel", "set"})
 """Commands that read a key and then write it (SET only with GET; the handler decides):
 the dispatcher runs them holding the tenant alone (`TenantGates.hold`), like EXEC."""
-UNSUPPORTED: dict[bytes, ErrorReply] = {}
-"""Commands we know and refuse on purpose (name -> the error saying why); filled by
-server/resp/commands_keys.py. They are not in COMMANDS (COMMAND lists what works)."""
-
 _SUBSCRIBED_MODE_COMMANDS: Final = frozenset(
     {"subscribe", "unsubscribe", "psubscribe", "punsubscribe", "ping", "quit", "reset"}
 )
-
-Handler = Callable[["Session", Command], Awaitable[object]]
-"""Runs on the event loop (session state, no store access)."""
-BlockingHandler = Callable[["Session", Command], object]
-"""Runs on the thread pool (store access); consecutive ones are batched in one job."""
-
-
-@dataclass(frozen=True, slots=True)
-class CommandSpec:
-    """One command: Redis arity (negative = at least), flags, key positions, handler."""
-
-    name: str
-    arity: int
-    flags: tuple[str, ...]
-    first_key: int
-    last_key: int
-    step: int
-    group: str
-    summary: str
-    handler: Handler | None
-    blocking_handler: BlockingHandler | None = None
-    no_auth: bool = False
-
-
-COMMANDS: dict[bytes, CommandSpec] = {}
-
-
-def command(
-    name: str,
-    arity: int,
-    flags: tuple[str, ...],
-    keys: tuple[int, int, int],
-    group: str,
-    summary: str,
-    *,
-    no_auth: bool = False,
-) -> Callable[[Handler], Handler]:
-    """Register an event-loop handler."""
-
-    def register(fn: Handler) -> Handler:
-        COMMANDS[name.encode()] = CommandSpec(
-            name, arity, flags, *keys, group, summary, fn, no_auth=no_auth
-        )
-        return fn
-
-    return register
-
-
-def blocking_command(
-    name: str,
-    arity: int,
-    flags: tuple[str, ...],
-    keys: tuple[int, int, int],
-    group: str,
-    summary: str,
-) -> Callable[[BlockingHandler], BlockingHandler]:
-    """Register a thread-pool handler."""
-
-    def register(fn: BlockingHandler) -> BlockingHandler:
-        COMMANDS[name.encode()] = CommandSpec(
-            name, arity, flags, *keys, group, summary, None, blocking_handler=fn
-        )
-        return fn
-
-    return register
 
 
 class CommandQueue(Protocol):
