@@ -472,16 +472,11 @@ class SharedKvBackend(abc.ABC):
         return WOULD_BLOCK
 
     def put_nowait(
-        self,
-        ns: str,
-        key: str,
-        data: BlockData,
-        *,
-        epoch_scope: str | None = None,
-        cond: PutCond = None,
+        self, ns: str, key: str, data: BlockData, *, cond: PutCond = None
     ) -> PutResult | concurrent.futures.Future[PutResult] | WouldBlock:
-        """`put` when it is cheap to start inline: its result, or a future resolved once
-        the PUT is durable; else `WOULD_BLOCK`. Errors are raised as by `put`."""
+        """`put` (without an epoch scope) when it is cheap to start inline: its result,
+        or a future resolved once the PUT is durable; else `WOULD_BLOCK`. Errors are
+        raised as by `put`."""
         return WOULD_BLOCK
 
     def exists_nowait(self, ns: str, keys: Sequence[str]) -> int | WouldBlock:

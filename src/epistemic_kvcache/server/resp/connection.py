@@ -3,18 +3,19 @@
 How it works
 ------------
 One `RespConnection` (an `asyncio.BufferedProtocol`) per client. The event loop reads
-into a read buffer shared by the listener's connections (the parser copies out what it
-keeps before `buffer_updated` returns); a large SET payload is read straight into its
-final preallocated array. The parser frames at most `MAX_FRAMED_AHEAD` commands per read
-(the rest stays buffered), so one read never costs more than a bounded amount of work.
+into a read buffer shared by the listener's connections (the parser frames it in place
+and copies out what it keeps before `buffer_updated` returns); a large SET payload is
+read straight into its final preallocated array. The parser frames at most
+`MAX_FRAMED_AHEAD` commands per read (the rest stays buffered), so one read never costs
+more than a bounded amount of work.
 A per-connection task takes commands in order and hands each to the `Dispatcher`
 (server/resp/dispatch.py), writing replies before taking the next, so pipelined replies
 keep request order. While the task is parked waiting for input, `buffer_updated` runs
-the dispatcher's fast path (plain GET/SET that RAM answers) without waking it: the
-complete small commands of the read are taken straight from the scratch buffer
-(`RespParser.take_commands`), answered (`Dispatcher.run_fast`) and their replies written
-together; only what the fast path cannot answer is queued for the task (`defer`), in
-order, ahead of anything framed later.
+the dispatcher's inline path (`run_inline`) over what the read framed, without waking
+it: GET/SET/EXISTS/STRLEN the store answers at once are answered and their replies
+written together; durable SETs are started there and the task, woken, sends their
+replies once committed; the first command the store cannot answer inline stays queued
+in the parser for the task, in order.
 
 Fairness: the task yields to the event loop once a time slice (`SLICE_S`) of commands
 has run, and after every command before AUTH, so no connection holds the loop.

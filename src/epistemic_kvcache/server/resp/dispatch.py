@@ -1,28 +1,27 @@
-"""RESP dispatch: the command table, checks, batching on the thread pool, and fast paths.
+"""RESP dispatch: checks, batching on the thread pool, and the one inline dispatcher.
 
 How it works
 ------------
-`COMMANDS` maps a lowercase command name to its `CommandSpec` (Redis arity, flags, key
-positions, and exactly one handler: `handler` runs on the event loop, `blocking_handler`
-on the store's thread pool). The handlers live in server/resp/commands.py.
+`COMMANDS` (server/resp/registry.py) maps a lowercase command name to its `CommandSpec`
+(Redis arity, flags, key positions, and exactly one handler: `handler` runs on the event
+loop, `blocking_handler` on the store's thread pool). The handlers live in
+server/resp/commands*.py.
 
-A connection owns one `Dispatcher`. `execute(cmd)` checks the command (known, allowed
-before AUTH, arity, subscribed mode) and runs it:
-- a plain `GET key`, `EXISTS key...` or `STRLEN key` that RAM answers at once
-  (`ServerContext.get_nowait`, `exists_nowait`, `size_nowait`: the tiered engine's index
-  is in RAM, so only a cold GET or the cluster backend needs the thread pool) inline;
-- a plain `SET key value` started inline (`put_nowait`) together with the plain SETs
-  pipelined right behind it, so durable ones share one group commit;
-- a blocking command in one thread-pool job together with the blocking commands framed
-  right behind it (at most `MAX_BATCH_COMMANDS`, arguments under `MAX_BATCH_ARG_BYTES`);
-  the job stops early once its replies reach `MAX_BATCH_REPLY_BYTES` and the rest goes
-  back to the front of the queue;
-- anything else by awaiting its loop handler.
-`run_fast` is the connection's fast path while its task is parked: it answers plain
-GET/SET and EXISTS/STRLEN commands RAM answers at once (commands taken straight from the
-read, or framed ones through `run_inline`), counting their metrics per series without the general
-`observe`; it stops at the first command that needs the task, and the connection hands
-that one and the rest to the task in order.
+A connection owns one `Dispatcher`, reading its framed commands straight from the
+parser (`peek` / `next_command` / `unread`). Two entry points:
+- `run_fast` (the read callback, while the connection's task is parked) is the one inline
+  dispatcher: GET, SET, EXISTS and STRLEN ask the store's `*_nowait` capability
+  (`SharedKvBackend`: an answer, a future for a durable PUT, or `WOULD_BLOCK`). A reply is
+  written at once; a durable SET is started (its future goes to `started`, with the
+  plain SETs pipelined right behind it, so they share one group commit) and the task
+  awaits it (`finish_started`); at `WOULD_BLOCK` it stops and leaves the command to the
+  task. So every plain SET is tried once.
+- `execute(cmd)` (the task) checks the command (known, allowed before AUTH, arity,
+  subscribed mode) and runs it: the same `*_nowait` answers for the four commands; a
+  blocking command in one thread-pool job together with the blocking commands framed
+  right behind it (at most `MAX_BATCH_COMMANDS`, arguments under `MAX_BATCH_ARG_BYTES`;
+  the job stops early once its replies reach `MAX_BATCH_REPLY_BYTES` and the rest is
+  `unread`); anything else by awaiting its loop handler; MULTI/EXEC as transactions.
 """
 
 from __future__ import annotations
