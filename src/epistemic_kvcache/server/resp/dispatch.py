@@ -305,24 +305,7 @@ class Dispatcher:
                 return await self.finish_started()
         if spec.blocking_handler is not None:
             return await self._batch(route, spec.blocking_handler, cmd)
-        handler = spec.handler
-        if handler is None:  # every spec has exactly one of the two handlers
-            raise RuntimeError(f"command {spec.name!r} has no handler")
-        reply: object
-        self.busy = True
-        try:
-            reply = await handler(self.session, cmd)
-        except Reply as exc:
-            reply = exc.reply
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("RESP %s failed", route)
-            reply = INTERNAL_ERROR
-        finally:
-            self.busy = False
-        self.observe(route, reply, time.perf_counter() - started, cmd)
-        return [reply]
+        return [await self._run_loop_handler(spec, cmd, started)]
 
     async def _batch(self, route: str, handler: BlockingHandler, cmd: Command) -> list[object]:
         batch = [(route, handler, cmd)]
@@ -432,11 +415,15 @@ class Dispatcher:
         self.observe("exec", replies, time.perf_counter() - started)
         return replies
 
-    async def _run_loop_handler(self, spec: CommandSpec, cmd: Command) -> object:
+    async def _run_loop_handler(
+        self, spec: CommandSpec, cmd: Command, started: float | None = None
+    ) -> object:
+        """Await `cmd`'s event-loop handler (busy meanwhile) and count it."""
         handler = spec.handler
         if handler is None:  # every spec has exactly one of the two handlers
             raise RuntimeError(f"command {spec.name!r} has no handler")
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if started is None else started
+        was_busy, self.busy = self.busy, True
         reply: object
         try:
             reply = await handler(self.session, cmd)
@@ -447,6 +434,8 @@ class Dispatcher:
         except Exception:
             log.exception("RESP %s failed", spec.name)
             reply = INTERNAL_ERROR
+        finally:
+            self.busy = was_busy
         self.observe(spec.name, reply, time.perf_counter() - t0, cmd)
         return reply
 
