@@ -32,8 +32,8 @@ from epistemic_kvcache.proto.resp_parser import (
     RespParser,
     args_size,
     command_size,
-    split_inline,
 )
+from epistemic_kvcache.proto.resp_inline import split_inline
 
 __all__ = [
     "ARG_OVERHEAD",
