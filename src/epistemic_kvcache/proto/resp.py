@@ -12,6 +12,7 @@ import math
 from typing import Final
 
 from epistemic_kvcache.errors import LocalProtocolError
+from epistemic_kvcache.proto.resp_inline import split_inline
 from epistemic_kvcache.proto.resp_parser import (
     ARG_OVERHEAD,
     COMMAND_OVERHEAD,
@@ -33,7 +34,6 @@ from epistemic_kvcache.proto.resp_parser import (
     args_size,
     command_size,
 )
-from epistemic_kvcache.proto.resp_inline import split_inline
 
 __all__ = [
     "ARG_OVERHEAD",
