@@ -467,12 +467,6 @@ class RespParser:
         self._buf = bytearray()
         self._pos = 0
 
-    def _room(self) -> int:
-        """How many more commands may be framed ahead now."""
-        if self.max_ready is None:
-            return 1 << 62
-        return self.max_ready - len(self._ready)
-
     def _frame(self, data: bytearray, pos: int, end: int) -> int:
         """Frame the bytes `data[pos:end]` as far as they go; return where it stopped.
 
@@ -489,7 +483,7 @@ class RespParser:
                 elif state is _START:
                     if (self._ready and not self.authenticated) or pos >= end:
                         return pos  # lazy before AUTH: limits may change after a command
-                    if self._room() <= 0:
+                    if self.max_ready is not None and len(self._ready) >= self.max_ready:
                         return pos
                     if data[pos] != 0x2A:  # not '*': an inline command
                         nxt = self._inline(data, pos, end)
@@ -589,8 +583,14 @@ class RespParser:
             if data[stop] != 0x0D or data[stop + 1] != 0x0A:
                 raise _perr("expected '\\r\\n' after bulk data")
             pos = stop + 2
-            if self._push_arg(bytes(view[start:stop])):
-                return pos
+            if self._refused or self._args_left == 1:
+                if self._push_arg(bytes(view[start:stop])):
+                    return pos
+            else:  # the common step, `_push_arg` inlined
+                self._args.append(bytes(view[start:stop]))
+                self._args_bytes += length
+                self._args_cost += ARG_OVERHEAD + length
+                self._args_left -= 1
         return pos
 
     def _header_line(self, data: bytearray, pos: int, end: int, what: str) -> int:
