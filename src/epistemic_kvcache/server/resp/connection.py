@@ -179,11 +179,11 @@ class RespConnection(asyncio.BufferedProtocol):
         self.reads += 1
         parser = self._parser
         parser.buffer_updated(nbytes)
-        if parser.peek() is not None and self._can_write.is_set() and self._may_answer_inline():
+        if self._parked and self._can_write.is_set() and self._may_answer_inline():
             # The fast path: what the store answers at once is answered here, with the
             # task left parked; durable SETs are started here and finished by the task.
             self._dispatcher.run_inline(self._write_more)
-        if parser.peek() is not None or parser.has_error or parser.pending_bytes:
+        if parser.pending_bytes or parser.has_error:  # (a framed command counts in it)
             self._after_read()  # something is left: the general bookkeeping
         else:
             self._last_activity = self._loop.time()

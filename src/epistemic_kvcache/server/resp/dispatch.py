@@ -179,6 +179,8 @@ class Dispatcher:
         self.started: list[tuple[object, float, Command]] = []
         """Plain SETs begun inline whose replies are not sent yet (a durable one's is a
         future): `finish_started` awaits them, in order, on the connection's task."""
+        self._flushed = False
+        """`run_fast` stopped because its replies reached `FAST_FLUSH_BYTES`."""
         self._gate: str | None = None
         """The tenant whose gate `run_fast` entered for `started` (left when finished)."""
 
@@ -587,7 +589,11 @@ class Dispatcher:
         queued = 0
         tallies: dict[str, list[Any]] = {}  # route -> [calls, seconds, failures]
         t0 = perf()
-        while taken < limit and queued < FAST_FLUSH_BYTES:
+        self._flushed = False
+        while taken < limit:
+            if queued >= FAST_FLUSH_BYTES:
+                self._flushed = True
+                break
             cmd = queue.peek()
             if cmd is None:
                 break
@@ -671,8 +677,8 @@ class Dispatcher:
             ran = self.run_fast(out, left)
             if out and not write(out):
                 return
-            if ran == 0 or self.started or self.queue.peek() is None:
-                return
+            if ran == 0 or self.started or not self._flushed:
+                return  # (not stopped to flush: nothing more it can answer now)
             left -= ran
 
     def _start_following_sets(self) -> None:
