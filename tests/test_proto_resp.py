@@ -259,7 +259,7 @@ def test_unauthenticated_parses_one_command_ahead_then_relaxes() -> None:
     p = RespParser(unauthenticated_max_multibulk_len=2, unauthenticated_max_bulk_bytes=4)
     big = b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$10\r\n0123456789\r\n"
     p.receive_data(b"*2\r\n$4\r\nAUTH\r\n$3\r\ntok\r\n" + big)
-    assert p.has_ready
+    assert p.peek() is not None
     assert p.next_event() == [b"AUTH", b"tok"]
     p.authenticated = True  # AUTH succeeded
     assert p.next_event() == [b"SET", b"k", b"0123456789"]
@@ -337,7 +337,7 @@ def test_a_large_bulk_is_not_started_beyond_max_ready() -> None:
     buf = p.get_buffer(-1)
     buf[: len(wire)] = wire
     p.buffer_updated(len(wire))
-    assert p.ready_count == 1
+    assert p.peek() == [b"GET", b"a"]
     assert p.held_bytes == 0  # the SET's bulk is not allocated while the queue is full
     assert p.next_event() == [b"GET", b"a"]
     cmd = p.next_event()  # framed now, from the receive buffer
@@ -417,7 +417,7 @@ def test_refusing_a_command_mid_large_bulk_lets_its_buffer_go() -> None:
     assert (p.held_bytes, p.buffered_bytes) == (0, 0)
 
 
-def test_a_full_read_through_take_commands_ends_the_short_reads() -> None:
+def test_a_full_read_of_small_commands_ends_the_short_reads() -> None:
     p = RespParser(authenticated=True, large_bulk_threshold=32)
     feed_greedy(p, b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$40\r\n" + b"v" * 40 + b"\r\n")
     assert p.next_event() == [b"SET", b"k", b"v" * 40]
@@ -425,25 +425,21 @@ def test_a_full_read_through_take_commands_ends_the_short_reads() -> None:
     assert len(scratch) == FIRST_READ_AFTER_BIG
     small = b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n" * 400
     scratch[:] = small[: len(scratch)]
-    assert p.can_take
-    taken = p.take_commands(len(scratch), 1000)
-    assert taken
-    assert all(c == [b"GET", b"k"] for c in taken)
-    p.advance()
+    p.buffer_updated(len(scratch))
+    assert p.next_event() == [b"GET", b"k"]
     assert len(p.get_buffer(-1)) > FIRST_READ_AFTER_BIG
 
 
-def test_take_commands_then_a_large_bulk_in_the_same_read() -> None:
+def test_small_command_then_a_large_bulk_in_the_same_read() -> None:
     p = RespParser(authenticated=True, large_bulk_threshold=64)
     body = b"v" * 100
     wire = b"*2\r\n$3\r\nGET\r\n$1\r\na\r\n*3\r\n$3\r\nSET\r\n$1\r\nb\r\n$100\r\n" + body[:10]
     buf = p.get_buffer(-1)
     buf[: len(wire)] = wire
-    assert p.can_take
-    taken = p.take_commands(len(wire), 64)
-    assert taken == [[b"GET", b"a"]]
-    p.defer(taken)  # handed back: it comes first
-    p.advance()
+    p.buffer_updated(len(wire))
+    taken = p.next_event()
+    assert taken == [b"GET", b"a"]
+    p.unread([taken])  # handed back: it comes first
     rest = p.get_buffer(-1)
     assert len(rest) == 92  # the large bulk's buffer, 10 bytes already in, and its CRLF
     rest[:] = body[10:] + b"\r\n"
@@ -536,11 +532,11 @@ def test_get_buffer_grows_scratch_for_large_hints() -> None:
 def test_buffered_bytes_counts_ready_and_partial() -> None:
     p = RespParser(authenticated=True)
     p.receive_data(b"*2\r\n$4\r\nECHO\r\n$3\r\nabc\r\n*2\r\n$4\r\nECHO\r\n$5\r\nab")
-    assert p.has_ready
+    assert p.peek() is not None
     assert p.has_partial
     assert p.buffered_bytes == 7 + 4 + 2  # ready command + partial args + unparsed "ab"
     p.next_event()
-    assert not p.has_ready
+    assert p.peek() is None
 
 
 def test_split_inline_matches_sdssplitargs() -> None:

@@ -22,6 +22,7 @@ from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.server.context import Identity, ServerContext, ServerLimits
 from epistemic_kvcache.server.metrics import Metrics
 from epistemic_kvcache.server.resp import make_resp_factory
+from epistemic_kvcache.server.resp.dispatch import Dispatcher
 from epistemic_kvcache.store import SharedKvIndex, SharedKvStoreBackend
 from epistemic_kvcache.store.api import SharedKvBackend
 
@@ -117,6 +118,46 @@ def test_pipelined_plain_sets_share_group_commits(server: _Server) -> None:
     if isinstance(server.store, SharedKvStoreBackend):
         assert server.store.stats(None).extra["commit_batches"] - before < 32
     assert r.mget(list(values)) == list(values.values())
+
+
+def test_a_4k_set_is_dispatched_once(server: _Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One attempt per SET on both backends: the read callback's inline dispatcher
+    starts it (a durable one as a group-commit future the connection's task awaits);
+    nothing looks at it again. Counted on the real server: every entry into a
+    dispatcher (`run_fast`, `execute`) that sees the SET, and the store's `put_nowait`.
+    (Before: a durable SET was looked at by the read callback's fast path twice, gave
+    up twice, then went through `execute`: three attempts.)"""
+    r = server.client()
+    r.ping()  # connected and authenticated
+    seen: list[str] = []
+    real_run_fast = Dispatcher.run_fast
+    real_execute = Dispatcher.execute
+
+    def run_fast(self: Dispatcher, *args: Any) -> int:
+        framed = self.queue.peek()
+        if framed is not None and bytes(framed[0]).upper() == b"SET":
+            seen.append("run_fast")
+        return real_run_fast(self, *args)
+
+    async def execute(self: Dispatcher, cmd: Any) -> list[object]:
+        if bytes(cmd[0]).upper() == b"SET":
+            seen.append("execute")
+        return await real_execute(self, cmd)
+
+    puts: list[str] = []
+    real_put_nowait = server.store.put_nowait
+
+    def put_nowait(*args: Any, **kwargs: Any) -> Any:
+        puts.append(args[1])
+        return real_put_nowait(*args, **kwargs)
+
+    monkeypatch.setattr(Dispatcher, "run_fast", run_fast)
+    monkeypatch.setattr(Dispatcher, "execute", execute)
+    monkeypatch.setattr(server.store, "put_nowait", put_nowait)
+    value = os.urandom(4096)
+    assert r.set("once", value) is True
+    assert (seen, puts) == (["run_fast"], ["once"])
+    assert r.get("once") == value
 
 
 def test_inline_errors_are_replies_not_disconnects(server: _Server) -> None:

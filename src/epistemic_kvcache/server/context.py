@@ -29,8 +29,15 @@ from epistemic_kvcache.server.budget import (
 )
 from epistemic_kvcache.server.oplog import AccessLog, AuthFailureLog, RefusalLog
 from epistemic_kvcache.shared import ServerLimits
-from epistemic_kvcache.store.api import BlockData, Buffer, PutCond, PutResult, SharedKvBackend
-from epistemic_kvcache.store.engine import WOULD_BLOCK, TieredEngine, WouldBlock
+from epistemic_kvcache.store.api import (
+    WOULD_BLOCK,
+    BlockData,
+    Buffer,
+    PutCond,
+    PutResult,
+    SharedKvBackend,
+    WouldBlock,
+)
 
 if TYPE_CHECKING:
     from epistemic_kvcache.server.metrics import Metrics
@@ -187,15 +194,8 @@ class ServerContext:
     """Every byte buffered for clients, server-wide and per tenant (see server/budget.py)."""
     slots: dict[str, ConnectionSlots] = field(init=False, default_factory=dict)
     """Connection slots per listener name."""
-    inline_puts: bool = field(init=False)
-    """`put_nowait` answers PUTs without a future (the memory backend)."""
-    _engine: TieredEngine | None = field(init=False)
 
     def __post_init__(self) -> None:
-        from epistemic_kvcache.store import SharedKvIndex
-
-        self._engine = self.store if isinstance(self.store, TieredEngine) else None
-        self.inline_puts = isinstance(self.store, SharedKvIndex)
         lim = self.limits
         self.budget = MemoryBudget(
             lim.max_inflight_body_bytes,
@@ -238,36 +238,24 @@ class ServerContext:
 
     def get_nowait(self, ns: str, key: str) -> Buffer | WouldBlock | None:
         """The block if RAM answers at once (hit or miss), else `WOULD_BLOCK`; inline."""
-        engine = self._engine
-        if engine is None:
-            return WOULD_BLOCK
-        return engine.get_nowait(ns, key)
+        return self.store.get_nowait(ns, key)
 
     def exists_nowait(self, ns: str, keys: Sequence[str]) -> int | WouldBlock:
         """How many of `keys` exist (Redis `EXISTS`, a key counted once per mention) when
-        RAM answers at once: the tiered engine's index is in RAM. Else `WOULD_BLOCK`."""
-        engine = self._engine
-        if engine is None:
-            return WOULD_BLOCK
-        return sum(engine.exists_many(ns, keys))
+        RAM answers at once, else `WOULD_BLOCK`."""
+        return self.store.exists_nowait(ns, keys)
 
     def size_nowait(self, ns: str, key: str) -> int | WouldBlock | None:
         """The value's length (None: absent) when RAM answers at once, else `WOULD_BLOCK`."""
-        engine = self._engine
-        if engine is None:
-            return WOULD_BLOCK
-        return engine.size(ns, key)
+        return self.store.size_nowait(ns, key)
 
     def put_nowait(
         self, ns: str, key: str, data: BlockData, cond: PutCond = None
     ) -> PutResult | concurrent.futures.Future[PutResult] | WouldBlock:
-        """Start a PUT inline when that is cheap (see `TieredEngine.put_nowait`)."""
-        engine = self._engine
-        if engine is None:
-            return WOULD_BLOCK
+        """Start a PUT inline when that is cheap (see `SharedKvBackend.put_nowait`)."""
         if cond is None:
-            return engine.put_nowait(ns, key, data)
-        return engine.put_nowait(ns, key, data, cond=cond)
+            return self.store.put_nowait(ns, key, data)
+        return self.store.put_nowait(ns, key, data, cond=cond)
 
     async def get(self, ns: str, key: str, account: Account) -> Buffer | None:
         """`store.get`, inline when RAM answers, else on the thread pool with its buffer

@@ -21,10 +21,11 @@ Conventions:
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 # A PUT's explicit transfer of a buffer (re-exported: part of the store's interface).
 from epistemic_kvcache.buffers import Handover as Handover  # noqa: PLC0414
@@ -433,3 +434,43 @@ class SharedKvBackend(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # -- answers an event loop may ask for inline ------------------------------------
+    # The capability seam of the server's fast path: a backend answers what it can from
+    # RAM at once and says `WOULD_BLOCK` for the rest (the caller then makes the
+    # blocking call on a worker thread). These defaults answer nothing inline.
+    durable: bool = True
+    """Acknowledged writes are on stable storage (False: RAM only)."""
+    index_in_ram: bool = False
+    """`exists_many` and `size` answer from RAM (no I/O), so an event loop may call them."""
+
+    def get_nowait(self, ns: str, key: str) -> Buffer | WouldBlock | None:
+        """`get` when RAM alone answers it (a hit or a miss); else `WOULD_BLOCK`."""
+        return WOULD_BLOCK
+
+    def put_nowait(
+        self, ns: str, key: str, data: BlockData, *, cond: PutCond = None
+    ) -> PutResult | concurrent.futures.Future[PutResult] | WouldBlock:
+        """`put` (without an epoch scope) when it is cheap to start inline: its result,
+        or a future resolved once the PUT is durable; else `WOULD_BLOCK`. Errors are
+        raised as by `put`."""
+        return WOULD_BLOCK
+
+    def exists_nowait(self, ns: str, keys: Sequence[str]) -> int | WouldBlock:
+        """How many of `keys` exist (one count per mention) if RAM answers, else
+        `WOULD_BLOCK`."""
+        return sum(self.exists_many(ns, keys)) if self.index_in_ram else WOULD_BLOCK
+
+    def size_nowait(self, ns: str, key: str) -> int | WouldBlock | None:
+        """`size` if RAM answers it, else `WOULD_BLOCK`."""
+        return self.size(ns, key) if self.index_in_ram else WOULD_BLOCK
+
+
+class WouldBlock(enum.Enum):
+    """Answer of the `*_nowait` calls when answering needs I/O, codec work or a lot of
+    hashing: make the blocking call instead (off the event loop)."""
+
+    WOULD_BLOCK = "WOULD_BLOCK"
+
+
+WOULD_BLOCK: Final = WouldBlock.WOULD_BLOCK

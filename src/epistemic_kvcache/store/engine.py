@@ -109,6 +109,7 @@ class TieredEngine(Catalog, SharedKvBackend):
     A backend subclass adds its public calls and wires its parts with `_compose`; it
     overrides no engine method."""
 
+    index_in_ram = True
     _seq: Sequencer
 
     def __init__(

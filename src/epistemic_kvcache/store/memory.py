@@ -183,6 +183,8 @@ class SharedKvIndex(TieredEngine):
     Eviction from warm drops blocks (it is a cache). Thread-safe.
     """
 
+    durable = False
+
     def __init__(
         self,
         options: StoreOptions = DEFAULT_STORE_OPTIONS,

@@ -21,7 +21,6 @@ import it.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Final
@@ -30,7 +29,9 @@ import blake3
 
 from epistemic_kvcache.errors import InvalidKeyError
 from epistemic_kvcache.shared import MAX_SCOPE_BYTES
+from epistemic_kvcache.store.api import WOULD_BLOCK as WOULD_BLOCK  # noqa: PLC0414
 from epistemic_kvcache.store.api import Buffer, PutOutcome, StoreStats, TierStats
+from epistemic_kvcache.store.api import WouldBlock as WouldBlock  # noqa: PLC0414
 
 DIGEST_BYTES = 32
 # Above this size BLAKE3 hashes with several threads (and releases the GIL).
@@ -41,16 +42,6 @@ _VALID_NS_CACHE = 4096
 _VICTIM_WINDOW = 8
 INLINE_MAX_BYTES: Final = 256 << 10
 """Largest block `put_nowait` hashes in the caller's thread (BLAKE3 at ~5 GB/s: ~50 us)."""
-
-
-class WouldBlock(enum.Enum):
-    """Answer of the `*_nowait` calls when answering needs I/O, codec work or a lot of
-    hashing: make the blocking call instead (off the event loop)."""
-
-    WOULD_BLOCK = "WOULD_BLOCK"
-
-
-WOULD_BLOCK: Final = WouldBlock.WOULD_BLOCK
 
 
 def validate_scope(scope: str) -> None:

@@ -12,7 +12,7 @@ from epistemic_kvcache.server.resp.commands import EPOCH_CHANNEL
 from epistemic_kvcache.server.resp.commands_admin import install_help
 from epistemic_kvcache.server.resp.common import REDIS_COMPAT_VERSION
 from epistemic_kvcache.server.resp.connection import RespConnection, make_resp_factory
-from epistemic_kvcache.server.resp.dispatch import COMMANDS, CommandSpec
+from epistemic_kvcache.server.resp.registry import COMMANDS, CommandSpec
 
 install_help()
 

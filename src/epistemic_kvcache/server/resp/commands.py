@@ -43,7 +43,7 @@ from epistemic_kvcache.server.resp.common import (
     valid_client_name,
     wrong_args,
 )
-from epistemic_kvcache.server.resp.dispatch import blocking_command, command
+from epistemic_kvcache.server.resp.registry import blocking_command, command
 from epistemic_kvcache.server.resp.session import Session
 from epistemic_kvcache.store.api import PutCond, SharedKvBackend
 

@@ -22,7 +22,7 @@ from epistemic_kvcache.server.resp.common import (
     unknown_subcommand,
     valid_client_name,
 )
-from epistemic_kvcache.server.resp.dispatch import (
+from epistemic_kvcache.server.resp.registry import (
     COMMANDS,
     BlockingHandler,
     CommandSpec,

@@ -16,7 +16,7 @@ from epistemic_kvcache.buffers import received_block
 from epistemic_kvcache.proto.resp import Command, ErrorReply
 from epistemic_kvcache.server.budget import Busy
 from epistemic_kvcache.server.resp.common import SYNTAX_ERROR, Reply, busy_reply, to_glob, to_key
-from epistemic_kvcache.server.resp.dispatch import UNSUPPORTED, blocking_command
+from epistemic_kvcache.server.resp.registry import UNSUPPORTED, blocking_command
 from epistemic_kvcache.server.resp.session import Session
 
 KEYS_MAX: Final = 10_000

@@ -3,18 +3,19 @@
 How it works
 ------------
 One `RespConnection` (an `asyncio.BufferedProtocol`) per client. The event loop reads
-into a read buffer shared by the listener's connections (the parser copies out what it
-keeps before `buffer_updated` returns); a large SET payload is read straight into its
-final preallocated array. The parser frames at most `MAX_FRAMED_AHEAD` commands per read
-(the rest stays buffered), so one read never costs more than a bounded amount of work.
+into a read buffer shared by the listener's connections (the parser frames it in place
+and copies out what it keeps before `buffer_updated` returns); a large SET payload is
+read straight into its final preallocated array. The parser frames at most
+`MAX_FRAMED_AHEAD` commands per read (the rest stays buffered), so one read never costs
+more than a bounded amount of work.
 A per-connection task takes commands in order and hands each to the `Dispatcher`
 (server/resp/dispatch.py), writing replies before taking the next, so pipelined replies
 keep request order. While the task is parked waiting for input, `buffer_updated` runs
-the dispatcher's fast path (plain GET/SET that RAM answers) without waking it: the
-complete small commands of the read are taken straight from the scratch buffer
-(`RespParser.take_commands`), answered (`Dispatcher.run_fast`) and their replies written
-together; only what the fast path cannot answer is queued for the task (`defer`), in
-order, ahead of anything framed later.
+the dispatcher's inline path (`run_inline`) over what the read framed, without waking
+it: GET/SET/EXISTS/STRLEN the store answers at once are answered and their replies
+written together; durable SETs are started there and the task, woken, sends their
+replies once committed; the first command the store cannot answer inline stays queued
+in the parser for the task, in order.
 
 Fairness: the task yields to the event loop once a time slice (`SLICE_S`) of commands
 has run, and after every command before AUTH, so no connection holds the loop.
@@ -47,7 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Final, cast
 
@@ -55,9 +55,7 @@ from epistemic_kvcache.errors import RemoteProtocolError
 from epistemic_kvcache.proto.resp import (
     NEED_DATA,
     Buffer,
-    Command,
     ErrorReply,
-    Event,
     RespParser,
     serialize,
 )
@@ -65,7 +63,7 @@ from epistemic_kvcache.server.budget import Account, Slot, peer_of
 from epistemic_kvcache.server.context import Identity, ServerContext
 from epistemic_kvcache.server.resp.commands import EPOCH_CHANNEL
 from epistemic_kvcache.server.resp.common import WIRE, log, push
-from epistemic_kvcache.server.resp.dispatch import INLINE_MAX_COMMANDS, Dispatcher
+from epistemic_kvcache.server.resp.dispatch import Dispatcher
 from epistemic_kvcache.server.resp.session import Session, Shared
 from epistemic_kvcache.shared import MAX_KEY_BYTES
 
@@ -94,33 +92,6 @@ def make_resp_factory(ctx: ServerContext) -> Callable[[], asyncio.BufferedProtoc
     return factory
 
 
-class _Queue:
-    """The dispatcher's view of the framed commands: put-back ones first, then the parser's."""
-
-    __slots__ = ("parser", "pending")
-
-    def __init__(self, parser: RespParser) -> None:
-        self.parser = parser
-        self.pending: deque[Command] = deque()
-
-    def peek(self) -> Command | None:
-        return self.pending[0] if self.pending else self.parser.peek()
-
-    def pop(self) -> None:
-        if self.pending:
-            self.pending.popleft()
-        else:
-            self.parser.next_event()
-
-    def unshift(self, commands: list[Command]) -> None:
-        self.pending.extendleft(reversed(commands))
-
-    def next(self) -> Event:
-        if self.pending:
-            return self.pending.popleft()
-        return self.parser.next_event()
-
-
 class RespConnection(asyncio.BufferedProtocol):
     """One RESP client connection. Create through `make_resp_factory`."""
 
@@ -140,8 +111,7 @@ class RespConnection(asyncio.BufferedProtocol):
             scratch=shared.scratch,
             max_ready=MAX_FRAMED_AHEAD,
         )
-        self._queue = _Queue(self._parser)
-        self._dispatcher = Dispatcher(self.session, self._queue)
+        self._dispatcher = Dispatcher(self.session, self._parser)
         self._slot: Slot | None = None
         self.peer = "?"
 
@@ -208,51 +178,40 @@ class RespConnection(asyncio.BufferedProtocol):
         started = time.perf_counter()
         self.reads += 1
         parser = self._parser
-        if parser.can_take and self._may_answer_inline():
-            # The fast path: complete small commands straight from the scratch buffer,
-            # the plain GET/SETs among them answered here, with nothing queued between.
-            cmds = parser.take_commands(nbytes, INLINE_MAX_COMMANDS)
-            if cmds:
-                ran = self._answer_fast(cmds)
-                if ran < len(cmds):
-                    parser.defer(cmds[ran:] if ran else cmds)
-            parser.advance()
-            if parser.has_ready or parser.has_error or parser.pending_bytes:
-                self._after_read()  # something is left: the general bookkeeping
-            else:
-                self._last_activity = self._loop.time()
-                self._partial_since = None
-                if self._account_holds_input:
-                    self._account.set("input", 0, force=True)
-                    self._account_holds_input = False
+        parser.buffer_updated(nbytes)
+        if self._parked and self._can_write.is_set() and self._may_answer_inline():
+            # The fast path: what the store answers at once is answered here, with the
+            # task left parked; durable SETs are started here and finished by the task.
+            self._dispatcher.run_inline(self._write_more)
+        if parser.pending_bytes or parser.has_error:  # (a framed command counts in it)
+            self._after_read()  # something is left: the general bookkeeping
         else:
-            parser.buffer_updated(nbytes)
-            self._after_read()
+            self._last_activity = self._loop.time()
+            self._partial_since = None
+            if self._account_holds_input:
+                self._account.set("input", 0, force=True)
+                self._account_holds_input = False
+            if self._dispatcher.started:
+                self._wakeup.set()
         if time.perf_counter() - started > READ_SLICE_S:
             self._yield_reading()
 
     def _may_answer_inline(self) -> bool:
         """Whether the read callback may answer commands itself: the task is parked (so
-        nothing of this connection runs), authenticated, not subscribed, not closing."""
+        nothing of this connection runs), authenticated, not subscribed, not closing,
+        and no SET it started is waiting for its reply."""
         s = self.session
-        return self._parked and s.identity is not None and not s.channels and not self._closing
-
-    def _answer_fast(self, cmds: list[Command]) -> int:
-        """Run the fast path over `cmds`, writing replies as they reach the flush size;
-        returns how many were answered (the rest go to the task)."""
-        done = 0
-        while True:
-            out: list[Buffer] = []
-            ran = self._dispatcher.run_fast(cmds, out, done)
-            if out:
-                self._write(out)
-            if ran == done or ran == len(cmds) or not self._can_write.is_set() or self._closing:
-                return ran
-            done = ran
+        return (
+            self._parked
+            and s.identity is not None
+            and not s.channels
+            and not self._closing
+            and not self._dispatcher.started
+        )
 
     def _after_read(self) -> None:
-        """Bookkeeping after the parser took a read: progress, accounting, the fast path
-        over framed commands, waking the task, back-pressure."""
+        """Bookkeeping after the parser took a read: progress, accounting, waking the
+        task, back-pressure."""
         parser = self._parser
         now = self._loop.time()
         self._last_activity = now
@@ -265,18 +224,13 @@ class RespConnection(asyncio.BufferedProtocol):
         if not self._account_input():
             return
         s = self.session
-        if parser.has_ready and self._can_write.is_set() and self._may_answer_inline():
-            self._dispatcher.run_inline(self._write_more, parser.ready_commands, parser.drop_ready)
-            self._settle()
-            if not parser.has_ready and not parser.has_error:
-                return  # all answered here: the task stays parked
         self._wakeup.set()
         if self._reading_paused or self._transport is None:
             return
         if s.identity is None:
             over = parser.buffered_bytes > self._limits.resp_unauthenticated_max_buffer_bytes
         else:
-            over = parser.has_ready and parser.buffered_bytes > READ_HIGH_WATER
+            over = parser.peek() is not None and parser.buffered_bytes > READ_HIGH_WATER
         if over:
             self._reading_paused = True
             self._apply_reading()
@@ -299,7 +253,7 @@ class RespConnection(asyncio.BufferedProtocol):
         self._ctx.live.discard(self)
         self._shared.live.discard(self)  # CLIENT LIST shows open connections only
         self._parser.close()  # buffered commands go now, not at the next full GC
-        self._queue.pending.clear()
+        self._dispatcher.abandon()
         self._account.close()
         self.session.channels.clear()
         self.on_subscriptions()
@@ -332,8 +286,13 @@ class RespConnection(asyncio.BufferedProtocol):
         slice_start = loop_time()
         try:
             while not self._closing:
+                if self._dispatcher.started:  # SETs the read callback started
+                    self._reply(await self._dispatcher.finish_started())
+                    if self._closing:
+                        return
+                    continue
                 try:
-                    event = self._queue.next()
+                    event = self._parser.next_command()
                 except RemoteProtocolError as exc:
                     error = ErrorReply(f"ERR {exc}")
                     self._dispatcher.observe("protocol_error", error, 0.0)
@@ -360,18 +319,8 @@ class RespConnection(asyncio.BufferedProtocol):
                     if self._closing:
                         return
                     slice_start = loop_time()
-                replies = await self._dispatcher.execute(event)
+                self._reply(await self._dispatcher.execute(event))
                 if self._closing:
-                    return
-                if not self._queue.pending:
-                    self._settle()
-                buffers: list[Buffer] = []
-                for reply in replies:
-                    buffers += self._dispatcher.encode(reply)
-                self._write(buffers)
-                self._account.give_back("reply")
-                if self.session.quit_requested:
-                    self._close()
                     return
                 self._last_activity = self._loop.time()
                 if self.session.identity is None or loop_time() - slice_start > SLICE_S:
@@ -383,6 +332,19 @@ class RespConnection(asyncio.BufferedProtocol):
         except Exception:
             log.exception("RESP connection %d failed", self.session.client_id)
             self._close(abort=True)
+
+    def _reply(self, replies: list[object]) -> None:
+        """Send the replies of commands the task ran (closing after QUIT)."""
+        if self._closing:
+            return
+        self._settle()
+        buffers: list[Buffer] = []
+        for reply in replies:
+            buffers += self._dispatcher.encode(reply)
+        self._write(buffers)
+        self._account.give_back("reply")
+        if self.session.quit_requested:
+            self._close()
 
     # -- accounting ---------------------------------------------------------------------------
     def _reserve(self, nbytes: int) -> bool | str:

@@ -1,28 +1,27 @@
-"""RESP dispatch: the command table, checks, batching on the thread pool, and fast paths.
+"""RESP dispatch: checks, batching on the thread pool, and the one inline dispatcher.
 
 How it works
 ------------
-`COMMANDS` maps a lowercase command name to its `CommandSpec` (Redis arity, flags, key
-positions, and exactly one handler: `handler` runs on the event loop, `blocking_handler`
-on the store's thread pool). The handlers live in server/resp/commands.py.
+`COMMANDS` (server/resp/registry.py) maps a lowercase command name to its `CommandSpec`
+(Redis arity, flags, key positions, and exactly one handler: `handler` runs on the event
+loop, `blocking_handler` on the store's thread pool). The handlers live in
+server/resp/commands*.py.
 
-A connection owns one `Dispatcher`. `execute(cmd)` checks the command (known, allowed
-before AUTH, arity, subscribed mode) and runs it:
-- a plain `GET key`, `EXISTS key...` or `STRLEN key` that RAM answers at once
-  (`ServerContext.get_nowait`, `exists_nowait`, `size_nowait`: the tiered engine's index
-  is in RAM, so only a cold GET or the cluster backend needs the thread pool) inline;
-- a plain `SET key value` started inline (`put_nowait`) together with the plain SETs
-  pipelined right behind it, so durable ones share one group commit;
-- a blocking command in one thread-pool job together with the blocking commands framed
-  right behind it (at most `MAX_BATCH_COMMANDS`, arguments under `MAX_BATCH_ARG_BYTES`);
-  the job stops early once its replies reach `MAX_BATCH_REPLY_BYTES` and the rest goes
-  back to the front of the queue;
-- anything else by awaiting its loop handler.
-`run_fast` is the connection's fast path while its task is parked: it answers plain
-GET/SET and EXISTS/STRLEN commands RAM answers at once (commands taken straight from the
-read, or framed ones through `run_inline`), counting their metrics per series without the general
-`observe`; it stops at the first command that needs the task, and the connection hands
-that one and the rest to the task in order.
+A connection owns one `Dispatcher`, reading its framed commands straight from the
+parser (`peek` / `next_command` / `unread`). Two entry points:
+- `run_fast` (the read callback, while the connection's task is parked) is the one inline
+  dispatcher: GET, SET, EXISTS and STRLEN ask the store's `*_nowait` capability
+  (`SharedKvBackend`: an answer, a future for a durable PUT, or `WOULD_BLOCK`). A reply is
+  written at once; a durable SET is started (its future goes to `started`, with the
+  plain SETs pipelined right behind it, so they share one group commit) and the task
+  awaits it (`finish_started`); at `WOULD_BLOCK` it stops and leaves the command to the
+  task. So every plain SET is tried once.
+- `execute(cmd)` (the task) checks the command (known, allowed before AUTH, arity,
+  subscribed mode) and runs it: the same `*_nowait` answers for the four commands; a
+  blocking command in one thread-pool job together with the blocking commands framed
+  right behind it (at most `MAX_BATCH_COMMANDS`, arguments under `MAX_BATCH_ARG_BYTES`;
+  the job stops early once its replies reach `MAX_BATCH_REPLY_BYTES` and the rest is
+  `unread`); anything else by awaiting its loop handler; MULTI/EXEC as transactions.
 """
 
 from __future__ import annotations
@@ -31,8 +30,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from epistemic_kvcache.buffers import received_block
@@ -61,8 +59,13 @@ from epistemic_kvcache.server.resp.common import (
     to_key,
     wrong_args,
 )
-from epistemic_kvcache.store.api import PutCond, PutResult
-from epistemic_kvcache.store.engine import WOULD_BLOCK
+from epistemic_kvcache.server.resp.registry import (
+    COMMANDS,
+    UNSUPPORTED,
+    BlockingHandler,
+    CommandSpec,
+)
+from epistemic_kvcache.store.api import WOULD_BLOCK, PutCond, PutResult
 
 if TYPE_CHECKING:
     from epistemic_kvcache.server.resp.session import Session
@@ -116,89 +119,20 @@ before them, so they need not wait for those SETs first (a read does)."""
 _HOLDS_TENANT: Final = frozenset({"getset", "getdel", "set"})
 """Commands that read a key and then write it (SET only with GET; the handler decides):
 the dispatcher runs them holding the tenant alone (`TenantGates.hold`), like EXEC."""
-UNSUPPORTED: dict[bytes, ErrorReply] = {}
-"""Commands we know and refuse on purpose (name -> the error saying why); filled by
-server/resp/commands_keys.py. They are not in COMMANDS (COMMAND lists what works)."""
-
 _SUBSCRIBED_MODE_COMMANDS: Final = frozenset(
     {"subscribe", "unsubscribe", "psubscribe", "punsubscribe", "ping", "quit", "reset"}
 )
 
-Handler = Callable[["Session", Command], Awaitable[object]]
-"""Runs on the event loop (session state, no store access)."""
-BlockingHandler = Callable[["Session", Command], object]
-"""Runs on the thread pool (store access); consecutive ones are batched in one job."""
-
-
-@dataclass(frozen=True, slots=True)
-class CommandSpec:
-    """One command: Redis arity (negative = at least), flags, key positions, handler."""
-
-    name: str
-    arity: int
-    flags: tuple[str, ...]
-    first_key: int
-    last_key: int
-    step: int
-    group: str
-    summary: str
-    handler: Handler | None
-    blocking_handler: BlockingHandler | None = None
-    no_auth: bool = False
-
-
-COMMANDS: dict[bytes, CommandSpec] = {}
-
-
-def command(
-    name: str,
-    arity: int,
-    flags: tuple[str, ...],
-    keys: tuple[int, int, int],
-    group: str,
-    summary: str,
-    *,
-    no_auth: bool = False,
-) -> Callable[[Handler], Handler]:
-    """Register an event-loop handler."""
-
-    def register(fn: Handler) -> Handler:
-        COMMANDS[name.encode()] = CommandSpec(
-            name, arity, flags, *keys, group, summary, fn, no_auth=no_auth
-        )
-        return fn
-
-    return register
-
-
-def blocking_command(
-    name: str,
-    arity: int,
-    flags: tuple[str, ...],
-    keys: tuple[int, int, int],
-    group: str,
-    summary: str,
-) -> Callable[[BlockingHandler], BlockingHandler]:
-    """Register a thread-pool handler."""
-
-    def register(fn: BlockingHandler) -> BlockingHandler:
-        COMMANDS[name.encode()] = CommandSpec(
-            name, arity, flags, *keys, group, summary, None, blocking_handler=fn
-        )
-        return fn
-
-    return register
-
 
 class CommandQueue(Protocol):
-    """The connection's framed commands, in order."""
+    """The connection's framed commands, in order (the parser: `RespParser`)."""
 
     def peek(self) -> Command | None: ...
 
-    def pop(self) -> None:
-        """Drop the command `peek` returned."""
+    def next_command(self) -> object:
+        """Take the command `peek` returned."""
 
-    def unshift(self, commands: list[Command]) -> None:
+    def unread(self, commands: list[Command]) -> None:
         """Put commands back at the front, in order."""
 
 
@@ -239,8 +173,16 @@ class Dispatcher:
         self.queue = queue
         self.busy = False
         """A command is running (the connection is not idle)."""
+        self.store = self.ctx.store
         metrics = self.ctx.metrics
         self._series = {route: metrics.series(WIRE, route, "ok") for route in _FAST_ROUTES}
+        self.started: list[tuple[object, float, Command]] = []
+        """Plain SETs begun inline whose replies are not sent yet (a durable one's is a
+        future): `finish_started` awaits them, in order, on the connection's task."""
+        self._flushed = False
+        """`run_fast` stopped because its replies reached `FAST_FLUSH_BYTES`."""
+        self._gate: str | None = None
+        """The tenant whose gate `run_fast` entered for `started` (left when finished)."""
 
     # -- checks and metrics ---------------------------------------------------------------
     def check(self, cmd: Command) -> tuple[str, CommandSpec | None, ErrorReply | None]:
@@ -358,29 +300,14 @@ class Dispatcher:
                 self.observe(route, fast, time.perf_counter() - started, cmd)
                 return [fast]
         elif route == "set" and len(cmd) == 3:
-            replies = await self._plain_sets(cmd, started)
-            if replies is not None:
-                return replies
+            outcome = self._try_set(cmd)
+            if outcome is not WOULD_BLOCK:
+                self.started.append((outcome, started, cmd))
+                self._start_following_sets()
+                return await self.finish_started()
         if spec.blocking_handler is not None:
             return await self._batch(route, spec.blocking_handler, cmd)
-        handler = spec.handler
-        if handler is None:  # every spec has exactly one of the two handlers
-            raise RuntimeError(f"command {spec.name!r} has no handler")
-        reply: object
-        self.busy = True
-        try:
-            reply = await handler(self.session, cmd)
-        except Reply as exc:
-            reply = exc.reply
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("RESP %s failed", route)
-            reply = INTERNAL_ERROR
-        finally:
-            self.busy = False
-        self.observe(route, reply, time.perf_counter() - started, cmd)
-        return [reply]
+        return [await self._run_loop_handler(spec, cmd, started)]
 
     async def _batch(self, route: str, handler: BlockingHandler, cmd: Command) -> list[object]:
         batch = [(route, handler, cmd)]
@@ -393,7 +320,7 @@ class Dispatcher:
             route2, spec2, error2 = self.check(following)
             if error2 is not None or spec2 is None or spec2.blocking_handler is None:
                 break
-            queue.pop()
+            queue.next_command()
             batch.append((route2, spec2.blocking_handler, following))
             size += args_size(following)
         self.busy = True
@@ -404,7 +331,7 @@ class Dispatcher:
         for (route_i, _, cmd_i), (reply_i, seconds) in zip(batch, results, strict=False):
             self.observe(route_i, reply_i, seconds, cmd_i)
         # Commands the job left undone (replies grew too big) run next, in order.
-        queue.unshift([item[2] for item in batch[len(results) :]])
+        queue.unread([item[2] for item in batch[len(results) :]])
         return [reply_i for reply_i, _ in results]
 
     def _run_batch(
@@ -490,11 +417,15 @@ class Dispatcher:
         self.observe("exec", replies, time.perf_counter() - started)
         return replies
 
-    async def _run_loop_handler(self, spec: CommandSpec, cmd: Command) -> object:
+    async def _run_loop_handler(
+        self, spec: CommandSpec, cmd: Command, started: float | None = None
+    ) -> object:
+        """Await `cmd`'s event-loop handler (busy meanwhile) and count it."""
         handler = spec.handler
         if handler is None:  # every spec has exactly one of the two handlers
             raise RuntimeError(f"command {spec.name!r} has no handler")
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if started is None else started
+        was_busy, self.busy = self.busy, True
         reply: object
         try:
             reply = await handler(self.session, cmd)
@@ -505,6 +436,8 @@ class Dispatcher:
         except Exception:
             log.exception("RESP %s failed", spec.name)
             reply = INTERNAL_ERROR
+        finally:
+            self.busy = was_busy
         self.observe(spec.name, reply, time.perf_counter() - t0, cmd)
         return reply
 
@@ -581,7 +514,11 @@ class Dispatcher:
         elif len(cmd) != 3:
             return WOULD_BLOCK
         try:
-            started = self.ctx.put_nowait(ns, to_key(cmd[1]), cmd[2], cond)
+            started = (
+                self.store.put_nowait(ns, to_key(cmd[1]), cmd[2])
+                if cond is None
+                else self.store.put_nowait(ns, to_key(cmd[1]), cmd[2], cond=cond)
+            )
         except Reply as exc:
             return exc.reply
         except StoreError as exc:
@@ -594,52 +531,72 @@ class Dispatcher:
     def get_nowait(self, cmd: Command) -> object:
         """A plain GET's reply if RAM answers it, else `WOULD_BLOCK` (arity checked)."""
         try:
-            return self.ctx.get_nowait(self.session.namespace, to_key(cmd[1]))
+            return self.store.get_nowait(self.session.namespace, to_key(cmd[1]))
         except StoreError as exc:
             raise Reply(store_error_reply(exc, "get")) from None
 
     def exists_nowait(self, cmd: Command) -> object:
         """EXISTS's reply (the count) if RAM answers it, else `WOULD_BLOCK`."""
         try:
-            return self.ctx.exists_nowait(self.session.namespace, [to_key(k) for k in cmd[1:]])
+            return self.store.exists_nowait(self.session.namespace, [to_key(k) for k in cmd[1:]])
         except StoreError as exc:
             raise Reply(store_error_reply(exc, "exists")) from None
 
     def strlen_nowait(self, cmd: Command) -> object:
         """STRLEN's reply (0 for an absent key) if RAM answers it, else `WOULD_BLOCK`."""
         try:
-            size = self.ctx.size_nowait(self.session.namespace, to_key(cmd[1]))
+            size = self.store.size_nowait(self.session.namespace, to_key(cmd[1]))
         except StoreError as exc:
             raise Reply(store_error_reply(exc, "strlen")) from None
         return 0 if size is None else size
 
-    def run_fast(self, cmds: list[Command], out: list[Buffer], start: int = 0) -> int:
-        """Answer the plain GET/SET commands at `cmds[start:]` that RAM answers at once
-        (the connection's task is parked, so nothing of this connection runs meanwhile).
+    def _try_set(self, cmd: Command) -> object:
+        """Start `SET key value` inline: a reply, a future (durable), or `WOULD_BLOCK`."""
+        try:
+            return self.store.put_nowait(
+                self.session.namespace, to_key(cmd[1]), received_block(cmd[2])
+            )
+        except Reply as exc:
+            return exc.reply
+        except StoreError as exc:
+            return store_error_reply(exc, "set")
 
-        Replies are appended to `out` as buffers, in order; returns the index of the
-        first command not answered: one that needs the task (another command, a durable
-        or large SET, a cold GET), or the one after the replies reached
-        `FAST_FLUSH_BYTES` (the caller writes them and decides whether to go on).
+    def run_fast(self, out: list[Buffer], limit: int) -> int:
+        """The one inline dispatcher: answer the framed commands at the head of the queue
+        that the store answers at once (`*_nowait`), taking each it answers; the
+        connection's task is parked, so nothing of this connection runs meanwhile.
+
+        Replies are appended to `out` as buffers, in order. A SET the store starts but
+        cannot finish at once (durable: a future) goes to `started` with the plain SETs
+        right behind it; the task sends their replies (`finish_started`). Stops at the
+        first command the store cannot answer inline (the task runs it), after `limit`
+        commands, or once the replies reach `FAST_FLUSH_BYTES`; returns how many it took.
         Successes are counted straight into their metric series, the rest (errors, or
         everything while the access log is on) through `observe`.
         """
-        ctx = self.ctx
         s = self.session
         ns = s.namespace
-        if s.multi is not None or ns in s.shared.gates.held:
-            return start  # queued for a transaction, or one of the tenant runs: the task
-        put = ctx.put_nowait if ctx.inline_puts else None
-        plain = not ctx.access_log.enabled
+        gates = s.shared.gates
+        if s.multi is not None or ns in gates.held:
+            return 0  # queued for a transaction, or one of the tenant runs: the task
+        store = self.store
+        queue = self.queue
+        started = self.started
+        plain = not self.ctx.access_log.enabled
         series = self._series
         perf = time.perf_counter
-        n = len(cmds)
-        i = start
+        taken = 0
         queued = 0
         tallies: dict[str, list[Any]] = {}  # route -> [calls, seconds, failures]
         t0 = perf()
-        while i < n and queued < FAST_FLUSH_BYTES:
-            cmd = cmds[i]
+        self._flushed = False
+        while taken < limit:
+            if queued >= FAST_FLUSH_BYTES:
+                self._flushed = True
+                break
+            cmd = queue.peek()
+            if cmd is None:
+                break
             argc = len(cmd)
             if argc < 2:  # (a refused command is empty: the task answers it)
                 break
@@ -647,41 +604,44 @@ class Dispatcher:
             kind = _FAST_NAMES.get(name) if type(name) is bytes else None
             if kind is None:
                 kind = _fast_name(name)
-            if kind == "get" and argc == 2:
-                route = "get"
-            elif kind == "set" and argc == 3 and put is not None:
+            if kind == "set" and argc == 3:
                 route = "set"
-            elif kind == "exists" or (kind == "strlen" and argc == 2):
+            elif started:
+                break  # behind a started SET only plain SETs may start
+            elif kind == "exists" or (argc == 2 and kind in {"get", "strlen"}):
                 route = kind
             else:
                 break
             reply: object
             try:
                 if route == "get":
-                    reply = ctx.get_nowait(ns, to_key(cmd[1]))
-                    if reply is WOULD_BLOCK:
+                    reply = store.get_nowait(ns, to_key(cmd[1]))
+                elif route == "set":
+                    if len(started) >= MAX_PIPELINED_SETS:
                         break
-                elif route != "set":
-                    reply = _READ_NOWAIT[route](self, cmd)
-                    if reply is WOULD_BLOCK:
-                        break
+                    reply = store.put_nowait(ns, to_key(cmd[1]), received_block(cmd[2]))
                 else:
-                    assert put is not None  # "set" is routed here only with inline puts
-                    result = put(ns, to_key(cmd[1]), received_block(cmd[2]))
-                    if result is WOULD_BLOCK:
-                        break
-                    if not isinstance(result, PutResult):  # inline_puts: never a future
-                        raise RuntimeError("put_nowait returned a future on an inline store")
-                    reply = OK if result.applied else None
+                    reply = _READ_NOWAIT[route](self, cmd)
             except Reply as exc:
                 reply = exc.reply
             except StoreError as exc:
                 reply = store_error_reply(exc, route)
+            if reply is WOULD_BLOCK:
+                break
+            queue.next_command()
+            taken += 1
+            if started or isinstance(reply, concurrent.futures.Future):
+                if not started and gates.enter_nowait(ns):
+                    self._gate = ns  # the tenant is in use until the SETs are acked
+                started.append((reply, t0, cmd))
+                t0 = perf()
+                continue
+            if isinstance(reply, PutResult):
+                reply = OK if reply.applied else None
             for buf in self.encode(reply):
                 out.append(buf)
                 queued += len(buf)
             t1 = perf()
-            i += 1
             failed = isinstance(reply, ErrorReply)
             if plain and not failed:
                 series[route].observe(t1 - t0)
@@ -695,38 +655,77 @@ class Dispatcher:
                 tally[1] += t1 - t0
                 tally[2] += failed
             t0 = t1
-        if i > start and s.identity is not None:
+        if tallies and s.identity is not None:
             activity = s.shared.activity(s.identity.tenant)
-            activity.commands += i - start
             for route, (calls, seconds, failures) in tallies.items():
+                activity.commands += calls
                 activity.count(route, seconds, failures, calls)
             s.last_command = t0
-        return i
+        return taken
 
-    def run_inline(
-        self,
-        write: Callable[[list[Buffer]], bool],
-        peek: Callable[[int], list[Command]],
-        pop: Callable[[int], object],
-    ) -> None:
-        """Answer framed plain GET/SET commands that RAM answers at once (task parked).
+    def run_inline(self, write: Callable[[list[Buffer]], bool]) -> None:
+        """Answer framed commands inline (`run_fast`) while the task is parked.
 
-        `peek(n)` lists up to `n` framed commands without taking them, `pop(k)` takes
-        the first `k`; `write` sends replies and says whether more may be written now.
-        Stops at the first command it cannot answer without blocking (the task runs
-        it), after `INLINE_MAX_COMMANDS`, or when `write` says the peer is not reading.
+        `write` sends replies and says whether more may be written now. Stops at the
+        first command it cannot answer at once (the task runs it), once SETs were
+        started (the task finishes them), after `INLINE_MAX_COMMANDS`, or when `write`
+        says the peer is not reading.
         """
-        cmds = peek(INLINE_MAX_COMMANDS)
-        done = 0
-        while done < len(cmds):
+        left = INLINE_MAX_COMMANDS
+        while left > 0:
             out: list[Buffer] = []
-            ran = self.run_fast(cmds, out, done)
-            if ran == done:
+            ran = self.run_fast(out, left)
+            if out and not write(out):
                 return
-            pop(ran - done)
-            done = ran
-            if not write(out):
+            if ran == 0 or self.started or not self._flushed:
+                return  # (not stopped to flush: nothing more it can answer now)
+            left -= ran
+
+    def _start_following_sets(self) -> None:
+        """Start the plain SETs framed right behind the started ones (task side), so
+        durable ones share one group commit."""
+        started = self.started
+        while len(started) < MAX_PIPELINED_SETS:
+            following = self.queue.peek()
+            if not self._plain_set_ok(following):
                 return
+            assert following is not None  # _plain_set_ok is False for None
+            t0 = time.perf_counter()
+            outcome = self._try_set(following)
+            if outcome is WOULD_BLOCK:
+                return
+            self.queue.next_command()
+            started.append((outcome, t0, following))
+
+    async def finish_started(self) -> list[object]:
+        """The replies of the `started` SETs, in order, each awaited once durable."""
+        begun, self.started = self.started, []
+        replies: list[object] = []
+        self.busy = True
+        try:
+            for outcome, t0, sent in begun:
+                reply = outcome
+                if isinstance(outcome, concurrent.futures.Future):
+                    try:
+                        result = await asyncio.wrap_future(outcome)
+                        reply = OK if result.applied else None
+                    except StoreError as exc:
+                        reply = store_error_reply(exc, "set")
+                elif isinstance(outcome, PutResult):
+                    reply = OK if outcome.applied else None
+                replies.append(reply)
+                self.observe("set", reply, time.perf_counter() - t0, sent)
+        finally:
+            self.busy = False
+            self.abandon()
+        return replies
+
+    def abandon(self) -> None:
+        """Forget started SETs (the connection is gone) and leave the tenant's gate."""
+        self.started = []
+        if self._gate is not None:
+            self.session.shared.gates.leave(self._gate)
+            self._gate = None
 
     def encode(self, reply: object) -> list[Buffer]:
         """`serialize`, with the fast path's replies (bulk, OK, nil, integer) written
@@ -752,56 +751,6 @@ class Dispatcher:
         if cmd is None or len(cmd) != 3 or s.identity is None or s.channels:
             return False
         return bytes(cmd[0]).lower() == b"set"
-
-    async def _plain_sets(self, cmd: Command, started: float) -> list[object] | None:
-        """Run `SET key value` and the plain SETs pipelined right behind it.
-
-        Each is started inline (`put_nowait`); durable ones are all queued before the
-        first is awaited, so they share a group commit. None when the first cannot start
-        inline (the caller runs it on the thread pool).
-        """
-        ns = self.session.namespace
-        ctx = self.ctx
-        begun: list[tuple[object, float, Command]] = []
-        current: Command | None = cmd
-        while current is not None:
-            t0 = started if not begun else time.perf_counter()
-            outcome: object
-            try:
-                outcome = ctx.put_nowait(ns, to_key(current[1]), received_block(current[2]))
-            except Reply as exc:
-                outcome = exc.reply
-            except StoreError as exc:
-                outcome = store_error_reply(exc, "set")
-            if outcome is WOULD_BLOCK:
-                break
-            if begun:
-                self.queue.pop()  # consume what was peeked
-            begun.append((outcome, t0, current))
-            if len(begun) >= MAX_PIPELINED_SETS:
-                break
-            following = self.queue.peek()
-            current = following if self._plain_set_ok(following) else None
-        if not begun:
-            return None
-        replies: list[object] = []
-        self.busy = True
-        try:
-            for outcome, t0, sent in begun:
-                reply = outcome
-                if isinstance(outcome, concurrent.futures.Future):
-                    try:
-                        result = await asyncio.wrap_future(outcome)
-                        reply = OK if result.applied else None
-                    except StoreError as exc:
-                        reply = store_error_reply(exc, "set")
-                elif isinstance(outcome, PutResult):
-                    reply = OK if outcome.applied else None
-                replies.append(reply)
-                self.observe("set", reply, time.perf_counter() - t0, sent)
-        finally:
-            self.busy = False
-        return replies
 
 
 _READ_NOWAIT: Final[dict[str, Callable[[Dispatcher, Command], object]]] = {

@@ -241,7 +241,8 @@ class Shared:
             self.version = metadata.version("epistemic-kvcache")
         except metadata.PackageNotFoundError:
             self.version = "0"
-        self.durable = _is_durable(ctx.store)
+        self.durable = ctx.store.durable
+        """Whether acknowledged writes are on disk (drives CONFIG GET appendonly/INFO)."""
         self._activity: OrderedDict[str, Activity] = OrderedDict()
         self.live: weakref.WeakSet[LiveConnection] = weakref.WeakSet()
         self.gates = TenantGates()
@@ -266,13 +267,6 @@ class Shared:
             while len(self._activity) > MAX_ACTIVITY_TENANTS:
                 self._activity.popitem(last=False)
         return found
-
-
-def _is_durable(store: SharedKvBackend) -> bool:
-    """Whether acknowledged writes are on disk (drives CONFIG GET appendonly/INFO)."""
-    from epistemic_kvcache.store import SharedKvIndex
-
-    return not isinstance(store, SharedKvIndex)
 
 
 class LiveConnection(Protocol):

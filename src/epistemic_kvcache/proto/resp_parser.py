@@ -1,0 +1,713 @@
+"""Sans-IO RESP request framing: `RespParser`, bytes in, commands out.
+
+Surface
+-------
+Input: `get_buffer(sizehint)` / `buffer_updated(n)` (the zero-copy pair that
+`asyncio.BufferedProtocol` calls) or `feed(data)`. Output: `next_command()` (a list of
+arguments, or `NEED_DATA`), `peek()`, and `unread(commands)` to put commands the owner
+took but did not run back at the front. A few read-only figures serve the owner's
+accounting (`held_bytes`, `pending_bytes`, `buffered_bytes`, `has_partial`,
+`commands_parsed`, `has_error`), `refuse_partial` and `close` its memory limits. That is
+the whole seam: a compiled twin (a Cython or C framer, the way hiredis slots under
+redis-py) can replace this class behind the same calls; tests/test_proto_resp_framer.py
+holds it to the byte-at-a-time reference.
+
+How it frames
+-------------
+One resumable state machine (`_frame`) runs over whatever holds the unread bytes: the
+read buffer itself when nothing was left over from the previous read (so a read of
+complete commands is framed without being copied), else the receive buffer the leftover
+went to. Per state it takes as much as the bytes allow: a `*N` / `$N` header whose
+canonical form a regular expression matches is read in one step (anything else goes to
+the careful path, which applies every limit and raises Redis' wording), and a run of
+small bulks is framed in one inner loop. Fed one byte at a time it is the byte-at-a-time
+state machine; fed a whole read it is the fast framer: the same code, so the two agree.
+
+Two request forms, as Redis' `networking.c`: multibulk (`*N\\r\\n$len\\r\\n<bytes>\\r\\n...`)
+and inline (`SET k v\\n`, for telnet and hand-typed input).
+
+A bulk argument of at least `large_bulk_threshold` bytes gets a `bytearray` of exactly
+its announced size as soon as its `$len` header is parsed; from then on `get_buffer`
+hands out the unfilled tail of that array, so the socket reads the payload straight into
+its final home (no chunk list, no join, no second copy). This is the one place where own
+RESP code beats hiredis, which buffers a whole bulk before returning it.
+
+Because that array is allocated before its bytes arrive, the owner may pass `reserve`:
+it is asked for each large bulk's size first, and may refuse (a server-wide memory
+budget). A refused bulk is read and dropped instead, the rest of its command too, and
+the command is framed as an empty `RefusedCommand`, so the connection stays usable.
+`held_bytes` says how many bytes of preallocated bulks the parser still holds (in the
+command being framed and in framed commands not yet returned): the owner releases what
+it reserved beyond that once the commands it took out are done.
+
+While the connection is unauthenticated the parser applies tiny limits (Redis
+CVE-2021-32675) and parses lazily: at most one complete command is framed ahead, so the
+limits in force for a command are the ones set after the previous command (e.g. AUTH)
+ran. Once authenticated it frames eagerly (at most `max_ready` commands ahead), which
+lets big pipelined payloads land in preallocated buffers.
+
+A violation is raised as `RemoteProtocolError` carrying Redis' own wording. Commands
+framed before the bad bytes are still delivered first, then `next_command()` raises.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections import deque
+from collections.abc import Callable
+from typing import Final, Literal
+
+from epistemic_kvcache.buffers import alloc_block
+from epistemic_kvcache.errors import RemoteProtocolError
+from epistemic_kvcache.proto.resp_inline import split_inline
+
+Buffer = bytes | bytearray | memoryview
+Arg = bytes | bytearray | memoryview
+Command = list[Arg]
+ReserveFn = Callable[[int], bool | str]
+"""Asked before a large bulk is allocated: may the parser hold this many more bytes?
+True grants; False or a reason string refuses (the reason ends up in `RefusedCommand`)."""
+
+
+class RefusedCommand(list[Arg]):
+    """Framed in place of a command one of whose large bulks `reserve` refused (or that
+    the owner refused while it was being framed, `refuse_partial`).
+
+    It is empty: the command's arguments were read off the wire and dropped. `reason` is
+    what `reserve` (or the owner) gave as the reason, `""` if none."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str = "") -> None:
+        super().__init__()
+        self.reason = reason
+
+
+KiB: Final = 1024
+MiB: Final = 1024 * 1024
+
+DEFAULT_MAX_INLINE_BYTES: Final = 64 * KiB
+"""Longest inline request, and longest `*N` / `$N` header line (Redis PROTO_INLINE_MAX_SIZE)."""
+DEFAULT_MAX_MULTIBULK_LEN: Final = 1024 * 1024
+"""Most arguments in one command (Redis' historic multibulk limit, 1024*1024)."""
+DEFAULT_MAX_BULK_BYTES: Final = 512 * MiB
+"""Longest bulk argument (Redis `proto-max-bulk-len` default, 512 MiB)."""
+DEFAULT_UNAUTHENTICATED_MAX_MULTIBULK_LEN: Final = 10
+"""Before AUTH: Redis refuses more than 10 arguments (CVE-2021-32675 fix)."""
+DEFAULT_UNAUTHENTICATED_MAX_BULK_BYTES: Final = 16 * KiB
+"""Before AUTH: Redis refuses bulk arguments over 16 KiB (CVE-2021-32675 fix)."""
+DEFAULT_LARGE_BULK_THRESHOLD: Final = 32 * KiB
+"""Bulks this long or longer get a preallocated buffer (Redis PROTO_MBULK_BIG_ARG, 32 KiB)."""
+DEFAULT_READ_BUFFER_BYTES: Final = 256 * KiB
+"""Size of the scratch buffer lent to the socket for everything but large bulks."""
+_NO_ROOM: Final = memoryview(b"")
+FIRST_READ_AFTER_BIG: Final = 4 * KiB
+"""After a large bulk, the next read into the scratch buffer asks for this much: enough
+for the next command's header, so a following large bulk is read in place (not copied
+out of a full scratch read); a read that fills it asks for the whole buffer again."""
+
+COMMAND_OVERHEAD: Final = 128
+"""Memory a framed command costs beyond its arguments (list, queue entry), estimated."""
+ARG_OVERHEAD: Final = 48
+"""Memory one argument costs beyond its bytes (object header, list slot), estimated."""
+
+_INT_RE: Final = re.compile(rb"-?(?:0|[1-9][0-9]{0,18})")
+# One-step headers: a count or length `_parse_int` accepts, without the sign (negative
+# ones go to the careful path), and its CRLF.
+_MULTIBULK_HEAD: Final = re.compile(rb"\*(0|[1-9][0-9]{0,18})\r\n")
+_BULK_HEAD: Final = re.compile(rb"\$(0|[1-9][0-9]{0,18})\r\n")
+_INT64_MAX: Final = 2**63 - 1
+_INT64_MIN: Final = -(2**63)
+_COMPACT_AT: Final = 64 * KiB
+
+
+class _NeedData(enum.Enum):
+    NEED_DATA = "NEED_DATA"
+
+    def __repr__(self) -> str:
+        return "NEED_DATA"
+
+
+NEED_DATA: Final = _NeedData.NEED_DATA
+"""Returned by `RespParser.next_command()` when no complete command is buffered."""
+
+Event = Command | Literal[_NeedData.NEED_DATA]
+
+
+def args_size(cmd: Command) -> int:
+    """Bytes of a command's arguments together."""
+    size = 0
+    for arg in cmd:
+        size += len(arg)
+    return size
+
+
+def _held(cmd: Command) -> int:
+    """Bytes of a framed command's preallocated (large) bulks: the non-`bytes` ones."""
+    held = 0
+    for arg in cmd:
+        if type(arg) is not bytes:
+            held += len(arg)
+    return held
+
+
+def command_size(cmd: Command) -> int:
+    """Bytes of `cmd` as a RESP array on the wire: `*<n>\\r\\n`, then `$<len>\\r\\n`,
+    the argument and `\\r\\n` for each (what client libraries send; an inline command
+    is counted as if sent this way). 0 for a `RefusedCommand` (its arguments were
+    dropped as they arrived)."""
+    if isinstance(cmd, RefusedCommand):
+        return 0
+    size = 3 + len(str(len(cmd)))
+    for arg in cmd:
+        n = len(arg)
+        size += 5 + len(str(n)) + n
+    return size
+
+
+def _perr(detail: str) -> RemoteProtocolError:
+    return RemoteProtocolError(f"Protocol error: {detail}")
+
+
+def _parse_int(raw: Buffer) -> int | None:
+    """Strict signed 64-bit decimal (Redis `string2ll`), or None."""
+    if _INT_RE.fullmatch(raw) is None:
+        return None
+    value = int(raw)
+    if value > _INT64_MAX or value < _INT64_MIN:
+        return None
+    return value
+
+
+def _show_byte(b: int) -> str:
+    """A byte as Redis shows it in "expected '$', got 'x'", escaped when unprintable."""
+    return chr(b) if 0x20 <= b < 0x7F else f"\\x{b:02x}"
+
+
+# -- the request parser ---------------------------------------------------------------
+
+
+# -- the request parser ---------------------------------------------------------------
+
+
+class _State(enum.Enum):
+    START = 0
+    """Between commands: expect `*` (multibulk) or an inline line."""
+    ARG_HEADER = 1
+    """Inside a multibulk: expect `$len\\r\\n`."""
+    ARG_BODY = 2
+    """A small bulk: wait until `len + 2` bytes are buffered."""
+    BIG_BODY = 3
+    """A large bulk: fill the preallocated array, then expect `\\r\\n`."""
+    SKIP_BODY = 4
+    """A refused large bulk: drop its bytes, then expect `\\r\\n`."""
+
+
+_START: Final = _State.START
+_ARG_HEADER: Final = _State.ARG_HEADER
+_ARG_BODY: Final = _State.ARG_BODY
+_BIG_BODY: Final = _State.BIG_BODY
+
+
+class RespParser:
+    """Sans-IO RESP request parser. See the module docstring for how it works.
+
+    Every limit is a constructor argument; the defaults are Redis' own.
+    `authenticated` selects which argument limits apply (set it after AUTH succeeds).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_inline_bytes: int = DEFAULT_MAX_INLINE_BYTES,
+        max_multibulk_len: int = DEFAULT_MAX_MULTIBULK_LEN,
+        max_bulk_bytes: int = DEFAULT_MAX_BULK_BYTES,
+        unauthenticated_max_multibulk_len: int = DEFAULT_UNAUTHENTICATED_MAX_MULTIBULK_LEN,
+        unauthenticated_max_bulk_bytes: int = DEFAULT_UNAUTHENTICATED_MAX_BULK_BYTES,
+        large_bulk_threshold: int = DEFAULT_LARGE_BULK_THRESHOLD,
+        read_buffer_bytes: int = DEFAULT_READ_BUFFER_BYTES,
+        authenticated: bool = False,
+        reserve: ReserveFn | None = None,
+        scratch: bytearray | None = None,
+        max_ready: int | None = None,
+    ) -> None:
+        for name, value in (
+            ("max_inline_bytes", max_inline_bytes),
+            ("max_multibulk_len", max_multibulk_len),
+            ("max_bulk_bytes", max_bulk_bytes),
+            ("unauthenticated_max_multibulk_len", unauthenticated_max_multibulk_len),
+            ("unauthenticated_max_bulk_bytes", unauthenticated_max_bulk_bytes),
+            ("large_bulk_threshold", large_bulk_threshold),
+            ("read_buffer_bytes", read_buffer_bytes),
+        ):
+            if value < 1:
+                raise ValueError(f"invalid {name}: expected a positive integer (got {value!r})")
+        self.max_inline_bytes = max_inline_bytes
+        self.max_multibulk_len = max_multibulk_len
+        self.max_bulk_bytes = max_bulk_bytes
+        self.unauthenticated_max_multibulk_len = unauthenticated_max_multibulk_len
+        self.unauthenticated_max_bulk_bytes = unauthenticated_max_bulk_bytes
+        self.large_bulk_threshold = large_bulk_threshold
+        self.authenticated = authenticated
+        self.reserve = reserve
+        self.held_bytes = 0
+        """Bytes of preallocated bulks held: being filled, in `_args`, in `_ready`."""
+        self.max_ready = max_ready
+        """Frame at most this many commands ahead (None: all that are complete); the rest
+        stays buffered and is framed as commands are taken, which bounds the work one
+        read can cause."""
+        self.commands_parsed = 0
+        """Total commands framed so far (the owner uses it to see progress)."""
+
+        self._buf = bytearray()
+        """Unread bytes left over from earlier reads (from `_pos` on)."""
+        self._pos = 0
+        self._shared_scratch = scratch is not None
+        self._scratch = scratch if scratch is not None else bytearray(read_buffer_bytes)
+        self._lent_big = False
+        self._after_big = False
+
+        self._state = _START
+        self._args: Command = []
+        self._args_bytes = 0
+        self._args_left = 0
+        self._bulk_len = 0
+        self._args_held = 0
+        self._args_cost = 0
+        self._big: bytearray | memoryview = bytearray()
+        self._big_room: memoryview = _NO_ROOM
+        """`_big` and two bytes after it: lent to the socket, so the CRLF that ends the
+        bulk arrives in the payload's read, not in a read of its own."""
+        self._big_filled = 0
+        self._refused = False
+        self._refusal = ""
+        self._skip = 0
+
+        self._ready: deque[tuple[Command, int, int]] = deque()
+        self._ready_bytes = 0
+        self._ready_cost = 0
+        self._error: RemoteProtocolError | None = None
+
+    # -- input ------------------------------------------------------------------------
+    def feed(self, data: Buffer) -> None:
+        """Feed received bytes. Never raises; errors surface from `next_command()`."""
+        if data:
+            self._buf += data
+            self._advance()
+
+    receive_data = feed
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        """A writable buffer for the next read (`asyncio.BufferedProtocol.get_buffer`).
+
+        While a large bulk is being received this is the unfilled tail of its
+        preallocated array, so the payload is read in place; otherwise a scratch buffer.
+        Call `buffer_updated(n)` after writing `n` bytes into it, before the next call.
+        """
+        if (
+            self._state is _BIG_BODY
+            and self._big_filled < len(self._big)
+            and self._pos == len(self._buf)
+            and self._error is None
+        ):
+            self._lent_big = True
+            return self._big_room[self._big_filled :]
+        self._lent_big = False
+        if sizehint > len(self._scratch) and not self._shared_scratch:
+            self._scratch = bytearray(sizehint)
+        if self._after_big:
+            return memoryview(self._scratch)[:FIRST_READ_AFTER_BIG]
+        return memoryview(self._scratch)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        """`nbytes` were written into the buffer from the last `get_buffer()`: frame them.
+
+        When nothing was left over from earlier reads the bytes are framed where they
+        lie (the scratch buffer); only what is left unframed is copied out."""
+        if nbytes <= 0:
+            return
+        if self._lent_big:
+            self._lent_big = False
+            filled = self._big_filled + nbytes
+            if filled > len(self._big):  # the read went on into the room for the CRLF
+                self._buf += self._big_room[len(self._big) : filled]
+                filled = len(self._big)
+            self._big_filled = filled
+            self._advance()
+            return
+        if nbytes >= FIRST_READ_AFTER_BIG:
+            self._after_big = False
+        if self._pos < len(self._buf) or self._error is not None:
+            self._buf += memoryview(self._scratch)[:nbytes]
+            self._advance()
+            return
+        scratch = self._scratch
+        try:
+            done = self._frame(scratch, 0, nbytes)
+        except RemoteProtocolError as exc:
+            self._fail(exc)
+            return
+        if done < nbytes:
+            self._buf += memoryview(scratch)[done:nbytes]
+
+    # -- output -----------------------------------------------------------------------
+    def next_command(self) -> Event:
+        """The next complete command, or `NEED_DATA`.
+
+        Raises `RemoteProtocolError` (again on every call) once the input is broken and
+        every command framed before the bad bytes has been returned.
+        """
+        if not self._ready and self._error is None:
+            self._advance()
+        if self._ready:
+            cmd, size, held = self._ready.popleft()
+            self._ready_bytes -= size
+            self._ready_cost -= size - held + COMMAND_OVERHEAD + ARG_OVERHEAD * len(cmd)
+            self.held_bytes -= held
+            return cmd
+        if self._error is not None:
+            raise self._error
+        return NEED_DATA
+
+    next_event = next_command
+
+    def peek(self) -> Command | None:
+        """The command `next_command()` would return next, if one is framed (not taken)."""
+        return self._ready[0][0] if self._ready else None
+
+    def unread(self, commands: list[Command]) -> None:
+        """Put commands taken with `next_command` back at the front, in order (the owner
+        did not run them); they count as buffered and held again."""
+        for cmd in reversed(commands):
+            if isinstance(cmd, RefusedCommand):
+                size = held = 0
+            else:
+                size, held = args_size(cmd), _held(cmd)
+            self._ready.appendleft((cmd, size, held))
+            self._ready_bytes += size
+            self._ready_cost += size - held + COMMAND_OVERHEAD + ARG_OVERHEAD * len(cmd)
+            self.held_bytes += held
+
+    # -- what the owner accounts ------------------------------------------------------
+    @property
+    def has_error(self) -> bool:
+        """Whether the input is broken (`next_command()` raises once nothing is ready)."""
+        return self._error is not None
+
+    @property
+    def has_partial(self) -> bool:
+        """Whether bytes of a not-yet-complete command are buffered."""
+        return self._state is not _START or (not self._ready and self._pos < len(self._buf))
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes held for commands not yet returned (framed, partial or unparsed)."""
+        return (
+            self._ready_bytes + self._args_bytes + self._big_filled + (len(self._buf) - self._pos)
+        )
+
+    @property
+    def pending_bytes(self) -> int:
+        """Memory held for commands not yet returned, *except* preallocated large bulks
+        (`held_bytes`, reserved separately): small arguments with their object overhead
+        (framed and partial commands) and the unparsed receive buffer."""
+        return self._ready_cost + self._args_cost + len(self._buf)
+
+    def refuse_partial(self, reason: str = "") -> bool:
+        """Drop the arguments of the command being framed; the rest of it is read and
+        dropped, and it is framed as a `RefusedCommand`. False when none is in progress."""
+        if self._state is _START or self._refused:
+            return False
+        self._refuse(reason)
+        return True
+
+    def close(self) -> None:
+        """Drop everything buffered (the connection is gone) and the `reserve` hook, so
+        the memory goes at once rather than when the owner is garbage-collected."""
+        self._buf = bytearray()
+        self._pos = 0
+        self._args = []
+        self._args_bytes = self._args_held = self._args_cost = 0
+        self._drop_big()
+        self._ready.clear()
+        self._ready_bytes = self._ready_cost = 0
+        self.held_bytes = 0
+        self._state = _START
+        self._refused = False
+        self.reserve = None
+
+    # -- the framer -------------------------------------------------------------------
+    def _advance(self) -> None:
+        """Frame what the receive buffer holds, then compact it."""
+        buf = self._buf
+        if self._error is not None:
+            buf.clear()  # nothing after the bad bytes is framed
+            self._pos = 0
+            return
+        try:
+            self._pos = self._frame(buf, self._pos, len(buf))
+        except RemoteProtocolError as exc:
+            self._fail(exc)
+        if self._pos >= len(buf):
+            buf.clear()
+            self._pos = 0
+        elif self._pos >= _COMPACT_AT:
+            del buf[: self._pos]
+            self._pos = 0
+
+    def _fail(self, exc: RemoteProtocolError) -> None:
+        """The input is broken: keep the error, drop the command being framed and the
+        unread bytes (nothing after the bad bytes is ever framed)."""
+        self._error = exc
+        self.held_bytes -= len(self._big) + self._args_held
+        self._drop_big()
+        self._args = []
+        self._args_bytes = self._args_held = self._args_cost = 0
+        self._buf = bytearray()
+        self._pos = 0
+
+    def _frame(self, data: bytearray, pos: int, end: int) -> int:
+        """Frame the bytes `data[pos:end]` as far as they go; return where it stopped.
+
+        The one framer: a resumable state machine (`_state` and the command being framed
+        carry over to the next call), each state taking as much as the bytes allow.
+        Raises `RemoteProtocolError` at the first bad byte."""
+        with memoryview(data) as view:
+            while True:
+                state = self._state
+                if state is _ARG_HEADER:
+                    pos = self._frame_args(data, view, pos, end)
+                    if self._state is _ARG_HEADER:
+                        return pos  # waiting for a header
+                elif state is _START:
+                    if (self._ready and not self.authenticated) or pos >= end:
+                        return pos  # lazy before AUTH: limits may change after a command
+                    if self.max_ready is not None and len(self._ready) >= self.max_ready:
+                        return pos
+                    if data[pos] != 0x2A:  # not '*': an inline command
+                        nxt = self._inline(data, pos, end)
+                        if nxt < 0:
+                            return pos
+                        pos = nxt
+                        continue
+                    m = _MULTIBULK_HEAD.match(data, pos, end)
+                    if m is not None and m.end() - 2 - pos <= self.max_inline_bytes:
+                        count: int | None = int(m.group(1))
+                        pos = m.end()
+                    else:
+                        cr = self._header_line(data, pos, end, "mbulk")
+                        if cr < 0:
+                            return pos
+                        count = _parse_int(data[pos + 1 : cr])
+                        pos = cr + 2
+                    if count is None or count < -1 or count > self.max_multibulk_len:
+                        raise _perr("invalid multibulk length")
+                    if not self.authenticated and count > self.unauthenticated_max_multibulk_len:
+                        raise _perr("unauthenticated multibulk length")
+                    if count > 0:  # `*0` / `*-1`: an empty request, ignored like Redis
+                        self._begin_command(count)
+                elif state is _ARG_BODY:
+                    stop = pos + self._bulk_len
+                    if end < stop + 2:
+                        return pos
+                    if data[stop] != 0x0D or data[stop + 1] != 0x0A:
+                        raise _perr("expected '\\r\\n' after bulk data")
+                    self._push_arg(bytes(view[pos:stop]))
+                    pos = stop + 2
+                elif state is _BIG_BODY:
+                    big = self._big
+                    missing = len(big) - self._big_filled
+                    if missing:
+                        avail = min(missing, end - pos)
+                        if avail:
+                            filled = self._big_filled
+                            big[filled : filled + avail] = view[pos : pos + avail]
+                            self._big_filled = filled + avail
+                            pos += avail
+                        if avail < missing:
+                            return pos
+                    if end - pos < 2:
+                        return pos
+                    if data[pos] != 0x0D or data[pos + 1] != 0x0A:
+                        raise _perr("expected '\\r\\n' after bulk data")
+                    pos += 2
+                    self._drop_big()
+                    self._args_held += len(big)
+                    self._push_arg(big, big=True)
+                else:  # SKIP_BODY
+                    drop = min(self._skip, end - pos)
+                    self._skip -= drop
+                    pos += drop
+                    if self._skip or end - pos < 2:
+                        return pos
+                    if data[pos] != 0x0D or data[pos + 1] != 0x0A:
+                        raise _perr("expected '\\r\\n' after bulk data")
+                    pos += 2
+                    self._push_arg(b"")
+
+    def _frame_args(self, data: bytearray, view: memoryview, pos: int, end: int) -> int:
+        """State ARG_HEADER: frame the command's arguments, small ones in one loop, until
+        it is complete, a large bulk starts, a small bulk is cut short, or the header is
+        (state left as is)."""
+        max_line = self.max_inline_bytes
+        max_bulk = self.max_bulk_bytes
+        big_from = self.large_bulk_threshold
+        auth_limit = None if self.authenticated else self.unauthenticated_max_bulk_bytes
+        match = _BULK_HEAD.match
+        while pos < end:
+            m = match(data, pos, end)
+            if m is not None and m.end() - 2 - pos <= max_line:
+                length: int | None = int(m.group(1))
+                start = m.end()
+            else:
+                if data[pos] != 0x24:  # '$'
+                    raise _perr(f"expected '$', got '{_show_byte(data[pos])}'")
+                cr = self._header_line(data, pos, end, "bulk")
+                if cr < 0:
+                    return pos
+                length = _parse_int(data[pos + 1 : cr])
+                start = cr + 2
+            if length is None or length < 0 or length > max_bulk:
+                raise _perr("invalid bulk length")
+            if auth_limit is not None and length > auth_limit:
+                raise _perr("unauthenticated bulk length")
+            self._bulk_len = length
+            if length >= big_from:
+                self._open_large(length)
+                return start
+            stop = start + length
+            if end < stop + 2:
+                self._state = _ARG_BODY
+                return start
+            if data[stop] != 0x0D or data[stop + 1] != 0x0A:
+                raise _perr("expected '\\r\\n' after bulk data")
+            pos = stop + 2
+            if self._refused or self._args_left == 1:
+                if self._push_arg(bytes(view[start:stop])):
+                    return pos
+            else:  # the common step, `_push_arg` inlined
+                self._args.append(bytes(view[start:stop]))
+                self._args_bytes += length
+                self._args_cost += ARG_OVERHEAD + length
+                self._args_left -= 1
+        return pos
+
+    def _header_line(self, data: bytearray, pos: int, end: int, what: str) -> int:
+        """Index of the CR of the header line at `pos`, or -1 (checks its length)."""
+        cr = data.find(b"\r\n", pos, end)
+        if cr < 0:
+            # the line so far, without a CR that may be its end (whose LF is to come)
+            if end - pos - (end > pos and data[end - 1] == 0x0D) > self.max_inline_bytes:
+                raise _perr(f"too big {what} count string")
+            return -1
+        if cr - pos > self.max_inline_bytes:
+            raise _perr(f"too big {what} count string")
+        return cr
+
+    def _inline(self, data: bytearray, pos: int, end: int) -> int:
+        """Frame the inline line at `pos`: where the next command starts, or -1 when
+        the line is not complete."""
+        nl = data.find(b"\n", pos, end)
+        if nl < 0:
+            if end - pos > self.max_inline_bytes:
+                raise _perr("too big inline request")
+            return -1
+        if nl - pos > self.max_inline_bytes:
+            raise _perr("too big inline request")
+        stop = nl - 1 if nl > pos and data[nl - 1] == 0x0D else nl
+        args: Command = list(split_inline(data[pos:stop]))
+        if not args:
+            return nl + 1
+        if not self.authenticated and (
+            len(args) > self.unauthenticated_max_multibulk_len
+            or any(len(a) > self.unauthenticated_max_bulk_bytes for a in args)
+        ):
+            raise _perr("unauthenticated inline request")
+        self._finish(args, sum(len(a) for a in args))
+        return nl + 1
+
+    def _begin_command(self, count: int) -> None:
+        """A multibulk header `*<count>` was read: expect its `count` arguments."""
+        self._args_left = count
+        self._args = []
+        self._args_bytes = 0
+        self._args_held = 0
+        self._args_cost = COMMAND_OVERHEAD
+        self._refused = False
+        self._state = _ARG_HEADER
+
+    def _open_large(self, length: int) -> None:
+        """A large bulk's header was read: its preallocated array (once `reserve`
+        grants it), or dropping its bytes when refused."""
+        if self._refused or not self._granted(length):
+            self._refuse(self._refusal)
+            self._skip = length
+            self._state = _State.SKIP_BODY
+        else:
+            self._big_room = alloc_block(length, slack=2)
+            self._big = self._big_room[:length]
+            self._big_filled = 0
+            self._after_big = True
+            self.held_bytes += length
+            self._state = _BIG_BODY
+
+    def _drop_big(self) -> None:
+        self._big = bytearray()
+        self._big_room = _NO_ROOM
+        self._big_filled = 0
+
+    def _granted(self, length: int) -> bool:
+        if self.reserve is None:
+            return True
+        answer = self.reserve(length)
+        if answer is True:
+            return True
+        self._refusal = answer if isinstance(answer, str) else ""
+        return False
+
+    def _refuse(self, reason: str = "") -> None:
+        """Drop the command being framed (a large bulk of it was refused)."""
+        if not self._refused:
+            self._refusal = reason
+        self._refused = True
+        self.held_bytes -= self._args_held
+        if self._state is _BIG_BODY and not self._lent_big:
+            # refused while its large bulk arrives: let the buffer go, skip the rest
+            self.held_bytes -= len(self._big)
+            self._skip = len(self._big) - self._big_filled
+            self._drop_big()
+            self._state = _State.SKIP_BODY
+        self._args = []
+        self._args_bytes = 0
+        self._args_held = 0
+        self._args_cost = 0
+
+    def _push_arg(self, arg: Arg, *, big: bool = False) -> bool:
+        """One argument framed; True when it completed the command (state START)."""
+        if not self._refused:
+            self._args.append(arg)
+            self._args_bytes += len(arg)
+            self._args_cost += ARG_OVERHEAD + (0 if big else len(arg))
+        self._args_left -= 1
+        if self._args_left:
+            self._state = _ARG_HEADER
+            return False
+        if self._refused:
+            self.held_bytes -= self._args_held  # large bulks read after the refusal
+            self._finish(RefusedCommand(self._refusal), 0)
+        else:
+            self._finish(self._args, self._args_bytes, self._args_held)
+        self._args = []
+        self._args_bytes = 0
+        self._args_held = 0
+        self._args_cost = 0
+        self._refused = False
+        self._state = _START
+        return True
+
+    def _finish(self, cmd: Command, size: int, held: int = 0) -> None:
+        self._ready.append((cmd, size, held))
+        self._ready_bytes += size
+        self._ready_cost += size - held + COMMAND_OVERHEAD + ARG_OVERHEAD * len(cmd)
+        self.commands_parsed += 1

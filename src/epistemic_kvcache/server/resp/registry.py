@@ -1,0 +1,87 @@
+"""The RESP command table: `COMMANDS` (name -> `CommandSpec`) and the decorators that fill it.
+
+The handlers register themselves (server/resp/commands*.py) with `command` (runs on the
+event loop) or `blocking_command` (runs on the store's thread pool); the dispatcher
+(server/resp/dispatch.py) looks commands up here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from epistemic_kvcache.proto.resp import Command, ErrorReply
+
+if TYPE_CHECKING:
+    from epistemic_kvcache.server.resp.session import Session
+
+UNSUPPORTED: dict[bytes, ErrorReply] = {}
+"""Commands we know and refuse on purpose (name -> the error saying why); filled by
+server/resp/commands_keys.py. They are not in COMMANDS (COMMAND lists what works)."""
+
+
+Handler = Callable[["Session", Command], Awaitable[object]]
+"""Runs on the event loop (session state, no store access)."""
+BlockingHandler = Callable[["Session", Command], object]
+"""Runs on the thread pool (store access); consecutive ones are batched in one job."""
+
+
+@dataclass(frozen=True, slots=True)
+class CommandSpec:
+    """One command: Redis arity (negative = at least), flags, key positions, handler."""
+
+    name: str
+    arity: int
+    flags: tuple[str, ...]
+    first_key: int
+    last_key: int
+    step: int
+    group: str
+    summary: str
+    handler: Handler | None
+    blocking_handler: BlockingHandler | None = None
+    no_auth: bool = False
+
+
+COMMANDS: dict[bytes, CommandSpec] = {}
+
+
+def command(
+    name: str,
+    arity: int,
+    flags: tuple[str, ...],
+    keys: tuple[int, int, int],
+    group: str,
+    summary: str,
+    *,
+    no_auth: bool = False,
+) -> Callable[[Handler], Handler]:
+    """Register an event-loop handler."""
+
+    def register(fn: Handler) -> Handler:
+        COMMANDS[name.encode()] = CommandSpec(
+            name, arity, flags, *keys, group, summary, fn, no_auth=no_auth
+        )
+        return fn
+
+    return register
+
+
+def blocking_command(
+    name: str,
+    arity: int,
+    flags: tuple[str, ...],
+    keys: tuple[int, int, int],
+    group: str,
+    summary: str,
+) -> Callable[[BlockingHandler], BlockingHandler]:
+    """Register a thread-pool handler."""
+
+    def register(fn: BlockingHandler) -> BlockingHandler:
+        COMMANDS[name.encode()] = CommandSpec(
+            name, arity, flags, *keys, group, summary, None, blocking_handler=fn
+        )
+        return fn
+
+    return register
