@@ -116,6 +116,7 @@ def test_server_keeps_answering_during_a_worst_case_scan(server: ServerHandle) -
         done.set()
 
     th = threading.Thread(target=scan_all)
+    started = time.monotonic()
     th.start()
     probe = resp_client(server, TOKEN_B)
     worst = 0.0
@@ -125,6 +126,7 @@ def test_server_keeps_answering_during_a_worst_case_scan(server: ServerHandle) -
             probe.ping()
             worst = max(worst, time.monotonic() - t0)
             time.sleep(0.01)
+        scan_s = time.monotonic() - started
     finally:
         th.join(60)
         probe.close()
@@ -132,7 +134,12 @@ def test_server_keeps_answering_during_a_worst_case_scan(server: ServerHandle) -
         writer.close()
     assert done.is_set()
     assert sum(scanned) == 0
-    assert worst < 0.25, f"a PING waited {worst:.2f}s behind a SCAN"
+    # the matching work is cut into bounded calls, each on the thread pool ...
+    assert len(scanned) >= 4, f"the SCAN ran in {len(scanned)} calls"
+    # ... so a PING waits for one slice, never for the whole scan. The bound is relative
+    # to the scan's own duration (a loaded machine slows both), with an absolute floor.
+    bound = max(0.25, scan_s / 2)
+    assert worst < bound, f"a PING waited {worst:.2f}s behind a SCAN of {scan_s:.2f}s"
 
 
 # -- 2. bodies and bulks being received share one memory budget --------------------------
