@@ -111,6 +111,44 @@ def test_breaker_survives_a_raising_probe() -> None:
     b.shutdown(1)
 
 
+def test_breaker_shutdown_while_the_prober_is_being_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The first failure creates the prober thread and starts it under the breaker's lock;
+    # a shutdown from another thread in between (a client's abort while a request fails)
+    # must wait for the start, not join a thread that has not started (RuntimeError).
+    entered, go = threading.Event(), threading.Event()
+    real_start = threading.Thread.start
+
+    def held_start(self: threading.Thread) -> None:
+        if self.name.endswith("-probe"):
+            entered.set()
+            go.wait(10)
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", held_start)
+    b = CircuitBreaker(lambda: False, backoff_s=0.01, max_backoff_s=0.01)
+    failing = threading.Thread(target=b.record_failure, args=("down",))
+    failing.start()
+    assert entered.wait(10)
+    errors: list[BaseException] = []
+
+    def shut() -> None:
+        try:
+            b.shutdown(5)
+        except BaseException as exc:
+            errors.append(exc)
+
+    stopper = threading.Thread(target=shut)
+    stopper.start()
+    stopper.join(1.0)  # broken: fails at once; fixed: waits for the start (released below)
+    go.set()
+    stopper.join(10)
+    failing.join(10)
+    assert not stopper.is_alive()
+    assert errors == []
+
+
 def test_breaker_rejects_bad_backoff() -> None:
     with pytest.raises(ValueError, match="back-off"):
         CircuitBreaker(lambda: True, backoff_s=0, max_backoff_s=1)

@@ -21,6 +21,7 @@ How it works
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -28,7 +29,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -49,21 +50,32 @@ _LEN = struct.Struct(">Q")
 class CheckpointError(KvCacheError):
     """A checkpoint cannot be created or used. Subclasses say why."""
 
+    outcome = "error"
+    """The counter label of this refusal (see `KVCheckpointStore.counters`)."""
+
 
 class CheckpointNotFoundError(CheckpointError):
     """No record under this id, or its blob is gone (evicted), or the server is down."""
+
+    outcome = "not_found"
 
 
 class CrossTenantCheckpointError(CheckpointError):
     """The checkpoint belongs to another tenant; it is never served across tenants."""
 
+    outcome = "cross_tenant"
+
 
 class StaleCheckpointError(CheckpointError):
     """The checkpoint was made under another policy version than the caller's."""
 
+    outcome = "stale"
+
 
 class CorruptCheckpointError(CheckpointError):
     """The record does not match its id, is malformed, or the blob fails its digest."""
+
+    outcome = "corrupt"
 
 
 class CheckpointClient(Protocol):
@@ -270,6 +282,15 @@ class KVCheckpointStore:
         with self._lock:
             self._counts[(op, outcome)] = self._counts.get((op, outcome), 0) + 1
 
+    @contextlib.contextmanager
+    def _counting_refusals(self, op: str) -> Iterator[None]:
+        """Count a `CheckpointError` raised inside under `(op, its outcome)`; re-raise it."""
+        try:
+            yield
+        except CheckpointError as exc:
+            self._count(op, exc.outcome)
+            raise
+
     def counters(self) -> dict[tuple[str, str], int]:
         """A copy of the counters: `(operation, outcome) -> count`."""
         with self._lock:
@@ -308,13 +329,10 @@ class KVCheckpointStore:
         if stored is None:
             self._count(op, "record_not_stored")
             raise CheckpointError(f"checkpoint {record.id}: the record does not read back")
-        try:
+        with self._counting_refusals(op):
             kept = self._checked(
                 CheckpointRecord.from_json(stored, record.id), key.tenant, key.policy_version
             )
-        except CheckpointError as exc:
-            self._count(op, _outcome(exc))
-            raise
         self._count(op, "ok" if bytes(stored) == record.to_json() else "existed")
         return kept
 
@@ -339,11 +357,8 @@ class KVCheckpointStore:
         Raises `CheckpointNotFoundError`, `CrossTenantCheckpointError`,
         `StaleCheckpointError`, `CorruptCheckpointError`."""
         op = "get"
-        try:
+        with self._counting_refusals(op):
             loaded = self._load(checkpoint_id, tenant, policy_version)
-        except CheckpointError as exc:
-            self._count(op, _outcome(exc))
-            raise
         self._count(op, "ok")
         return loaded
 
@@ -373,20 +388,17 @@ class KVCheckpointStore:
     ) -> AgentInstance:
         """Initialise agent run `run_id` from a checkpoint (no fallback) and record it."""
         op = "instantiate_agent"
-        try:
+        with self._counting_refusals(op):
             loaded = self.get_checkpoint(checkpoint_id, tenant, policy_version)
-        except CheckpointError as exc:
-            self._count(op, _outcome(exc))
-            raise
-        prov = self._provenance(
-            checkpoint_id, "agent_run", run_id, tenant, policy_version, "restored", None
+        prov = self._record_restored(
+            op,
+            checkpoint_id,
+            "agent_run",
+            run_id,
+            tenant,
+            policy_version,
+            failure=f"could not record that run {run_id} used it",
         )
-        if prov is None:
-            self._count(op, "provenance_not_stored")
-            raise CheckpointError(
-                f"checkpoint {checkpoint_id}: could not record that run {run_id} used it"
-            )
-        self._count(op, "ok")
         return AgentInstance(run_id, loaded, prov)
 
     def restore_conversation(
@@ -409,7 +421,7 @@ class KVCheckpointStore:
             loaded = self.get_checkpoint(checkpoint_id, tenant, policy_version)
         except CheckpointError as exc:
             if not allow_cold_start:
-                self._count(op, _outcome(exc))
+                self._count(op, exc.outcome)
                 raise
             reason = f"{type(exc).__name__}: {exc}"
             log.warning(
@@ -429,17 +441,38 @@ class KVCheckpointStore:
                 reason,
             )
             return RestoredConversation(conversation_id, None, True, reason, prov)
+        prov = self._record_restored(
+            op,
+            checkpoint_id,
+            "conversation",
+            conversation_id,
+            tenant,
+            policy_version,
+            failure=f"could not record that conversation {conversation_id} was restored from it",
+        )
+        return RestoredConversation(conversation_id, loaded, False, None, prov)
+
+    def _record_restored(
+        self,
+        op: str,
+        checkpoint_id: str,
+        kind: str,
+        subject: str,
+        tenant: str,
+        policy_version: str,
+        *,
+        failure: str,
+    ) -> str:
+        """The provenance key of a successful use, counted `ok`; raises (`failure` says
+        what could not be recorded) when the record is not stored."""
         prov = self._provenance(
-            checkpoint_id, "conversation", conversation_id, tenant, policy_version, "restored", None
+            checkpoint_id, kind, subject, tenant, policy_version, "restored", None
         )
         if prov is None:
             self._count(op, "provenance_not_stored")
-            raise CheckpointError(
-                f"checkpoint {checkpoint_id}: could not record that conversation "
-                f"{conversation_id} was restored from it"
-            )
+            raise CheckpointError(f"checkpoint {checkpoint_id}: {failure}")
         self._count(op, "ok")
-        return RestoredConversation(conversation_id, loaded, False, None, prov)
+        return prov
 
     # -- provenance ---------------------------------------------------------------------------
     def _provenance(
@@ -498,16 +531,3 @@ class KVCheckpointStore:
                 raise CorruptCheckpointError(f"provenance record {key}: malformed ({exc})") from exc
         self._count("provenance_query", "ok")
         return sorted(out, key=lambda r: r.at)
-
-
-def _outcome(exc: CheckpointError) -> str:
-    """Counter label of a refusal."""
-    if isinstance(exc, CrossTenantCheckpointError):
-        return "cross_tenant"
-    if isinstance(exc, StaleCheckpointError):
-        return "stale"
-    if isinstance(exc, CheckpointNotFoundError):
-        return "not_found"
-    if isinstance(exc, CorruptCheckpointError):
-        return "corrupt"
-    return "error"

@@ -4,8 +4,10 @@ How it works
 - Three tools, each an `action` plus its arguments: `graph_kvcache` (stats, exists,
   list, delete), `graph_fork` (snapshot, fork, branch, list, delete) and
   `graph_kv_checkpoint` (create, restore, list). `KvCacheTools` holds their logic over
-  our HTTP client (`EpistemicGraphKVBackend`); `build_server` registers them with the
-  official MCP SDK (`mcp.server.mcpserver.MCPServer`).
+  our HTTP client (`EpistemicGraphKVBackend`); `build_server` registers each method
+  with the official MCP SDK (`mcp.server.mcpserver.MCPServer`): the method's signature
+  (less `self`) is the tool's input schema and its docstring the tool's description,
+  so a tool's parameters are written once.
 - This process holds no credentials of its own. Over stdio it serves one caller, the
   process that started it, with the token in that caller's environment
   (`EPISTEMIC_GRAPH_KVCACHE_TOKEN`). Over streamable HTTP every request must carry
@@ -23,6 +25,7 @@ import argparse
 import base64
 import binascii
 import hashlib
+import inspect
 import logging
 import threading
 import time
@@ -56,6 +59,12 @@ MAX_CLIENTS = 64
 """HTTP mode: pooled clients kept (one per recent caller token)."""
 
 
+KvAction = Literal["stats", "exists", "list", "delete"]
+ForkAction = Literal["snapshot", "fork", "branch", "list", "delete"]
+CheckpointAction = Literal["create", "restore", "list"]
+"""Each tool's actions: its input schema's `action` enum (the tool still refuses others)."""
+
+
 class ToolFailure(KvCacheError):
     """A tool call that cannot be done as asked; the message goes back to the caller."""
 
@@ -83,13 +92,18 @@ class KvCacheTools:
     # -- graph_kvcache ----------------------------------------------------------------
     def graph_kvcache(
         self,
-        action: str,
+        action: KvAction,
         key: str | None = None,
         prefix: str = "",
         after: str | None = None,
         limit: int = 100,
     ) -> dict[str, Any]:
-        """stats | exists | list | delete."""
+        """Inspect the caller's namespace of the KV-cache store.
+
+        action: `stats` (the namespace's counters and tier occupancy), `exists` (is `key`
+        stored, and its size), `list` (keys starting with `prefix`, sorted, at most
+        `limit`, after `after`; `next_after` pages on), `delete` (remove `key`).
+        """
         if action == "stats":
             stats = self.client.stats()
             if stats is None:
@@ -113,14 +127,20 @@ class KvCacheTools:
     # -- graph_fork -------------------------------------------------------------------
     def graph_fork(
         self,
-        action: str,
+        action: ForkAction,
         snapshot_id: str | None = None,
         branch_id: str | None = None,
         keys: list[str] | None = None,
         prefix: str | None = None,
         ttl_s: float | None = None,
     ) -> dict[str, Any]:
-        """snapshot | fork | branch | list | delete."""
+        """Snapshots and copy-on-write branches of the caller's namespace (no bytes copied).
+
+        action: `snapshot` (of `keys`, or of every key with `prefix`, or of the whole
+        namespace; optional `ttl_s`), `fork` (a new branch over `snapshot_id`), `branch`
+        (the branch `branch_id`, or every branch), `list` (snapshots and branches),
+        `delete` (the branch `branch_id`, or the snapshot `snapshot_id`).
+        """
         c = self.client
         if action == "snapshot":
             info = c.snapshot(keys=keys, prefix=prefix, ttl_s=ttl_s)
@@ -157,7 +177,7 @@ class KvCacheTools:
     # -- graph_kv_checkpoint ----------------------------------------------------------
     def graph_kv_checkpoint(
         self,
-        action: str,
+        action: CheckpointAction,
         checkpoint_id: str | None = None,
         model: str | None = None,
         quantization: str = "none",
@@ -171,7 +191,15 @@ class KvCacheTools:
         allow_cold_start: bool = False,
         include_blob: bool = False,
     ) -> dict[str, Any]:
-        """create | restore | list."""
+        """KV checkpoints bound to the caller's tenant and a policy version.
+
+        action: `create` (store `blob_base64` under the id derived from model,
+        quantization, engine, engine_version, prefix_digest, the caller's tenant and
+        policy_version; returns the id), `restore` (load `checkpoint_id` for
+        `conversation_id` under `policy_version`: refused for another tenant or policy
+        unless `allow_cold_start`; `include_blob` returns the bytes up to 4 MiB), `list`
+        (the tenant's checkpoints).
+        """
         store = KVCheckpointStore(self.client)
         tenant = self.tenant()
         try:
@@ -316,10 +344,6 @@ class ClientPool:
 
 # -- the MCP server ----------------------------------------------------------------------
 
-KvAction = Literal["stats", "exists", "list", "delete"]
-ForkAction = Literal["snapshot", "fork", "branch", "list", "delete"]
-CheckpointAction = Literal["create", "restore", "list"]
-
 
 def build_server(
     tools_for_caller: Callable[[], KvCacheTools],
@@ -371,91 +395,37 @@ def build_server(
         **kwargs,
     )
 
-    async def call(method: Callable[..., dict[str, Any]], **args: Any) -> dict[str, Any]:
-        tools = tools_for_caller()
+    def register(method: Callable[..., dict[str, Any]], annotations: ToolAnnotations) -> None:
+        """Publish a `KvCacheTools` method as a tool: its signature less `self` is the
+        tool's input schema, its docstring the description; a call runs the method on a
+        worker thread with the caller's tools."""
+        sig = inspect.signature(method, eval_str=True)
+        params = list(sig.parameters.values())[1:]
 
-        def run() -> dict[str, Any]:
-            try:
-                return method(tools, **args)
-            except (ToolFailure, ValueError, KvCacheError) as exc:
-                raise ToolError(str(exc)) from None
+        async def tool(**args: Any) -> dict[str, Any]:
+            tools = tools_for_caller()
 
-        result: dict[str, Any] = await anyio.to_thread.run_sync(run)
-        return result
+            def run() -> dict[str, Any]:
+                try:
+                    return method(tools, **args)
+                except (ToolFailure, ValueError, KvCacheError) as exc:
+                    raise ToolError(str(exc)) from None
 
-    @server.tool(annotations=ToolAnnotations(destructive_hint=True, idempotent_hint=True))
-    async def graph_kvcache(
-        action: KvAction,
-        key: str | None = None,
-        prefix: str = "",
-        after: str | None = None,
-        limit: int = 100,
-    ) -> dict[str, Any]:
-        """Inspect the caller's namespace of the KV-cache store.
+            result: dict[str, Any] = await anyio.to_thread.run_sync(run)
+            return result
 
-        action: `stats` (the namespace's counters and tier occupancy), `exists` (is `key`
-        stored, and its size), `list` (keys starting with `prefix`, sorted, at most
-        `limit`, after `after`; `next_after` pages on), `delete` (remove `key`).
-        """
-        return await call(
-            KvCacheTools.graph_kvcache, action=action, key=key, prefix=prefix, after=after,
-            limit=limit,
-        )  # fmt: skip
+        tool.__name__ = tool.__qualname__ = method.__name__
+        tool.__doc__ = method.__doc__
+        tool.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+        tool.__annotations__ = {p.name: p.annotation for p in params}
+        tool.__annotations__["return"] = sig.return_annotation
+        server.tool(annotations=annotations)(tool)
 
-    @server.tool(annotations=ToolAnnotations(destructive_hint=True))
-    async def graph_fork(
-        action: ForkAction,
-        snapshot_id: str | None = None,
-        branch_id: str | None = None,
-        keys: list[str] | None = None,
-        prefix: str | None = None,
-        ttl_s: float | None = None,
-    ) -> dict[str, Any]:
-        """Snapshots and copy-on-write branches of the caller's namespace (no bytes copied).
-
-        action: `snapshot` (of `keys`, or of every key with `prefix`, or of the whole
-        namespace; optional `ttl_s`), `fork` (a new branch over `snapshot_id`), `branch`
-        (the branch `branch_id`, or every branch), `list` (snapshots and branches),
-        `delete` (the branch `branch_id`, or the snapshot `snapshot_id`).
-        """
-        return await call(
-            KvCacheTools.graph_fork, action=action, snapshot_id=snapshot_id, branch_id=branch_id,
-            keys=keys, prefix=prefix, ttl_s=ttl_s,
-        )  # fmt: skip
-
-    @server.tool(annotations=ToolAnnotations(destructive_hint=False))
-    async def graph_kv_checkpoint(
-        action: CheckpointAction,
-        checkpoint_id: str | None = None,
-        model: str | None = None,
-        quantization: str = "none",
-        engine: str = "vllm",
-        engine_version: str = "",
-        prefix_digest: str | None = None,
-        policy_version: str = "1",
-        blob_base64: str | None = None,
-        metadata: dict[str, Any] | None = None,
-        conversation_id: str | None = None,
-        allow_cold_start: bool = False,
-        include_blob: bool = False,
-    ) -> dict[str, Any]:
-        """KV checkpoints bound to the caller's tenant and a policy version.
-
-        action: `create` (store `blob_base64` under the id derived from model,
-        quantization, engine, engine_version, prefix_digest, the caller's tenant and
-        policy_version; returns the id), `restore` (load `checkpoint_id` for
-        `conversation_id` under `policy_version`: refused for another tenant or policy
-        unless `allow_cold_start`; `include_blob` returns the bytes up to 4 MiB), `list`
-        (the tenant's checkpoints).
-        """
-        return await call(
-            KvCacheTools.graph_kv_checkpoint, action=action, checkpoint_id=checkpoint_id,
-            model=model, quantization=quantization, engine=engine,
-            engine_version=engine_version, prefix_digest=prefix_digest,
-            policy_version=policy_version, blob_base64=blob_base64, metadata=metadata,
-            conversation_id=conversation_id, allow_cold_start=allow_cold_start,
-            include_blob=include_blob,
-        )  # fmt: skip
+    register(
+        KvCacheTools.graph_kvcache, ToolAnnotations(destructive_hint=True, idempotent_hint=True)
+    )
+    register(KvCacheTools.graph_fork, ToolAnnotations(destructive_hint=True))
+    register(KvCacheTools.graph_kv_checkpoint, ToolAnnotations(destructive_hint=False))
 
     return server
 

@@ -127,7 +127,8 @@ class CircuitBreaker:
     def shutdown(self, timeout_s: float) -> None:
         """Stop probing; wait up to `timeout_s` for the prober to exit. Idempotent."""
         self._stopped.set()
-        thread = self._thread
+        with self._lock:  # a prober seen under the lock has started (it starts under it)
+            thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)
 

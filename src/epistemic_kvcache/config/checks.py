@@ -159,7 +159,13 @@ def _check_tls_files(cert: Path, key: Path, client_ca: Path | None) -> None:
         raise ConfigurationError(f"invalid tls_cert: no PEM certificate in '{cert}'")
     if not key_has_key and not _PEM_KEY.search(cert_pem):
         raise ConfigurationError(f"invalid tls_key: no PEM private key in '{key}'")
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    load_tls_files(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER), cert, key, client_ca)
+
+
+def load_tls_files(ctx: ssl.SSLContext, cert: Path, key: Path, client_ca: Path | None) -> None:
+    """Load the certificate chain and (for mTLS) the client CA into `ctx`, raising a
+    `ConfigurationError` that names the setting at fault. The configuration check and
+    the listeners' context (`server.tls.server_ssl_context`) both load through here."""
     try:
         ctx.load_cert_chain(certfile=str(cert), keyfile=str(key))
     except ssl.SSLError as exc:
@@ -171,6 +177,14 @@ def _check_tls_files(cert: Path, key: Path, client_ca: Path | None) -> None:
         raise ConfigurationError(
             f"invalid tls_key: '{key}' with tls_cert '{cert}': {why}"
         ) from None
+    except FileNotFoundError as exc:
+        raise ConfigurationError(
+            f"invalid tls_cert/tls_key: file not found ({exc.filename})"
+        ) from None
+    except OSError as exc:
+        raise ConfigurationError(
+            f"invalid tls_cert/tls_key: cannot load '{cert}' with '{key}': {exc}"
+        ) from None
     if client_ca is not None:
         try:
             ctx.load_verify_locations(cafile=str(client_ca))
@@ -178,6 +192,10 @@ def _check_tls_files(cert: Path, key: Path, client_ca: Path | None) -> None:
             raise ConfigurationError(
                 f"invalid tls_client_ca: no usable CA certificate in '{client_ca}' "
                 f"({exc.reason or exc})"
+            ) from None
+        except OSError as exc:
+            raise ConfigurationError(
+                f"invalid tls_client_ca: cannot load '{client_ca}': {exc}"
             ) from None
 
 

@@ -103,38 +103,29 @@ def parse_nonneg_int(raw: object) -> int:
     return _parse_int(raw, minimum=0, expected="a non-negative integer")
 
 
-def _parse_seconds(raw: object, *, allow_zero: bool) -> float:
-    expected = "a number of seconds >= 0" if allow_zero else "a number of seconds > 0"
+def _parse_float(raw: object, valid: Callable[[float], bool], expected: str) -> float:
+    """A finite number for which `valid` holds, else `InvalidValue(expected)`."""
     if isinstance(raw, bool):
         raise InvalidValue(expected)
     try:
         value = float(raw) if isinstance(raw, int | float) else float(str(raw).strip())
     except ValueError:
         raise InvalidValue(expected) from None
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+    if not math.isfinite(value) or not valid(value):
         raise InvalidValue(expected)
     return value
 
 
 def parse_fraction(raw: object) -> float:
-    expected = "a fraction in (0, 1], e.g. 0.5"
-    if isinstance(raw, bool):
-        raise InvalidValue(expected)
-    try:
-        value = float(raw) if isinstance(raw, int | float) else float(str(raw).strip())
-    except ValueError:
-        raise InvalidValue(expected) from None
-    if not math.isfinite(value) or not 0 < value <= 1:
-        raise InvalidValue(expected)
-    return value
+    return _parse_float(raw, lambda v: 0 < v <= 1, "a fraction in (0, 1], e.g. 0.5")
 
 
 def nonneg_seconds(raw: object) -> float:
-    return _parse_seconds(raw, allow_zero=True)
+    return _parse_float(raw, lambda v: v >= 0, "a number of seconds >= 0")
 
 
 def pos_seconds(raw: object) -> float:
-    return _parse_seconds(raw, allow_zero=False)
+    return _parse_float(raw, lambda v: v > 0, "a number of seconds > 0")
 
 
 def parse_address(raw: object) -> Address:

@@ -547,26 +547,27 @@ class JwtVerifier:
         return identity, float(claims["exp"])
 
 
+_JWT_REASONS: tuple[tuple[type[Exception], str], ...] = (
+    (jwt.ExpiredSignatureError, "expired"),
+    (jwt.ImmatureSignatureError, "not yet valid"),
+    (jwt.InvalidAudienceError, "wrong audience"),
+    (jwt.InvalidIssuerError, "wrong issuer"),
+    (jwt.InvalidAlgorithmError, "algorithm not accepted"),
+    (jwt.InvalidKeyError, "key not usable for this algorithm"),
+    (jwt.DecodeError, "malformed JWT"),
+)
+"""PyJWT's errors and what a rejection says; the first class that matches wins."""
+
+
 def _describe(exc: Exception) -> str:
     """A short reason for a rejected JWT that never contains the token."""
     if isinstance(exc, _ClaimTypeError):
         return str(exc)
-    if isinstance(exc, jwt.ExpiredSignatureError):
-        return "invalid token: expired"
-    if isinstance(exc, jwt.ImmatureSignatureError):
-        return "invalid token: not yet valid"
-    if isinstance(exc, jwt.InvalidAudienceError):
-        return "invalid token: wrong audience"
-    if isinstance(exc, jwt.InvalidIssuerError):
-        return "invalid token: wrong issuer"
     if isinstance(exc, jwt.MissingRequiredClaimError):
         return f"invalid token: missing required claim {exc.claim!r}"
-    if isinstance(exc, jwt.InvalidAlgorithmError):
-        return "invalid token: algorithm not accepted"
-    if isinstance(exc, jwt.InvalidKeyError):
-        return "invalid token: key not usable for this algorithm"
-    if isinstance(exc, jwt.DecodeError):
-        return "invalid token: malformed JWT"
+    for cls, reason in _JWT_REASONS:
+        if isinstance(exc, cls):
+            return f"invalid token: {reason}"
     return f"invalid token: {type(exc).__name__}"
 
 

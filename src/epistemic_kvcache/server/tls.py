@@ -14,7 +14,7 @@ from pathlib import Path
 
 from epistemic_kvcache.config import ServerConfig
 from epistemic_kvcache.config import check_bind as check_bind  # noqa: PLC0414 - re-exported
-from epistemic_kvcache.errors import ConfigurationError
+from epistemic_kvcache.config.checks import load_tls_files
 
 
 def server_ssl_context(cert: Path, key: Path, client_ca: Path | None = None) -> ssl.SSLContext:
@@ -26,23 +26,8 @@ def server_ssl_context(cert: Path, key: Path, client_ca: Path | None = None) -> 
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_CIPHER_SERVER_PREFERENCE
     ctx.options |= getattr(ssl, "OP_NO_RENEGOTIATION", 0)
-    try:
-        ctx.load_cert_chain(certfile=str(cert), keyfile=str(key))
-    except FileNotFoundError as exc:
-        raise ConfigurationError(
-            f"invalid tls_cert/tls_key: file not found ({exc.filename})"
-        ) from None
-    except (ssl.SSLError, OSError) as exc:
-        raise ConfigurationError(
-            f"invalid tls_cert/tls_key: cannot load '{cert}' with '{key}': {exc}"
-        ) from None
+    load_tls_files(ctx, cert, key, client_ca)
     if client_ca is not None:
-        try:
-            ctx.load_verify_locations(cafile=str(client_ca))
-        except (ssl.SSLError, OSError) as exc:
-            raise ConfigurationError(
-                f"invalid tls_client_ca: cannot load '{client_ca}': {exc}"
-            ) from None
         ctx.verify_mode = ssl.CERT_REQUIRED
     else:
         ctx.verify_mode = ssl.CERT_NONE
