@@ -62,6 +62,7 @@ from epistemic_kvcache.store.api import (
     SnapshotInfo,
     StoreHealth,
     StoreStats,
+    check_block_size,
     owned_buffer,
     validate_cond,
     validate_key,
@@ -74,7 +75,7 @@ from epistemic_kvcache.store.cluster_conn import (
     parse_cluster_url,
 )
 from epistemic_kvcache.store.cluster_counters import SharedCounters, stats_of
-from epistemic_kvcache.store.cluster_entries import ClusterEntries, Found, check_block_size
+from epistemic_kvcache.store.cluster_entries import ClusterEntries, Found
 from epistemic_kvcache.store.cluster_epochs import EpochListener, EpochNotices
 from epistemic_kvcache.store.cluster_maint import Maintenance, StaleRetirer
 from epistemic_kvcache.store.cluster_ram import BlockCache, RamTier
@@ -227,25 +228,21 @@ class ClusterBackend(SharedKvBackend):
         return self._entries.read(ns, [key])[0]
 
     # -- single-key operations ---------------------------------------------------------
-    def put(
-        self,
-        ns: str,
-        key: str,
-        data: BlockData,
-        *,
-        epoch_scope: str | None = None,
-        cond: PutCond = None,
+    def _start_put(
+        self, ns: str, key: str, data: BlockData, scope: str | None, cond: PutCond, wait: bool
     ) -> PutResult:
+        """The whole PUT, whoever waits (nothing is answered inline: `put_nowait` says
+        `WOULD_BLOCK`)."""
         self._validate(ns, key)
         check_block_size(data, self.max_block_bytes)
         validate_cond(cond)
-        if epoch_scope is not None:
-            validate_scope(epoch_scope)
+        if scope is not None:
+            validate_scope(scope)
         data = owned_buffer(data)
         self._counters.register(ns)
         tk = self._entries.keys_of(ns)
         quota = self.max_keys_per_tenant
-        return self._entries.put_to(ns, tk, key, data, epoch_scope, cond, quota, memo=True)
+        return self._entries.put_to(ns, tk, key, data, scope, cond, quota, memo=True)
 
     def get(self, ns: str, key: str) -> Buffer | None:
         self._validate(ns, key)
@@ -463,13 +460,8 @@ class ClusterBackend(SharedKvBackend):
         self._conn.close()
 
     # -- snapshots and branches (store/cluster_snapshots.py) ---------------------------
-    def snapshot_create(
-        self,
-        ns: str,
-        *,
-        keys: Sequence[str] | None = None,
-        prefix: str | None = None,
-        ttl_s: float | None = None,
+    def _snapshot_create(
+        self, ns: str, keys: Sequence[str] | None, prefix: str | None, ttl_s: float | None
     ) -> SnapshotInfo:
         return self._snaps.create(ns, keys, prefix, ttl_s)
 

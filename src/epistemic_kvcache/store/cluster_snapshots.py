@@ -49,6 +49,7 @@ from epistemic_kvcache.store.api import (
     Buffer,
     PutResult,
     SnapshotInfo,
+    check_block_size,
     owned_buffer,
     validate_key,
     validate_namespace,
@@ -56,7 +57,7 @@ from epistemic_kvcache.store.api import (
 from epistemic_kvcache.store.cluster_blocks import ClusterBlocks
 from epistemic_kvcache.store.cluster_conn import ClusterConnection
 from epistemic_kvcache.store.cluster_counters import SharedCounters
-from epistemic_kvcache.store.cluster_entries import ClusterEntries, check_block_size
+from epistemic_kvcache.store.cluster_entries import ClusterEntries
 
 _CHUNK = 500
 _TRIES = 10
@@ -167,15 +168,6 @@ def overlay(prefix: str, ns: str, bid: str) -> L.TenantKeys:
     return L.TenantKeys(t + b":b:" + b, t + b":bz:" + b, t + b":e", t + b":bc:" + b)
 
 
-def _check_request(ns: str, keys: Sequence[str] | None, ttl_s: float | None) -> None:
-    """A snapshot request's arguments, before anything is read or held."""
-    validate_namespace(ns)
-    for key in keys or ():
-        validate_key(key)
-    if ttl_s is not None and not ttl_s > 0:
-        raise ValueError(f"invalid ttl_s: expected a positive number (got {ttl_s!r})")
-
-
 def _valid_id(rid: str) -> bool:
     return 0 < len(rid) <= 64 and all(c in "0123456789abcdef" for c in rid)
 
@@ -239,7 +231,6 @@ class ClusterSnapshots:
         prefix: str | None,
         ttl_s: float | None,
     ) -> SnapshotInfo:
-        _check_request(ns, keys, ttl_s)
         self.counters.register(ns)
         tk = self.entries.keys_of(ns)
         if keys is not None:

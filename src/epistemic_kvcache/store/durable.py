@@ -77,6 +77,7 @@ from epistemic_kvcache.store.api import (
     PutOutcome,
     PutResult,
     StoreHealth,
+    check_block_size,
     decide_put,
     owned_buffer,
     validate_cond,
@@ -384,7 +385,7 @@ class SharedKvStoreBackend(TieredEngine):
         validate_cond(cond)
         for key, data in items:
             self._validate(ns, key)
-            self._check_size(data)
+            check_block_size(data, self.max_block_bytes)
         self._check_open()
         ops = []
         for key, given in items:  # hash everything first: then the committer sees them all

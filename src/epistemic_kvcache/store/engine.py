@@ -31,7 +31,6 @@ from typing import Any, overload
 from sortedcontainers import SortedList
 
 from epistemic_kvcache.errors import (
-    BlockTooLargeError,
     QuotaExceededError,
     StoreClosedError,
 )
@@ -45,6 +44,7 @@ from epistemic_kvcache.store.api import (
     PutResult,
     SharedKvBackend,
     StoreStats,
+    check_block_size,
     read_only,
     validate_cond,
     validate_key,
@@ -216,12 +216,6 @@ class TieredEngine(Catalog, SharedKvBackend):
                 self._valid_ns.clear()
             self._valid_ns[ns] = raw
         return raw
-
-    def _check_size(self, data: BlockData) -> None:
-        if len(data) > self.max_block_bytes:
-            raise BlockTooLargeError(
-                f"block of {len(data)} bytes exceeds max_block_bytes={self.max_block_bytes}"
-            )
 
     def _fww(self, ns: str) -> bool:
         """Whether `ns`'s tenant keeps first-write-wins (a plain PUT never replaces)."""
@@ -458,22 +452,20 @@ class TieredEngine(Catalog, SharedKvBackend):
         self._check_open()
         return self._read(ns, key, nowait=True)
 
-    def put(
-        self,
-        ns: str,
-        key: str,
-        data: BlockData,
-        *,
-        epoch_scope: str | None = None,
-        cond: PutCond = None,
-    ) -> PutResult:
+    def _start_put(
+        self, ns: str, key: str, data: BlockData, scope: str | None, cond: PutCond, wait: bool
+    ) -> PutResult | concurrent.futures.Future[PutResult]:
+        # `check_block_size`, `validate_cond` and `_check_open` behind their tests,
+        # written inline: this runs for every PUT
         ns_raw = self._validate(ns, key)
-        self._check_size(data)
-        validate_cond(cond)
-        self._check_open()
-        tag = self._tag_for(ns, epoch_scope) if epoch_scope is not None else None
-        r = self._seq.put(ns, ns_raw, key, data, tag, cond, True)
-        return r if isinstance(r, PutResult) else r.result()
+        if len(data) > self.max_block_bytes:
+            check_block_size(data, self.max_block_bytes)
+        if cond is not None:
+            validate_cond(cond)
+        if self._closed:
+            self._check_open()
+        tag = self._tag_for(ns, scope) if scope is not None else None
+        return self._seq.put(ns, ns_raw, key, data, tag, cond, wait)
 
     def _put_into(
         self, ns: str, ns_raw: bytes, key: str, data: BlockData, tag: tuple[str, int] | None
@@ -483,13 +475,7 @@ class TieredEngine(Catalog, SharedKvBackend):
         return r if isinstance(r, PutResult) else r.result()
 
     def put_nowait(
-        self,
-        ns: str,
-        key: str,
-        data: BlockData,
-        *,
-        epoch_scope: str | None = None,
-        cond: PutCond = None,
+        self, ns: str, key: str, data: BlockData, *, cond: PutCond = None
     ) -> PutResult | concurrent.futures.Future[PutResult] | WouldBlock:
         """`put` when it is cheap to start from an event loop; else `WOULD_BLOCK`.
 
@@ -505,13 +491,8 @@ class TieredEngine(Catalog, SharedKvBackend):
         ):
             return WOULD_BLOCK
         if not self._seq.queues:  # applied at once: the whole PUT, as `put` (or an override)
-            return self.put(ns, key, data, epoch_scope=epoch_scope, cond=cond)
-        ns_raw = self._validate(ns, key)
-        self._check_size(data)
-        validate_cond(cond)
-        self._check_open()
-        tag = self._tag_for(ns, epoch_scope) if epoch_scope is not None else None
-        return self._seq.put(ns, ns_raw, key, data, tag, cond, False)
+            return self.put(ns, key, data, cond=cond)
+        return self._start_put(ns, key, data, None, cond, False)
 
     @overload
     def _read(self, ns: str, key: str) -> Buffer | None: ...
