@@ -428,23 +428,6 @@ class SharedKvStoreBackend(TieredEngine):
         self._check_open()
         return bool(self._call(_Op("unpin", ns, key)))
 
-    def evict(self, ns: str, key: str) -> bool:
-        """Drop the block's RAM copies; it stays on disk and reads back (a promotion)."""
-        self._validate(ns, key)
-        self._check_open()
-        with self._lock:
-            b = self._lookup(ns, key)
-            if b is None or b.pins:
-                return False
-            if b.hot is not None:
-                self._set_hot(b, None)
-            if b.warm is not None:
-                self._set_warm(b, None)
-            self._total.evictions += 1
-            for o in b.owners():
-                self._counters(o).evictions += 1
-            return True
-
     def _call(self, op: _Op) -> Any:
         self._submit(op)
         return op.future.result()

@@ -618,6 +618,25 @@ class TieredEngine(Catalog, SharedKvBackend):
                 return [k in idx for k in keys]
             return [k in idx and not self._stale(ns, k) for k in keys]
 
+    def evict(self, ns: str, key: str) -> bool:
+        """Push the block out of RAM. A lower tier that keeps it: the RAM copies go, the
+        block reads back from below (a promotion); none: the block and its keys go."""
+        self._validate(ns, key)
+        self._check_open()
+        with self._lock:
+            b = self._lookup(ns, key)
+            if b is None or b.pins:
+                return False
+            if not self._lower.keeps_blocks:
+                self._evict_blob(b)
+                return True
+            if b.hot is not None:
+                self._set_hot(b, None)
+            if b.warm is not None:
+                self._set_warm(b, None)
+            self._ledger.bump(b, "evictions")
+            return True
+
     def promote(self, ns: str, key: str) -> bool:
         self._validate(ns, key)
         with self._lock:

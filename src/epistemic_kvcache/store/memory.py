@@ -239,16 +239,6 @@ class SharedKvIndex(TieredEngine):
             self._apply([PinDelta(ns, key, -1)])
             return True
 
-    def evict(self, ns: str, key: str) -> bool:
-        self._validate(ns, key)
-        self._check_open()
-        with self._lock:
-            b = self._lookup(ns, key)
-            if b is None or b.pins:
-                return False
-            self._evict_blob(b)
-            return True
-
     def check(self, *, deep: bool = False) -> ConsistencyReport:
         report = ConsistencyReport()
         with self._lock:
