@@ -74,11 +74,9 @@ from epistemic_kvcache.store.api import (
     BlockData,
     ConsistencyReport,
     PutCond,
-    PutOutcome,
     PutResult,
     StoreHealth,
     check_block_size,
-    decide_put,
     owned_buffer,
     validate_cond,
     validate_namespace,
@@ -334,45 +332,6 @@ class SharedKvStoreBackend(TieredEngine):
         return StoreHealth()
 
     # -- the public operations -----------------------------------------------------------
-    def _put_submit(
-        self,
-        ns: str,
-        scope_raw: bytes,
-        key: str,
-        data: BlockData,
-        tag: tuple[str, int] | None,
-        cond: PutCond,
-        *,
-        make_room: bool = False,
-    ) -> PutResult | concurrent.futures.Future[PutResult]:
-        """Hash, answer a PUT that writes nothing at once, else queue it for the committer
-        (`make_room`: a blocking caller, which first demotes what the block displaces
-        from hot, so that it enters hot when committed)."""
-        data = owned_buffer(data)  # the hot tier keeps it
-        digest = digest_of(data)
-        sdig = self._scoped(scope_raw, digest)
-        ref = (ns, key)
-        with self._lock:
-            if not self._inflight.get(ref):
-                existing = self._lookup(ns, key)
-                if existing is not None and self._tags and self._stale(ns, key):
-                    existing = None
-                outcome = decide_put(
-                    existing.sdig if existing is not None else None, sdig, cond, self._fww(ns)
-                )
-                if outcome is PutOutcome.MISSING:
-                    self._count_put(ns, outcome, False)
-                    return PutResult(outcome, digest, len(data))
-                if outcome is PutOutcome.DUPLICATE or outcome is PutOutcome.CONFLICT:
-                    assert existing is not None
-                    self._count_put(ns, outcome, False)
-                    return PutResult(outcome, existing.digest, existing.size)
-        if make_room and sdig not in self._blobs:  # unlocked look: a hint
-            self._make_hot_room((len(data),))
-        op = _Op("put", ns, key, sdig=sdig, digest=digest, data=data, tag=tag, cond=cond)
-        self._submit(op)
-        return op.future
-
     def put_many(
         self, ns: str, items: Sequence[tuple[str, BlockData]], *, cond: PutCond = None
     ) -> list[PutResult]:
