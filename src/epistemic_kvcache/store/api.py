@@ -417,11 +417,18 @@ class SharedKvBackend(abc.ABC):
     def branch_size(self, ns: str, branch_id: str, key: str) -> int | None:
         """Like `branch_get` without reading the block."""
 
-    @abc.abstractmethod
     def branch_put(self, ns: str, branch_id: str, key: str, data: BlockData) -> PutResult:
         """Write into the overlay only (a key written twice in the overlay is replaced).
 
         Raises `NotFoundError` when the branch does not exist."""
+        validate_namespace(ns)
+        validate_key(key)
+        check_block_size(data, self.max_block_bytes)
+        return self._branch_put(ns, branch_id, key, data)
+
+    @abc.abstractmethod
+    def _branch_put(self, ns: str, branch_id: str, key: str, data: BlockData) -> PutResult:
+        """`branch_put` of checked arguments."""
 
     # -- epochs (derived-context invalidation) -----------------------------------------
     @abc.abstractmethod

@@ -36,7 +36,6 @@ from epistemic_kvcache.store.api import (
     Buffer,
     PutResult,
     SnapshotInfo,
-    check_block_size,
     validate_namespace,
 )
 from epistemic_kvcache.store.model import (
@@ -105,7 +104,6 @@ class RamEpochs:
 class Catalog:
     """Snapshot, branch and epoch calls of `TieredEngine` (a mixin: the engine's state)."""
 
-    max_block_bytes: int
     _lock: threading.Lock
     _clock: Callable[[], float]
     _index: dict[str, dict[str, _Blob]]
@@ -357,9 +355,8 @@ class Catalog:
             b = self._live(src, key) if src is not None else None
             return b.size if b is not None else None
 
-    def branch_put(self, ns: str, branch_id: str, key: str, data: BlockData) -> PutResult:
-        ns_raw = self._validate(ns, key)
-        check_block_size(data, self.max_block_bytes)
+    def _branch_put(self, ns: str, branch_id: str, key: str, data: BlockData) -> PutResult:
+        ns_raw = self._validate(ns, key)  # (checked: the namespace's UTF-8, cached)
         self._check_open()
         with self._lock:
             if self._branch_rec(ns, branch_id) is None:

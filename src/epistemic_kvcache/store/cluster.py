@@ -173,7 +173,6 @@ class ClusterBackend(SharedKvBackend):
             prefix=key_prefix,
             clock=clock,
             max_snapshots_per_tenant=self.max_snapshots_per_tenant,
-            max_block_bytes=max_block_bytes,
         )
         self._stop = threading.Event()
         self._scrubber = ClusterScrub(
@@ -495,7 +494,7 @@ class ClusterBackend(SharedKvBackend):
     def branch_size(self, ns: str, branch_id: str, key: str) -> int | None:
         return self._snaps.branch_size(ns, branch_id, key)
 
-    def branch_put(self, ns: str, branch_id: str, key: str, data: BlockData) -> PutResult:
+    def _branch_put(self, ns: str, branch_id: str, key: str, data: BlockData) -> PutResult:
         return self._snaps.branch_put(ns, branch_id, key, data)
 
 

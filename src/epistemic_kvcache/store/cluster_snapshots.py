@@ -49,7 +49,6 @@ from epistemic_kvcache.store.api import (
     Buffer,
     PutResult,
     SnapshotInfo,
-    check_block_size,
     owned_buffer,
     validate_key,
     validate_namespace,
@@ -186,7 +185,6 @@ class ClusterSnapshots:
     prefix: str
     clock: Callable[[], float]
     max_snapshots_per_tenant: int
-    max_block_bytes: int
 
     def _key(self, kind: str, ns: str) -> bytes:
         """The records of `kind` ("snap" or "branch")."""
@@ -511,9 +509,7 @@ class ClusterSnapshots:
         return e.size if e is not None else None
 
     def branch_put(self, ns: str, bid: str, key: str, data: BlockData) -> PutResult:
-        validate_namespace(ns)
-        validate_key(key)
-        check_block_size(data, self.max_block_bytes)
+        """`ClusterBackend.branch_put` of checked arguments."""
         if self._branch(ns, bid) is None:
             raise NotFoundError(f"no branch {bid!r}")
         ov = overlay(self.prefix, ns, bid)
