@@ -232,7 +232,7 @@ class SharedKvStoreBackend(TieredEngine):
             self,
             live_capacity_bytes=self.live_capacity_bytes,
             cold_capacity_bytes=self.cold_capacity_bytes,
-            relocate=self._relocate,
+            relocate_blob=self._relocate,
             quarantine_async=self._quarantine_async,
             evict_segment=self._evict_segment,
             checkpoint_due=self._checkpoint_due,
