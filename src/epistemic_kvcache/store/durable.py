@@ -158,7 +158,6 @@ class SharedKvStoreBackend(TieredEngine):
         self.live_capacity_bytes = cold_capacity_bytes - self._space.reserve
         """Live block bytes the cold tier holds before it evicts: the capacity less the
         reserve that compaction and deletes work in."""
-        self._max_batch_bytes = options.commit_batch_bytes
         self._shutdown_timeout_s = shutdown_timeout_s
         self._progress = progress
         self._index_dir = self.path / "index"
@@ -600,7 +599,7 @@ class SharedKvStoreBackend(TieredEngine):
             if self._tier_stop:
                 return
             try:
-                self._rebalance(int(_HOT_LOW_WATER * self.hot_capacity_bytes))
+                self._rebalance(int(_HOT_LOW_WATER * self.options.hot_capacity_bytes))
             except Exception:  # a tier move never takes the store down
                 log.exception("tier rebalance failed")
 

@@ -40,7 +40,7 @@ class RamView:
     checkpoint_due: Callable[[int], None]
 
     def __post_init__(self) -> None:
-        self.max_keys_per_tenant = self.s.max_keys_per_tenant
+        self.max_keys_per_tenant = self.s.options.max_keys_per_tenant
 
     def key(self, ns: str, key: str) -> KeyView | None:
         with self.s._lock:
