@@ -128,6 +128,20 @@ def _check_store(st: LogState, store_id: str, sid: int) -> None:
         )
 
 
+def read_log(
+    segments: dict[int, Segment],
+    st: LogState,
+    start: tuple[int, int] | None,
+    *,
+    verify: bool = True,
+    progress: Progress | None = None,
+) -> None:
+    """What opening (or checking) a store reads of its log into `st`: the seals, then
+    the records from `start` (None: from the beginning)."""
+    read_seals(segments, st)
+    replay(segments, st, start, verify=verify, progress=progress)
+
+
 def replay(
     segments: dict[int, Segment],
     st: LogState,

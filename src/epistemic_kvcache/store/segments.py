@@ -132,6 +132,17 @@ def seg_id_of(path: Path) -> int | None:
     return int(path.stem)
 
 
+def open_segments(directory: Path) -> dict[int, Segment]:
+    """Every segment file in `directory` by id, opened as it is (none: no directory)."""
+    segs: dict[int, Segment] = {}
+    if directory.is_dir():
+        for p in sorted(directory.iterdir()):
+            sid = seg_id_of(p)
+            if sid is not None:
+                segs[sid] = Segment(sid, p, create=False)
+    return segs
+
+
 class Segment:
     """One segment file. The fd closes when the last reader lets go of the object."""
 
