@@ -48,7 +48,6 @@ from epistemic_kvcache.store.recovery import (
     finish,
     load_index,
     missing_segments,
-    read_log,
     replay,
     reverify_quarantine,
     salvage,
@@ -178,13 +177,13 @@ class Opener:
                     ) from exc
                 start = ix.checkpoint()
                 assert start is not None
-                read_log(self.space.segs, st, start, progress=self.say)
+                replay(self.space.segs, st, start, progress=self.say)
                 if st.end is None:
                     st.end = start
             elif log_nonempty:
                 self.say(f"rebuilding the index of {self.path} from its log ({why})")
                 st = LogState()
-                read_log(self.space.segs, st, None, progress=self.say)
+                replay(self.space.segs, st, None, progress=self.say)
                 for ns, key, hexd in reverify_quarantine(st):
                     self.say(f"block {hexd} verifies in the log: {ns}/{key} is back")
                     self.rewrite.append((ns, key))
@@ -228,7 +227,7 @@ class Opener:
                     if start is not None and ix.meta(b"format") == FORMAT_VERSION:
                         old = load_index(ix)
                         old.seals = dict(st.seals)
-                        replay(self.space.segs, old, start, verify=False)
+                        replay(self.space.segs, old, start, verify=False, seals=False)
                         if ix.damaged_rows:
                             self.say(f"the old index has {ix.damaged_rows} damaged rows")
                 except (IndexError_, StoreMismatchError) as exc:

@@ -128,20 +128,6 @@ def _check_store(st: LogState, store_id: str, sid: int) -> None:
         )
 
 
-def read_log(
-    segments: dict[int, Segment],
-    st: LogState,
-    start: tuple[int, int] | None,
-    *,
-    verify: bool = True,
-    progress: Progress | None = None,
-) -> None:
-    """What opening (or checking) a store reads of its log into `st`: the seals, then
-    the records from `start` (None: from the beginning)."""
-    read_seals(segments, st)
-    replay(segments, st, start, verify=verify, progress=progress)
-
-
 def replay(
     segments: dict[int, Segment],
     st: LogState,
@@ -149,8 +135,12 @@ def replay(
     *,
     verify: bool = True,
     progress: Progress | None = None,
+    seals: bool = True,
 ) -> None:
-    """Apply the log from `start` (None: from the beginning) to `st`, batch by batch."""
+    """Apply the log from `start` (None: from the beginning) to `st`, batch by batch,
+    after the segments' seals (`seals=False`: `st.seals` holds them already)."""
+    if seals:
+        read_seals(segments, st)
     pending: list[tuple[int, Scanned]] = []
     t_last = time.monotonic()
     for sid in sorted(segments):

@@ -30,7 +30,7 @@ from epistemic_kvcache.store.recovery import (
     finish,
     load_index,
     missing_segments,
-    read_log,
+    replay,
     reverify_quarantine,
     valid_ends,
 )
@@ -120,7 +120,7 @@ def check(
         full = LogState()
         if progress is not None:
             progress(f"replaying the whole log of {path} ({out.log_bytes >> 20} MiB)")
-        read_log(segs, full, None, verify=deep, progress=progress)
+        replay(segs, full, None, verify=deep, progress=progress)
         if deep:  # what a rebuild would bring back (a quarantined block that verifies)
             reverify_quarantine(full)
         finish(full, segs, valid_ends(full, segs, (0, 0)))
@@ -162,7 +162,7 @@ def _check_index(out: CheckSummary, ix: Index, segs: dict[int, Segment], full: L
         out.index = "empty: run `epistemic-kvcache store rebuild-index`"
         return
     st = load_index(ix)
-    read_log(segs, st, start, verify=False)
+    replay(segs, st, start, verify=False)
     finish(st, segs, valid_ends(st, segs, start))
     if st.replayed_bytes:
         out.index = f"ok ({st.replayed_bytes} bytes of log after its checkpoint)"
