@@ -43,6 +43,7 @@ from epistemic_kvcache.store.model import (
     digest_of,
     tenant_of,
 )
+from epistemic_kvcache.store.opening import Opener
 from epistemic_kvcache.store.plan import BatchOp as _Op
 from epistemic_kvcache.store.seams import Started, Tag
 from epistemic_kvcache.store.segments import LogWriter
@@ -56,7 +57,6 @@ __all__ = ["DiskLogTier", "DurableCore", "GroupCommit", "RegistryEpochs"]
 class DurableCore(Protocol):
     """What the parts below use of the durable backend."""
 
-    cold_capacity_bytes: int
     live_capacity_bytes: int
     _lock: threading.Lock
     _recover_lock: threading.Lock
@@ -71,9 +71,7 @@ class DurableCore(Protocol):
     _tags: dict[tuple[str, str], tuple[str, int]]
     _unfound: dict[bytes, tuple[int, int]]
     _quarantined: dict[bytes, float]
-    _lost: list[tuple[str, str, bytes]]
-    _damage: list[tuple[int, int, int, str]]
-    _missing_segments: list[int]
+    _opened: Opener
     _inflight: dict[tuple[str, str], int]
     _batches: int
     _committed_ops: int
@@ -116,7 +114,7 @@ class DiskLogTier:
         seg_live[b.seg] = seg_live.get(b.seg, 0) - records.blob_header_length(b.sdig) - b.size
 
     def caps(self) -> dict[str, int]:
-        return {"cold": self._s.cold_capacity_bytes}
+        return {"cold": self._s._space.cold_capacity_bytes}
 
     def pin_capacity(self) -> int | None:
         return self._s.live_capacity_bytes
@@ -142,10 +140,10 @@ class DiskLogTier:
             checkpoint_failures=s._ckpt.failures,
             index_repairs=s._index_repairs,
             checkpoint_lag_bytes=s._ckpt.lag,
-            lost_keys=len(s._lost),
+            lost_keys=len(s._opened.lost),
             quarantined_blocks=len(s._quarantined),
-            damaged_log_regions=len(s._damage),
-            missing_segments=len(s._missing_segments),
+            damaged_log_regions=len(s._opened.damage),
+            missing_segments=len(s._opened.missing_segments),
             store_fault=int(s._committer.fault is not None),
             disk_full=int(w.disk_full),
         )

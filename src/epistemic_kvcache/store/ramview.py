@@ -33,7 +33,6 @@ class RamView:
     s: TieredEngine
     _: KW_ONLY
     live_capacity_bytes: int
-    cold_capacity_bytes: int
     relocate_blob: Callable[[_Blob, tuple[int, int], tuple[int, int]], None]
     quarantine_async: Callable[[bytes, tuple[int, int]], None]
     evict_segment: Callable[[int], bool]
@@ -41,6 +40,7 @@ class RamView:
 
     def __post_init__(self) -> None:
         self.max_keys_per_tenant = self.s.options.max_keys_per_tenant
+        self.cold_capacity_bytes = self.s.options.cold_capacity_bytes
 
     def key(self, ns: str, key: str) -> KeyView | None:
         with self.s._lock:
