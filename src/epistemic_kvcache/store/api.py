@@ -1,8 +1,12 @@
 """The store seam: `SharedKvBackend`, its result and stats types.
 
-Everything above the store (HTTP, RESP, tests) talks to this interface only. Both
-implementations (`SharedKvIndex`, RAM only; `SharedKvStoreBackend`, durable) are
-synchronous and thread-safe: the asyncio server calls them from a thread pool.
+Everything above the store (HTTP, RESP, tests) talks to this interface only. Its
+implementations (`SharedKvIndex`, RAM only; `SharedKvStoreBackend`, durable;
+`ClusterBackend`) are synchronous and thread-safe: the asyncio server calls them from a
+thread pool. What every backend does alike is written here once: `put` (its keywords,
+waiting for a started PUT: the backend's `_start_put`), the argument checks of
+`snapshot_create` and `branch_put` (then `_snapshot_create`, `_branch_put`), and
+`StoreStats.of`, stats built from the one list of fields (`shared.STATS_FIELDS`).
 
 Conventions:
 - `ns` is the namespace (the tenant taken from a verified identity), `key` the client's

@@ -8,7 +8,9 @@ objects instead of overriding engine hooks. Each holds the backend through
 `DurableCore`, the narrow view of it they use (its lock, segment space, committer and
 counters), so this module never imports durable.py: the engine calls
 `DiskLogTier.read` for a block RAM no longer holds, `recover`/`quarantine` when those
-bytes fail verification, and `GroupCommit.put` to queue a write for the committer.
+bytes fail verification, and `GroupCommit.put` for a write: it hashes the block,
+answers at once a PUT that writes nothing (the same bytes, a refused condition), and
+queues the rest for the committer.
 """
 
 from __future__ import annotations
