@@ -328,7 +328,7 @@ def test_quotas_hold_under_concurrent_requests(tmp_path: Path, backend: str) -> 
     assert len(store.snapshot_list("t")) == 5
     for s in store.snapshot_list("t"):
         store.snapshot_delete("t", s.id)
-    limit = int(store._pin_capacity() * store.max_pinned_fraction)  # type: ignore[attr-defined]
+    limit = int(store._pin_capacity() * store.options.max_pinned_fraction)  # type: ignore[attr-defined]
     barrier = threading.Barrier(40)
 
     def pin(i: int) -> bool:

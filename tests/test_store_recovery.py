@@ -26,7 +26,7 @@ from epistemic_kvcache.errors import ConfigurationError
 from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.store import SharedKvStoreBackend, records, tools
 from epistemic_kvcache.store.records import Op
-from epistemic_kvcache.store.recovery import LogState, finish, read_seals, replay, valid_ends
+from epistemic_kvcache.store.recovery import LogState, finish, replay, valid_ends
 from epistemic_kvcache.store.segments import DiskIO, LogWriter, Segment, scan
 
 NS = "tenant"
@@ -356,7 +356,6 @@ def _key(key: str, data: bytes, pins: int = 0) -> tuple[bytearray, None]:
 
 def _replayed(segs: dict[int, Segment]) -> LogState:
     st = LogState()
-    read_seals(segs, st)
     replay(segs, st, None)
     finish(st, segs, valid_ends(st, segs, (0, 0)))
     return st

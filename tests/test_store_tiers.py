@@ -56,7 +56,7 @@ def recount(store: TieredEngine, ns: str | None) -> dict[str, int]:
         refs += 1
         logical += size
         # a blob is per namespace unless dedup is global
-        ident = digest if store.dedup_scope == "global" else rns.encode() + b"\0" + digest
+        ident = digest if store.options.dedup_scope == "global" else rns.encode() + b"\0" + digest
         sizes[ident] = size
     with store._lock:
         blobs = [

@@ -1,8 +1,12 @@
 """The store seam: `SharedKvBackend`, its result and stats types.
 
-Everything above the store (HTTP, RESP, tests) talks to this interface only. Both
-implementations (`SharedKvIndex`, RAM only; `SharedKvStoreBackend`, durable) are
-synchronous and thread-safe: the asyncio server calls them from a thread pool.
+Everything above the store (HTTP, RESP, tests) talks to this interface only. Its
+implementations (`SharedKvIndex`, RAM only; `SharedKvStoreBackend`, durable;
+`ClusterBackend`) are synchronous and thread-safe: the asyncio server calls them from a
+thread pool. What every backend does alike is written here once: `put` (its keywords,
+waiting for a started PUT: the backend's `_start_put`), the argument checks of
+`snapshot_create` and `branch_put` (then `_snapshot_create`, `_branch_put`), and
+`StoreStats.of`, stats built from the one list of fields (`shared.STATS_FIELDS`).
 
 Conventions:
 - `ns` is the namespace (the tenant taken from a verified identity), `key` the client's
@@ -29,6 +33,7 @@ from typing import Any, Final, Literal
 
 # A PUT's explicit transfer of a buffer (re-exported: part of the store's interface).
 from epistemic_kvcache.buffers import Handover as Handover  # noqa: PLC0414
+from epistemic_kvcache.errors import BlockTooLargeError
 
 # Re-exported for the store's modules; shared.py defines them once (the client uses them).
 from epistemic_kvcache.shared import MAX_KEY_BYTES as MAX_KEY_BYTES  # noqa: PLC0414
@@ -134,6 +139,14 @@ def decide_put(
     return PutOutcome.REPLACED
 
 
+def check_block_size(data: BlockData, max_block_bytes: int) -> None:
+    """BlockTooLargeError unless `data` fits in `max_block_bytes`."""
+    if len(data) > max_block_bytes:
+        raise BlockTooLargeError(
+            f"block of {len(data)} bytes exceeds max_block_bytes={max_block_bytes}"
+        )
+
+
 def validate_cond(cond: object) -> PutCond:
     """`cond` if it is a valid `PutCond`, else ValueError."""
     if cond not in (None, "nx", "xx"):
@@ -188,6 +201,14 @@ class StoreStats(StatCounts):
     extra: dict[str, int | float] = field(default_factory=dict)
     """Store-wide counters (e.g. fsyncs, group-commit batches); empty in tenant stats."""
 
+    @classmethod
+    def of(cls, count: Callable[[str], int], **given: int) -> StoreStats:
+        """Stats whose `STATS_FIELDS` are `count(name)`, but for the ones `given`."""
+        ints: dict[str, Any] = {
+            f.name: given[f.name] if f.name in given else count(f.name) for f in STATS_FIELDS
+        }
+        return cls(**ints)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form: the DESIGN.md §5 field names, tiers nested, warm with a ratio."""
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in STATS_FIELDS}
@@ -229,7 +250,6 @@ class SharedKvBackend(abc.ABC):
     max_block_bytes: int
 
     # -- single-key operations ---------------------------------------------------------
-    @abc.abstractmethod
     def put(
         self,
         ns: str,
@@ -251,6 +271,16 @@ class SharedKvBackend(abc.ABC):
         Raises `InvalidKeyError`, `BlockTooLargeError`, `CapacityError`, `DiskFullError`,
         `StorageIOError`, `StoreClosedError`.
         """
+        r = self._start_put(ns, key, data, epoch_scope, cond, True)
+        return r if isinstance(r, PutResult) else r.result()
+
+    @abc.abstractmethod
+    def _start_put(
+        self, ns: str, key: str, data: BlockData, scope: str | None, cond: PutCond, wait: bool
+    ) -> PutResult | concurrent.futures.Future[PutResult]:
+        """`put`'s work, for every backend: validate, then store or start storing.
+        `wait`: a blocking caller (`put`), answered once the PUT is done; else an event
+        loop's `put_nowait`, which may get a future resolved once the PUT is durable."""
 
     @abc.abstractmethod
     def get(self, ns: str, key: str) -> Buffer | None:
@@ -328,7 +358,6 @@ class SharedKvBackend(abc.ABC):
         return StoreHealth()
 
     # -- snapshots and branches (DESIGN.md §2) --------------------------------------------
-    @abc.abstractmethod
     def snapshot_create(
         self,
         ns: str,
@@ -339,6 +368,18 @@ class SharedKvBackend(abc.ABC):
     ) -> SnapshotInfo:
         """Snapshot the given keys (absent ones are skipped) or every key with `prefix`
         (both None: the whole namespace). No block bytes are copied."""
+        validate_namespace(ns)
+        for key in keys or ():
+            validate_key(key)
+        if ttl_s is not None and not ttl_s > 0:
+            raise ValueError(f"invalid ttl_s: expected a positive number (got {ttl_s!r})")
+        return self._snapshot_create(ns, keys, prefix, ttl_s)
+
+    @abc.abstractmethod
+    def _snapshot_create(
+        self, ns: str, keys: Sequence[str] | None, prefix: str | None, ttl_s: float | None
+    ) -> SnapshotInfo:
+        """`snapshot_create` of checked arguments, before anything is read or held."""
 
     @abc.abstractmethod
     def snapshot_info(self, ns: str, snapshot_id: str) -> SnapshotInfo | None:
@@ -380,11 +421,18 @@ class SharedKvBackend(abc.ABC):
     def branch_size(self, ns: str, branch_id: str, key: str) -> int | None:
         """Like `branch_get` without reading the block."""
 
-    @abc.abstractmethod
     def branch_put(self, ns: str, branch_id: str, key: str, data: BlockData) -> PutResult:
         """Write into the overlay only (a key written twice in the overlay is replaced).
 
         Raises `NotFoundError` when the branch does not exist."""
+        validate_namespace(ns)
+        validate_key(key)
+        check_block_size(data, self.max_block_bytes)
+        return self._branch_put(ns, branch_id, key, data)
+
+    @abc.abstractmethod
+    def _branch_put(self, ns: str, branch_id: str, key: str, data: BlockData) -> PutResult:
+        """`branch_put` of checked arguments."""
 
     # -- epochs (derived-context invalidation) -----------------------------------------
     @abc.abstractmethod

@@ -36,7 +36,6 @@ from epistemic_kvcache.store.api import (
     Buffer,
     PutResult,
     SnapshotInfo,
-    validate_key,
     validate_namespace,
 )
 from epistemic_kvcache.store.model import (
@@ -122,9 +121,6 @@ class Catalog:
         raise NotImplementedError
 
     def _validate(self, ns: str, key: str) -> bytes:
-        raise NotImplementedError
-
-    def _check_size(self, data: BlockData) -> None:
         raise NotImplementedError
 
     def _live(self, ns: str, key: str) -> _Blob | None:
@@ -217,19 +213,9 @@ class Catalog:
             expires_at=rec.get("expires_at"),
         )
 
-    def snapshot_create(
-        self,
-        ns: str,
-        *,
-        keys: Sequence[str] | None = None,
-        prefix: str | None = None,
-        ttl_s: float | None = None,
+    def _snapshot_create(
+        self, ns: str, keys: Sequence[str] | None, prefix: str | None, ttl_s: float | None
     ) -> SnapshotInfo:
-        validate_namespace(ns)
-        for key in keys or ():
-            validate_key(key)
-        if ttl_s is not None and not ttl_s > 0:
-            raise ValueError(f"invalid ttl_s: expected a positive number (got {ttl_s!r})")
         self._check_open()
         # the quotas (snapshots, pinned bytes) are checked where the snapshot is committed,
         # atomically with it: concurrent requests cannot both pass a check made before
@@ -369,9 +355,8 @@ class Catalog:
             b = self._live(src, key) if src is not None else None
             return b.size if b is not None else None
 
-    def branch_put(self, ns: str, branch_id: str, key: str, data: BlockData) -> PutResult:
-        ns_raw = self._validate(ns, key)
-        self._check_size(data)
+    def _branch_put(self, ns: str, branch_id: str, key: str, data: BlockData) -> PutResult:
+        ns_raw = self._validate(ns, key)  # (checked: the namespace's UTF-8, cached)
         self._check_open()
         with self._lock:
             if self._branch_rec(ns, branch_id) is None:

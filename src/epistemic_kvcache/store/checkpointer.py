@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Protocol
 
 from epistemic_kvcache.errors import StorageIOError
@@ -50,25 +51,19 @@ class RowSource(Protocol):
     def meta(self, kind: str, tenant: str, rid: str) -> dict[str, Any] | None: ...
 
 
+@dataclass(eq=False)
 class Checkpointer:
     """Writes the dirty rows of `space` to `ix` on its own thread."""
 
-    def __init__(
-        self,
-        space: SegmentSpace,
-        ix: Index,
-        ram: RowSource,
-        *,
-        interval_s: float,
-        max_lag_bytes: int,
-        counters: Callable[[], dict[str, int]],
-    ) -> None:
-        self.space = space
-        self.ix = ix
-        self.ram = ram
-        self.interval_s = interval_s
-        self.max_lag_bytes = max_lag_bytes
-        self.counters = counters
+    space: SegmentSpace
+    ix: Index
+    ram: RowSource
+    _: KW_ONLY
+    interval_s: float
+    max_lag_bytes: int
+    counters: Callable[[], dict[str, int]]
+
+    def __post_init__(self) -> None:
         self.cv = threading.Condition()
         self.lag = 0  # log bytes the index does not cover yet
         self.error: str | None = None

@@ -62,6 +62,7 @@ from epistemic_kvcache.store.api import (
     SnapshotInfo,
     StoreHealth,
     StoreStats,
+    check_block_size,
     owned_buffer,
     validate_cond,
     validate_key,
@@ -74,7 +75,7 @@ from epistemic_kvcache.store.cluster_conn import (
     parse_cluster_url,
 )
 from epistemic_kvcache.store.cluster_counters import SharedCounters, stats_of
-from epistemic_kvcache.store.cluster_entries import ClusterEntries, Found, check_block_size
+from epistemic_kvcache.store.cluster_entries import ClusterEntries, Found
 from epistemic_kvcache.store.cluster_epochs import EpochListener, EpochNotices
 from epistemic_kvcache.store.cluster_maint import Maintenance, StaleRetirer
 from epistemic_kvcache.store.cluster_ram import BlockCache, RamTier
@@ -106,28 +107,16 @@ class ClusterBackend(SharedKvBackend):
         fake clock they advance)."""
         self._clock = clock
         self.options = options
-        key_prefix = options.cluster_key_prefix
+        """The tiers of the RAM cache, the quotas and the `cluster_*` tuning, read where
+        they apply."""
+        self.max_block_bytes = options.max_block_bytes  # the store seam's attribute
+        key_prefix = self.prefix = options.cluster_key_prefix
         dedup_scope: DedupScope = options.dedup_scope
-        max_block_bytes = options.max_block_bytes
-        first_write_wins = options.first_write_wins
-        self.max_block_bytes = max_block_bytes
-        self.dedup_scope = dedup_scope
-        self.wait_replicas = options.cluster_wait_replicas
-        self.wait_timeout_s = options.cluster_wait_timeout_s
-        self.retry_window_s = options.cluster_retry_window_s
-        self.prefix = key_prefix
-        self.block_ttl_ms = int(options.cluster_block_ttl_s * 1000)
-        self.scrub_interval_s = options.cluster_scrub_interval_s
-        self.max_keys_per_tenant = options.max_keys_per_tenant
-        self.max_epoch_scopes_per_tenant = options.max_epoch_scopes_per_tenant
-        self.max_pinned_fraction = options.max_pinned_fraction
-        self.max_snapshots_per_tenant = options.max_snapshots_per_tenant
-        self.first_write_wins = first_write_wins
         # the RAM cache holds blocks only: its tiers, none of the quotas (the cluster's)
         cache_options = StoreOptions(
             hot_capacity_bytes=options.hot_capacity_bytes,
             warm_capacity_bytes=options.warm_capacity_bytes,
-            max_block_bytes=max_block_bytes,
+            max_block_bytes=options.max_block_bytes,
             dedup_scope=dedup_scope,
         )
         self._cache = BlockCache(cache_options, codec=codec)
@@ -136,9 +125,9 @@ class ClusterBackend(SharedKvBackend):
             self.target,
             tls_ca=tls_ca,
             socket_timeout_s=options.cluster_socket_timeout_s,
-            retry_window_s=self.retry_window_s,
-            wait_replicas=self.wait_replicas,
-            wait_timeout_s=self.wait_timeout_s,
+            retry_window_s=options.cluster_retry_window_s,
+            wait_replicas=options.cluster_wait_replicas,
+            wait_timeout_s=options.cluster_wait_timeout_s,
             scripts=(*L.SCRIPTS, *SNAPSHOT_SCRIPTS),
         )
         try:
@@ -154,7 +143,7 @@ class ClusterBackend(SharedKvBackend):
             self._counters,
             prefix=key_prefix,
             dedup_scope=dedup_scope,
-            block_ttl_ms=self.block_ttl_ms,
+            block_ttl_ms=int(options.cluster_block_ttl_s * 1000),
         )
         self._entries = ClusterEntries(
             conn,
@@ -162,7 +151,7 @@ class ClusterBackend(SharedKvBackend):
             self._ram,
             self._counters,
             prefix=key_prefix,
-            first_write_wins=first_write_wins,
+            first_write_wins=options.first_write_wins,
         )
         self._snaps = ClusterSnapshots(
             conn,
@@ -171,8 +160,7 @@ class ClusterBackend(SharedKvBackend):
             self._counters,
             prefix=key_prefix,
             clock=clock,
-            max_snapshots_per_tenant=self.max_snapshots_per_tenant,
-            max_block_bytes=max_block_bytes,
+            max_snapshots_per_tenant=options.max_snapshots_per_tenant,
         )
         self._stop = threading.Event()
         self._scrubber = ClusterScrub(
@@ -187,7 +175,11 @@ class ClusterBackend(SharedKvBackend):
         self._retirer = StaleRetirer(conn, self._entries, self._counters, self._snaps.retire)
         self._notices = EpochNotices(conn, key_prefix, self._stop)
         self._maint = Maintenance(
-            conn, self._counters, self.scrub, self._stop, scrub_interval_s=self.scrub_interval_s
+            conn,
+            self._counters,
+            self.scrub,
+            self._stop,
+            scrub_interval_s=options.cluster_scrub_interval_s,
         )
         self._maint.start()
         self._notices.start()
@@ -227,25 +219,21 @@ class ClusterBackend(SharedKvBackend):
         return self._entries.read(ns, [key])[0]
 
     # -- single-key operations ---------------------------------------------------------
-    def put(
-        self,
-        ns: str,
-        key: str,
-        data: BlockData,
-        *,
-        epoch_scope: str | None = None,
-        cond: PutCond = None,
+    def _start_put(
+        self, ns: str, key: str, data: BlockData, scope: str | None, cond: PutCond, wait: bool
     ) -> PutResult:
+        """The whole PUT, whoever waits (nothing is answered inline: `put_nowait` says
+        `WOULD_BLOCK`)."""
         self._validate(ns, key)
         check_block_size(data, self.max_block_bytes)
         validate_cond(cond)
-        if epoch_scope is not None:
-            validate_scope(epoch_scope)
+        if scope is not None:
+            validate_scope(scope)
         data = owned_buffer(data)
         self._counters.register(ns)
         tk = self._entries.keys_of(ns)
-        quota = self.max_keys_per_tenant
-        return self._entries.put_to(ns, tk, key, data, epoch_scope, cond, quota, memo=True)
+        quota = self.options.max_keys_per_tenant
+        return self._entries.put_to(ns, tk, key, data, scope, cond, quota, memo=True)
 
     def get(self, ns: str, key: str) -> Buffer | None:
         self._validate(ns, key)
@@ -346,12 +334,13 @@ class ClusterBackend(SharedKvBackend):
 
     def _pin(self, ns: str, key: str, delta: int) -> bool:
         self._validate(ns, key)
-        limit = int(self.capacity_bytes * self.max_pinned_fraction)
+        fraction = self.options.max_pinned_fraction
+        limit = int(self.capacity_bytes * fraction)
         done = self._entries.pin(ns, key, delta, limit)
         if done is None:
             raise QuotaExceededError(
                 f"pin quota exceeded: this tenant's pinned keys would pass {limit} bytes "
-                f"({self.max_pinned_fraction:.0%} of the cluster's {self.capacity_bytes} bytes "
+                f"({fraction:.0%} of the cluster's {self.capacity_bytes} bytes "
                 "of maxmemory)",
                 resource="pins",
             )
@@ -418,7 +407,7 @@ class ClusterBackend(SharedKvBackend):
     def epoch_bump(self, ns: str, scope: str) -> int:
         validate_namespace(ns)
         validate_scope(scope)
-        limit = self.max_epoch_scopes_per_tenant
+        limit = self.options.max_epoch_scopes_per_tenant
         return cluster_epochs.bump(self._conn, self.prefix, ns, scope, limit)
 
     def set_epoch_listener(self, listener: EpochListener | None) -> bool:
@@ -463,13 +452,8 @@ class ClusterBackend(SharedKvBackend):
         self._conn.close()
 
     # -- snapshots and branches (store/cluster_snapshots.py) ---------------------------
-    def snapshot_create(
-        self,
-        ns: str,
-        *,
-        keys: Sequence[str] | None = None,
-        prefix: str | None = None,
-        ttl_s: float | None = None,
+    def _snapshot_create(
+        self, ns: str, keys: Sequence[str] | None, prefix: str | None, ttl_s: float | None
     ) -> SnapshotInfo:
         return self._snaps.create(ns, keys, prefix, ttl_s)
 
@@ -503,7 +487,7 @@ class ClusterBackend(SharedKvBackend):
     def branch_size(self, ns: str, branch_id: str, key: str) -> int | None:
         return self._snaps.branch_size(ns, branch_id, key)
 
-    def branch_put(self, ns: str, branch_id: str, key: str, data: BlockData) -> PutResult:
+    def _branch_put(self, ns: str, branch_id: str, key: str, data: BlockData) -> PutResult:
         return self._snaps.branch_put(ns, branch_id, key, data)
 
 

@@ -102,29 +102,20 @@ class SharedCounters:
         return sorted(bytes.fromhex(bytes(t).decode()).decode() for t in raw)
 
 
+_COUNTER_OF = {"total_refs": "keys", "pinned_blocks": "pinned_keys"}
+"""Stats fields whose shared counter has another name (the rest share theirs)."""
+
+
 def stats_of(c: Mapping[str, int], local: StoreStats, capacity_bytes: int) -> StoreStats:
     """`StoreStats` from shared counters `c` and the front-end's RAM tiers' stats `local`
     (hot and warm occupancy, promotions and demotions are this front-end's own)."""
     logical = c.get("logical_bytes", 0)
     resident = c.get("resident_bytes", 0)
-    s = StoreStats(
-        unique_blocks=c.get("unique_blocks", 0),
-        total_refs=c.get("keys", 0),
-        logical_bytes=logical,
-        resident_bytes=resident,
+    s = StoreStats.of(
+        lambda name: c.get(_COUNTER_OF.get(name, name), 0),
         dedup_savings_bytes=max(0, logical - resident),
-        dedup_hits=c.get("dedup_hits", 0),
-        put_new=c.get("put_new", 0),
-        put_conflicts=c.get("put_conflicts", 0),
-        put_replaced=c.get("put_replaced", 0),
-        get_hits=c.get("get_hits", 0),
-        get_misses=c.get("get_misses", 0),
-        stale_missed=c.get("stale_missed", 0),
-        integrity_failures=c.get("integrity_failures", 0),
-        evictions=c.get("evictions", 0),
         promotions=local.promotions,
         demotions=local.demotions,
-        pinned_blocks=c.get("pinned_keys", 0),
     )
     s.tiers["hot"] = local.tiers["hot"]
     s.tiers["warm"] = local.tiers["warm"]

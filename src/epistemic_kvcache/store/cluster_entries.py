@@ -23,20 +23,19 @@ from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass
 
 from epistemic_kvcache.errors import (
-    BlockTooLargeError,
     ClusterUnavailableError,
     QuotaExceededError,
     StoreError,
 )
 from epistemic_kvcache.store import cluster_lua as L
-from epistemic_kvcache.store.api import BlockData, Buffer, PutCond, PutOutcome, PutResult
+from epistemic_kvcache.store.api import Buffer, PutCond, PutOutcome, PutResult
 from epistemic_kvcache.store.cluster_blocks import ClusterBlocks
 from epistemic_kvcache.store.cluster_conn import ClusterConnection, Unknown
 from epistemic_kvcache.store.cluster_counters import SharedCounters
 from epistemic_kvcache.store.cluster_ram import RamTier
 from epistemic_kvcache.store.engine import digest_of
 
-__all__ = ["MAX_INFLIGHT_MS", "ClusterEntries", "Found", "check_block_size"]
+__all__ = ["MAX_INFLIGHT_MS", "ClusterEntries", "Found"]
 
 MAX_INFLIGHT_MS = 60_000
 """A block reference older than this may not be used by an entry write (the PUT fails,
@@ -47,13 +46,6 @@ _TRIES = 4
 
 Found = tuple[bool, L.Entry] | None
 """A key's entry as read: None (absent) or (stale, entry)."""
-
-
-def check_block_size(data: BlockData, max_block_bytes: int) -> None:
-    if len(data) > max_block_bytes:
-        raise BlockTooLargeError(
-            f"block of {len(data)} bytes exceeds max_block_bytes={max_block_bytes}"
-        )
 
 
 @dataclass(eq=False)

@@ -56,7 +56,7 @@ from epistemic_kvcache.store.api import (
 from epistemic_kvcache.store.cluster_blocks import ClusterBlocks
 from epistemic_kvcache.store.cluster_conn import ClusterConnection
 from epistemic_kvcache.store.cluster_counters import SharedCounters
-from epistemic_kvcache.store.cluster_entries import ClusterEntries, check_block_size
+from epistemic_kvcache.store.cluster_entries import ClusterEntries
 
 _CHUNK = 500
 _TRIES = 10
@@ -167,15 +167,6 @@ def overlay(prefix: str, ns: str, bid: str) -> L.TenantKeys:
     return L.TenantKeys(t + b":b:" + b, t + b":bz:" + b, t + b":e", t + b":bc:" + b)
 
 
-def _check_request(ns: str, keys: Sequence[str] | None, ttl_s: float | None) -> None:
-    """A snapshot request's arguments, before anything is read or held."""
-    validate_namespace(ns)
-    for key in keys or ():
-        validate_key(key)
-    if ttl_s is not None and not ttl_s > 0:
-        raise ValueError(f"invalid ttl_s: expected a positive number (got {ttl_s!r})")
-
-
 def _valid_id(rid: str) -> bool:
     return 0 < len(rid) <= 64 and all(c in "0123456789abcdef" for c in rid)
 
@@ -194,7 +185,6 @@ class ClusterSnapshots:
     prefix: str
     clock: Callable[[], float]
     max_snapshots_per_tenant: int
-    max_block_bytes: int
 
     def _key(self, kind: str, ns: str) -> bytes:
         """The records of `kind` ("snap" or "branch")."""
@@ -239,7 +229,6 @@ class ClusterSnapshots:
         prefix: str | None,
         ttl_s: float | None,
     ) -> SnapshotInfo:
-        _check_request(ns, keys, ttl_s)
         self.counters.register(ns)
         tk = self.entries.keys_of(ns)
         if keys is not None:
@@ -520,9 +509,7 @@ class ClusterSnapshots:
         return e.size if e is not None else None
 
     def branch_put(self, ns: str, bid: str, key: str, data: BlockData) -> PutResult:
-        validate_namespace(ns)
-        validate_key(key)
-        check_block_size(data, self.max_block_bytes)
+        """`ClusterBackend.branch_put` of checked arguments."""
         if self._branch(ns, bid) is None:
             raise NotFoundError(f"no branch {bid!r}")
         ov = overlay(self.prefix, ns, bid)

@@ -8,25 +8,44 @@ objects instead of overriding engine hooks. Each holds the backend through
 `DurableCore`, the narrow view of it they use (its lock, segment space, committer and
 counters), so this module never imports durable.py: the engine calls
 `DiskLogTier.read` for a block RAM no longer holds, `recover`/`quarantine` when those
-bytes fail verification, and `GroupCommit.put` to queue a write for the committer.
+bytes fail verification, and `GroupCommit.put` for a write: it hashes the block,
+answers at once a PUT that writes nothing (the same bytes, a refused condition), and
+queues the rest for the committer.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from epistemic_kvcache.errors import StoreError
 from epistemic_kvcache.store import records
-from epistemic_kvcache.store.api import BlockData, Buffer, PutCond, PutResult
+from epistemic_kvcache.store.api import (
+    BlockData,
+    Buffer,
+    PutCond,
+    PutOutcome,
+    PutResult,
+    decide_put,
+    owned_buffer,
+)
 from epistemic_kvcache.store.checkpointer import Checkpointer
 from epistemic_kvcache.store.committer import Committer
 from epistemic_kvcache.store.epochs import EpochRegistry
-from epistemic_kvcache.store.model import Effect, Ledger, MetaPut, Move, _Blob, _Counters, tenant_of
+from epistemic_kvcache.store.model import (
+    Effect,
+    Ledger,
+    MetaPut,
+    Move,
+    _Blob,
+    _Counters,
+    digest_of,
+    tenant_of,
+)
+from epistemic_kvcache.store.opening import Opener
 from epistemic_kvcache.store.plan import BatchOp as _Op
 from epistemic_kvcache.store.seams import Started, Tag
 from epistemic_kvcache.store.segments import LogWriter
@@ -40,7 +59,6 @@ __all__ = ["DiskLogTier", "DurableCore", "GroupCommit", "RegistryEpochs"]
 class DurableCore(Protocol):
     """What the parts below use of the durable backend."""
 
-    cold_capacity_bytes: int
     live_capacity_bytes: int
     _lock: threading.Lock
     _recover_lock: threading.Lock
@@ -55,9 +73,8 @@ class DurableCore(Protocol):
     _tags: dict[tuple[str, str], tuple[str, int]]
     _unfound: dict[bytes, tuple[int, int]]
     _quarantined: dict[bytes, float]
-    _lost: list[tuple[str, str, bytes]]
-    _damage: list[tuple[int, int, int, str]]
-    _missing_segments: list[int]
+    _opened: Opener
+    _inflight: dict[tuple[str, str], int]
     _batches: int
     _committed_ops: int
     _write_failures: int
@@ -70,17 +87,12 @@ class DurableCore(Protocol):
     def _submit(self, op: _Op) -> None: ...
     def _submit_many(self, ops: list[_Op]) -> None: ...
     def _forget_internal(self, tenant: str, items: list[tuple[str, str]]) -> None: ...
-    def _put_submit(
-        self,
-        ns: str,
-        scope_raw: bytes,
-        key: str,
-        data: BlockData,
-        tag: tuple[str, int] | None,
-        cond: PutCond,
-        *,
-        make_room: bool = False,
-    ) -> PutResult | concurrent.futures.Future[PutResult]: ...
+    def _scoped(self, ns_raw: bytes, digest: bytes) -> bytes: ...
+    def _lookup(self, ns: str, key: str) -> _Blob | None: ...
+    def _stale(self, ns: str, key: str) -> bool: ...
+    def _fww(self, ns: str) -> bool: ...
+    def _count_put(self, ns: str, outcome: PutOutcome, deduped: bool) -> None: ...
+    def _make_hot_room(self, sizes: Iterable[int]) -> None: ...
 
 
 # -- the parts the engine is composed with (seams.py) -------------------------------------
@@ -104,7 +116,7 @@ class DiskLogTier:
         seg_live[b.seg] = seg_live.get(b.seg, 0) - records.blob_header_length(b.sdig) - b.size
 
     def caps(self) -> dict[str, int]:
-        return {"cold": self._s.cold_capacity_bytes}
+        return {"cold": self._s._space.cold_capacity_bytes}
 
     def pin_capacity(self) -> int | None:
         return self._s.live_capacity_bytes
@@ -130,10 +142,10 @@ class DiskLogTier:
             checkpoint_failures=s._ckpt.failures,
             index_repairs=s._index_repairs,
             checkpoint_lag_bytes=s._ckpt.lag,
-            lost_keys=len(s._lost),
+            lost_keys=len(s._opened.lost),
             quarantined_blocks=len(s._quarantined),
-            damaged_log_regions=len(s._damage),
-            missing_segments=len(s._missing_segments),
+            damaged_log_regions=len(s._opened.damage),
+            missing_segments=len(s._opened.missing_segments),
             store_fault=int(s._committer.fault is not None),
             disk_full=int(w.disk_full),
         )
@@ -246,11 +258,36 @@ class GroupCommit:
     def put(
         self, ns: str, raw: bytes, key: str, data: BlockData, tag: Tag, cond: PutCond, wait: bool
     ) -> Started:
-        started = self._s._put_submit(ns, raw, key, data, tag, cond, make_room=wait)
-        if wait and not isinstance(started, PutResult):
-            result: PutResult = started.result()
+        """Hash, answer a PUT that writes nothing at once, else queue it for the committer
+        (`wait`: a blocking caller, which first demotes what the block displaces from
+        hot, so that it enters hot when committed, then waits for the result)."""
+        s = self._s
+        data = owned_buffer(data)  # the hot tier keeps it
+        digest = digest_of(data)
+        sdig = s._scoped(raw, digest)
+        with s._lock:
+            if not s._inflight.get((ns, key)):
+                existing = s._lookup(ns, key)
+                if existing is not None and s._tags and s._stale(ns, key):
+                    existing = None
+                outcome = decide_put(
+                    existing.sdig if existing is not None else None, sdig, cond, s._fww(ns)
+                )
+                if outcome is PutOutcome.MISSING:
+                    s._count_put(ns, outcome, False)
+                    return PutResult(outcome, digest, len(data))
+                if outcome is PutOutcome.DUPLICATE or outcome is PutOutcome.CONFLICT:
+                    assert existing is not None
+                    s._count_put(ns, outcome, False)
+                    return PutResult(outcome, existing.digest, existing.size)
+        if wait and sdig not in s._blobs:  # unlocked look: a hint
+            s._make_hot_room((len(data),))
+        op = _Op("put", ns, key, sdig=sdig, digest=digest, data=data, tag=tag, cond=cond)
+        s._submit(op)
+        if wait:
+            result: PutResult = op.future.result()
             return result
-        return started
+        return op.future
 
     def snapshot(
         self, tenant: str, sid: str, keys: list[str] | None, prefix: str | None, rec: dict[str, Any]

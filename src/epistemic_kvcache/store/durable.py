@@ -74,10 +74,9 @@ from epistemic_kvcache.store.api import (
     BlockData,
     ConsistencyReport,
     PutCond,
-    PutOutcome,
     PutResult,
     StoreHealth,
-    decide_put,
+    check_block_size,
     owned_buffer,
     validate_cond,
     validate_namespace,
@@ -143,7 +142,6 @@ class SharedKvStoreBackend(TieredEngine):
         super().__init__(options, codec=codec, clock=clock)
         cold_capacity_bytes = options.cold_capacity_bytes
         segment_bytes = options.segment_bytes
-        self.cold_capacity_bytes = cold_capacity_bytes
         if segment_bytes is None:
             segment_bytes = min(DEFAULT_SEGMENT_BYTES, max(1 << 20, cold_capacity_bytes // 16))
         self._io = io or DiskIO()
@@ -159,7 +157,6 @@ class SharedKvStoreBackend(TieredEngine):
         self.live_capacity_bytes = cold_capacity_bytes - self._space.reserve
         """Live block bytes the cold tier holds before it evicts: the capacity less the
         reserve that compaction and deletes work in."""
-        self._max_batch_bytes = options.commit_batch_bytes
         self._shutdown_timeout_s = shutdown_timeout_s
         self._progress = progress
         self._index_dir = self.path / "index"
@@ -180,19 +177,20 @@ class SharedKvStoreBackend(TieredEngine):
             raise ConfigurationError(
                 f"invalid persist_dir: {str(self.path)!r} is in use by another process"
             ) from exc
-        # state filled by _open (the segments and their accounting: self._space)
-        self._quarantined: dict[bytes, float] = {}
-        self._lost: list[tuple[str, str, bytes]] = []
-        self._damage: list[tuple[int, int, int, str]] = []
-        self._missing_segments: list[int] = []
+        # what opening finds (lost keys, damage, keys to restate, ...): filled by _open
+        self._opened = Opener(
+            self.path,
+            self._space,
+            map_size=options.map_size_bytes,
+            rebuild=options.rebuild_index,
+            say=self._say,
+        )
+        self._quarantined = self._opened.quarantined  # and every quarantine since
         self._inflight: dict[tuple[str, str], int] = {}
         self._batches = 0
         self._committed_ops = 0
         self._write_failures = 0
         self._index_repairs = 0
-        self._rewrite: list[tuple[str, str]] = []  # keys whose state the log must state again
-        self.salvaged: Salvage | None = None
-        """What a rebuild took from the old index, and what it could not restore."""
         self._recover_lock = threading.Lock()
         self._unfound: dict[bytes, tuple[int, int]] = {}
         self._recovering = True
@@ -220,7 +218,7 @@ class SharedKvStoreBackend(TieredEngine):
             gc_was_enabled = gc.isenabled()
             gc.disable()  # loading N rows makes ~3N long-lived objects: no GC rescans
             try:
-                ix = self._open(options.map_size_bytes, options.rebuild_index)
+                ix = self._open()
             finally:
                 if gc_was_enabled:
                     gc.enable()
@@ -232,8 +230,7 @@ class SharedKvStoreBackend(TieredEngine):
         self._reader = RamView(
             self,
             live_capacity_bytes=self.live_capacity_bytes,
-            cold_capacity_bytes=self.cold_capacity_bytes,
-            relocate=self._relocate,
+            relocate_blob=self._relocate,
             quarantine_async=self._quarantine_async,
             evict_segment=self._evict_segment,
             checkpoint_due=self._checkpoint_due,
@@ -261,10 +258,10 @@ class SharedKvStoreBackend(TieredEngine):
         self._ckpt.start()
         self._tier_thread.start()
         self._committer.start()
-        if self._rewrite:
+        if self._opened.rewrite:
             # restored keys: their state goes into the log again (their record there is
             # damaged or followed by a quarantine's DEL), so no later rebuild needs the index
-            ops = [_Op("rewrite", ns, key) for ns, key in self._rewrite]
+            ops = [_Op("rewrite", ns, key) for ns, key in self._opened.rewrite]
             self._submit_many(ops)
             concurrent.futures.wait([op.future for op in ops])
         log.info(
@@ -291,24 +288,24 @@ class SharedKvStoreBackend(TieredEngine):
         if self._progress is not None:
             self._progress(msg)
 
-    def _open(self, map_size: int, rebuild: bool) -> Index:
+    def _open(self) -> Index:
         """Open the log and index (`store/opening.py`), then load RAM from them."""
-        o = Opener(self.path, self._space, map_size=map_size, rebuild=rebuild, say=self._say)
+        o = self._opened
         opened = o.run()
         self._ix = opened.ix
         self._store_id = opened.store_id
         self._writer = self._space.writer
-        self._rewrite = o.rewrite
-        self.salvaged = o.salvaged
-        self._missing_segments = o.missing_segments
-        self._damage = o.damage
-        self._lost = o.lost
         self._quarantined = o.quarantined
         self._total.integrity_failures = o.integrity_failures
         with self._lock:
             self._load(o.entries)
             self._apply(o.metas)
         return opened.ix
+
+    @property
+    def salvaged(self) -> Salvage | None:
+        """What a rebuild took from the old index, and what it could not restore."""
+        return self._opened.salvaged
 
     def disk_bytes(self) -> int:
         """Bytes of the segment files on disk (what the cold capacity bounds): their
@@ -333,45 +330,6 @@ class SharedKvStoreBackend(TieredEngine):
         return StoreHealth()
 
     # -- the public operations -----------------------------------------------------------
-    def _put_submit(
-        self,
-        ns: str,
-        scope_raw: bytes,
-        key: str,
-        data: BlockData,
-        tag: tuple[str, int] | None,
-        cond: PutCond,
-        *,
-        make_room: bool = False,
-    ) -> PutResult | concurrent.futures.Future[PutResult]:
-        """Hash, answer a PUT that writes nothing at once, else queue it for the committer
-        (`make_room`: a blocking caller, which first demotes what the block displaces
-        from hot, so that it enters hot when committed)."""
-        data = owned_buffer(data)  # the hot tier keeps it
-        digest = digest_of(data)
-        sdig = self._scoped(scope_raw, digest)
-        ref = (ns, key)
-        with self._lock:
-            if not self._inflight.get(ref):
-                existing = self._lookup(ns, key)
-                if existing is not None and self._tags and self._stale(ns, key):
-                    existing = None
-                outcome = decide_put(
-                    existing.sdig if existing is not None else None, sdig, cond, self._fww(ns)
-                )
-                if outcome is PutOutcome.MISSING:
-                    self._count_put(ns, outcome, False)
-                    return PutResult(outcome, digest, len(data))
-                if outcome is PutOutcome.DUPLICATE or outcome is PutOutcome.CONFLICT:
-                    assert existing is not None
-                    self._count_put(ns, outcome, False)
-                    return PutResult(outcome, existing.digest, existing.size)
-        if make_room and sdig not in self._blobs:  # unlocked look: a hint
-            self._make_hot_room((len(data),))
-        op = _Op("put", ns, key, sdig=sdig, digest=digest, data=data, tag=tag, cond=cond)
-        self._submit(op)
-        return op.future
-
     def put_many(
         self, ns: str, items: Sequence[tuple[str, BlockData]], *, cond: PutCond = None
     ) -> list[PutResult]:
@@ -384,7 +342,7 @@ class SharedKvStoreBackend(TieredEngine):
         validate_cond(cond)
         for key, data in items:
             self._validate(ns, key)
-            self._check_size(data)
+            check_block_size(data, self.max_block_bytes)
         self._check_open()
         ops = []
         for key, given in items:  # hash everything first: then the committer sees them all
@@ -426,23 +384,6 @@ class SharedKvStoreBackend(TieredEngine):
         self._validate(ns, key)
         self._check_open()
         return bool(self._call(_Op("unpin", ns, key)))
-
-    def evict(self, ns: str, key: str) -> bool:
-        """Drop the block's RAM copies; it stays on disk and reads back (a promotion)."""
-        self._validate(ns, key)
-        self._check_open()
-        with self._lock:
-            b = self._lookup(ns, key)
-            if b is None or b.pins:
-                return False
-            if b.hot is not None:
-                self._set_hot(b, None)
-            if b.warm is not None:
-                self._set_warm(b, None)
-            self._total.evictions += 1
-            for o in b.owners():
-                self._counters(o).evictions += 1
-            return True
 
     def _call(self, op: _Op) -> Any:
         self._submit(op)
@@ -657,7 +598,7 @@ class SharedKvStoreBackend(TieredEngine):
             if self._tier_stop:
                 return
             try:
-                self._rebalance(int(_HOT_LOW_WATER * self.hot_capacity_bytes))
+                self._rebalance(int(_HOT_LOW_WATER * self.options.hot_capacity_bytes))
             except Exception:  # a tier move never takes the store down
                 log.exception("tier rebalance failed")
 
@@ -674,7 +615,7 @@ class SharedKvStoreBackend(TieredEngine):
     # -- checks and shutdown -------------------------------------------------------------
     def lost_keys(self) -> list[tuple[str, str, str]]:
         """Keys whose bytes were found missing at open: (namespace, key, digest hex)."""
-        return [(ns, key, d.hex()) for ns, key, d in self._lost]
+        return [(ns, key, d.hex()) for ns, key, d in self._opened.lost]
 
     def check(self, *, deep: bool = False) -> ConsistencyReport:
         """RAM invariants, every block inside a segment's trusted bytes (`deep`: re-hash)."""
@@ -685,7 +626,7 @@ class SharedKvStoreBackend(TieredEngine):
                 blobs = [(b.sdig, b.size, b.seg, b.off) for b in self._blobs.values()]
                 segs = dict(self._space.segs)
                 ends = dict(self._space.seg_len)
-            report.lost_keys = [f"{ns}/{key}" for ns, key, _d in self._lost]
+            report.lost_keys = [f"{ns}/{key}" for ns, key, _d in self._opened.lost]
             for sdig, size, sid, off in blobs:
                 name = sdig[-32:].hex()
                 seg = segs.get(sid)

@@ -31,7 +31,6 @@ from typing import Any, overload
 from sortedcontainers import SortedList
 
 from epistemic_kvcache.errors import (
-    BlockTooLargeError,
     QuotaExceededError,
     StoreClosedError,
 )
@@ -45,6 +44,7 @@ from epistemic_kvcache.store.api import (
     PutResult,
     SharedKvBackend,
     StoreStats,
+    check_block_size,
     read_only,
     validate_cond,
     validate_key,
@@ -123,18 +123,10 @@ class TieredEngine(Catalog, SharedKvBackend):
         TTLs and creation times (tests pass a fake clock they advance)."""
         self._clock = clock
         self.options = options
-        # read on every call: plain attributes, one lookup each
-        self.hot_capacity_bytes = options.hot_capacity_bytes
-        self.warm_capacity_bytes = options.warm_capacity_bytes
-        self.max_block_bytes = options.max_block_bytes
-        self.dedup_scope: DedupScope = options.dedup_scope
-        # Per-tenant quotas, so one tenant cannot pin (or snapshot) the store full and
-        # leave every other tenant's PUTs without room.
-        self.max_pinned_fraction = options.max_pinned_fraction
-        self.max_snapshots_per_tenant = options.max_snapshots_per_tenant
-        self.max_keys_per_tenant = options.max_keys_per_tenant
-        self.max_epoch_scopes_per_tenant = options.max_epoch_scopes_per_tenant
-        self.first_write_wins = options.first_write_wins
+        """Tiers and quotas, read where they apply (`self.options.x`: plain attribute
+        reads). The per-tenant quotas keep one tenant from pinning (or snapshotting) the
+        store full and leaving every other tenant's PUTs without room."""
+        self.max_block_bytes = options.max_block_bytes  # the store seam's attribute
         self._codec = codec if codec is not None else WarmCodec()
         self._lock = threading.Lock()
         self._closed = False
@@ -199,7 +191,7 @@ class TieredEngine(Catalog, SharedKvBackend):
 
     # -- helpers -------------------------------------------------------------------------
     def _scoped(self, ns_raw: bytes, digest: bytes) -> bytes:
-        if self.dedup_scope == "global":
+        if self.options.dedup_scope == "global":
             return digest
         return ns_raw + b"\x00" + digest
 
@@ -217,15 +209,9 @@ class TieredEngine(Catalog, SharedKvBackend):
             self._valid_ns[ns] = raw
         return raw
 
-    def _check_size(self, data: BlockData) -> None:
-        if len(data) > self.max_block_bytes:
-            raise BlockTooLargeError(
-                f"block of {len(data)} bytes exceeds max_block_bytes={self.max_block_bytes}"
-            )
-
     def _fww(self, ns: str) -> bool:
         """Whether `ns`'s tenant keeps first-write-wins (a plain PUT never replaces)."""
-        f = self.first_write_wins
+        f = self.options.first_write_wins
         return f if isinstance(f, bool) else tenant_of(ns) in f
 
     def _lookup(self, ns: str, key: str) -> _Blob | None:
@@ -264,7 +250,7 @@ class TieredEngine(Catalog, SharedKvBackend):
 
         `entries`: (ns, key, scoped digest, size, segment, offset, epoch tag, pins)."""
         blobs = self._blobs
-        glob = self.dedup_scope == "global"
+        glob = self.options.dedup_scope == "global"
         pins_of = self._pins
         by_ns: dict[str, dict[str, _Blob]] = {}
         for ns, key, sdig, size, seg, off, tag, pins in entries:
@@ -315,7 +301,7 @@ class TieredEngine(Catalog, SharedKvBackend):
         if b is None:
             b = _Blob(e.sdig, e.size)
             b.seg, b.off = e.seg, e.off
-            b.owner = {} if self.dedup_scope == "global" else tenant
+            b.owner = {} if self.options.dedup_scope == "global" else tenant
             self._blobs[e.sdig] = b
             if e.data is not None and self._hot_room(e.size):
                 b.hot = read_only(e.data)  # counted hot by the footprints below
@@ -458,22 +444,20 @@ class TieredEngine(Catalog, SharedKvBackend):
         self._check_open()
         return self._read(ns, key, nowait=True)
 
-    def put(
-        self,
-        ns: str,
-        key: str,
-        data: BlockData,
-        *,
-        epoch_scope: str | None = None,
-        cond: PutCond = None,
-    ) -> PutResult:
+    def _start_put(
+        self, ns: str, key: str, data: BlockData, scope: str | None, cond: PutCond, wait: bool
+    ) -> PutResult | concurrent.futures.Future[PutResult]:
+        # `check_block_size`, `validate_cond` and `_check_open` behind their tests,
+        # written inline: this runs for every PUT
         ns_raw = self._validate(ns, key)
-        self._check_size(data)
-        validate_cond(cond)
-        self._check_open()
-        tag = self._tag_for(ns, epoch_scope) if epoch_scope is not None else None
-        r = self._seq.put(ns, ns_raw, key, data, tag, cond, True)
-        return r if isinstance(r, PutResult) else r.result()
+        if len(data) > self.max_block_bytes:
+            check_block_size(data, self.max_block_bytes)
+        if cond is not None:
+            validate_cond(cond)
+        if self._closed:
+            self._check_open()
+        tag = self._tag_for(ns, scope) if scope is not None else None
+        return self._seq.put(ns, ns_raw, key, data, tag, cond, wait)
 
     def _put_into(
         self, ns: str, ns_raw: bytes, key: str, data: BlockData, tag: tuple[str, int] | None
@@ -483,13 +467,7 @@ class TieredEngine(Catalog, SharedKvBackend):
         return r if isinstance(r, PutResult) else r.result()
 
     def put_nowait(
-        self,
-        ns: str,
-        key: str,
-        data: BlockData,
-        *,
-        epoch_scope: str | None = None,
-        cond: PutCond = None,
+        self, ns: str, key: str, data: BlockData, *, cond: PutCond = None
     ) -> PutResult | concurrent.futures.Future[PutResult] | WouldBlock:
         """`put` when it is cheap to start from an event loop; else `WOULD_BLOCK`.
 
@@ -500,18 +478,13 @@ class TieredEngine(Catalog, SharedKvBackend):
         by `put` (or set on the future).
         """
         if len(data) > INLINE_MAX_BYTES or (
-            self._total.hot_bytes + len(data) > self.hot_capacity_bytes
+            self._total.hot_bytes + len(data) > self.options.hot_capacity_bytes
             and not self._tiers.cheap_room()
         ):
             return WOULD_BLOCK
         if not self._seq.queues:  # applied at once: the whole PUT, as `put` (or an override)
-            return self.put(ns, key, data, epoch_scope=epoch_scope, cond=cond)
-        ns_raw = self._validate(ns, key)
-        self._check_size(data)
-        validate_cond(cond)
-        self._check_open()
-        tag = self._tag_for(ns, epoch_scope) if epoch_scope is not None else None
-        return self._seq.put(ns, ns_raw, key, data, tag, cond, False)
+            return self.put(ns, key, data, cond=cond)
+        return self._start_put(ns, key, data, None, cond, False)
 
     @overload
     def _read(self, ns: str, key: str) -> Buffer | None: ...
@@ -637,6 +610,25 @@ class TieredEngine(Catalog, SharedKvBackend):
                 return [k in idx for k in keys]
             return [k in idx and not self._stale(ns, k) for k in keys]
 
+    def evict(self, ns: str, key: str) -> bool:
+        """Push the block out of RAM. A lower tier that keeps it: the RAM copies go, the
+        block reads back from below (a promotion); none: the block and its keys go."""
+        self._validate(ns, key)
+        self._check_open()
+        with self._lock:
+            b = self._lookup(ns, key)
+            if b is None or b.pins:
+                return False
+            if not self._lower.keeps_blocks:
+                self._evict_blob(b)
+                return True
+            if b.hot is not None:
+                self._set_hot(b, None)
+            if b.warm is not None:
+                self._set_warm(b, None)
+            self._ledger.bump(b, "evictions")
+            return True
+
     def promote(self, ns: str, key: str) -> bool:
         self._validate(ns, key)
         with self._lock:
@@ -680,7 +672,8 @@ class TieredEngine(Catalog, SharedKvBackend):
 
     # -- stats ---------------------------------------------------------------------------
     def _tier_caps(self) -> dict[str, int]:
-        caps = {"hot": self.hot_capacity_bytes, "warm": self.warm_capacity_bytes}
+        o = self.options
+        caps = {"hot": o.hot_capacity_bytes, "warm": o.warm_capacity_bytes}
         caps.update(self._lower.caps())
         return caps
 
@@ -701,31 +694,33 @@ class TieredEngine(Catalog, SharedKvBackend):
     def _pin_capacity(self) -> int:
         """The bytes pins compete for: RAM, or what the lower tier says (the cold tier)."""
         cap = self._lower.pin_capacity()
-        return self.hot_capacity_bytes + self.warm_capacity_bytes if cap is None else cap
+        o = self.options
+        return o.hot_capacity_bytes + o.warm_capacity_bytes if cap is None else cap
 
     def _check_pin_quota(self, tenant: str, extra: int) -> None:
         """Refuse a pin/snapshot that would take `tenant` past its share (lock held)."""
-        limit = int(self._pin_capacity() * self.max_pinned_fraction)
+        fraction = self.options.max_pinned_fraction
+        limit = int(self._pin_capacity() * fraction)
         used = self._counters(tenant).pinned_bytes
         if extra > 0 and used + extra > limit:
             raise QuotaExceededError(
                 f"pin quota exceeded: {used + extra} bytes would be pinned by this tenant, "
-                f"its limit is {limit} ({self.max_pinned_fraction:.0%} of {self._pin_capacity()})",
+                f"its limit is {limit} ({fraction:.0%} of {self._pin_capacity()})",
                 resource="pins",
             )
 
     def _check_snapshot_quota(self, tenant: str, pending: int = 0) -> None:
         """Refuse a snapshot past the tenant's count (lock held)."""
-        if len(self._snapshots.get(tenant, {})) + pending >= self.max_snapshots_per_tenant:
+        limit = self.options.max_snapshots_per_tenant
+        if len(self._snapshots.get(tenant, {})) + pending >= limit:
             raise QuotaExceededError(
-                f"snapshot quota exceeded: {self.max_snapshots_per_tenant} snapshots; "
-                "delete one (or give them a ttl_s)",
+                f"snapshot quota exceeded: {limit} snapshots; delete one (or give them a ttl_s)",
                 resource="snapshots",
             )
 
     def _check_key_quota(self, ns: str, pending: int = 0) -> None:
         """Refuse a new key past the tenant's count (lock held; 0 means no limit)."""
-        limit = self.max_keys_per_tenant
+        limit = self.options.max_keys_per_tenant
         if limit and len(self._index.get(ns) or ()) + pending >= limit:
             raise QuotaExceededError(
                 f"key quota exceeded: this tenant holds {limit} keys (its limit); "

@@ -107,8 +107,8 @@ class ApplyNow:
                 if not e._warm_room(len(warm_copy)):
                     raise CapacityError(
                         f"no room for a {size}-byte block: the hot tier "
-                        f"({e.hot_capacity_bytes} bytes) and the warm tier "
-                        f"({e.warm_capacity_bytes} bytes) are full of pinned blocks "
+                        f"({e.options.hot_capacity_bytes} bytes) and the warm tier "
+                        f"({e.options.warm_capacity_bytes} bytes) are full of pinned blocks "
                         "or too small for it"
                     )
         effects: list[Effect] = []
@@ -129,7 +129,7 @@ class ApplyNow:
     def _check_ram_room(self, size: int) -> None:
         """Refuse a block that cannot fit beside the pinned ones (lock held)."""
         e = self._e
-        budget = e.hot_capacity_bytes + e.warm_capacity_bytes
+        budget = e.options.hot_capacity_bytes + e.options.warm_capacity_bytes
         if size > budget:
             raise CapacityError(
                 f"block of {size} bytes is larger than the RAM tiers ({budget} bytes)"
@@ -237,16 +237,6 @@ class SharedKvIndex(TieredEngine):
             if self._pins.get((ns, key), 0) <= 0:
                 return False
             self._apply([PinDelta(ns, key, -1)])
-            return True
-
-    def evict(self, ns: str, key: str) -> bool:
-        self._validate(ns, key)
-        self._check_open()
-        with self._lock:
-            b = self._lookup(ns, key)
-            if b is None or b.pins:
-                return False
-            self._evict_blob(b)
             return True
 
     def check(self, *, deep: bool = False) -> ConsistencyReport:

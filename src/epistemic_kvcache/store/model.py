@@ -21,6 +21,7 @@ import it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Final
@@ -171,24 +172,9 @@ class _Counters:
 
     def stats(self, caps: dict[str, int]) -> StoreStats:
         """These counters as `StoreStats`; `caps`: tier capacities by name."""
-        s = StoreStats(
-            unique_blocks=self.unique_blocks,
-            total_refs=self.total_refs,
-            logical_bytes=self.logical_bytes,
-            resident_bytes=self.resident_bytes,
+        s = StoreStats.of(
+            functools.partial(getattr, self),
             dedup_savings_bytes=self.logical_bytes - self.resident_bytes,
-            dedup_hits=self.dedup_hits,
-            put_new=self.put_new,
-            put_conflicts=self.put_conflicts,
-            put_replaced=self.put_replaced,
-            get_hits=self.get_hits,
-            get_misses=self.get_misses,
-            stale_missed=self.stale_missed,
-            integrity_failures=self.integrity_failures,
-            evictions=self.evictions,
-            promotions=self.promotions,
-            demotions=self.demotions,
-            pinned_blocks=self.pinned_blocks,
         )
         s.tiers["hot"] = TierStats(
             self.hot_blocks, self.hot_bytes, caps["hot"], self.hot_bytes, self.hot_peak

@@ -48,13 +48,12 @@ from epistemic_kvcache.store.recovery import (
     finish,
     load_index,
     missing_segments,
-    read_seals,
     replay,
     reverify_quarantine,
     salvage,
     valid_ends,
 )
-from epistemic_kvcache.store.segments import LogWriter, Segment, seg_id_of
+from epistemic_kvcache.store.segments import LogWriter, open_segments
 from epistemic_kvcache.store.space import SegmentSpace
 
 log = logging.getLogger(__name__)
@@ -120,10 +119,7 @@ class Opener:
 
     def _run(self) -> Opened:
         map_size, rebuild = self.map_size, self.rebuild
-        for p in sorted(self.space.dir.iterdir()):
-            sid = seg_id_of(p)
-            if sid is not None:
-                self.space.segs[sid] = Segment(sid, p, create=False)
+        self.space.segs.update(open_segments(self.space.dir))
         log_nonempty = any(seg.size() > 0 for seg in self.space.segs.values())
         why: str | None = None
         ix: Index | None = None
@@ -179,7 +175,6 @@ class Opener:
                         f"be used ({exc}); refusing to start over damaged rows: "
                         f"{rebuild_hint(self.path)}"
                     ) from exc
-                read_seals(self.space.segs, st)
                 start = ix.checkpoint()
                 assert start is not None
                 replay(self.space.segs, st, start, progress=self.say)
@@ -188,7 +183,6 @@ class Opener:
             elif log_nonempty:
                 self.say(f"rebuilding the index of {self.path} from its log ({why})")
                 st = LogState()
-                read_seals(self.space.segs, st)
                 replay(self.space.segs, st, None, progress=self.say)
                 for ns, key, hexd in reverify_quarantine(st):
                     self.say(f"block {hexd} verifies in the log: {ns}/{key} is back")
@@ -233,7 +227,7 @@ class Opener:
                     if start is not None and ix.meta(b"format") == FORMAT_VERSION:
                         old = load_index(ix)
                         old.seals = dict(st.seals)
-                        replay(self.space.segs, old, start, verify=False)
+                        replay(self.space.segs, old, start, verify=False, seals=False)
                         if ix.damaged_rows:
                             self.say(f"the old index has {ix.damaged_rows} damaged rows")
                 except (IndexError_, StoreMismatchError) as exc:

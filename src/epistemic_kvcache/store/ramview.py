@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from epistemic_kvcache.store.engine import Move, TieredEngine, _Blob
@@ -23,30 +24,23 @@ from epistemic_kvcache.store.plan import KeyView
 __all__ = ["RamView"]
 
 
+@dataclass(eq=False)
 class RamView:
     """RAM as the batch decision (`store/plan.py`, its `Reader`) and the compactor
     (`store/compaction.py`, its `LiveRam`) read it: each call takes the lock, but those
     named `*_locked`, made with it held."""
 
-    def __init__(
-        self,
-        engine: TieredEngine,
-        *,
-        live_capacity_bytes: int,
-        cold_capacity_bytes: int,
-        relocate: Callable[[_Blob, tuple[int, int], tuple[int, int]], None],
-        quarantine_async: Callable[[bytes, tuple[int, int]], None],
-        evict_segment: Callable[[int], bool],
-        checkpoint_due: Callable[[int], None],
-    ) -> None:
-        self.s = engine
-        self.live_capacity_bytes = live_capacity_bytes
-        self.cold_capacity_bytes = cold_capacity_bytes
-        self.max_keys_per_tenant = engine.max_keys_per_tenant
-        self._relocate = relocate
-        self.quarantine_async = quarantine_async
-        self.evict_segment = evict_segment
-        self.checkpoint_due = checkpoint_due
+    s: TieredEngine
+    _: KW_ONLY
+    live_capacity_bytes: int
+    relocate_blob: Callable[[_Blob, tuple[int, int], tuple[int, int]], None]
+    quarantine_async: Callable[[bytes, tuple[int, int]], None]
+    evict_segment: Callable[[int], bool]
+    checkpoint_due: Callable[[int], None]
+
+    def __post_init__(self) -> None:
+        self.max_keys_per_tenant = self.s.options.max_keys_per_tenant
+        self.cold_capacity_bytes = self.s.options.cold_capacity_bytes
 
     def key(self, ns: str, key: str) -> KeyView | None:
         with self.s._lock:
@@ -120,7 +114,7 @@ class RamView:
     def relocate(self, sdig: bytes, wrong: tuple[int, int], right: tuple[int, int]) -> None:
         b = self.s._blobs.get(sdig)
         if b is not None:
-            self._relocate(b, wrong, right)
+            self.relocate_blob(b, wrong, right)
 
     def move_locked(self, sdig: bytes, old: tuple[int, int], new: tuple[int, int]) -> int:
         b = self.s._blobs.get(sdig)

@@ -218,18 +218,25 @@ def decode(buf: bytes | bytearray | memoryview) -> Record:
         raise RecordError(f"unknown record op {op}") from None
     if plen > MAX_PAYLOAD_BYTES:
         raise RecordError(f"implausible payload length {plen}")
-    pos = FIXED_BYTES
     try:
-        ns = bytes(head[pos : pos + n_ns]).decode()
-        pos += n_ns
-        key = bytes(head[pos : pos + n_key]).decode()
-        pos += n_key
-        sdig = bytes(head[pos : pos + n_sdig])
-        pos += n_sdig
-        scope = bytes(head[pos : pos + n_scope]).decode()
+        ns, key, sdig, scope = _names(head, n_ns, n_key, n_sdig)
     except UnicodeDecodeError:
         raise RecordError("header text is not UTF-8") from None
     return Record(kind, flags, ns, key, sdig, pins, scope, epoch, aux, plen, pcrc, hlen)
+
+
+def _names(
+    buf: bytes | bytearray | memoryview, n_ns: int, n_key: int, n_sdig: int
+) -> tuple[str, str, bytes, str]:
+    """The variable fields after the fixed ones: (ns, key, sdig, scope), the scope
+    running to the header's end. UnicodeDecodeError if a text field is not UTF-8."""
+    pos = FIXED_BYTES
+    ns = bytes(buf[pos : pos + n_ns]).decode()
+    pos += n_ns
+    key = bytes(buf[pos : pos + n_key]).decode()
+    pos += n_key
+    sdig = bytes(buf[pos : pos + n_sdig])
+    return ns, key, sdig, bytes(buf[pos + n_sdig :]).decode()
 
 
 def decode_unchecked(buf: bytes | bytearray | memoryview) -> Record:
@@ -247,21 +254,14 @@ def decode_unchecked(buf: bytes | bytearray | memoryview) -> Record:
         fields[10],
     )
     n_ns, n_key, n_sdig, n_scope = fields[12:16]
-    pos = FIXED_BYTES
-    if pos + n_ns + n_key + n_sdig + n_scope > len(buf):
+    hlen = FIXED_BYTES + n_ns + n_key + n_sdig + n_scope
+    if hlen > len(buf):
         raise RecordError("header fields run past the bytes read")
     try:
         kind = Op(op)
-        ns = bytes(buf[pos : pos + n_ns]).decode()
-        pos += n_ns
-        key = bytes(buf[pos : pos + n_key]).decode()
-        pos += n_key
-        sdig = bytes(buf[pos : pos + n_sdig])
-        pos += n_sdig
-        scope = bytes(buf[pos : pos + n_scope]).decode()
-    except (ValueError, UnicodeDecodeError):
+        ns, key, sdig, scope = _names(buf[:hlen], n_ns, n_key, n_sdig)
+    except ValueError:  # an unknown op, or text that is not UTF-8
         raise RecordError("not a readable header") from None
-    hlen = FIXED_BYTES + n_ns + n_key + n_sdig + n_scope
     return Record(kind, flags, ns, key, sdig, pins, scope, epoch, aux, plen, fields[11], hlen)
 
 

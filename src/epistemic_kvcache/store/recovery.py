@@ -135,8 +135,12 @@ def replay(
     *,
     verify: bool = True,
     progress: Progress | None = None,
+    seals: bool = True,
 ) -> None:
-    """Apply the log from `start` (None: from the beginning) to `st`, batch by batch."""
+    """Apply the log from `start` (None: from the beginning) to `st`, batch by batch,
+    after the segments' seals (`seals=False`: `st.seals` holds them already)."""
+    if seals:
+        read_seals(segments, st)
     pending: list[tuple[int, Scanned]] = []
     t_last = time.monotonic()
     for sid in sorted(segments):

@@ -8,10 +8,10 @@ object the engine calls (no subclass overrides an engine hook):
 
 - `LowerTier`: where a block lives below RAM. `NoLowerTier` (memory backend: a block
   that leaves RAM leaves the store) or the durable backend's disk log
-  (`durable.DiskLogTier`: a RAM copy may be dropped, reads fall through to the log).
+  (`disklog.DiskLogTier`: a RAM copy may be dropped, reads fall through to the log).
 - `Sequencer`: how a decided change reaches RAM. Apply-now (memory backend,
   `memory.ApplyNow`: decide and apply under the engine lock, in the caller's thread)
-  or group commit (`durable.GroupCommit`: queue for the committer, which decides,
+  or group commit (`disklog.GroupCommit`: queue for the committer, which decides,
   writes and syncs a batch, then applies it).
 - `EpochSource`: the current epoch of a (tenant, scope): a dict in RAM
   (`catalog.RamEpochs`) or the shared on-disk registry (`epochs.EpochRegistry`).

@@ -44,7 +44,7 @@ import errno
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +130,17 @@ def seg_id_of(path: Path) -> int | None:
     if path.suffix != ".seg" or not path.stem.isdigit():
         return None
     return int(path.stem)
+
+
+def open_segments(directory: Path) -> dict[int, Segment]:
+    """Every segment file in `directory` by id, opened as it is (none: no directory)."""
+    segs: dict[int, Segment] = {}
+    if directory.is_dir():
+        for p in sorted(directory.iterdir()):
+            sid = seg_id_of(p)
+            if sid is not None:
+                segs[sid] = Segment(sid, p, create=False)
+    return segs
 
 
 class Segment:
@@ -303,27 +314,20 @@ class _Pending:
     length: int = 0
 
 
+@dataclass(eq=False)
 class LogWriter:
     """Appends batches to the active segment (see the module docstring)."""
 
-    def __init__(
-        self,
-        directory: Path,
-        store_id: str,
-        segment_bytes: int,
-        io: DiskIO,
-        segments: dict[int, Segment],
-        *,
-        next_id: int,
-        delete_reserve: int = DELETE_RESERVE_BYTES,
-    ) -> None:
-        self.dir = directory
-        self.delete_reserve = delete_reserve
-        self.store_id = store_id
-        self.segment_bytes = segment_bytes
-        self.io = io
-        self.segments = segments
-        self.next_id = next_id
+    dir: Path
+    store_id: str
+    segment_bytes: int
+    io: DiskIO
+    segments: dict[int, Segment]
+    _: KW_ONLY
+    next_id: int
+    delete_reserve: int = DELETE_RESERVE_BYTES
+
+    def __post_init__(self) -> None:
         self.active: Segment | None = None
         self.pos = 0  # the active segment's valid end (where the next batch goes)
         self.zeroed_to = 0  # allocated and zeroed up to here in the active segment

@@ -30,12 +30,11 @@ from epistemic_kvcache.store.recovery import (
     finish,
     load_index,
     missing_segments,
-    read_seals,
     replay,
     reverify_quarantine,
     valid_ends,
 )
-from epistemic_kvcache.store.segments import Segment, seg_id_of
+from epistemic_kvcache.store.segments import Segment, open_segments
 
 Progress = Callable[[str], None]
 
@@ -104,17 +103,6 @@ def _lock(path: Path) -> int:
     return fd
 
 
-def _segments(path: Path) -> dict[int, Segment]:
-    segs: dict[int, Segment] = {}
-    seg_dir = path / "segments"
-    if seg_dir.is_dir():
-        for p in sorted(seg_dir.iterdir()):
-            sid = seg_id_of(p)
-            if sid is not None:
-                segs[sid] = Segment(sid, p, create=False)
-    return segs
-
-
 def check(
     persist_dir: str | os.PathLike[str],
     *,
@@ -127,10 +115,9 @@ def check(
     path = Path(persist_dir)
     fd = _lock(path)
     try:
-        segs = _segments(path)
+        segs = open_segments(path / "segments")
         out = CheckSummary(segments=len(segs), log_bytes=sum(s.size() for s in segs.values()))
         full = LogState()
-        read_seals(segs, full)
         if progress is not None:
             progress(f"replaying the whole log of {path} ({out.log_bytes >> 20} MiB)")
         replay(segs, full, None, verify=deep, progress=progress)
@@ -175,7 +162,6 @@ def _check_index(out: CheckSummary, ix: Index, segs: dict[int, Segment], full: L
         out.index = "empty: run `epistemic-kvcache store rebuild-index`"
         return
     st = load_index(ix)
-    read_seals(segs, st)
     replay(segs, st, start, verify=False)
     finish(st, segs, valid_ends(st, segs, start))
     if st.replayed_bytes:
