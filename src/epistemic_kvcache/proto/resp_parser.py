@@ -188,9 +188,6 @@ def _show_byte(b: int) -> str:
 # -- the request parser ---------------------------------------------------------------
 
 
-# -- the request parser ---------------------------------------------------------------
-
-
 class _State(enum.Enum):
     START = 0
     """Between commands: expect `*` (multibulk) or an inline line."""
