@@ -17,19 +17,18 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio
-import uvloop
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from epistemic_kvcache.errors import AuthError, DiskFullError, StorageIOError
 from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.proto.glob import Glob
-from epistemic_kvcache.server.context import Identity, ServerContext, ServerLimits
-from epistemic_kvcache.server.metrics import Metrics
-from epistemic_kvcache.server.resp import RespConnection, make_resp_factory
+from epistemic_kvcache.server.context import Identity, ServerLimits
+from epistemic_kvcache.server.resp import RespConnection
 from epistemic_kvcache.store import PutResult, SharedKvIndex
 from epistemic_kvcache.store.api import Buffer
 from helpers import eventually
+from servers import start_listener
 
 TOKEN_A = "token-alpha"
 TOKEN_B = "token-bravo"
@@ -52,57 +51,28 @@ class TokenAuth:
 
 
 class ServerThread:
-    """A RESP listener on 127.0.0.1:<free port> served by uvloop in a daemon thread."""
+    """A RESP listener of the shared harness (`servers.start_listener`, token auth as
+    above) with the helpers these tests need."""
 
     def __init__(self, limits: ServerLimits | None = None, store: SharedKvIndex | None = None):
-        self.store = store or SharedKvIndex()
-        self.ctx = ServerContext(
-            store=self.store,
-            auth=TokenAuth(TENANTS),
-            limits=limits or ServerLimits(),
-            metrics=Metrics(self.store),
+        self.listener = start_listener(
+            "resp", store=store or SharedKvIndex(), limits=limits, auth=TokenAuth(TENANTS)
         )
-        self.loop = uvloop.new_event_loop()
-        self.protocols: list[RespConnection] = []
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        factory = make_resp_factory(self.ctx)
+        self.store = self.listener.store
+        self.ctx = self.listener.ctx
+        self.loop = self.listener.loop
+        self.port = self.listener.port
+        self.close = self.listener.close
 
-        def tracking_factory() -> asyncio.BufferedProtocol:
-            proto = factory()
-            assert isinstance(proto, RespConnection)
-            self.protocols.append(proto)
-            return proto
-
-        async def start() -> asyncio.AbstractServer:
-            return await self.loop.create_server(tracking_factory, "127.0.0.1", 0)
-
-        self.server = asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
-        self.port: int = self.server.sockets[0].getsockname()[1]
+    @property
+    def protocols(self) -> list[RespConnection]:
+        """The open connections."""
+        return [p for p in self.ctx.live if isinstance(p, RespConnection)]
 
     def client(self, token: str = TOKEN_A, protocol: int = 2, **kwargs: object) -> redis.Redis:
         return redis.Redis(
             port=self.port, password=token, protocol=protocol, socket_timeout=30, **kwargs
         )
-
-    def close(self) -> None:
-        async def stop() -> None:
-            self.server.close()
-            for proto in self.protocols:
-                if proto._transport is not None:
-                    proto._transport.abort()
-            await asyncio.sleep(0.05)
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
-        self.ctx.executor.shutdown(wait=True)
-        self.store.close()
 
 
 @pytest.fixture(scope="module")

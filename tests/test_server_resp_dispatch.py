@@ -184,15 +184,42 @@ def test_a_peer_that_does_not_read_is_not_served_until_it_does() -> None:
         c.send(cmd("SET", "k", "v"))
         await c.reply(b"+OK\r\n")
         c.transport.fill(c.transport.high_water + 1)  # pause_writing
-        # Commands the task serves wait for the peer to read. (Not the inline fast path's
-        # GET/SET/EXISTS/STRLEN: `buffer_updated` answers those of one read even while
-        # writing is paused, up to its next flush.)
-        c.send(cmd("PING") + cmd("ECHO", "x"))
+        # Neither the inline fast path (GET) nor the task (PING, ECHO) answers while
+        # the peer does not read.
+        c.send(cmd("GET", "k") + cmd("PING") + cmd("ECHO", "x"))
         for _ in range(20):  # give the task every chance to (wrongly) answer
             await asyncio.sleep(0)
         assert c.transport.written == b""
         c.transport.drain()  # resume_writing
-        await c.reply(b"+PONG\r\n$1\r\nx\r\n")
+        await c.reply(b"$1\r\nv\r\n+PONG\r\n$1\r\nx\r\n")
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("read_size", [None, 5])
+def test_the_inline_commands_wait_while_the_peer_does_not_read(read_size: int | None) -> None:
+    """GET/SET/EXISTS/STRLEN, which the read callback answers inline when it can, are
+    not answered (nor SETs applied) while writing is paused; all are once it resumes."""
+
+    async def scenario(ctx: ServerContext) -> None:
+        c = Conn(ctx)
+        await c.login()
+        c.send(cmd("SET", "k", "v"))
+        await c.reply(b"+OK\r\n")
+        c.transport.fill(c.transport.high_water + 1)  # pause_writing
+        c.send(
+            cmd("GET", "k")
+            + cmd("SET", "k2", "v2")
+            + cmd("EXISTS", "k", "k2")
+            + cmd("STRLEN", "k"),
+            read_size=read_size,
+        )
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert c.transport.written == b""
+        assert ctx.store.get_nowait("alpha", "k2") is None  # not run either
+        c.transport.drain()  # resume_writing
+        await c.reply(b"$1\r\nv\r\n+OK\r\n:2\r\n:1\r\n")
 
     run(scenario)
 

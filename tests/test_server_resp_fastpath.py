@@ -3,7 +3,6 @@ futures) against redis-py over real sockets, on the durable and memory backends.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import select
 import socket
@@ -15,16 +14,14 @@ from typing import Any
 
 import pytest
 import redis
-import uvloop
 
 import hangup
 from epistemic_kvcache.options import StoreOptions
-from epistemic_kvcache.server.context import Identity, ServerContext, ServerLimits
-from epistemic_kvcache.server.metrics import Metrics
-from epistemic_kvcache.server.resp import make_resp_factory
+from epistemic_kvcache.server.context import Identity
 from epistemic_kvcache.server.resp.dispatch import Dispatcher
 from epistemic_kvcache.store import SharedKvIndex, SharedKvStoreBackend
 from epistemic_kvcache.store.api import SharedKvBackend
+from servers import start_listener
 
 TOKEN = "fast-token"
 
@@ -39,37 +36,17 @@ class _Auth:
 
 
 class _Server:
+    """A RESP listener of the shared harness (`servers.start_listener`) and a client."""
+
     def __init__(self, store: SharedKvBackend) -> None:
+        self.listener = start_listener("resp", store=store, auth=_Auth())
         self.store = store
-        self.ctx = ServerContext(
-            store=store, auth=_Auth(), limits=ServerLimits(), metrics=Metrics(store)
-        )
-        self.loop = uvloop.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-        async def start() -> asyncio.AbstractServer:
-            return await self.loop.create_server(make_resp_factory(self.ctx), "127.0.0.1", 0)
-
-        self.server = asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
-        sockets: Any = getattr(self.server, "sockets", None)  # uvloop's Server has them too
-        self.port: int = sockets[0].getsockname()[1]
+        self.ctx = self.listener.ctx
+        self.port = self.listener.port
+        self.close = self.listener.close
 
     def client(self) -> redis.Redis:
         return redis.Redis(port=self.port, password=TOKEN, socket_timeout=30)
-
-    def close(self) -> None:
-        async def stop() -> None:
-            self.server.close()
-            await self.server.wait_closed()
-
-        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        if not self.thread.is_alive():  # else closing would raise and hide why it hung
-            self.loop.close()
-        self.ctx.executor.shutdown(wait=True)
-        self.store.close()
 
 
 @pytest.fixture(params=["durable", "memory"])

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import redis
 
-from epistemic_kvcache.config import load_config
-from epistemic_kvcache.server.app import ServerHandle, ServerThread
+from epistemic_kvcache.server.app import ServerHandle
 from epistemic_kvcache.server.resp.commands_keys import KEYS_MAX
+from servers import running_server
 
 pytestmark = [
     pytest.mark.redis,
@@ -34,25 +34,14 @@ TOKEN_B = "home-token-b-0123456789"
 def server(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerHandle]:
-    tmp = tmp_path_factory.mktemp("home")
-    tokens = tmp / "tokens"
-    tokens.write_text(f"{TOKEN_A} tenant-a\n{TOKEN_B} tenant-b\n")
-    tokens.chmod(0o600)
-    config = load_config(
-        {
-            "addr": "127.0.0.1:0",
-            "resp_addr": "127.0.0.1:0",
-            "backend": request.param,
-            "persist_dir": str(tmp / "data"),
-            "token_file": str(tokens),
-            "stats_log_interval_s": "0",
-            "hot_capacity_bytes": "64MiB",
-            "warm_capacity_bytes": "0",
-        },
-        {},
-    )
-    with ServerThread(config) as handle:
-        yield handle
+    with running_server(
+        tmp_path_factory.mktemp("home"),
+        backend=request.param,
+        tokens={TOKEN_A: "tenant-a", TOKEN_B: "tenant-b"},
+        hot_capacity_bytes="64MiB",
+        warm_capacity_bytes="0",
+    ) as srv:
+        yield srv.handle
 
 
 @pytest.fixture(scope="module")

@@ -18,16 +18,14 @@ from typing import Any
 
 import pytest
 import redis
-import uvloop
 
 from epistemic_kvcache.errors import AuthError
 from epistemic_kvcache.options import StoreOptions
-from epistemic_kvcache.server.context import Identity, ServerContext, ServerLimits
-from epistemic_kvcache.server.metrics import Metrics
-from epistemic_kvcache.server.resp import make_resp_factory
+from epistemic_kvcache.server.context import Identity, ServerLimits
 from epistemic_kvcache.server.resp.session import MAX_MULTI_COMMANDS, TenantGates
 from epistemic_kvcache.store import SharedKvIndex, SharedKvStoreBackend
 from epistemic_kvcache.store.api import SharedKvBackend
+from servers import start_listener
 
 TOKENS = {"tok-a": "alpha", "tok-b": "bravo"}
 
@@ -41,51 +39,17 @@ class _Auth:
 
 
 class _Server:
+    """A RESP listener of the shared harness (`servers.start_listener`) and clients."""
+
     def __init__(self, store: SharedKvBackend, limits: ServerLimits | None = None) -> None:
+        self.listener = start_listener("resp", store=store, limits=limits, auth=_Auth())
         self.store = store
-        self.ctx = ServerContext(
-            store=store, auth=_Auth(), limits=limits or ServerLimits(), metrics=Metrics(store)
-        )
-        self.loop = uvloop.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-        factory = make_resp_factory(self.ctx)
-        self.protocols: list[Any] = []
-
-        def tracking_factory() -> asyncio.BufferedProtocol:
-            proto = factory()
-            self.protocols.append(proto)
-            return proto
-
-        async def start() -> asyncio.AbstractServer:
-            return await self.loop.create_server(tracking_factory, "127.0.0.1", 0)
-
-        self.server = asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
-        sockets: Any = getattr(self.server, "sockets", None)
-        self.port: int = sockets[0].getsockname()[1]
+        self.ctx = self.listener.ctx
+        self.port = self.listener.port
+        self.close = self.listener.close
 
     def client(self, token: str = "tok-a", **kwargs: Any) -> redis.Redis:
         return redis.Redis(port=self.port, password=token, socket_timeout=30, **kwargs)
-
-    def close(self) -> None:
-        async def stop() -> None:
-            self.server.close()
-            for proto in self.protocols:  # clients the test left open: cut them
-                if proto.transport is not None:
-                    proto.transport.abort()
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        if not self.thread.is_alive():
-            self.loop.close()
-        self.ctx.executor.shutdown(wait=True)
-        self.store.close()
 
 
 def _store(kind: str, path: Path) -> SharedKvBackend:

@@ -15,7 +15,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,16 +22,14 @@ from typing import Any
 
 import pytest
 import redis
-import uvloop
 
 from epistemic_kvcache.errors import AuthError
 from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.server.app import retire_forever, watch_epochs_forever
-from epistemic_kvcache.server.context import Identity, ServerContext, ServerLimits
-from epistemic_kvcache.server.metrics import Metrics
-from epistemic_kvcache.server.resp import make_resp_factory
+from epistemic_kvcache.server.context import Identity
 from epistemic_kvcache.store import SharedKvBackend, SharedKvIndex, SharedKvStoreBackend
 from helpers import eventually
+from servers import start_listener
 
 TENANTS = {"token-alpha": "alpha", "token-bravo": "bravo"}
 CHANNEL = "kvcache:epochs"
@@ -49,31 +46,18 @@ class TokenAuth:
 
 
 class Server:
-    """A RESP listener on 127.0.0.1:<free port>, its loop in a daemon thread."""
+    """A RESP listener of the shared harness (`servers.start_listener`, token auth as
+    above) with the pub/sub helpers these tests need."""
 
     def __init__(self, store: SharedKvBackend) -> None:
+        self.listener = start_listener("resp", store=store, auth=TokenAuth())
         self.store = store
-        self.ctx = ServerContext(
-            store=store, auth=TokenAuth(), limits=ServerLimits(), metrics=Metrics(store)
-        )
-        self.loop = uvloop.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.tasks: list[asyncio.Task[None]] = []
-
-        async def start() -> asyncio.AbstractServer:
-            return await self.loop.create_server(make_resp_factory(self.ctx), "127.0.0.1", 0)
-
-        self.server = asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
-        self.port: int = self.server.sockets[0].getsockname()[1]
-
-    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run `fn(*args)` on the server's loop and return its result."""
-
-        async def run() -> Any:
-            return fn(*args)
-
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
+        self.ctx = self.listener.ctx
+        self.loop = self.listener.loop
+        self.port = self.listener.port
+        self.call = self.listener.call
+        self.close = self.listener.close
+        self.tasks: list[asyncio.Task[Any]] = []
 
     def bump(self, tenant: str, scope: str) -> int:
         """What the HTTP bump route does: bump in the store, then notify."""
@@ -82,6 +66,8 @@ class Server:
         return epoch
 
     def start_task(self, coro_fn: Callable[..., Any], *args: Any) -> None:
+        """Run `coro_fn(*args)` as a task on the listener's loop (cancelled at close)."""
+
         async def start() -> None:
             self.tasks.append(asyncio.ensure_future(coro_fn(*args)))
 
@@ -89,21 +75,6 @@ class Server:
 
     def client(self, token: str = "token-alpha", protocol: int = 2) -> redis.Redis:
         return redis.Redis(port=self.port, password=token, protocol=protocol, socket_timeout=10)
-
-    def close(self) -> None:
-        async def stop() -> None:
-            self.server.close()
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
-        self.ctx.executor.shutdown(wait=True)
-        self.store.close()
 
 
 @pytest.fixture

@@ -188,9 +188,6 @@ def _show_byte(b: int) -> str:
 # -- the request parser ---------------------------------------------------------------
 
 
-# -- the request parser ---------------------------------------------------------------
-
-
 class _State(enum.Enum):
     START = 0
     """Between commands: expect `*` (multibulk) or an inline line."""
@@ -284,7 +281,8 @@ class RespParser:
         self._refusal = ""
         self._skip = 0
 
-        self._ready: deque[tuple[Command, int, int]] = deque()
+        self._ready: deque[tuple[Command, int, int, int]] = deque()
+        """Framed commands not yet taken: (command, size, held, cost)."""
         self._ready_bytes = 0
         self._ready_cost = 0
         self._error: RemoteProtocolError | None = None
@@ -358,12 +356,13 @@ class RespParser:
         Raises `RemoteProtocolError` (again on every call) once the input is broken and
         every command framed before the bad bytes has been returned.
         """
-        if not self._ready and self._error is None:
-            self._advance()
-        if self._ready:
-            cmd, size, held = self._ready.popleft()
+        ready = self._ready
+        if not ready and self._error is None and self._pos < len(self._buf):
+            self._advance()  # bytes left unframed (`max_ready`, or lazy before AUTH)
+        if ready:
+            cmd, size, held, cost = ready.popleft()
             self._ready_bytes -= size
-            self._ready_cost -= size - held + COMMAND_OVERHEAD + ARG_OVERHEAD * len(cmd)
+            self._ready_cost -= cost
             self.held_bytes -= held
             return cmd
         if self._error is not None:
@@ -384,9 +383,10 @@ class RespParser:
                 size = held = 0
             else:
                 size, held = args_size(cmd), _held(cmd)
-            self._ready.appendleft((cmd, size, held))
+            cost = size - held + COMMAND_OVERHEAD + ARG_OVERHEAD * len(cmd)
+            self._ready.appendleft((cmd, size, held, cost))
             self._ready_bytes += size
-            self._ready_cost += size - held + COMMAND_OVERHEAD + ARG_OVERHEAD * len(cmd)
+            self._ready_cost += cost
             self.held_bytes += held
 
     # -- what the owner accounts ------------------------------------------------------
@@ -472,18 +472,21 @@ class RespParser:
 
         The one framer: a resumable state machine (`_state` and the command being framed
         carry over to the next call), each state taking as much as the bytes allow.
-        Raises `RemoteProtocolError` at the first bad byte."""
+        Raises `RemoteProtocolError` at the first bad byte.
+
+        START and ARG_HEADER share one loop over a command's arguments that keeps the
+        command in local variables (written back to the parser only when the bytes run
+        out mid-command or a large bulk starts), so a read of complete small commands
+        is framed without a call per argument or per command."""
+        ready = self._ready
         with memoryview(data) as view:
             while True:
                 state = self._state
-                if state is _ARG_HEADER:
-                    pos = self._frame_args(data, view, pos, end)
-                    if self._state is _ARG_HEADER:
-                        return pos  # waiting for a header
-                elif state is _START:
-                    if (self._ready and not self.authenticated) or pos >= end:
+                if state is _START:
+                    if pos >= end or (ready and not self.authenticated):
                         return pos  # lazy before AUTH: limits may change after a command
-                    if self.max_ready is not None and len(self._ready) >= self.max_ready:
+                    max_ready = self.max_ready
+                    if max_ready is not None and len(ready) >= max_ready:
                         return pos
                     if data[pos] != 0x2A:  # not '*': an inline command
                         nxt = self._inline(data, pos, end)
@@ -505,8 +508,18 @@ class RespParser:
                         raise _perr("invalid multibulk length")
                     if not self.authenticated and count > self.unauthenticated_max_multibulk_len:
                         raise _perr("unauthenticated multibulk length")
-                    if count > 0:  # `*0` / `*-1`: an empty request, ignored like Redis
-                        self._begin_command(count)
+                    if count <= 0:  # `*0` / `*-1`: an empty request, ignored like Redis
+                        continue
+                    args: Command = []
+                    nbytes = held = 0
+                    left = count
+                    refused = False
+                elif state is _ARG_HEADER:
+                    args = self._args
+                    nbytes = self._args_bytes
+                    held = self._args_held
+                    left = self._args_left
+                    refused = self._refused
                 elif state is _ARG_BODY:
                     stop = pos + self._bulk_len
                     if end < stop + 2:
@@ -515,6 +528,7 @@ class RespParser:
                         raise _perr("expected '\\r\\n' after bulk data")
                     self._push_arg(bytes(view[pos:stop]))
                     pos = stop + 2
+                    continue
                 elif state is _BIG_BODY:
                     big = self._big
                     missing = len(big) - self._big_filled
@@ -535,6 +549,7 @@ class RespParser:
                     self._drop_big()
                     self._args_held += len(big)
                     self._push_arg(big, big=True)
+                    continue
                 else:  # SKIP_BODY
                     drop = min(self._skip, end - pos)
                     self._skip -= drop
@@ -545,53 +560,87 @@ class RespParser:
                         raise _perr("expected '\\r\\n' after bulk data")
                     pos += 2
                     self._push_arg(b"")
+                    continue
 
-    def _frame_args(self, data: bytearray, view: memoryview, pos: int, end: int) -> int:
-        """State ARG_HEADER: frame the command's arguments, small ones in one loop, until
-        it is complete, a large bulk starts, a small bulk is cut short, or the header is
-        (state left as is)."""
-        max_line = self.max_inline_bytes
-        max_bulk = self.max_bulk_bytes
-        big_from = self.large_bulk_threshold
-        auth_limit = None if self.authenticated else self.unauthenticated_max_bulk_bytes
-        match = _BULK_HEAD.match
-        while pos < end:
-            m = match(data, pos, end)
-            if m is not None and m.end() - 2 - pos <= max_line:
-                length: int | None = int(m.group(1))
-                start = m.end()
-            else:
-                if data[pos] != 0x24:  # '$'
-                    raise _perr(f"expected '$', got '{_show_byte(data[pos])}'")
-                cr = self._header_line(data, pos, end, "bulk")
-                if cr < 0:
+                # The arguments of the command (`left` to go), small ones in this loop.
+                max_line = self.max_inline_bytes
+                max_bulk = self.max_bulk_bytes
+                auth_limit = None if self.authenticated else self.unauthenticated_max_bulk_bytes
+                small_max = min(self.large_bulk_threshold - 1, max_bulk, auth_limit or max_bulk)
+                match = _BULK_HEAD.match
+                while left:
+                    if pos >= end:
+                        length = -1  # waiting for a header
+                        break
+                    m = match(data, pos, end)
+                    if m is not None and m.end() - 2 - pos <= max_line:
+                        length = int(m.group(1))
+                        start = m.end()
+                    else:
+                        if data[pos] != 0x24:  # '$'
+                            raise _perr(f"expected '$', got '{_show_byte(data[pos])}'")
+                        cr = self._header_line(data, pos, end, "bulk")
+                        if cr < 0:
+                            length = -1
+                            break
+                        parsed = _parse_int(data[pos + 1 : cr])
+                        if parsed is None or parsed < 0:
+                            raise _perr("invalid bulk length")
+                        length = parsed
+                        start = cr + 2
+                    if length > small_max:
+                        if length > max_bulk:
+                            raise _perr("invalid bulk length")
+                        if auth_limit is not None and length > auth_limit:
+                            raise _perr("unauthenticated bulk length")
+                        pos = start
+                        break  # a large bulk
+                    stop = start + length
+                    if end < stop + 2:
+                        pos = start
+                        break  # a small bulk cut short
+                    if data[stop] != 0x0D or data[stop + 1] != 0x0A:
+                        raise _perr("expected '\\r\\n' after bulk data")
+                    if not refused:
+                        args.append(bytes(view[start:stop]))
+                        nbytes += length
+                    pos = stop + 2
+                    left -= 1
+                if left:  # stopped inside the command: it carries over in the parser
+                    self._args = args
+                    self._args_bytes = nbytes
+                    self._args_held = held
+                    self._args_left = left
+                    self._args_cost = (
+                        0
+                        if refused
+                        else COMMAND_OVERHEAD + ARG_OVERHEAD * len(args) + nbytes - held
+                    )
+                    self._refused = refused
+                    self._state = _ARG_HEADER
+                    if length < 0:
+                        return pos
+                    self._bulk_len = length
+                    if length > small_max:
+                        self._open_large(length)
+                        continue
+                    self._state = _ARG_BODY
                     return pos
-                length = _parse_int(data[pos + 1 : cr])
-                start = cr + 2
-            if length is None or length < 0 or length > max_bulk:
-                raise _perr("invalid bulk length")
-            if auth_limit is not None and length > auth_limit:
-                raise _perr("unauthenticated bulk length")
-            self._bulk_len = length
-            if length >= big_from:
-                self._open_large(length)
-                return start
-            stop = start + length
-            if end < stop + 2:
-                self._state = _ARG_BODY
-                return start
-            if data[stop] != 0x0D or data[stop + 1] != 0x0A:
-                raise _perr("expected '\\r\\n' after bulk data")
-            pos = stop + 2
-            if self._refused or self._args_left == 1:
-                if self._push_arg(bytes(view[start:stop])):
-                    return pos
-            else:  # the common step, `_push_arg` inlined
-                self._args.append(bytes(view[start:stop]))
-                self._args_bytes += length
-                self._args_cost += ARG_OVERHEAD + length
-                self._args_left -= 1
-        return pos
+                # The command is complete.
+                if state is not _START:
+                    self._args = []
+                    self._args_bytes = self._args_held = self._args_cost = 0
+                    self._refused = False
+                    self._state = _START
+                if refused:
+                    self.held_bytes -= held  # large bulks read after the refusal
+                    self._finish(RefusedCommand(self._refusal), 0)
+                    continue
+                cost = nbytes - held + COMMAND_OVERHEAD + ARG_OVERHEAD * len(args)
+                ready.append((args, nbytes, held, cost))
+                self._ready_bytes += nbytes
+                self._ready_cost += cost
+                self.commands_parsed += 1
 
     def _header_line(self, data: bytearray, pos: int, end: int, what: str) -> int:
         """Index of the CR of the header line at `pos`, or -1 (checks its length)."""
@@ -626,16 +675,6 @@ class RespParser:
             raise _perr("unauthenticated inline request")
         self._finish(args, sum(len(a) for a in args))
         return nl + 1
-
-    def _begin_command(self, count: int) -> None:
-        """A multibulk header `*<count>` was read: expect its `count` arguments."""
-        self._args_left = count
-        self._args = []
-        self._args_bytes = 0
-        self._args_held = 0
-        self._args_cost = COMMAND_OVERHEAD
-        self._refused = False
-        self._state = _ARG_HEADER
 
     def _open_large(self, length: int) -> None:
         """A large bulk's header was read: its preallocated array (once `reserve`
@@ -707,7 +746,9 @@ class RespParser:
         return True
 
     def _finish(self, cmd: Command, size: int, held: int = 0) -> None:
-        self._ready.append((cmd, size, held))
+        """A command framed (`_frame` does the same inline for a complete small one)."""
+        cost = size - held + COMMAND_OVERHEAD + ARG_OVERHEAD * len(cmd)
+        self._ready.append((cmd, size, held, cost))
         self._ready_bytes += size
-        self._ready_cost += size - held + COMMAND_OVERHEAD + ARG_OVERHEAD * len(cmd)
+        self._ready_cost += cost
         self.commands_parsed += 1

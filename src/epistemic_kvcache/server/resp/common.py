@@ -68,11 +68,14 @@ def to_int(arg: Buffer, error: ErrorReply = NOT_AN_INTEGER) -> int:
     return value
 
 
+INVALID_KEY: Final = ErrorReply("ERR invalid key: not valid UTF-8")
+
+
 def to_key(arg: Buffer) -> str:
     try:
-        return bytes(arg).decode("utf-8")
+        return str(arg, "utf-8")
     except UnicodeDecodeError:
-        raise Reply(ErrorReply("ERR invalid key: not valid UTF-8")) from None
+        raise Reply(INVALID_KEY) from None
 
 
 def to_glob(pattern: Buffer) -> Glob:

@@ -10,12 +10,13 @@ read straight into its final preallocated array. The parser frames at most
 more than a bounded amount of work.
 A per-connection task takes commands in order and hands each to the `Dispatcher`
 (server/resp/dispatch.py), writing replies before taking the next, so pipelined replies
-keep request order. While the task is parked waiting for input, `buffer_updated` runs
-the dispatcher's inline path (`run_inline`) over what the read framed, without waking
-it: GET/SET/EXISTS/STRLEN the store answers at once are answered and their replies
-written together; durable SETs are started there and the task, woken, sends their
-replies once committed; the first command the store cannot answer inline stays queued
-in the parser for the task, in order.
+keep request order. While the task is parked waiting for input and the peer reads its
+replies (writing is not paused), `buffer_updated` runs the dispatcher's inline path
+(`run_fast`) over what the read framed, without waking it: GET/SET/EXISTS/STRLEN the
+store answers at once are answered and their replies written together; durable SETs
+are started there and the task, woken, sends their replies once committed; the first
+command the store cannot answer inline stays queued in the parser for the task, in
+order.
 
 Fairness: the task yields to the event loop once a time slice (`SLICE_S`) of commands
 has run, and after every command before AUTH, so no connection holds the loop.
@@ -121,6 +122,10 @@ class RespConnection(asyncio.BufferedProtocol):
         self._wakeup = asyncio.Event()
         self._can_write = asyncio.Event()
         self._can_write.set()
+        self._writable = True
+        """`_can_write` is set: the transport has not paused writing."""
+        self._output_held = False
+        """Whether "output" may be non-zero in the account (so `_write` can skip it)."""
         self._write_paused_since: float | None = None
         self._closing = False
         self._eof = False
@@ -179,10 +184,21 @@ class RespConnection(asyncio.BufferedProtocol):
         self.reads += 1
         parser = self._parser
         parser.buffer_updated(nbytes)
-        if self._parked and self._can_write.is_set() and self._may_answer_inline():
-            # The fast path: what the store answers at once is answered here, with the
-            # task left parked; durable SETs are started here and finished by the task.
-            self._dispatcher.run_inline(self._write_more)
+        dispatcher = self._dispatcher
+        s = self.session
+        if (
+            self._parked
+            and self._writable
+            and s.identity is not None
+            and not s.channels
+            and not dispatcher.started
+            and not self._closing
+        ):
+            # The fast path: the task is parked (nothing of this connection runs), the
+            # peer reads its replies, no SET started here waits for its reply. What the
+            # store answers at once is answered here, with the task left parked;
+            # durable SETs are started here and finished by the task.
+            dispatcher.run_fast(self._write)
         if parser.pending_bytes or parser.has_error:  # (a framed command counts in it)
             self._after_read()  # something is left: the general bookkeeping
         else:
@@ -191,23 +207,10 @@ class RespConnection(asyncio.BufferedProtocol):
             if self._account_holds_input:
                 self._account.set("input", 0, force=True)
                 self._account_holds_input = False
-            if self._dispatcher.started:
+            if dispatcher.started:
                 self._wakeup.set()
         if time.perf_counter() - started > READ_SLICE_S:
             self._yield_reading()
-
-    def _may_answer_inline(self) -> bool:
-        """Whether the read callback may answer commands itself: the task is parked (so
-        nothing of this connection runs), authenticated, not subscribed, not closing,
-        and no SET it started is waiting for its reply."""
-        s = self.session
-        return (
-            self._parked
-            and s.identity is not None
-            and not s.channels
-            and not self._closing
-            and not self._dispatcher.started
-        )
 
     def _after_read(self) -> None:
         """Bookkeeping after the parser took a read: progress, accounting, waking the
@@ -268,9 +271,11 @@ class RespConnection(asyncio.BufferedProtocol):
         if self._task is not None and not self._task.done():
             self._task.cancel()
         self._can_write.set()
+        self._writable = True
         self._wakeup.set()
 
     def pause_writing(self) -> None:
+        self._writable = False
         self._can_write.clear()
         self._write_paused_since = self._loop.time()
 
@@ -278,6 +283,7 @@ class RespConnection(asyncio.BufferedProtocol):
         self._last_activity = self._loop.time()
         self._write_paused_since = None
         self._account_output()
+        self._writable = True
         self._can_write.set()
 
     # -- the command loop -------------------------------------------------------------------
@@ -314,7 +320,7 @@ class RespConnection(asyncio.BufferedProtocol):
                     slice_start = loop_time()
                     continue
                 self._resume_reading(force=False)
-                if not self._can_write.is_set():
+                if not self._writable:
                     await self._can_write.wait()
                     if self._closing:
                         return
@@ -388,6 +394,7 @@ class RespConnection(asyncio.BufferedProtocol):
     def _account_output(self) -> None:
         limit = self._limits.client_output_buffer_limit_bytes
         queued = self._account.track_output(self._transport, limit)
+        self._output_held = self._account.holding("output") > 0
         if queued is not None and not self._closing:
             self._ctx.refusals.note(
                 WIRE,
@@ -409,20 +416,20 @@ class RespConnection(asyncio.BufferedProtocol):
         self._account_holds_input = pending > 0
 
     # -- I/O helpers ------------------------------------------------------------------------
-    def _write(self, buffers: list[Buffer]) -> None:
+    def _write(self, buffers: list[Buffer]) -> bool:
+        """Write `buffers`, and say whether the peer keeps up (more may be written)."""
         transport = self._transport
-        if transport is None or transport.is_closing() or not buffers:
-            return
-        if len(buffers) == 1:
-            transport.write(buffers[0])
-        else:
-            transport.writelines(buffers)
-        self._account_output()
-
-    def _write_more(self, buffers: list[Buffer]) -> bool:
-        """The fast path's writer: write, and say whether the peer is keeping up."""
-        self._write(buffers)
-        return self._can_write.is_set() and not self._closing
+        if transport is None or transport.is_closing():
+            return False
+        if buffers:
+            if len(buffers) == 1:
+                transport.write(buffers[0])
+            else:
+                transport.writelines(buffers)
+            # "output" counts what the transport holds back (most writes: nothing)
+            if self._output_held or transport.get_write_buffer_size():
+                self._account_output()
+        return self._writable and not self._closing
 
     def _close(self, *, abort: bool = False) -> None:
         self._closing = True

@@ -10,12 +10,13 @@ server/resp/commands*.py.
 A connection owns one `Dispatcher`, reading its framed commands straight from the
 parser (`peek` / `next_command` / `unread`). Two entry points:
 - `run_fast` (the read callback, while the connection's task is parked) is the one inline
-  dispatcher: GET, SET, EXISTS and STRLEN ask the store's `*_nowait` capability
-  (`SharedKvBackend`: an answer, a future for a durable PUT, or `WOULD_BLOCK`). A reply is
-  written at once; a durable SET is started (its future goes to `started`, with the
+  dispatcher: it takes commands (`next_command`) and GET, SET, EXISTS and STRLEN ask the
+  store's `*_nowait` capability (`SharedKvBackend`: an answer, a future for a durable
+  PUT, or `WOULD_BLOCK`). Replies are written together (one write per read, or per
+  `FAST_FLUSH_BYTES`); a durable SET is started (its future goes to `started`, with the
   plain SETs pipelined right behind it, so they share one group commit) and the task
-  awaits it (`finish_started`); at `WOULD_BLOCK` it stops and leaves the command to the
-  task. So every plain SET is tried once.
+  awaits it (`finish_started`); at `WOULD_BLOCK` or any other command it puts that
+  command back (`unread`) and leaves it to the task. So every plain SET is tried once.
 - `execute(cmd)` (the task) checks the command (known, allowed before AUTH, arity,
   subscribed mode) and runs it: the same `*_nowait` answers for the four commands; a
   blocking command in one thread-pool job together with the blocking commands framed
@@ -34,12 +35,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from epistemic_kvcache.buffers import received_block
-from epistemic_kvcache.errors import StoreError
+from epistemic_kvcache.errors import RemoteProtocolError, StoreError
 from epistemic_kvcache.proto.resp import (
+    NEED_DATA,
     Arg,
     Buffer,
     Command,
     ErrorReply,
+    Event,
     RefusedCommand,
     SimpleString,
     args_size,
@@ -48,6 +51,7 @@ from epistemic_kvcache.proto.resp import (
 )
 from epistemic_kvcache.server.resp.common import (
     INTERNAL_ERROR,
+    INVALID_KEY,
     NOAUTH,
     OK,
     WIRE,
@@ -90,6 +94,7 @@ _FAST_NAMES: Final = {
     b"exists": "exists", b"EXISTS": "exists", b"strlen": "strlen", b"STRLEN": "strlen",
 }  # fmt: skip
 _FAST_ROUTES: Final = ("get", "set", "exists", "strlen")
+_FAST_READS: Final = frozenset({"get", "strlen"})
 FAST_FLUSH_BYTES: Final = 64 * 1024
 """The fast path hands its replies to the transport once they reach this many bytes,
 so a client that does not read is noticed (`pause_writing`) before more are made."""
@@ -129,8 +134,8 @@ class CommandQueue(Protocol):
 
     def peek(self) -> Command | None: ...
 
-    def next_command(self) -> object:
-        """Take the command `peek` returned."""
+    def next_command(self) -> Event:
+        """Take the next command (`NEED_DATA` when none is framed)."""
 
     def unread(self, commands: list[Command]) -> None:
         """Put commands back at the front, in order."""
@@ -179,8 +184,6 @@ class Dispatcher:
         self.started: list[tuple[object, float, Command]] = []
         """Plain SETs begun inline whose replies are not sent yet (a durable one's is a
         future): `finish_started` awaits them, in order, on the connection's task."""
-        self._flushed = False
-        """`run_fast` stopped because its replies reached `FAST_FLUSH_BYTES`."""
         self._gate: str | None = None
         """The tenant whose gate `run_fast` entered for `started` (left when finished)."""
 
@@ -561,74 +564,88 @@ class Dispatcher:
         except StoreError as exc:
             return store_error_reply(exc, "set")
 
-    def run_fast(self, out: list[Buffer], limit: int) -> int:
+    def run_fast(
+        self, write: Callable[[list[Buffer]], bool], limit: int = INLINE_MAX_COMMANDS
+    ) -> int:
         """The one inline dispatcher: answer the framed commands at the head of the queue
-        that the store answers at once (`*_nowait`), taking each it answers; the
-        connection's task is parked, so nothing of this connection runs meanwhile.
+        that the store answers at once (`*_nowait`); the connection's task is parked, so
+        nothing of this connection runs meanwhile.
 
-        Replies are appended to `out` as buffers, in order. A SET the store starts but
-        cannot finish at once (durable: a future) goes to `started` with the plain SETs
-        right behind it; the task sends their replies (`finish_started`). Stops at the
-        first command the store cannot answer inline (the task runs it), after `limit`
-        commands, or once the replies reach `FAST_FLUSH_BYTES`; returns how many it took.
-        Successes are counted straight into their metric series, the rest (errors, or
-        everything while the access log is on) through `observe`.
+        Each command is taken (`next_command`) and answered; the first one it cannot
+        answer is put back (`unread`) for the task, in order. Replies are handed to
+        `write` as buffers, in order, in one call per `FAST_FLUSH_BYTES`; `write` says
+        whether the peer keeps up, and when it does not, this stops. A SET the store
+        starts but cannot finish at once (durable: a future) goes to `started` with the
+        plain SETs right behind it; the task sends their replies (`finish_started`).
+        Stops after `limit` commands; returns how many it took. Successes are counted
+        straight into their metric series, the rest (errors, or everything while the
+        access log is on) through `observe`.
         """
         s = self.session
-        ns = s.namespace
+        identity = s.identity
+        if identity is None or s.multi is not None:
+            return 0  # (a transaction queues its commands: the task)
+        ns = identity.tenant
         gates = s.shared.gates
-        if s.multi is not None or ns in gates.held:
-            return 0  # queued for a transaction, or one of the tenant runs: the task
+        if ns in gates.held:
+            return 0  # a transaction of the tenant runs: the task waits for it
         store = self.store
-        queue = self.queue
+        take = self.queue.next_command
         started = self.started
         plain = not self.ctx.access_log.enabled
         series = self._series
         perf = time.perf_counter
+        out: list[Buffer] = []
         taken = 0
         queued = 0
         tallies: dict[str, list[Any]] = {}  # route -> [calls, seconds, failures]
         t0 = perf()
-        self._flushed = False
         while taken < limit:
             if queued >= FAST_FLUSH_BYTES:
-                self._flushed = True
-                break
-            cmd = queue.peek()
-            if cmd is None:
+                queued = 0
+                more, out = write(out), []
+                if not more:
+                    break
+            try:
+                cmd = take()
+            except RemoteProtocolError:
+                break  # (the task takes the error)
+            if cmd is NEED_DATA:
                 break
             argc = len(cmd)
-            if argc < 2:  # (a refused command is empty: the task answers it)
-                break
-            name = cmd[0]
+            name = cmd[0] if argc > 1 else b""  # (a refused command is empty: the task)
             kind = _FAST_NAMES.get(name) if type(name) is bytes else None
             if kind is None:
                 kind = _fast_name(name)
-            if kind == "set" and argc == 3:
+            if kind == "set" and argc == 3 and len(started) < MAX_PIPELINED_SETS:
                 route = "set"
-            elif started:
-                break  # behind a started SET only plain SETs may start
-            elif kind == "exists" or (argc == 2 and kind in {"get", "strlen"}):
+            elif not started and (kind == "exists" or (argc == 2 and kind in _FAST_READS)):
                 route = kind
-            else:
+            else:  # behind a started SET only plain SETs may start
+                self.queue.unread([cmd])
                 break
             reply: object
             try:
                 if route == "get":
-                    reply = store.get_nowait(ns, to_key(cmd[1]))
+                    reply = store.get_nowait(ns, str(cmd[1], "utf-8"))
                 elif route == "set":
-                    if len(started) >= MAX_PIPELINED_SETS:
-                        break
-                    reply = store.put_nowait(ns, to_key(cmd[1]), received_block(cmd[2]))
+                    value = cmd[2]
+                    reply = store.put_nowait(
+                        ns,
+                        str(cmd[1], "utf-8"),
+                        value if type(value) is bytes else received_block(value),
+                    )
                 else:
                     reply = _READ_NOWAIT[route](self, cmd)
+            except UnicodeDecodeError:
+                reply = INVALID_KEY
             except Reply as exc:
                 reply = exc.reply
             except StoreError as exc:
                 reply = store_error_reply(exc, route)
             if reply is WOULD_BLOCK:
+                self.queue.unread([cmd])
                 break
-            queue.next_command()
             taken += 1
             if started or isinstance(reply, concurrent.futures.Future):
                 if not started and gates.enter_nowait(ns):
@@ -638,9 +655,13 @@ class Dispatcher:
                 continue
             if isinstance(reply, PutResult):
                 reply = OK if reply.applied else None
-            for buf in self.encode(reply):
-                out.append(buf)
-                queued += len(buf)
+            if reply is OK:
+                out.append(b"+OK\r\n")
+                queued += 5
+            else:
+                for buf in self.encode(reply):
+                    out.append(buf)
+                    queued += len(buf)
             t1 = perf()
             failed = isinstance(reply, ErrorReply)
             if plain and not failed:
@@ -655,31 +676,15 @@ class Dispatcher:
                 tally[1] += t1 - t0
                 tally[2] += failed
             t0 = t1
-        if tallies and s.identity is not None:
-            activity = s.shared.activity(s.identity.tenant)
+        if out:
+            write(out)
+        if tallies:
+            activity = s.shared.activity(ns)
             for route, (calls, seconds, failures) in tallies.items():
                 activity.commands += calls
                 activity.count(route, seconds, failures, calls)
             s.last_command = t0
         return taken
-
-    def run_inline(self, write: Callable[[list[Buffer]], bool]) -> None:
-        """Answer framed commands inline (`run_fast`) while the task is parked.
-
-        `write` sends replies and says whether more may be written now. Stops at the
-        first command it cannot answer at once (the task runs it), once SETs were
-        started (the task finishes them), after `INLINE_MAX_COMMANDS`, or when `write`
-        says the peer is not reading.
-        """
-        left = INLINE_MAX_COMMANDS
-        while left > 0:
-            out: list[Buffer] = []
-            ran = self.run_fast(out, left)
-            if out and not write(out):
-                return
-            if ran == 0 or self.started or not self._flushed:
-                return  # (not stopped to flush: nothing more it can answer now)
-            left -= ran
 
     def _start_following_sets(self) -> None:
         """Start the plain SETs framed right behind the started ones (task side), so
