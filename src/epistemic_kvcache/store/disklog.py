@@ -29,7 +29,6 @@ from epistemic_kvcache.store.api import (
     PutCond,
     PutOutcome,
     PutResult,
-    decide_put,
     owned_buffer,
 )
 from epistemic_kvcache.store.checkpointer import Checkpointer
@@ -89,9 +88,9 @@ class DurableCore(Protocol):
     def _forget_internal(self, tenant: str, items: list[tuple[str, str]]) -> None: ...
     def _scoped(self, ns_raw: bytes, digest: bytes) -> bytes: ...
     def _lookup(self, ns: str, key: str) -> _Blob | None: ...
-    def _stale(self, ns: str, key: str) -> bool: ...
-    def _fww(self, ns: str) -> bool: ...
-    def _count_put(self, ns: str, outcome: PutOutcome, deduped: bool) -> None: ...
+    def _decide_put_locked(
+        self, ns: str, key: str, sdig: bytes, digest: bytes, size: int, cond: PutCond
+    ) -> tuple[PutOutcome, _Blob | None, PutResult | None]: ...
     def _make_hot_room(self, sizes: Iterable[int]) -> None: ...
 
 
@@ -266,20 +265,10 @@ class GroupCommit:
         digest = digest_of(data)
         sdig = s._scoped(raw, digest)
         with s._lock:
-            if not s._inflight.get((ns, key)):
-                existing = s._lookup(ns, key)
-                if existing is not None and s._tags and s._stale(ns, key):
-                    existing = None
-                outcome = decide_put(
-                    existing.sdig if existing is not None else None, sdig, cond, s._fww(ns)
-                )
-                if outcome is PutOutcome.MISSING:
-                    s._count_put(ns, outcome, False)
-                    return PutResult(outcome, digest, len(data))
-                if outcome is PutOutcome.DUPLICATE or outcome is PutOutcome.CONFLICT:
-                    assert existing is not None
-                    s._count_put(ns, outcome, False)
-                    return PutResult(outcome, existing.digest, existing.size)
+            if not s._inflight.get((ns, key)):  # else the committer decides, in order
+                answer = s._decide_put_locked(ns, key, sdig, digest, len(data), cond)[2]
+                if answer is not None:
+                    return answer
         if wait and sdig not in s._blobs:  # unlocked look: a hint
             s._make_hot_room((len(data),))
         op = _Op("put", ns, key, sdig=sdig, digest=digest, data=data, tag=tag, cond=cond)

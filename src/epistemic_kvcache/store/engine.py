@@ -41,10 +41,12 @@ from epistemic_kvcache.store.api import (
     Buffer,
     ConsistencyReport,
     PutCond,
+    PutOutcome,
     PutResult,
     SharedKvBackend,
     StoreStats,
     check_block_size,
+    decide_put,
     read_only,
     validate_cond,
     validate_key,
@@ -217,6 +219,24 @@ class TieredEngine(Catalog, SharedKvBackend):
     def _lookup(self, ns: str, key: str) -> _Blob | None:
         idx = self._index.get(ns)
         return idx.get(key) if idx is not None else None
+
+    def _decide_put_locked(
+        self, ns: str, key: str, sdig: bytes, digest: bytes, size: int, cond: PutCond
+    ) -> tuple[PutOutcome, _Blob | None, PutResult | None]:
+        """Decide a PUT of hashed bytes against the key's entry as RAM holds it (lock
+        held): (outcome, the entry or None, the answer when the PUT writes nothing -
+        counted here - else None). A stale entry decides as an absent one."""
+        existing = self._lookup(ns, key)
+        live = None if existing is None or (self._tags and self._stale(ns, key)) else existing
+        outcome = decide_put(live.sdig if live is not None else None, sdig, cond, self._fww(ns))
+        if outcome is PutOutcome.MISSING:
+            self._count_put(ns, outcome, False)
+            return outcome, existing, PutResult(outcome, digest, size)
+        if outcome is PutOutcome.DUPLICATE or outcome is PutOutcome.CONFLICT:
+            assert live is not None  # nothing written
+            self._count_put(ns, outcome, False)
+            return outcome, existing, PutResult(outcome, live.digest, live.size)
+        return outcome, existing, None
 
     # -- effects: the only code that changes the index and refcounts ---------------------
     def _apply(self, effects: Sequence[Effect]) -> None:

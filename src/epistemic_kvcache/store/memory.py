@@ -21,9 +21,7 @@ from epistemic_kvcache.store.api import (
     Buffer,
     ConsistencyReport,
     PutCond,
-    PutOutcome,
     PutResult,
-    decide_put,
     owned_buffer,
     validate_namespace,
 )
@@ -78,19 +76,9 @@ class ApplyNow:
         if internal is not None and internal[2] not in e._meta(internal[1]).get(internal[0], {}):
             # the branch was deleted while this PUT was being hashed
             raise NotFoundError(f"no {internal[1]} {internal[2]!r}")
-        idx = e._index.get(ns)
-        existing = idx.get(key) if idx is not None else None
-        stale = existing is not None and bool(e._tags) and e._stale(ns, key)
-        outcome = decide_put(
-            None if existing is None or stale else existing.sdig, sdig, cond, e._fww(ns)
-        )
-        if outcome is PutOutcome.MISSING:
-            e._count_put(ns, outcome, False)
-            return PutResult(outcome, digest, size)
-        if outcome is PutOutcome.DUPLICATE or outcome is PutOutcome.CONFLICT:
-            assert existing is not None  # nothing written
-            e._count_put(ns, outcome, False)
-            return PutResult(outcome, existing.digest, existing.size)
+        outcome, existing, answer = e._decide_put_locked(ns, key, sdig, digest, size, cond)
+        if answer is not None:
+            return answer
         if existing is None and internal is None:
             e._check_key_quota(ns)
         shared = sdig in e._blobs
