@@ -11,33 +11,42 @@ request in flight per connection) with GET or SET at each size, over the RESP wi
 over HTTP, for `--seconds` per cell (whole passes, keys written before a GET cell
 starts). Per cell, from /proc/<pid>/task/<tid>/stat before and after: the event-loop
 thread's CPU (the main thread of `serve`: tid == pid) and the whole process's, in
-CPU-seconds per GB moved; and, from `py-spy record --gil` (samples only the thread
-holding the GIL, at `PYSPY_RATE` Hz), the seconds the GIL was held, split into the
-loop thread's (stacks not started by `threading`) and the other threads'.
+CPU-seconds per GB moved; and, from py-spy (`record --gil` samples only the thread
+holding the GIL) or perf (below), the seconds the GIL was held by the loop thread and
+by the other threads.
 
-The prediction for N loops over one store in one process (one GIL):
-- Amdahl with the serial fraction s = GIL-held seconds / loop-thread CPU seconds (the
-  part of one loop's work that cannot overlap with another loop's):
-  speedup(N) = 1 / (s + (1 - s) / N).
-- Capped by the cores: N loops need N x (whole-process CPU per request) of CPU, so on C
-  cores speedup <= C x loop CPU / process CPU.
-- Capped by the GIL outright: speedup <= loop CPU / all GIL-held seconds (the GIL is
-  one resource every thread's held time queues on).
-Printed: the measured table, then the predicted speedup for N = 1, 2, 4, 8, 16 with 16
-cores (and with this machine's cores), per op and size. py-spy samples a busy VM
-imperfectly (bench_cpu.py saw it over-count), so the GIL share is capped at the CPU
-time and should be read as an estimate; the /proc columns are exact.
+The prediction for N loops over one store in one process (one GIL), in GB/s, the least of:
+- Amdahl: the loops' GIL-held parts queue, the rest overlaps:
+  1 / (loop CPU-s/GB x (s + (1 - s) / N)), s = the loop thread's GIL-held share of its
+  CPU;
+- the cores: C / (whole-process CPU-s/GB);
+- the GIL: 1 / (GIL-held s/GB of every thread: s x loop CPU + the other threads').
+The speedup is that over the same for N = 1. Printed: the measured table, then the
+speedup for N = 1, 2, 4, 8, 16 on `--cores` cores (and on this machine's), with the
+measured s and with s_lo (the loop thread's user-mode share: as if every kernel copy it
+makes ran without the GIL; true of uvloop's reads, not of its first write(2) of a reply,
+which it makes holding the GIL).
+
+GIL-held time, `--gil perf` (the default as root with perf): uprobes on the
+interpreter's `take_gil` (return) and `drop_gil` (entry) and `sched:sched_switch`,
+recorded system-wide for the cell; the loop thread's on-CPU seconds while holding the
+GIL over its on-CPU seconds is s (a holder preempted by another process, common on a
+loaded machine, is not counted as running). `--gil py-spy`: `py-spy record --gil`
+samples, which count a preempted holder as holding: an over-count on a busy machine,
+capped at the CPU time. The /proc columns are exact either way.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,18 +72,38 @@ class Cell:
     proc_cpu: float
     gil_loop: float
     gil_other: float
+    measured_s: float | None = None
+    """perf: the loop thread's on-CPU seconds holding the GIL / its on-CPU seconds, both
+    from the same record (None with py-spy)."""
 
     @property
-    def s(self) -> float:
-        """The serial fraction: the loop thread's GIL-held share of its own CPU."""
-        return min(1.0, self.gil_loop / self.loop_cpu) if self.loop_cpu else 1.0
+    def s_lo(self) -> float:
+        """The serial fraction if every kernel second of the loop thread ran without the
+        GIL (true of uvloop's reads, not of its first write of a reply): its user share."""
+        return (self.loop_cpu - self.loop_sys) / self.loop_cpu if self.loop_cpu else 1.0
 
-    def speedup(self, n: int, cores: int) -> float:
-        amdahl = 1 / (self.s + (1 - self.s) / n)
-        core_cap = cores * self.loop_cpu / self.proc_cpu if self.proc_cpu else amdahl
-        gil_total = self.gil_loop + self.gil_other
-        gil_cap = self.loop_cpu / gil_total if gil_total else amdahl
-        return min(amdahl, core_cap, gil_cap, float(n))
+    @property
+    def s_hi(self) -> float:
+        """The serial fraction py-spy saw: the loop thread's GIL-held share of its CPU
+        (an over-count where the holder is preempted: a loaded machine)."""
+        if self.measured_s is not None:
+            return self.measured_s
+        spy = min(1.0, self.gil_loop / self.loop_cpu) if self.loop_cpu else 1.0
+        return max(spy, self.s_lo)
+
+    def throughput(self, n: int, cores: int, s: float) -> float:
+        """Predicted GB/s of `n` loops on `cores` cores with serial fraction `s`: the
+        least of Amdahl (the loops' GIL-held parts queue, the rest overlaps), the cores
+        (each GB costs the whole process's CPU), and the GIL (every thread's held time
+        queues on it)."""
+        amdahl = 1 / (self.loop_cpu / self.gb * (s + (1 - s) / n))
+        cores_cap = cores / (self.proc_cpu / self.gb)
+        gil = (s * self.loop_cpu + self.gil_other) / self.gb
+        return min(amdahl, cores_cap, 1 / gil if gil else amdahl)
+
+    def speedup(self, n: int, cores: int, s: float) -> float:
+        """Predicted throughput of `n` loops over one loop's, on the same machine."""
+        return self.throughput(n, cores, s) / self.throughput(1, cores, s)
 
 
 def gil_samples(raw: Path) -> tuple[float, float]:
@@ -93,8 +122,84 @@ def gil_samples(raw: Path) -> tuple[float, float]:
     return loop / PYSPY_RATE, other / PYSPY_RATE
 
 
+PROBES = ("take_gil%return", "drop_gil")
+
+
+def libpython_of(pid: int) -> str:
+    """The file holding the interpreter's `take_gil` (libpython, or the executable)."""
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        path = line.split()[-1]
+        if "libpython3" in path and path.endswith((".so", ".so.1.0")):
+            return path
+    return os.readlink(f"/proc/{pid}/exe")
+
+
+@contextlib.contextmanager
+def gil_probes(pid: int) -> Iterator[None]:
+    """uprobes on the interpreter's `take_gil` (return: the GIL is held) and `drop_gil`
+    (entry: it is let go), removed afterwards. Needs root and `perf`."""
+    lib = libpython_of(pid)
+    drop = ["perf", "probe", "-q", "-d", "probe_libpython3:*"]
+    subprocess.run(drop, check=False, stderr=subprocess.DEVNULL)  # left by an earlier run
+    for probe in PROBES:
+        subprocess.run(["perf", "probe", "-q", "-x", lib, "-a", probe], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(drop, check=False)
+
+
+def gil_by_perf(data: Path, tids: set[int]) -> dict[int, tuple[float, float]]:
+    """Per thread of `tids`: (seconds on a CPU, seconds on a CPU while holding the GIL),
+    from a `perf record -a` of the GIL probes and `sched:sched_switch`: the intersection
+    of the GIL-held intervals with the on-CPU intervals (a holder preempted by another
+    process is not counted as running)."""
+    out = subprocess.run(
+        ["perf", "script", "-i", str(data), "-F", "tid,time,event,trace"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    on: dict[int, float] = {}  # tid -> when it went on a CPU (absent: off)
+    held: dict[int, float] = {}  # tid -> when it took the GIL (absent: not held)
+    oncpu = dict.fromkeys(tids, 0.0)
+    both = dict.fromkeys(tids, 0.0)
+    mark: dict[int, float] = {}  # tid -> start of the current on-CPU-and-holding stretch
+
+    def stretch_end(tid: int, t: float) -> None:
+        if tid in mark:
+            both[tid] += t - mark.pop(tid)
+
+    def stretch_start(tid: int, t: float) -> None:
+        if tid in on and tid in held:
+            mark[tid] = t
+
+    for line in out.splitlines():
+        parts = line.split(None, 3)
+        if len(parts) < 3:
+            continue
+        tid, t, event = int(parts[0]), float(parts[1].rstrip(":")), parts[2]
+        if event.startswith("sched:sched_switch"):
+            trace = parts[3] if len(parts) > 3 else ""
+            prev = int(trace.split("prev_pid=")[1].split()[0])
+            nxt = int(trace.split("next_pid=")[1].split()[0])
+            if prev in tids and prev in on:
+                oncpu[prev] += t - on.pop(prev)
+                stretch_end(prev, t)
+            if nxt in tids:
+                on[nxt] = t
+                stretch_start(nxt, t)
+        elif tid in tids and "take_gil" in event:
+            held[tid] = t
+            on.setdefault(tid, t)  # running now (its switch-in may predate the record)
+            stretch_start(tid, t)
+        elif tid in tids and "drop_gil" in event:
+            on.setdefault(tid, t)
+            stretch_end(tid, t)
+            held.pop(tid, None)
+    return {tid: (oncpu[tid], both[tid]) for tid in tids}
+
+
 def cell(
-    spy: str,
+    spy: str | None,
     tmp: Path,
     rport: int,
     hport: int,
@@ -121,11 +226,19 @@ def cell(
     raw.unlink(missing_ok=True)
     t0 = thread_cpu(pid)
     started = time.time()
-    sampler = subprocess.Popen(
-        [spy, "record", "--pid", str(pid), "--gil", "--nonblocking", "-r", str(PYSPY_RATE),
-         "-d", str(int(a.seconds)), "--format", "raw", "-o", str(raw)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    if a.gil == "perf":
+        events = ["-e", "probe_libpython3:take_gil__return", "-e", "probe_libpython3:drop_gil"]
+        sampler = subprocess.Popen(
+            ["perf", "record", "-q", "-a", "-o", str(raw), *events, "-e", "sched:sched_switch",
+             "--", "sleep", str(a.seconds)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+    else:
+        sampler = subprocess.Popen(
+            [str(spy), "record", "--pid", str(pid), "--gil", "--nonblocking", "-r", str(PYSPY_RATE),
+             "-d", str(int(a.seconds)), "--format", "raw", "-o", str(raw)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
     nbytes = ops = 0
     while time.time() - started < a.seconds:
         if op == "set":
@@ -142,11 +255,22 @@ def cell(
     }
     loop_u, loop_s = delta.get(str(pid), (0.0, 0.0))
     proc = sum(u + st for u, st in delta.values())
-    gl, go = gil_samples(raw)
+    if a.gil == "perf":
+        by_tid = gil_by_perf(raw, {int(t) for t in delta})
+        loop_on, loop_both = by_tid.get(pid, (0.0, 0.0))
+        measured = loop_both / loop_on if loop_on else None
+        # the record covers `a.seconds` of the cell: GIL seconds scaled to the whole cell
+        go = sum(both for tid, (_, both) in by_tid.items() if tid != pid) * wall / a.seconds
+        gl = (measured or 0.0) * (loop_u + loop_s)
+    else:
+        measured = None
+        gl, go = gil_samples(raw)
     # the sampler can over-count in a busy VM: never more than the CPU time
     gl = min(gl, loop_u + loop_s)
     go = min(go, proc - loop_u - loop_s)
-    return Cell(wire, op, size, nbytes / 1e9, wall, ops, loop_u + loop_s, loop_s, proc, gl, go)
+    return Cell(
+        wire, op, size, nbytes / 1e9, wall, ops, loop_u + loop_s, loop_s, proc, gl, go, measured
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -158,10 +282,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seconds", type=float, default=6.0)
     p.add_argument("--pass-mib", type=int, default=256, help="bytes per load-generator pass")
     p.add_argument("--cores", type=int, default=16, help="the machine the prediction is for")
+    p.add_argument(
+        "--gil",
+        choices=("perf", "py-spy"),
+        default="perf" if os.geteuid() == 0 and shutil.which("perf") else "py-spy",
+        help="how the GIL-held time is measured (perf: uprobes, root; py-spy: sampling)",
+    )
     a = p.parse_args(argv)
     spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
-    if spy is None:
-        raise SystemExit("needs py-spy (pip install 'epistemic-kvcache[dev]')")
+    if spy is None and a.gil == "py-spy":
+        raise SystemExit("needs py-spy (pip install 'epistemic-kvcache[dev]') or perf as root")
     sizes = [parse_size(s) for s in a.sizes.split(",")]
     here = len(os.sched_getaffinity(0))
     print(f"load before: {os.getloadavg()[0]:.2f} (1-min), usable cores: {here}, "
@@ -169,7 +299,9 @@ def main(argv: list[str] | None = None) -> None:
     cells: list[Cell] = []
     tmp = Path(tempfile.mkdtemp(prefix="kvbench-scaling-"))
     try:
-        with our_server(tmp, "memory") as (hport, rport):
+        with our_server(tmp, "memory") as (hport, rport), contextlib.ExitStack() as probes:
+            if a.gil == "perf":
+                probes.enter_context(gil_probes(pid_listening(rport)))
             for wire in a.wires.split(","):
                 for op in a.ops.split(","):
                     for size in sizes:
@@ -181,21 +313,30 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nload after: {os.getloadavg()[0]:.2f} (1-min)\n")
     print("| wire | op | block | GB/s | loop-thread CPU-s/GB (of it kernel) | process CPU-s/GB "
           "| GIL held, loop thread, s/GB | GIL held, other threads, s/GB "
-          "| s = loop GIL / loop CPU | loop CPU / process CPU |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| s_lo = loop user / loop CPU | s = loop GIL / loop CPU (measured) "
+          "| loop CPU / process CPU |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for c in cells:
         print(f"| {c.wire} | {c.op.upper()} | {human(c.size)} | {c.gb / c.wall:.2f} "
               f"| {c.loop_cpu / c.gb:.3f} ({c.loop_sys / c.gb:.3f}) | {c.proc_cpu / c.gb:.3f} "
-              f"| {c.gil_loop / c.gb:.3f} | {c.gil_other / c.gb:.3f} | {c.s:.2f} "
+              f"| {c.gil_loop / c.gb:.3f} | {c.gil_other / c.gb:.3f} | {c.s_lo:.2f} | {c.s_hi:.2f} "
               f"| {c.loop_cpu / c.proc_cpu:.2f} |")  # fmt: skip
     for cores in (a.cores, here):
-        print(f"\npredicted speedup over one loop, {cores} cores "
-              "(min of Amdahl, cores x loop/process CPU, loop CPU / all GIL time, N)\n")  # fmt: skip
-        print("| wire | op | block | s | " + " | ".join(f"N={n}" for n in LOOPS) + " |")
-        print("|---|---|---|---|" + "---|" * len(LOOPS))
-        for c in cells:
-            print(f"| {c.wire} | {c.op.upper()} | {human(c.size)} | {c.s:.2f} | "
-                  + " | ".join(f"{c.speedup(n, cores):.1f}x" for n in LOOPS) + " |")  # fmt: skip
+        for label, pick in (
+            ("s measured (s_hi)", lambda c: c.s_hi),
+            ("what if every kernel copy of the loop thread ran without the GIL (s_lo)",
+             lambda c: c.s_lo),
+        ):  # fmt: skip
+            print(f"\npredicted speedup over one loop, {cores} cores, {label}; "
+                  "the least of Amdahl, the cores and the GIL\n")  # fmt: skip
+            print("| wire | op | block | s | " + " | ".join(f"N={n}" for n in LOOPS)
+                  + f" | GB/s at N={LOOPS[-1]} |")  # fmt: skip
+            print("|---|---|---|---|" + "---|" * (len(LOOPS) + 1))
+            for c in cells:
+                sv = pick(c)
+                print(f"| {c.wire} | {c.op.upper()} | {human(c.size)} | {sv:.2f} | "
+                      + " | ".join(f"{c.speedup(n, cores, sv):.1f}x" for n in LOOPS)
+                      + f" | {c.throughput(LOOPS[-1], cores, sv):.1f} |")  # fmt: skip
 
 
 if __name__ == "__main__":
