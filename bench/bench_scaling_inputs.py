@@ -198,6 +198,14 @@ def gil_by_perf(data: Path, tids: set[int]) -> dict[int, tuple[float, float]]:
     return {tid: (oncpu[tid], both[tid]) for tid in tids}
 
 
+def cpu_since(pid: int, before: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+    """(utime, stime) each thread of `pid` used since `before` (a `thread_cpu` reading)."""
+    return {
+        tid: (now[0] - before.get(tid, (0.0, 0.0))[0], now[1] - before.get(tid, (0.0, 0.0))[1])
+        for tid, now in thread_cpu(pid).items()
+    }
+
+
 def cell(
     spy: str | None,
     tmp: Path,
@@ -239,20 +247,15 @@ def cell(
              "-d", str(int(a.seconds)), "--format", "raw", "-o", str(raw)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-    nbytes = ops = 0
+    passes: list[loadgen.Result] = []
     while time.time() - started < a.seconds:
-        if op == "set":
-            keys, payloads = workload(size, budget, conns)  # fresh keys and bytes each pass
-        r = drive(op, keys, payloads)
-        nbytes += r.nbytes
-        ops += r.ops
+        if op == "set":  # fresh keys and bytes for every pass
+            keys, payloads = workload(size, budget, conns)
+        passes.append(drive(op, keys, payloads))
     wall = time.time() - started
-    t1 = thread_cpu(pid)
+    delta = cpu_since(pid, t0)
     sampler.wait()
-    delta = {
-        k: (u - t0.get(k, (0.0, 0.0))[0], st - t0.get(k, (0.0, 0.0))[1])
-        for k, (u, st) in t1.items()
-    }
+    nbytes, ops = sum(r.nbytes for r in passes), sum(r.ops for r in passes)
     loop_u, loop_s = delta.get(str(pid), (0.0, 0.0))
     proc = sum(u + st for u, st in delta.values())
     if a.gil == "perf":
