@@ -14,6 +14,9 @@ from contextlib import contextmanager
 
 import pytest
 import uvloop
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from epistemic_kvcache.server.budget import (
     RELEASED,
@@ -355,3 +358,86 @@ def test_refusal_log_burst_is_exact_across_threads(caplog: pytest.LogCaptureFixt
     assert log.total == THREADS * per_thread
     assert len(caplog.records) == 20  # the burst, not one line more
     assert log._suppressed == THREADS * per_thread - 20
+
+
+# -- the slots' rules, one step at a time (Hypothesis) ---------------------------------------
+
+
+class SlotsMachine(RuleBasedStateMachine):
+    """Random admissions, logins, RESETs, closes and clock moves: after every step the
+    counts agree and every cap holds; a refusal names a limit that is really reached
+    with nothing reclaimable; a reclaimed slot's connection was closed exactly once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        self.s = ConnectionSlots(SlotLimits(6, 3, 2, 4, 2), lambda: self.now)
+        self.live: list[Slot] = []
+        self.closed: list[Slot] = []
+        self.reset_used = False
+
+    def _reclaimable(self, pool: list[Slot]) -> bool:
+        oldest = min(pool, key=lambda x: x.opened, default=None)
+        return oldest is not None and self.now - oldest.opened >= UNAUTHENTICATED_GRACE_S
+
+    @rule(peer=st.sampled_from(["p1", "p2", "p3"]))
+    def admit(self, peer: str) -> None:
+        unauth = [x for x in self.live if x.tenant is None and not x.released]
+        mine = [x for x in unauth if x.peer == peer]
+        box: list[Slot] = []
+        got = self.s.admit(peer, lambda: self.closed.append(box[0]))
+        if isinstance(got, Slot):
+            box.append(got)
+            self.live.append(got)
+            return
+        lim = self.s.limits
+        if got == "max number of clients reached":
+            assert self.s.open == lim.max_connections
+            assert not self._reclaimable(unauth)
+        elif got == "max number of clients reached for this address":
+            assert sum(1 for x in self.live if x.peer == peer) >= lim.max_per_peer
+        elif got == "too many unauthenticated connections from this address":
+            assert len(mine) >= lim.max_unauthenticated_per_peer
+        else:
+            assert got == "too many unauthenticated connections"
+            assert len(unauth) >= lim.max_unauthenticated
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 100), tenant=st.sampled_from(["t1", "t2"]))
+    def login(self, i: int, tenant: str) -> None:
+        slot = self.live[i % len(self.live)]
+        before = self.s.connections_of(tenant)
+        answer = self.s.authenticate(slot, tenant)
+        if answer is None:
+            assert slot.tenant == tenant
+        elif answer == RELEASED:
+            assert slot.released
+        else:
+            assert before >= self.s.limits.max_per_tenant
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 100))
+    def reset(self, i: int) -> None:
+        self.reset_used = True
+        self.s.deauthenticate(self.live[i % len(self.live)])
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 100))
+    def close(self, i: int) -> None:
+        slot = self.live.pop(i % len(self.live))
+        assert self.s.release(slot) is (slot not in self.closed)
+
+    @rule(dt=st.sampled_from([0.1, UNAUTHENTICATED_GRACE_S]))
+    def tick(self, dt: float) -> None:
+        self.now += dt
+
+    @invariant()
+    def counts_agree(self) -> None:
+        self.s.check(pools=not self.reset_used)
+        assert self.s.open == sum(1 for x in self.live if not x.released)
+        assert len(self.closed) == len({id(x) for x in self.closed}) == self.s.evicted
+        assert all(x.released for x in self.closed)
+
+
+TestSlotsMachine = SlotsMachine.TestCase
+TestSlotsMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
