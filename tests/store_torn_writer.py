@@ -2,12 +2,13 @@
 
 Usage: python store_torn_writer.py MODE PERSIST_DIR NS KEY...
 
-- ``torn-delete``: DELETE all KEYs in one group commit, and SIGKILL this process while
-  that batch is being written, at the moment it starts writing into a segment it opened
-  (its first records are in the page cache, its last ones are not): a batch torn by a
-  crash across a segment boundary.
-- ``put-then-kill``: PUT each KEY (its content is its name), print ``ACK <key>`` once
-  acknowledged, then SIGKILL this process before any checkpoint (as a crash right
+- ``torn-delete`` / ``torn-put``: DELETE all KEYs, or PUT them all with `BLOCK`, in one
+  group commit, and SIGKILL this process while that batch is being written, at the
+  moment it starts writing into a segment it opened (its first records are in the page
+  cache, its last ones are not): a batch torn by a crash across a segment boundary.
+- ``put-then-kill`` / ``delete-then-kill``: PUT each KEY (its content is its name), or
+  DELETE it, print ``ACK <key>`` once acknowledged (a DELETE: and once the dead payload
+  is punched out), then SIGKILL this process before any checkpoint (as a crash right
   after an acknowledged write does).
 
 Prints ``READY`` once the store is open; ``KILL`` just before the kill.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.store import DiskIO, SharedKvStoreBackend
@@ -29,6 +31,8 @@ OPTIONS = StoreOptions(
     hot_capacity_bytes=1 << 20,
     warm_capacity_bytes=0,
 )
+BLOCK = b"b" * (16 << 10)
+"""The block `torn-put` writes: whole pages of payload, so a dead copy is punched out."""
 
 
 def emit(line: str) -> None:
@@ -58,10 +62,25 @@ def main() -> None:
         io.armed = True
         store.delete_many(ns, keys)
         emit("NOT KILLED")  # the batch did not reach a new segment: the test fails
-    elif mode == "put-then-kill":
+    elif mode == "torn-put":
+        io.armed = True
+        store.put_many(ns, [(key, BLOCK) for key in keys])
+        emit("NOT KILLED")
+    elif mode in ("put-then-kill", "delete-then-kill"):
+        punched = store.stats(None).extra["punched_bytes"]
         for key in keys:
-            store.put(ns, key, key.encode())
+            if mode == "put-then-kill":
+                store.put(ns, key, key.encode())
+            else:
+                assert store.delete(ns, key)
             emit(f"ACK {key}")
+        if mode == "delete-then-kill":
+            # the committer punches a dead payload out just after it answers: wait for it
+            deadline = time.monotonic() + 30
+            while store.stats(None).extra["punched_bytes"] == punched:
+                assert time.monotonic() < deadline, "no payload was punched out"
+                time.sleep(0.01)  # polling, with the deadline above
+            emit("PUNCHED")
         emit("KILL")
         os.kill(os.getpid(), signal.SIGKILL)
     else:

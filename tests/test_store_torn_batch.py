@@ -9,7 +9,9 @@ Before the fix, opening dropped them at replay but left them in the log (only th
 segment was cut back to the last complete batch, and this one was not the last). The
 next process appended its batches after them, so the replay after its crash read the
 torn records as the start of its first batch and applied them: acknowledged keys were
-deleted by a DELETE that never happened, with `check()` finding nothing wrong.
+deleted by a DELETE that never happened, with `check()` finding nothing wrong; keys
+never acknowledged came back referencing a block whose payload had been punched out
+since (`check(deep=True)`: a corrupt blob).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from epistemic_kvcache.store import SharedKvStoreBackend
 WRITER = Path(__file__).with_name("store_torn_writer.py")
 NS = "torn"
 KEYS = [f"key-{i:04d}-" + "k" * 200 for i in range(300)]  # ~80 KB of DEL records
-BLOCK = b"b" * 1024  # every key holds the same block (one blob, many references)
+BLOCK = writer.BLOCK  # every key holds the same block (one blob, many references)
 
 
 def _run(mode: str, persist_dir: Path, keys: list[str]) -> list[str]:
@@ -55,6 +57,9 @@ def _assert_all_there(persist_dir: Path, keys: list[str]) -> None:
         lost = [k for k in keys if k not in have]
         assert not lost, f"{len(lost)} acknowledged keys lost, e.g. {lost[0]}"
         assert have == set(keys)
+        for key in keys:
+            got = store.get(NS, key)
+            assert got is not None and bytes(got) == (BLOCK if key in KEYS else key.encode())
 
 
 @pytest.mark.timeout(120)
@@ -71,3 +76,23 @@ def test_a_batch_torn_across_segments_is_never_applied_later(tmp_path: Path) -> 
     # and once more, with the index checkpointed where that open left it
     _run("put-then-kill", persist_dir, ["later-still"])
     _assert_all_there(persist_dir, [*KEYS, "after-the-crash", "later-still"])
+
+
+@pytest.mark.timeout(120)
+def test_puts_torn_across_segments_never_come_back_over_a_punched_block(tmp_path: Path) -> None:
+    persist_dir = tmp_path / "store"
+    with SharedKvStoreBackend(persist_dir, writer.OPTIONS) as store:
+        store.put(NS, "holder", writer.BLOCK)
+    # PUTs of many keys with those bytes (KEY records only: deduplicated), torn
+    torn = [f"torn-{i:04d}-" + "t" * 200 for i in range(300)]
+    _run("torn-put", persist_dir, torn)
+    with SharedKvStoreBackend(persist_dir, writer.OPTIONS) as store:
+        assert store.check(deep=True).ok
+        assert list(store.keys(NS)) == ["holder"]  # the batch was never acknowledged
+    # a later process deletes the block's only key (its payload is punched out) and
+    # crashes before any checkpoint
+    _run("delete-then-kill", persist_dir, ["holder"])
+    with SharedKvStoreBackend(persist_dir, writer.OPTIONS) as store:
+        report = store.check(deep=True)
+        assert report.ok, report
+        assert list(store.keys(NS)) == []
