@@ -45,7 +45,8 @@ def _run(mode: str, persist_dir: Path, keys: list[str]) -> list[str]:
     )
     lines = proc.stdout.decode().splitlines()
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, lines, proc.stderr.decode())
-    assert lines[0] == "READY" and lines[-1] == "KILL", (lines, proc.stderr.decode())
+    assert lines[0] == "READY", (lines, proc.stderr.decode())
+    assert lines[-1] == "KILL", (lines, proc.stderr.decode())
     return lines
 
 
@@ -59,7 +60,8 @@ def _assert_all_there(persist_dir: Path, keys: list[str]) -> None:
         assert have == set(keys)
         for key in keys:
             got = store.get(NS, key)
-            assert got is not None and bytes(got) == (BLOCK if key in KEYS else key.encode())
+            assert got is not None
+            assert bytes(got) == (BLOCK if key in KEYS else key.encode())
 
 
 @pytest.mark.timeout(120)
