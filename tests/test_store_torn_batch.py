@@ -98,3 +98,24 @@ def test_puts_torn_across_segments_never_come_back_over_a_punched_block(tmp_path
         report = store.check(deep=True)
         assert report.ok, report
         assert list(store.keys(NS)) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_write_leaves_nothing_a_later_batch_could_apply(tmp_path: Path) -> None:
+    """A write cut short by EIO leaves half a batch of DELETEs past the trusted end of
+    the active segment; the caller was told nothing was stored. The next batch opens a
+    new segment, and the process dies right after that batch's sync (before the old
+    segment's tail is cut). Replay must not read the half-written DELETEs as the start
+    of that batch."""
+    persist_dir = tmp_path / "store"
+    with SharedKvStoreBackend(persist_dir, writer.OPTIONS) as store:
+        store.put_many(NS, [(k, BLOCK) for k in KEYS[:100]])
+    lines = _run("failed-delete-then-put", persist_dir, KEYS[:100])
+    assert "DELETE FAILED" in lines
+    with SharedKvStoreBackend(persist_dir, writer.OPTIONS) as store:
+        report = store.check(deep=True)
+        assert report.ok, report
+        have = set(store.keys(NS, limit=1 << 20))
+        lost = [k for k in KEYS[:100] if k not in have]
+        assert not lost, f"{len(lost)} keys deleted by a DELETE that failed, e.g. {lost[0]}"
+        assert have == {*KEYS[:100], "big"}
