@@ -9,6 +9,9 @@ Usage: python store_torn_writer.py MODE PERSIST_DIR NS KEY...
 - ``failed-delete-then-put``: DELETE all KEYs in one group commit whose write fails
   half-way (EIO: half its bytes land past the trusted end), then PUT a block that opens
   a new segment, and SIGKILL this process right after that batch's sync.
+- ``spanning-put``: PUT a small block (its batch zeroes space past the segment's end),
+  then PUT all KEYs (content: their names) in one group commit that rolls over into a
+  new segment, and SIGKILL this process right after that batch's syncs.
 - ``put-then-kill`` / ``delete-then-kill``: PUT each KEY (its content is its name), or
   DELETE it, print ``ACK <key>`` once acknowledged (a DELETE: and once the dead payload
   is punched out), then SIGKILL this process before any checkpoint (as a crash right
@@ -104,6 +107,11 @@ def main() -> None:
             emit("DELETE DID NOT FAIL")
         io.kill_after_new_segment_sync = True
         store.put(ns, "big", bytes(OPTIONS.segment_bytes or 0))  # opens a new segment
+        emit("NOT KILLED")
+    elif mode == "spanning-put":
+        store.put(ns, "small", b"s" * 100)  # a small batch: zeroes space past the end
+        io.kill_after_new_segment_sync = True
+        store.put_many(ns, [(key, key.encode()) for key in keys])  # rolls over
         emit("NOT KILLED")
     elif mode in ("put-then-kill", "delete-then-kill"):
         punched = store.stats(None).extra["punched_bytes"]
