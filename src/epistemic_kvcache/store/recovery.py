@@ -11,9 +11,9 @@ Replay reads records in log order and applies them a batch at a time: records ar
 held until the record that ends their group commit arrives, so a batch torn by a crash
 is dropped whole. Damaged bytes are skipped (the scanner resyncs on the next record),
 counted and listed; zeros that run to the end of a segment are space the writer zeroed
-ahead and had not cut yet when it died, not damage. A segment abandoned after a failed sync is read only up to the end
-its SEAL record names (SEALs are always among the first records of a segment, so a
-short pre-pass finds them all). BLOB payloads are verified against their digest while
+ahead and had not cut yet when it died, not damage. A segment abandoned after a failed
+sync is read only up to the end its SEAL record names (SEALs are always among the first
+records of a segment, so a short pre-pass finds them all). BLOB payloads are verified against their digest while
 replaying; a block that fails is never located, so its keys read as lost.
 
 After replay, `finish` drops blobs no key references, and sorts out what is *lost*: a
