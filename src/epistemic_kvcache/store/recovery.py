@@ -13,8 +13,9 @@ is dropped whole. Damaged bytes are skipped (the scanner resyncs on the next rec
 counted and listed; zeros that run to the end of a segment are space the writer zeroed
 ahead and had not cut yet when it died, not damage. A segment abandoned after a failed
 sync is read only up to the end its SEAL record names (SEALs are always among the first
-records of a segment, so a short pre-pass finds them all). BLOB payloads are verified against their digest while
-replaying; a block that fails is never located, so its keys read as lost.
+records of a segment, so a short pre-pass finds them all). BLOB payloads are verified
+against their digest while replaying; a block that fails is never located, so its keys
+read as lost.
 
 After replay, `finish` drops blobs no key references, and sorts out what is *lost*: a
 key whose blob has no valid bytes any more (segment deleted or truncated by hand, or
