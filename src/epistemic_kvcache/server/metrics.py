@@ -360,18 +360,21 @@ class _LoopCollector(Collector):
         if self.view is None:
             return
         rows = self.view()
-        for name, doc in (
-            ("connections", "Open connections served by this event loop."),
-            ("requests", "Requests answered by this event loop."),
-            ("busy", "Fraction of the last second this event loop's thread ran on a CPU."),
-            ("cpu_seconds", "CPU time of this event loop's thread."),
+        for name, kind, doc in (
+            ("connections", "gauge", "Open connections served by this event loop."),
+            ("requests", "counter", "Requests answered by this event loop."),
+            ("busy", "gauge", "Fraction of the last second this event loop's thread ran on a CPU."),
+            ("cpu_seconds", "counter", "CPU time of this event loop's thread."),
         ):
-            fam = GaugeMetricFamily(f"kvcache_loop_{name}", doc, labels=["loop"])
+            fam: GaugeMetricFamily | CounterMetricFamily
+            if kind == "counter":
+                fam = CounterMetricFamily(f"kvcache_loop_{name}", doc, labels=["loop"])
+            else:
+                fam = GaugeMetricFamily(f"kvcache_loop_{name}", doc, labels=["loop"])
             for row in rows:
                 value = row[name]
-                fam.add_metric(
-                    [str(row["loop"])], float(value) if isinstance(value, int | float) else 0
-                )
+                number = float(value) if isinstance(value, int | float) else 0.0
+                fam.add_metric([str(row["loop"])], number)
             yield fam
 
     def describe(self) -> Iterator[Metric]:
