@@ -26,7 +26,6 @@ import argparse
 import multiprocessing as mp
 import os
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -37,7 +36,7 @@ from typing import Any
 
 from bench import loadgen
 from bench.bench_cpu import cpu_seconds, parse_size, pid_listening
-from bench.bench_server import TOKEN, free_port, human, our_server, wait_port, workload
+from bench.bench_server import TOKEN, human, our_server, redis_server, workload
 
 MiB = 1024 * 1024
 
@@ -46,20 +45,9 @@ MiB = 1024 * 1024
 def redis(tmp: Path, io_threads: int) -> Iterator[int]:
     """redis-server without persistence on a free loopback port (`io_threads` > 1: its
     I/O threads, reads included)."""
-    port = free_port()
-    d = tmp / f"redis-{port}"
-    d.mkdir()
-    args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d),
-            "--save", "", "--appendonly", "no", "--protected-mode", "no"]  # fmt: skip
-    if io_threads > 1:
-        args += ["--io-threads", str(io_threads), "--io-threads-do-reads", "yes"]
-    p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_port(port)
+    extra = ["--io-threads", str(io_threads), "--io-threads-do-reads", "yes"]
+    with redis_server(tmp, fsync_always=False, extra=extra if io_threads > 1 else ()) as port:
         yield port
-    finally:
-        p.terminate()
-        p.wait(10)
 
 
 def _generator(
