@@ -24,9 +24,11 @@ import redis
 from epistemic_kvcache.client import EpistemicGraphKVBackend
 from epistemic_kvcache.config import load_config, usable_cores
 from epistemic_kvcache.errors import ConfigurationError
+from epistemic_kvcache.server.app import ServerThread
+from epistemic_kvcache.server.loops import ListenerError
 from epistemic_kvcache.server.resp.session import TenantGates
 from helpers import eventually
-from servers import TOKEN, ServeProcess, running_server, start_server
+from servers import TOKEN, ServeProcess, running_server, server_config, start_server
 
 LOOPS = 2
 MAX_CONNECTIONS = 200
@@ -198,6 +200,20 @@ def test_one_loop_starts_no_loop_thread(tmp_path: Path) -> None:
     with running_server(tmp_path, event_loops=str(LOOPS)) as srv:
         names = {t.name for t in threading.enumerate()}
         assert {f"kvcache-loop-{i}" for i in range(1, LOOPS)} <= names
+    assert _no_loop_threads()
+
+
+def test_a_port_another_reuseport_socket_holds_is_in_use(tmp_path: Path) -> None:
+    """SO_REUSEPORT lets sockets of one user share a port: a second server (or anyone)
+    already listening there with it set must make the start fail, not split traffic."""
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        config = server_config(tmp_path, addr=f"127.0.0.1:{port}", event_loops=str(LOOPS))
+        with pytest.raises(ListenerError, match=f"--addr 127.0.0.1:{port}: address already in use"):
+            ServerThread(config).start()
     assert _no_loop_threads()
 
 
