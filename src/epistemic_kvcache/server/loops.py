@@ -178,12 +178,16 @@ async def listen(
 
 
 def _write_buffer_size(transport: asyncio.BaseTransport | None) -> int:
-    if isinstance(transport, asyncio.WriteTransport):
-        try:
-            return transport.get_write_buffer_size()
-        except (AttributeError, RuntimeError):
-            return 0
-    return 0
+    """Bytes `transport` has not sent yet. Duck-typed: uvloop's transports are not
+    subclasses of `asyncio.WriteTransport` (an `isinstance` check read 0 for every
+    connection under uvloop, so the stop never waited for a response being sent)."""
+    size = getattr(transport, "get_write_buffer_size", None)
+    if size is None:
+        return 0
+    try:
+        return int(size())
+    except (AttributeError, RuntimeError):
+        return 0
 
 
 async def drain(
@@ -230,8 +234,9 @@ async def drain(
 def abort_all(live: Collection[LiveConnection]) -> None:
     """Abort what is still open (after the drain, or when start-up failed)."""
     for conn in list(live):
-        if isinstance(conn.transport, asyncio.WriteTransport):
-            conn.transport.abort()
+        abort = getattr(conn.transport, "abort", None)  # duck-typed, as above
+        if abort is not None:
+            abort()
 
 
 # -- the extra loops -------------------------------------------------------------------
