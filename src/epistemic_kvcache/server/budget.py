@@ -20,11 +20,23 @@ separate pool for connections that have not authenticated yet (full pool: the ol
 unauthenticated connection is closed to admit the new one, so a peer cannot lock
 others out by holding slots open), a per-peer cap on unauthenticated connections
 (the same peer's oldest is closed first), a per-peer cap on all connections, and a
-per-tenant cap checked when a connection authenticates. Event loop only.
+per-tenant cap checked when a connection authenticates.
+
+Across event loops (`--event-loops N`): one `MemoryBudget` and one `ConnectionSlots` per
+listener serve every loop, so each limit is exact server-wide. Every compound
+check-and-update runs under the object's `threading.Lock` (uncontended on one loop:
+well under a microsecond). A slot records the loop its connection runs on; when an
+admission on one loop reclaims a slot of a connection on another, the slot is released
+under the lock at once (the count is exact immediately) and the connection's `evict`
+is scheduled on its own loop with `call_soon_threadsafe` after the lock is let go, so
+no thread touches another loop's transport. A connection that authenticates after
+its slot was reclaimed is refused (`RELEASED`); its `evict` closes it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
 from collections import OrderedDict
@@ -75,7 +87,16 @@ class MemoryBudget:
     def headroom(self, tenant: str | None) -> int:
         """Bytes `tenant` could still take now (0 when at either limit)."""
         cap = self.per_tenant if tenant is not None else self.total
-        return max(0, min(self.total - self.used, cap - self.used_by(tenant)))
+        with self._lock:  # both counts from one moment
+            return max(0, min(self.total - self.used, cap - self.used_by(tenant)))
+
+    def check(self) -> None:
+        """Raise `AssertionError` unless the per-tenant counts add up to `used` and no
+        taken byte is over a limit (tests call it, concurrently with the takers)."""
+        with self._lock:
+            by_tenant = sum(self._by_tenant.values())
+            if by_tenant != self.used or self.used < 0:
+                raise AssertionError(f"used={self.used} but the tenants hold {by_tenant}")
 
     def try_take(self, tenant: str | None, nbytes: int) -> Limit | None:
         """Take `nbytes` for `tenant`; None on success, else the limit that refused."""
@@ -222,15 +243,31 @@ class SlotLimits:
 
 
 class Slot:
-    """One connection's slot; `evict` closes the connection when its slot is reclaimed."""
+    """One connection's slot; `evict` closes the connection when its slot is reclaimed.
 
-    __slots__ = ("evict", "opened", "peer", "tenant")
+    `loop` is the event loop the connection runs on (the running loop at `admit`; None
+    outside one): an admission on another loop that reclaims this slot schedules
+    `evict` there instead of calling it."""
 
-    def __init__(self, peer: str, evict: Callable[[], None], opened: float) -> None:
+    __slots__ = ("evict", "loop", "opened", "peer", "tenant")
+
+    def __init__(
+        self,
+        peer: str,
+        evict: Callable[[], None],
+        opened: float,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
         self.peer = peer
         self.tenant: str | None = None
         self.evict = evict
         self.opened = opened
+        self.loop = loop
+
+    @property
+    def released(self) -> bool:
+        """Whether the slot was given back (its connection closed, or it was reclaimed)."""
+        return self.peer == ""
 
 
 UNAUTHENTICATED_GRACE_S: Final = 1.0
@@ -238,14 +275,20 @@ UNAUTHENTICATED_GRACE_S: Final = 1.0
 client authenticates within milliseconds of connecting): a burst of new connections
 from a pool is refused at worst, never cut off mid-handshake."""
 
+RELEASED: Final = "connection closed: its slot was reclaimed"
+"""`authenticate`'s refusal for a slot reclaimed meanwhile (by an admission on another
+loop); the connection's `evict` is on its way."""
+
 
 class ConnectionSlots:
-    """Connection slots of one listener (see the module docstring). Event loop only."""
+    """Connection slots of one listener (see the module docstring). Thread-safe: the
+    listeners of every event loop share one instance."""
 
     def __init__(self, limits: SlotLimits, clock: Callable[[], float] = time.monotonic) -> None:
         self.limits = limits
         self.clock = clock
         self.open = 0
+        self._lock = threading.Lock()
         self._unauthenticated: OrderedDict[Slot, None] = OrderedDict()
         self._unauth_by_peer: dict[str, OrderedDict[Slot, None]] = {}
         self._by_peer: dict[str, int] = {}
@@ -264,30 +307,50 @@ class ConnectionSlots:
         """A slot for a new (unauthenticated) connection, or why it is refused.
 
         Where a limit is reached, the oldest unauthenticated connection concerned is
-        closed to make room if it is older than `UNAUTHENTICATED_GRACE_S`."""
+        closed to make room if it is older than `UNAUTHENTICATED_GRACE_S`: its slot is
+        released here, its `evict` runs after the lock is let go (on its own loop)."""
+        reclaimed: list[Slot] = []
+        loop = asyncio._get_running_loop()  # None outside a loop (no exception raised)
+        with self._lock:
+            admitted = self._admit_locked(peer, evict, loop, reclaimed)
+        for old in reclaimed:
+            _evict(old, loop)
+        return admitted
+
+    def _admit_locked(
+        self,
+        peer: str,
+        evict: Callable[[], None],
+        loop: asyncio.AbstractEventLoop | None,
+        reclaimed: list[Slot],
+    ) -> Slot | str:
         lim = self.limits
         now = self.clock()
-        if self.open >= lim.max_connections and not self._evict_oldest(self._unauthenticated, now):
+        if self.open >= lim.max_connections and not self._reclaim(
+            self._unauthenticated, now, reclaimed
+        ):
             self.refused += 1
             return "max number of clients reached"
         pending = self._unauth_by_peer.get(peer)
-        if self._by_peer.get(peer, 0) >= lim.max_per_peer and not self._evict_oldest(pending, now):
+        if self._by_peer.get(peer, 0) >= lim.max_per_peer and not self._reclaim(
+            pending, now, reclaimed
+        ):
             self.refused += 1
             return "max number of clients reached for this address"
         pending = self._unauth_by_peer.get(peer)
         if (
             pending is not None
             and len(pending) >= lim.max_unauthenticated_per_peer
-            and not self._evict_oldest(pending, now)
+            and not self._reclaim(pending, now, reclaimed)
         ):
             self.refused += 1
             return "too many unauthenticated connections from this address"
-        if len(self._unauthenticated) >= lim.max_unauthenticated and not self._evict_oldest(
-            self._unauthenticated, now
+        if len(self._unauthenticated) >= lim.max_unauthenticated and not self._reclaim(
+            self._unauthenticated, now, reclaimed
         ):
             self.refused += 1
             return "too many unauthenticated connections"
-        slot = Slot(peer, evict, now)
+        slot = Slot(peer, evict, now, loop)
         self.open += 1
         self._by_peer[peer] = self._by_peer.get(peer, 0) + 1
         self._unauthenticated[slot] = None
@@ -295,31 +358,41 @@ class ConnectionSlots:
         return slot
 
     def authenticate(self, slot: Slot, tenant: str) -> str | None:
-        """Move `slot` to `tenant`'s share; a refusal reason when the tenant is at its cap."""
-        if slot.tenant == tenant:
+        """Move `slot` to `tenant`'s share; a refusal reason when the tenant is at its cap
+        (or `RELEASED` when the slot was reclaimed meanwhile)."""
+        with self._lock:
+            if slot.tenant == tenant and not slot.released:
+                return None
+            if slot.released:
+                return RELEASED
+            if self._by_tenant.get(tenant, 0) >= self.limits.max_per_tenant:
+                self.refused += 1
+                return "max number of clients reached for this tenant"
+            self._leave(slot)
+            slot.tenant = tenant
+            self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + 1
             return None
-        if self._by_tenant.get(tenant, 0) >= self.limits.max_per_tenant:
-            self.refused += 1
-            return "max number of clients reached for this tenant"
-        self._leave(slot)
-        slot.tenant = tenant
-        self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + 1
-        return None
 
     def deauthenticate(self, slot: Slot) -> None:
         """The connection is unauthenticated again (RESP `RESET`): back to the small pool."""
-        if slot.tenant is None:
-            return
-        self._leave(slot)
-        slot.tenant = None
-        slot.opened = self.clock()
-        self._unauthenticated[slot] = None
-        self._unauth_by_peer.setdefault(slot.peer, OrderedDict())[slot] = None
+        with self._lock:
+            if slot.tenant is None or slot.released:
+                return
+            self._leave(slot)
+            slot.tenant = None
+            slot.opened = self.clock()
+            self._unauthenticated[slot] = None
+            self._unauth_by_peer.setdefault(slot.peer, OrderedDict())[slot] = None
 
-    def release(self, slot: Slot) -> None:
-        """The connection closed."""
-        if slot.peer == "":  # released already
-            return
+    def release(self, slot: Slot) -> bool:
+        """The connection closed (idempotent); False if the slot was released already
+        (by an earlier call, or reclaimed for a newer connection)."""
+        with self._lock:
+            return self._release_locked(slot)
+
+    def _release_locked(self, slot: Slot) -> bool:
+        if slot.released:
+            return False
         self._leave(slot)
         self.open -= 1
         left = self._by_peer.get(slot.peer, 0) - 1
@@ -328,6 +401,7 @@ class ConnectionSlots:
         else:
             self._by_peer.pop(slot.peer, None)
         slot.peer = ""
+        return True
 
     def _leave(self, slot: Slot) -> None:
         """Take `slot` out of whichever share it is counted in (not the totals)."""
@@ -345,17 +419,60 @@ class ConnectionSlots:
             else:
                 self._by_tenant.pop(slot.tenant, None)
 
-    def _evict_oldest(self, pool: OrderedDict[Slot, None] | None, now: float) -> bool:
-        """Close the oldest connection of `pool` if it is past the grace period."""
+    def _reclaim(
+        self, pool: OrderedDict[Slot, None] | None, now: float, reclaimed: list[Slot]
+    ) -> bool:
+        """Release the oldest slot of `pool` if it is past the grace period (lock held);
+        its connection is closed by the caller, once the lock is let go."""
         if not pool:
             return False
         oldest = next(iter(pool))
         if now - oldest.opened < UNAUTHENTICATED_GRACE_S:
             return False
         self.evicted += 1
-        self.release(oldest)
-        oldest.evict()
+        self._release_locked(oldest)
+        reclaimed.append(oldest)
         return True
+
+    def check(self, *, pools: bool = True) -> None:
+        """Raise `AssertionError` unless the counts agree with each other and every cap
+        holds (tests call it, concurrently with the connections). `pools=False` skips
+        the unauthenticated pools' caps, which a RESP `RESET` (`deauthenticate`) may
+        overrun: a connection that was admitted keeps its slot."""
+        with self._lock:
+            lim = self.limits
+            problems = []
+            if not 0 <= self.open <= lim.max_connections:
+                problems.append(f"open={self.open} (max {lim.max_connections})")
+            if sum(self._by_peer.values()) != self.open:
+                problems.append(f"per-peer counts {sum(self._by_peer.values())} != {self.open}")
+            if pools and len(self._unauthenticated) > lim.max_unauthenticated:
+                problems.append(f"unauthenticated={len(self._unauthenticated)}")
+            if len(self._unauthenticated) + sum(self._by_tenant.values()) != self.open:
+                problems.append("unauthenticated + per-tenant counts != open")
+            if sum(len(p) for p in self._unauth_by_peer.values()) != len(self._unauthenticated):
+                problems.append("per-peer unauthenticated pools disagree with the pool")
+            if any(n > lim.max_per_peer for n in self._by_peer.values()):
+                problems.append(f"a peer over max_per_peer: {self._by_peer}")
+            if pools and any(
+                len(p) > lim.max_unauthenticated_per_peer for p in self._unauth_by_peer.values()
+            ):
+                problems.append("a peer over max_unauthenticated_per_peer")
+            if any(n > lim.max_per_tenant for n in self._by_tenant.values()):
+                problems.append(f"a tenant over max_per_tenant: {self._by_tenant}")
+            if problems:
+                raise AssertionError("; ".join(problems))
+
+
+def _evict(slot: Slot, here: asyncio.AbstractEventLoop | None) -> None:
+    """Close the connection of a reclaimed slot: at once on its own loop (or outside
+    any), else scheduled on its loop, whose thread alone may touch its transport."""
+    owner = slot.loop
+    if owner is None or owner is here:
+        slot.evict()
+        return
+    with contextlib.suppress(RuntimeError):  # its loop is closed: the connection is gone
+        owner.call_soon_threadsafe(slot.evict)
 
 
 def peer_of(transport: object) -> str:
@@ -368,6 +485,7 @@ def peer_of(transport: object) -> str:
 
 
 __all__ = [
+    "RELEASED",
     "UNAUTHENTICATED",
     "Account",
     "BatchTooLarge",
