@@ -52,7 +52,7 @@ from epistemic_kvcache.proto.http import (
     response_head,
 )
 from epistemic_kvcache.server.budget import Account, BatchTooLarge, Busy, Slot, peer_of
-from epistemic_kvcache.server.context import ServerContext, on_loop
+from epistemic_kvcache.server.context import ServerContext
 from epistemic_kvcache.server.http.admission import (
     WIRE,
     PendingRequest,
@@ -153,7 +153,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._transport = cast(asyncio.Transport, transport)
         self._ctx.live.add(self)
         self.peer = peer_of(transport)
-        admitted = self._slots.admit(self.peer, on_loop(self._loop, self._evicted))
+        admitted = self._slots.admit(self.peer, self._evicted)
         self._ctx.open_connections[WIRE] = self._slots.open
         if isinstance(admitted, str):
             self._ctx.refusals.note(WIRE, self.peer, admitted)

@@ -167,7 +167,7 @@ class RespConnection(asyncio.BufferedProtocol):
         self.session.peer = self.peer
         self.session.addr = _host_port(transport.get_extra_info("peername"))
         self.session.laddr = _host_port(transport.get_extra_info("sockname"))
-        admitted = self._slots.admit(self.peer, on_loop(self._loop, self._evicted))
+        admitted = self._slots.admit(self.peer, self._evicted)
         self._ctx.open_connections[WIRE] = self._slots.open
         if isinstance(admitted, str):
             self._closing = True
