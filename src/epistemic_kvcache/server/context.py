@@ -81,9 +81,10 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 
 def on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> Callable[[], None]:
     """`fn`, made callable from any thread: it runs on `loop` (at once when called there,
-    else through `call_soon_threadsafe`; nothing when `loop` has stopped). For callbacks
-    another event loop may fire: a connection's slot evicted by an admission on another
-    loop, CLIENT KILL of a connection served by another loop."""
+    else through `call_soon_threadsafe`; nothing when `loop` has stopped). For calls
+    another event loop may make: CLIENT KILL of a connection served by another loop, a
+    reload's re-check of each loop's sessions. (An evicted connection slot's callback is
+    already run on its own loop by `ConnectionSlots`.)"""
 
     def call() -> None:
         if _running_loop() is loop:
