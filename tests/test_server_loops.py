@@ -158,6 +158,37 @@ def test_both_wires_serve_on_every_loop(tmp_path: Path) -> None:
             s.close()
 
 
+def test_tls_on_every_loop(tmp_path: Path) -> None:
+    """One TLS context serves the handshakes of every loop's listeners."""
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    ca_file, cert_file, key_file = tmp_path / "ca.pem", tmp_path / "c.pem", tmp_path / "k.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    cert.cert_chain_pems[0].write_to_path(str(cert_file))
+    cert.private_key_pem.write_to_path(str(key_file))
+    settings = {"tls_cert": str(cert_file), "tls_key": str(key_file)}
+    with running_server(tmp_path / "srv", event_loops=str(LOOPS), **settings) as srv:
+        clients: list[redis.Redis] = []
+
+        def open_tls() -> redis.Redis:
+            c = redis.Redis(
+                host=srv.resp.host,
+                port=srv.resp.port,
+                password=TOKEN,
+                ssl=True,
+                ssl_ca_certs=str(ca_file),
+            )
+            c.set(f"t{len(clients)}", b"over tls")
+            clients.append(c)
+            return c
+
+        _spread(open_tls, lambda: _loop_counts(clients[0].info("loops")))
+        assert all(c.get(f"t{i}") == b"over tls" for i, c in enumerate(clients))
+        for c in clients:
+            c.close()
+
+
 def test_durable_writes_acknowledged_on_every_loop(tmp_path: Path) -> None:
     """Durable SETs and PUTs wait for the group committer, which resolves each write's
     future from its own thread onto the loop that serves the connection."""
