@@ -259,9 +259,7 @@ class LoopWorker:
         backlog: int,
     ) -> None:
         self.index = index
-        self._binds = binds
-        self._tls = tls
-        self._backlog = backlog
+        self._binds, self._tls, self._backlog = binds, tls, backlog
         self._ctx: ServerContext | None = None
         self._executor: CountingExecutor | None = None
         self._timeout_s = 0.0
