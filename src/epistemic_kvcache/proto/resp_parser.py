@@ -52,37 +52,35 @@ framed before the bad bytes are still delivered first, then `next_command()` rai
 
 from __future__ import annotations
 
-import enum
 import re
 from collections import deque
-from collections.abc import Callable
-from typing import Final, Literal
+from typing import Final
 
 from epistemic_kvcache.buffers import alloc_block
 from epistemic_kvcache.errors import RemoteProtocolError
 from epistemic_kvcache.proto.resp_inline import split_inline
+from epistemic_kvcache.proto.resp_types import (
+    NEED_DATA,
+    Arg,
+    Buffer,
+    Command,
+    Event,
+    RefusedCommand,
+    ReserveFn,
+)
 
-Buffer = bytes | bytearray | memoryview
-Arg = bytes | bytearray | memoryview
-Command = list[Arg]
-ReserveFn = Callable[[int], bool | str]
-"""Asked before a large bulk is allocated: may the parser hold this many more bytes?
-True grants; False or a reason string refuses (the reason ends up in `RefusedCommand`)."""
-
-
-class RefusedCommand(list[Arg]):
-    """Framed in place of a command one of whose large bulks `reserve` refused (or that
-    the owner refused while it was being framed, `refuse_partial`).
-
-    It is empty: the command's arguments were read off the wire and dropped. `reason` is
-    what `reserve` (or the owner) gave as the reason, `""` if none."""
-
-    __slots__ = ("reason",)
-
-    def __init__(self, reason: str = "") -> None:
-        super().__init__()
-        self.reason = reason
-
+__all__ = [
+    "NEED_DATA",
+    "Arg",
+    "Buffer",
+    "Command",
+    "Event",
+    "RefusedCommand",
+    "ReserveFn",
+    "RespParser",
+    "args_size",
+    "command_size",
+]
 
 KiB: Final = 1024
 MiB: Final = 1024 * 1024
@@ -120,19 +118,6 @@ _BULK_HEAD: Final = re.compile(rb"\$(0|[1-9][0-9]{0,18})\r\n")
 _INT64_MAX: Final = 2**63 - 1
 _INT64_MIN: Final = -(2**63)
 _COMPACT_AT: Final = 64 * KiB
-
-
-class _NeedData(enum.Enum):
-    NEED_DATA = "NEED_DATA"
-
-    def __repr__(self) -> str:
-        return "NEED_DATA"
-
-
-NEED_DATA: Final = _NeedData.NEED_DATA
-"""Returned by `RespParser.next_command()` when no complete command is buffered."""
-
-Event = Command | Literal[_NeedData.NEED_DATA]
 
 
 def args_size(cmd: Command) -> int:
@@ -188,23 +173,17 @@ def _show_byte(b: int) -> str:
 # -- the request parser ---------------------------------------------------------------
 
 
-class _State(enum.Enum):
-    START = 0
-    """Between commands: expect `*` (multibulk) or an inline line."""
-    ARG_HEADER = 1
-    """Inside a multibulk: expect `$len\\r\\n`."""
-    ARG_BODY = 2
-    """A small bulk: wait until `len + 2` bytes are buffered."""
-    BIG_BODY = 3
-    """A large bulk: fill the preallocated array, then expect `\\r\\n`."""
-    SKIP_BODY = 4
-    """A refused large bulk: drop its bytes, then expect `\\r\\n`."""
-
-
-_START: Final = _State.START
-_ARG_HEADER: Final = _State.ARG_HEADER
-_ARG_BODY: Final = _State.ARG_BODY
-_BIG_BODY: Final = _State.BIG_BODY
+# The framer's states (plain ints: the compiled twin keeps them in a C integer).
+_START: Final = 0
+"""Between commands: expect `*` (multibulk) or an inline line."""
+_ARG_HEADER: Final = 1
+"""Inside a multibulk: expect `$len\\r\\n`."""
+_ARG_BODY: Final = 2
+"""A small bulk: wait until `len + 2` bytes are buffered."""
+_BIG_BODY: Final = 3
+"""A large bulk: fill the preallocated array, then expect `\\r\\n`."""
+_SKIP_BODY: Final = 4
+"""A refused large bulk: drop its bytes, then expect `\\r\\n`."""
 
 
 class RespParser:
@@ -304,7 +283,7 @@ class RespParser:
         Call `buffer_updated(n)` after writing `n` bytes into it, before the next call.
         """
         if (
-            self._state is _BIG_BODY
+            self._state == _BIG_BODY
             and self._big_filled < len(self._big)
             and self._pos == len(self._buf)
             and self._error is None
@@ -398,7 +377,7 @@ class RespParser:
     @property
     def has_partial(self) -> bool:
         """Whether bytes of a not-yet-complete command are buffered."""
-        return self._state is not _START or (not self._ready and self._pos < len(self._buf))
+        return self._state != _START or (not self._ready and self._pos < len(self._buf))
 
     @property
     def buffered_bytes(self) -> int:
@@ -417,7 +396,7 @@ class RespParser:
     def refuse_partial(self, reason: str = "") -> bool:
         """Drop the arguments of the command being framed; the rest of it is read and
         dropped, and it is framed as a `RefusedCommand`. False when none is in progress."""
-        if self._state is _START or self._refused:
+        if self._state == _START or self._refused:
             return False
         self._refuse(reason)
         return True
@@ -482,7 +461,7 @@ class RespParser:
         with memoryview(data) as view:
             while True:
                 state = self._state
-                if state is _START:
+                if state == _START:
                     if pos >= end or (ready and not self.authenticated):
                         return pos  # lazy before AUTH: limits may change after a command
                     max_ready = self.max_ready
@@ -514,13 +493,13 @@ class RespParser:
                     nbytes = held = 0
                     left = count
                     refused = False
-                elif state is _ARG_HEADER:
+                elif state == _ARG_HEADER:
                     args = self._args
                     nbytes = self._args_bytes
                     held = self._args_held
                     left = self._args_left
                     refused = self._refused
-                elif state is _ARG_BODY:
+                elif state == _ARG_BODY:
                     stop = pos + self._bulk_len
                     if end < stop + 2:
                         return pos
@@ -529,7 +508,7 @@ class RespParser:
                     self._push_arg(bytes(view[pos:stop]))
                     pos = stop + 2
                     continue
-                elif state is _BIG_BODY:
+                elif state == _BIG_BODY:
                     big = self._big
                     missing = len(big) - self._big_filled
                     if missing:
@@ -627,7 +606,7 @@ class RespParser:
                     self._state = _ARG_BODY
                     return pos
                 # The command is complete.
-                if state is not _START:
+                if state != _START:
                     self._args = []
                     self._args_bytes = self._args_held = self._args_cost = 0
                     self._refused = False
@@ -682,7 +661,7 @@ class RespParser:
         if self._refused or not self._granted(length):
             self._refuse(self._refusal)
             self._skip = length
-            self._state = _State.SKIP_BODY
+            self._state = _SKIP_BODY
         else:
             self._big_room = alloc_block(length, slack=2)
             self._big = self._big_room[:length]
@@ -711,12 +690,12 @@ class RespParser:
             self._refusal = reason
         self._refused = True
         self.held_bytes -= self._args_held
-        if self._state is _BIG_BODY and not self._lent_big:
+        if self._state == _BIG_BODY and not self._lent_big:
             # refused while its large bulk arrives: let the buffer go, skip the rest
             self.held_bytes -= len(self._big)
             self._skip = len(self._big) - self._big_filled
             self._drop_big()
-            self._state = _State.SKIP_BODY
+            self._state = _SKIP_BODY
         self._args = []
         self._args_bytes = 0
         self._args_held = 0
