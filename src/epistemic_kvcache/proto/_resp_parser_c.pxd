@@ -9,7 +9,7 @@
 cimport cython
 
 cdef Py_ssize_t _START, _ARG_HEADER, _ARG_BODY, _BIG_BODY, _SKIP_BODY
-cdef Py_ssize_t COMMAND_OVERHEAD, ARG_OVERHEAD, FIRST_READ_AFTER_BIG, _COMPACT_AT
+cdef Py_ssize_t COMMAND_OVERHEAD, ARG_OVERHEAD, FIRST_READ_AFTER_BIG, _COMPACT_AT, _HEAD_DIGITS
 
 cdef class RespParser:
     cdef public Py_ssize_t max_inline_bytes
@@ -59,7 +59,13 @@ cdef class RespParser:
         max_line=Py_ssize_t, max_bulk=Py_ssize_t, small_max=Py_ssize_t,
         missing=Py_ssize_t, avail=Py_ssize_t, filled=Py_ssize_t, drop=Py_ssize_t,
         nxt=Py_ssize_t, refused=bint, cost=Py_ssize_t, args=list,
+        value=Py_ssize_t, after=Py_ssize_t,
     )
     cdef Py_ssize_t _frame(self, bytearray data, Py_ssize_t pos, Py_ssize_t end) except -1
 
     cdef _advance(self)
+
+@cython.locals(i=Py_ssize_t, stop=Py_ssize_t, value=Py_ssize_t, c=Py_ssize_t, digits=Py_ssize_t)
+cdef (Py_ssize_t, Py_ssize_t) _canonical_head(
+    bytearray data, Py_ssize_t pos, Py_ssize_t end, Py_ssize_t marker, Py_ssize_t max_line
+) except *

@@ -8,19 +8,21 @@ arguments, or `NEED_DATA`), `peek()`, and `unread(commands)` to put commands the
 took but did not run back at the front. A few read-only figures serve the owner's
 accounting (`held_bytes`, `pending_bytes`, `buffered_bytes`, `has_partial`,
 `commands_parsed`, `has_error`), `refuse_partial` and `close` its memory limits. That is
-the whole seam: a compiled twin (a Cython or C framer, the way hiredis slots under
-redis-py) can replace this class behind the same calls; tests/test_proto_resp_framer.py
-holds it to the byte-at-a-time reference.
+the whole seam: this file is also compiled by Cython into its twin, proto/_resp_parser_c
+(setup.py; the C types are in proto/_resp_parser_c.pxd, proto/resp_framer.py picks the
+twin at import), the way hiredis slots under redis-py. tests/test_proto_resp_framer.py
+holds this class to the byte-at-a-time reference, tests/test_proto_resp_twins.py the
+twin to this class.
 
 How it frames
 -------------
 One resumable state machine (`_frame`) runs over whatever holds the unread bytes: the
 read buffer itself when nothing was left over from the previous read (so a read of
 complete commands is framed without being copied), else the receive buffer the leftover
-went to. Per state it takes as much as the bytes allow: a `*N` / `$N` header whose
-canonical form a regular expression matches is read in one step (anything else goes to
-the careful path, which applies every limit and raises Redis' wording), and a run of
-small bulks is framed in one inner loop. Fed one byte at a time it is the byte-at-a-time
+went to. Per state it takes as much as the bytes allow: a `*N` / `$N` header in
+canonical form is read in one step (`_canonical_head`; anything else goes to the careful
+path, which applies every limit and raises Redis' wording), and a run of small bulks is
+framed in one inner loop. Fed one byte at a time it is the byte-at-a-time
 state machine; fed a whole read it is the fast framer: the same code, so the two agree.
 
 Two request forms, as Redis' `networking.c`: multibulk (`*N\\r\\n$len\\r\\n<bytes>\\r\\n...`)
@@ -111,10 +113,9 @@ ARG_OVERHEAD: Final = 48
 """Memory one argument costs beyond its bytes (object header, list slot), estimated."""
 
 _INT_RE: Final = re.compile(rb"-?(?:0|[1-9][0-9]{0,18})")
-# One-step headers: a count or length `_parse_int` accepts, without the sign (negative
-# ones go to the careful path), and its CRLF.
-_MULTIBULK_HEAD: Final = re.compile(rb"\*(0|[1-9][0-9]{0,18})\r\n")
-_BULK_HEAD: Final = re.compile(rb"\$(0|[1-9][0-9]{0,18})\r\n")
+_HEAD_DIGITS: Final = 18
+"""Most digits of a header read in one step (`_canonical_head`); 10**18 - 1 fits a C
+64-bit integer, so the compiled twin scans it without Python integers."""
 _INT64_MAX: Final = 2**63 - 1
 _INT64_MIN: Final = -(2**63)
 _COMPACT_AT: Final = 64 * KiB
@@ -163,6 +164,41 @@ def _parse_int(raw: Buffer) -> int | None:
     if value > _INT64_MAX or value < _INT64_MIN:
         return None
     return value
+
+
+def _canonical_head(
+    data: bytearray, pos: int, end: int, marker: int, max_line: int
+) -> tuple[int, int]:
+    """The `*N` / `$N` header at `pos` in one step: (N, where its CRLF ends), when it is
+    complete and canonical (`marker`, an unsigned decimal of at most `_HEAD_DIGITS`
+    digits without a leading zero, CRLF, the line no longer than `max_line`); else
+    (-1, pos), and the caller's careful path applies every limit and Redis' wording.
+    A byte loop rather than a regular expression: compiled, it runs on C integers."""
+    if data[pos] != marker:
+        return -1, pos
+    i = pos + 1
+    stop = min(end, pos + _HEAD_DIGITS + 2)  # the digits and the CR
+    value = 0
+    while i < stop:
+        c = data[i]
+        if c == 0x0D:
+            break
+        if c < 0x30 or c > 0x39:
+            return -1, pos
+        value = value * 10 + (c - 0x30)
+        i += 1
+    else:
+        return -1, pos  # no CR yet (or too many digits)
+    digits = i - pos - 1
+    if (
+        digits == 0
+        or (digits > 1 and data[pos + 1] == 0x30)
+        or i + 1 >= end
+        or data[i + 1] != 0x0A
+        or i - pos > max_line
+    ):
+        return -1, pos
+    return value, i + 2
 
 
 def _show_byte(b: int) -> str:
@@ -473,10 +509,10 @@ class RespParser:
                             return pos
                         pos = nxt
                         continue
-                    m = _MULTIBULK_HEAD.match(data, pos, end)
-                    if m is not None and m.end() - 2 - pos <= self.max_inline_bytes:
-                        count: int | None = int(m.group(1))
-                        pos = m.end()
+                    value, after = _canonical_head(data, pos, end, 0x2A, self.max_inline_bytes)
+                    if value >= 0:
+                        count: int | None = value
+                        pos = after
                     else:
                         cr = self._header_line(data, pos, end, "mbulk")
                         if cr < 0:
@@ -546,16 +582,12 @@ class RespParser:
                 max_bulk = self.max_bulk_bytes
                 auth_limit = None if self.authenticated else self.unauthenticated_max_bulk_bytes
                 small_max = min(self.large_bulk_threshold - 1, max_bulk, auth_limit or max_bulk)
-                match = _BULK_HEAD.match
                 while left:
                     if pos >= end:
                         length = -1  # waiting for a header
                         break
-                    m = match(data, pos, end)
-                    if m is not None and m.end() - 2 - pos <= max_line:
-                        length = int(m.group(1))
-                        start = m.end()
-                    else:
+                    length, start = _canonical_head(data, pos, end, 0x24, max_line)
+                    if length < 0:
                         if data[pos] != 0x24:  # '$'
                             raise _perr(f"expected '$', got '{_show_byte(data[pos])}'")
                         cr = self._header_line(data, pos, end, "bulk")

@@ -53,6 +53,7 @@ from collections.abc import Callable
 from typing import Final, cast
 
 from epistemic_kvcache.errors import RemoteProtocolError
+from epistemic_kvcache.proto import resp_framer
 from epistemic_kvcache.proto.resp import (
     NEED_DATA,
     Buffer,
@@ -86,6 +87,11 @@ def make_resp_factory(ctx: ServerContext) -> Callable[[], asyncio.BufferedProtoc
     """A protocol factory for `loop.create_server` serving RESP on `ctx`'s store."""
     shared = Shared(ctx)
     ctx.slots_for(WIRE)
+    log.info(
+        "RESP framer: %s twin%s",
+        resp_framer.IMPLEMENTATION,
+        f" ({resp_framer.WHY_PURE})" if resp_framer.WHY_PURE else "",
+    )
 
     def factory() -> asyncio.BufferedProtocol:
         return RespConnection(shared)
