@@ -156,7 +156,7 @@ def _drive(cls: type[Any], data: bytes, limits: dict[str, Any], plan: list[Step]
             trace.append(("error", str(exc)))
             trace.append(_figures(p))
             return trace
-        if extra == 1 and taken:
+        if extra == 1 and taken and pos < len(data):  # (at the end: take them all)
             p.unread([taken.pop()])
         trace.extend(_shown(c) for c in taken)
         if extra == 2:
