@@ -201,19 +201,20 @@ _BAD = st.sampled_from(
 _BIG = st.tuples(st.integers(0, 3000), st.binary(min_size=1, max_size=1)).map(
     lambda t: _command([b"SET", b"big", t[1] * t[0]])
 )
-_PIECE = st.one_of(_SMALL, _SMALL, _FAST, _FAST, _BAD, _BIG, st.binary(max_size=16))
+_PIPELINE = st.lists(st.one_of(_SMALL, _FAST), min_size=2, max_size=8).map(b"".join)
+_PIECE = st.one_of(_SMALL, _PIPELINE, _PIPELINE, _FAST, _BAD, _BIG, st.binary(max_size=16))
 
 
 @needs_compiled
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     pieces=st.lists(_PIECE, max_size=14),
     limits=st.fixed_dictionaries(
         {
-            "max_inline_bytes": st.integers(3, 64),
-            "max_multibulk_len": st.integers(1, 8),
+            "max_inline_bytes": st.one_of(st.integers(3, 64), st.just(64 * 1024)),
+            "max_multibulk_len": st.one_of(st.integers(1, 8), st.just(1024)),
             "max_bulk_bytes": st.integers(1, 4000),
-            "unauthenticated_max_multibulk_len": st.integers(1, 8),
+            "unauthenticated_max_multibulk_len": st.one_of(st.integers(1, 8), st.just(10)),
             "unauthenticated_max_bulk_bytes": st.integers(1, 4000),
             "large_bulk_threshold": st.integers(1, 2000),
             "read_buffer_bytes": st.integers(16, 1024),
