@@ -24,8 +24,19 @@ MODULE = "epistemic_kvcache.proto._resp_parser_c"
 SOURCE = "src/epistemic_kvcache/proto/resp_parser.py"
 
 
+_said: set[str] = set()
+
+
 def _say(message: str) -> None:
     print(f"epistemic-kvcache: {message}", file=sys.stderr)
+
+
+def _not_built(exc: BaseException) -> None:
+    """Say once why the compiled twin is not built (a failed compile also fails the
+    copy of its output after it: that one is not said again)."""
+    if not _said:
+        _said.add("not built")
+        _say(f"compiled RESP framer not built ({exc}); using the pure-Python one")
 
 
 class OptionalBuildExt(build_ext):
@@ -35,13 +46,13 @@ class OptionalBuildExt(build_ext):
         try:
             super().run()
         except Exception as exc:
-            _say(f"compiled RESP framer not built ({exc}); using the pure-Python one")
+            _not_built(exc)
 
     def build_extension(self, ext):  # type: ignore[no-untyped-def]
         try:
             super().build_extension(ext)
         except Exception as exc:
-            _say(f"compiled RESP framer not built ({exc}); using the pure-Python one")
+            _not_built(exc)
 
 
 def _extensions() -> list[object]:
