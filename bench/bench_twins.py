@@ -1,6 +1,7 @@
 """The RESP framer's compiled twin vs its pure twin vs redis-server (issue 27), one run.
 
     .venv/bin/python -m bench.bench_twins [--rounds 3] [--quick]
+    .venv/bin/python -m bench.bench_twins --framer   # the two framers alone, in process
 
 Three servers, side by side: redis-server without persistence, our memory backend with
 the compiled twin of the RESP framer, and the same with the pure-Python twin
@@ -10,6 +11,11 @@ first; the rounds repeat that and the medians are printed. For each command: req
 (redis-benchmark's own count) and the server's CPU time per request (utime + stime of
 the server process from /proc across the command, the load generator excluded, as
 bench/bench_cpu.py reads it). Prints `uptime` before and after: the machine's load.
+
+`--framer` times the two framers alone instead, in this process (thread CPU time, best
+of 5): the way a connection drives them (`get_buffer`, copy a read in, `buffer_updated`,
+take every command, read `has_error` and `pending_bytes`), one command per read and 16
+pipelined, for a 4 KiB SET and an EXISTS.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import os
 import statistics
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -80,11 +87,55 @@ def servers(tmp: Path, round_no: int) -> Iterator[dict[str, tuple[int, str | Non
         yield out
 
 
+def framer_alone() -> None:
+    from epistemic_kvcache.proto import resp_parser
+
+    try:
+        from epistemic_kvcache.proto import _resp_parser_c as compiled
+    except ImportError:
+        raise SystemExit(
+            "the compiled twin is not built: python setup.py build_ext --inplace"
+        ) from None
+    from epistemic_kvcache.proto.resp import NEED_DATA
+
+    key = b"key:000000000001"
+    cases = {
+        "4 KiB SET": b"*3\r\n$3\r\nSET\r\n$16\r\n%s\r\n$4096\r\n%s\r\n" % (key, b"x" * 4096),
+        "EXISTS": b"*2\r\n$6\r\nEXISTS\r\n$16\r\n%s\r\n" % key,
+    }
+
+    def per_command(cls: type, payload: bytes, per_read: int, n: int = 64_000) -> float:
+        p = cls(authenticated=True)
+        data = payload * per_read
+        t0 = time.thread_time()
+        for _ in range(n // per_read):
+            buf = p.get_buffer(-1)
+            buf[: len(data)] = data
+            p.buffer_updated(len(data))
+            while p.next_command() is not NEED_DATA:
+                pass
+            _ = p.has_error, p.pending_bytes
+        return (time.thread_time() - t0) / n * 1e6
+
+    print("| command | commands per read | pure us/command | compiled us/command | speedup |")
+    print("|---|---|---|---|---|")
+    for label, payload in cases.items():
+        for per_read in (1, 16):
+            pure = min(per_command(resp_parser.RespParser, payload, per_read) for _ in range(5))
+            comp = min(per_command(compiled.RespParser, payload, per_read) for _ in range(5))
+            print(f"| {label} | {per_read} | {pure:.2f} | {comp:.2f} | {pure / comp:.1f}x |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="a quarter of the requests")
+    ap.add_argument("--framer", action="store_true", help="the two framers alone")
     args = ap.parse_args()
+    if args.framer:
+        print("load:", subprocess.run(["uptime"], capture_output=True, text=True).stdout)
+        framer_alone()
+        return
     names = ["redis-server", "compiled twin", "pure twin"]
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     print("load before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout)
