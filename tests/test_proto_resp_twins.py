@@ -145,11 +145,9 @@ def _drive(cls: type[Any], data: bytes, limits: dict[str, Any], plan: list[Step]
                 p.buffer_updated(n)
             pos += n
         taken: list[Any] = []
+        want = answer if pos < len(data) else 1 << 30
         try:
-            for _ in range(answer if pos < len(data) else 1 << 30):
-                cmd = p.next_command()
-                if cmd is NEED_DATA:
-                    break
+            while len(taken) < want and (cmd := p.next_command()) is not NEED_DATA:
                 taken.append(cmd)
         except RemoteProtocolError as exc:
             trace.extend(_shown(c) for c in taken)

@@ -56,33 +56,15 @@ from __future__ import annotations
 
 import re
 from collections import deque
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from epistemic_kvcache.buffers import alloc_block
 from epistemic_kvcache.errors import RemoteProtocolError
 from epistemic_kvcache.proto.resp_inline import split_inline
-from epistemic_kvcache.proto.resp_types import (
-    NEED_DATA,
-    Arg,
-    Buffer,
-    Command,
-    Event,
-    RefusedCommand,
-    ReserveFn,
-)
+from epistemic_kvcache.proto.resp_types import NEED_DATA, RefusedCommand
 
-__all__ = [
-    "NEED_DATA",
-    "Arg",
-    "Buffer",
-    "Command",
-    "Event",
-    "RefusedCommand",
-    "ReserveFn",
-    "RespParser",
-    "args_size",
-    "command_size",
-]
+if TYPE_CHECKING:
+    from epistemic_kvcache.proto.resp_types import Arg, Buffer, Command, Event, ReserveFn
 
 KiB: Final = 1024
 MiB: Final = 1024 * 1024
