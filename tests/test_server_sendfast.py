@@ -17,6 +17,7 @@ import ssl
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -31,7 +32,7 @@ from epistemic_kvcache.server.sendfast import (
     unsent,
 )
 from helpers import FakeTransport, eventually, eventually_async
-from servers import TOKEN, Listener, running_listener, running_server
+from servers import TOKEN, Listener, RunningServer, running_listener, running_server
 
 MiB = 1024 * 1024
 TENANTS = {TOKEN: "default"}
@@ -71,65 +72,63 @@ def test_unsent_cuts_at_the_byte_without_copying() -> None:
     assert bytes(unsent([wide], 5)[0]) == bytes(range(5, 16))
 
 
-def test_the_socket_takes_part_and_the_transport_the_rest_in_order() -> None:
-    async def scenario() -> None:
-        a, b = _pair()
+Split = tuple[ReplyWriter, FakeTransport, socket.socket, socket.socket]
+
+
+@pytest.fixture
+def split() -> Iterator[Split]:
+    """A writer whose direct writes go to a socket pair's small-buffered end `a` (read
+    at `b`) and the rest to a FakeTransport."""
+    a, b = _pair()
+    with a, b:
+        yield ReplyWriter(fd=a.fileno()), FakeTransport(), a, b
+
+
+def test_the_socket_takes_part_and_the_transport_the_rest_in_order(
+    split: Split,
+) -> None:
+    writer, transport, _, b = split
+    head, body, tail = b"$4194304\r\n", os.urandom(4 * MiB), b"\r\n"
+    writer.write(transport, [head, body, tail])
+    direct = writer.direct_bytes
+    assert 0 < direct < len(body)  # the socket took part of it, not all
+    assert bytes(transport.written) == (head + body + tail)[direct:]
+    assert _read_exactly(b, direct) == (head + body + tail)[:direct]
+
+
+def test_what_is_not_written_directly_goes_whole_to_the_transport(
+    split: Split,
+) -> None:
+    writer, transport, a, b = split
+    big = os.urandom(DIRECT_MIN_BYTES)
+    # small: the transport as before
+    writer.write(transport, [b"+OK\r\n", b"x" * 100])
+    assert writer.direct_bytes == 0
+    assert transport.take() == b"+OK\r\n" + b"x" * 100
+    # something queued in the transport: never around it
+    transport.buffered = 10
+    writer.write(transport, [big])
+    assert writer.direct_bytes == 0
+    assert transport.take() == big
+    transport.buffered = 0
+    # a full socket (EAGAIN): nothing direct
+    while True:
         try:
-            transport = FakeTransport()
-            writer = ReplyWriter(fd=a.fileno())
-            head, body, tail = b"$4194304\r\n", os.urandom(4 * MiB), b"\r\n"
-            writer.write(transport, [head, body, tail])
-            direct = writer.direct_bytes
-            assert 0 < direct < len(body)  # the socket took part of it, not all
-            assert bytes(transport.written) == (head + body + tail)[direct:]
-            assert _read_exactly(b, direct) == (head + body + tail)[:direct]
-        finally:
-            a.close()
-            b.close()
-
-    asyncio.run(scenario())
-
-
-def test_what_is_not_written_directly_goes_whole_to_the_transport() -> None:
-    async def scenario() -> None:
-        a, b = _pair()
-        try:
-            transport = FakeTransport()
-            writer = ReplyWriter(fd=a.fileno())
-            big = os.urandom(DIRECT_MIN_BYTES)
-            # small: the transport as before
-            writer.write(transport, [b"+OK\r\n", b"x" * 100])
-            assert writer.direct_bytes == 0
-            assert transport.take() == b"+OK\r\n" + b"x" * 100
-            # something queued in the transport: never around it
-            transport.buffered = 10
-            writer.write(transport, [big])
-            assert writer.direct_bytes == 0
-            assert transport.take() == big
-            transport.buffered = 0
-            # a full socket (EAGAIN): nothing direct
-            while True:
-                try:
-                    a.send(b"\0" * 65536)
-                except BlockingIOError:
-                    break
-            writer.write(transport, [b"head", big])
-            assert writer.direct_bytes == 0
-            assert transport.take() == b"head" + big
-            # a peer gone (EPIPE): the transport gets it all (and reports the error)
-            b.close()
-            writer.write(transport, [big])
-            assert writer.direct_bytes == 0
-            assert transport.take() == big
-            # a closing transport: not even tried
-            transport.closing = True
-            writer.write(transport, [big])
-            assert writer.direct_bytes == 0
-        finally:
-            a.close()
-            b.close()
-
-    asyncio.run(scenario())
+            a.send(b"\0" * 65536)
+        except BlockingIOError:
+            break
+    writer.write(transport, [b"head", big])
+    assert writer.direct_bytes == 0
+    assert transport.take() == b"head" + big
+    # a peer gone (EPIPE): the transport gets it all (and reports the error)
+    b.close()
+    writer.write(transport, [big])
+    assert writer.direct_bytes == 0
+    assert transport.take() == big
+    # a closing transport: not even tried
+    transport.closing = True
+    writer.write(transport, [big])
+    assert writer.direct_bytes == 0
 
 
 def test_uvloop_transport_queues_the_remainder_and_the_peer_gets_every_byte() -> None:
@@ -198,7 +197,8 @@ class SlowReader:
     each reply as it goes (the reading is paced by the data: the kernel holds only a
     little of a reply at any moment, the server's transport queues the rest)."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, wire: str, port: int) -> None:
+        self.wire = wire
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         self.sock.settimeout(30)
@@ -247,6 +247,14 @@ class SlowReader:
                 length = int(value)
         return self.digest_of(length)
 
+    def ask(self, keys: list[str]) -> None:
+        """GET every key, pipelined in one send."""
+        self.sock.sendall((_resp_gets if self.wire == "resp" else _http_gets)(keys))
+
+    def reply(self) -> str:
+        """The digest of the next reply's value."""
+        return self.resp_bulk() if self.wire == "resp" else self.http_body()
+
     def close(self) -> None:
         self.sock.close()
 
@@ -261,7 +269,9 @@ def listener(request: pytest.FixtureRequest) -> Iterator[Listener]:
         yield lst
 
 
-def _put_all(lst: Listener, values: dict[str, bytes]) -> None:
+def _stored(lst: Listener, n: int, size: int) -> dict[str, bytes]:
+    """`n` distinct values of about `size` bytes, SET through the listener's own wire."""
+    values = _values(n, size)
     if lst.wire == "resp":
         r = redis.Redis(port=lst.port, password=TOKEN)
         try:
@@ -278,10 +288,11 @@ def _put_all(lst: Listener, values: dict[str, bytes]) -> None:
                 assert resp.status in (200, 201), resp.data
         finally:
             pool.close()
+    return values
 
 
 def _connect(lst: Listener) -> SlowReader:
-    reader = SlowReader(lst.port)
+    reader = SlowReader(lst.wire, lst.port)
     if lst.wire == "resp":
         reader.sock.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(TOKEN), TOKEN.encode()))
         assert reader.line() == b"+OK"
@@ -295,15 +306,12 @@ def _served_directly(lst: Listener) -> int:
 def test_pipelined_large_gets_to_a_slow_reader_arrive_whole_and_in_order(
     listener: Listener,
 ) -> None:
-    values = _values(12, 1 * MiB)
-    _put_all(listener, values)
+    values = _stored(listener, 12, 1 * MiB)
     reader = _connect(listener)
     try:
         keys = list(values) * 2  # each twice, pipelined in one send
-        ask = _resp_gets if listener.wire == "resp" else _http_gets
-        reader.sock.sendall(ask(keys))
-        read = reader.resp_bulk if listener.wire == "resp" else reader.http_body
-        assert [read() for _ in keys] == [_sha(values[k]) for k in keys]
+        reader.ask(keys)
+        assert [reader.reply() for _ in keys] == [_sha(values[k]) for k in keys]
         direct = _served_directly(listener)
         total = sum(len(values[k]) for k in keys)
         assert 0 < direct < total  # both paths carried bytes of these replies
@@ -314,21 +322,18 @@ def test_pipelined_large_gets_to_a_slow_reader_arrive_whole_and_in_order(
 def test_a_reader_that_hangs_up_mid_reply_costs_nothing_and_others_are_served(
     listener: Listener,
 ) -> None:
-    values = _values(4, 4 * MiB)
-    _put_all(listener, values)
+    values = _stored(listener, 4, 4 * MiB)
     keys = list(values)
-    ask = _resp_gets if listener.wire == "resp" else _http_gets
     for _ in range(3):
         quitter = _connect(listener)
-        quitter.sock.sendall(ask(keys * 2))
+        quitter.ask(keys * 2)
         quitter.digest_of(64 * 1024)  # part of the first reply, then gone
         quitter.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
         quitter.close()  # a reset: the server's next write fails
     other = _connect(listener)
     try:
-        other.sock.sendall(ask(keys))
-        read = other.resp_bulk if listener.wire == "resp" else other.http_body
-        assert [read() for _ in keys] == [_sha(values[k]) for k in keys]
+        other.ask(keys)
+        assert [other.reply() for _ in keys] == [_sha(values[k]) for k in keys]
     finally:
         other.close()
     budget = listener.ctx.budget
@@ -340,27 +345,41 @@ def test_a_reader_that_hangs_up_mid_reply_costs_nothing_and_others_are_served(
     budget.check()
 
 
-def test_large_gets_over_both_wires_of_the_whole_server(tmp_path: Path) -> None:
-    values = _values(3, 4 * MiB)
-    with running_server(tmp_path) as srv:
-        assert srv.resp is not None
-        r = redis.Redis(host=srv.resp.host, port=srv.resp.port, password=TOKEN)
+def _both_wires_serve_exact_bytes(
+    srv: RunningServer, values: dict[str, bytes], ca: Path | None
+) -> None:
+    """SET `values` over RESP, read each back over RESP (GET, then one MGET) and HTTP
+    (GET /kv/<key>), comparing digests; TLS with `ca` as the trust root when given."""
+    assert srv.resp is not None
+    tls: dict[str, Any] = {"ssl": True, "ssl_ca_certs": str(ca)} if ca is not None else {}
+    r = redis.Redis(host=srv.resp.host, port=srv.resp.port, password=TOKEN, **tls)
+    pool: urllib3.HTTPConnectionPool
+    if ca is None:
         pool = urllib3.HTTPConnectionPool(srv.http.host, srv.http.port, retries=False)
-        auth = {"Authorization": f"Bearer {TOKEN}"}
-        try:
-            for k, v in values.items():
-                assert r.set(k, v)
-            for k, v in values.items():
-                assert _sha(r.get(k) or b"") == _sha(v)
-                got = pool.request("GET", f"/kv/{k}", headers=auth)
-                assert got.status == 200
-                assert _sha(got.data) == _sha(v)
-            assert [_sha(x or b"") for x in r.mget(list(values))] == [
-                _sha(v) for v in values.values()
-            ]
-        finally:
-            r.close()
-            pool.close()
+    else:
+        ctx = ssl.create_default_context(cafile=str(ca))
+        pool = urllib3.HTTPSConnectionPool(
+            srv.http.host, srv.http.port, retries=False, ssl_context=ctx
+        )
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    try:
+        for k, v in values.items():
+            assert r.set(k, v)
+        for k, v in values.items():
+            assert _sha(r.get(k) or b"") == _sha(v)
+            got = pool.request("GET", f"/kv/{k}", headers=auth)
+            assert got.status == 200
+            assert _sha(got.data) == _sha(v)
+        want = [_sha(v) for v in values.values()]
+        assert [_sha(x or b"") for x in r.mget(list(values))] == want
+    finally:
+        r.close()
+        pool.close()
+
+
+def test_large_gets_over_both_wires_of_the_whole_server(tmp_path: Path) -> None:
+    with running_server(tmp_path) as srv:
+        _both_wires_serve_exact_bytes(srv, _values(3, 4 * MiB), None)
 
 
 def test_tls_replies_go_through_the_transport_and_arrive_exact(tmp_path: Path) -> None:
@@ -370,32 +389,8 @@ def test_tls_replies_go_through_the_transport_and_arrive_exact(tmp_path: Path) -
     cert.cert_chain_pems[0].write_to_path(str(cert_path))
     cert.private_key_pem.write_to_path(str(key_path))
     ca.cert_pem.write_to_path(str(ca_path))
-    values = _values(2, 4 * MiB)
     with running_server(tmp_path, tls_cert=str(cert_path), tls_key=str(key_path)) as srv:
-        assert srv.resp is not None
-        r = redis.Redis(
-            host=srv.resp.host,
-            port=srv.resp.port,
-            password=TOKEN,
-            ssl=True,
-            ssl_ca_certs=str(ca_path),
-        )
-        ctx = ssl.create_default_context(cafile=str(ca_path))
-        pool = urllib3.HTTPSConnectionPool(
-            srv.http.host, srv.http.port, retries=False, ssl_context=ctx
-        )
-        auth = {"Authorization": f"Bearer {TOKEN}"}
-        try:
-            for k, v in values.items():
-                assert r.set(k, v)
-            for k, v in values.items():
-                assert _sha(r.get(k) or b"") == _sha(v)
-                got = pool.request("GET", f"/kv/{k}", headers=auth)
-                assert got.status == 200
-                assert _sha(got.data) == _sha(v)
-        finally:
-            r.close()
-            pool.close()
+        _both_wires_serve_exact_bytes(srv, _values(2, 4 * MiB), ca_path)
 
 
 def test_a_tls_transport_is_never_written_directly(tmp_path: Path) -> None:
