@@ -58,9 +58,11 @@ def wait_port(port: int, timeout: float = 30.0) -> None:
 
 
 @contextmanager
-def redis_server(tmp: Path, *, fsync_always: bool, maxmemory_mib: int = 0) -> Iterator[int]:
+def redis_server(
+    tmp: Path, *, fsync_always: bool, maxmemory_mib: int = 0, extra: Sequence[str] = ()
+) -> Iterator[int]:
     """redis-server on a free loopback port; with `maxmemory_mib` a cache of that size
-    (`allkeys-lru`), the way a fleet runs it."""
+    (`allkeys-lru`), the way a fleet runs it; `extra` arguments last."""
     port = free_port()
     d = tmp / f"redis-{port}"
     d.mkdir()
@@ -86,6 +88,7 @@ def redis_server(tmp: Path, *, fsync_always: bool, maxmemory_mib: int = 0) -> It
         if fsync_always
         else ["--appendonly", "no"]
     )
+    args += extra
     p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_port(port)

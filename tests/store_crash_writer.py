@@ -7,11 +7,13 @@ fresh keys (1 KiB..2 MiB, content derived from the key's content id and SEED, so
 parent can regenerate it) and DELETE existing ones. Every line is flushed as it is
 written; the parent kills this process with SIGKILL at a random moment:
 
+- ``PUT? <ns> <key>``: a PUT is about to be issued (it may or may not happen);
 - ``ACK PUT <ns> <key>``: the PUT returned (the block is acknowledged);
 - ``DEL? <ns> <key>``: a DELETE is about to be issued (it may or may not happen);
 - ``ACK DEL <ns> <key>``: the DELETE returned True (the key is gone for good).
 
-Keys are never reused, so an acknowledged DELETE must stay deleted.
+Keys are never reused, so an acknowledged DELETE must stay deleted, and a PUT that was
+not acknowledged and found absent after the crash must stay absent.
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ def main() -> None:
                 cid = rng.randrange(CONTENT_IDS)
                 items.append((f"k{cycle}.{tid}.{n}.c{cid}", content(seed, cid)))
                 n += 1
+            for key, _ in items:
+                emit(f"PUT? {ns} {key}")
             if batch == 1:
                 store.put(ns, items[0][0], items[0][1])
             else:

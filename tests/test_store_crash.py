@@ -6,6 +6,10 @@ store here. After every kill:
 
 - every acknowledged PUT reads back bit-exact (unless its DELETE was issued since);
 - every acknowledged DELETE stays deleted;
+- what a crash left uncertain stays as the reopen after it found it: an unacknowledged
+  DELETE that took effect stays deleted, an unacknowledged PUT found absent stays absent
+  (keys are never reused: nothing may bring it back later, e.g. a torn batch's records
+  replayed with a later batch);
 - every key present holds exactly the bytes its name says (unacknowledged PUTs are
   absent or complete, never torn);
 - `check(deep=True)` finds no orphan index entry, orphan blob, refcount mismatch or
@@ -79,6 +83,7 @@ def _verify(
     present: set[Ref],
     maybe_deleted: set[Ref],
     acked_deleted: set[Ref],
+    never_put: set[Ref],
 ) -> set[Ref]:
     """Reopen the store, check it against what was acknowledged; return the keys found."""
     with SharedKvStoreBackend(persist_dir, writer.STORE_OPTIONS) as store:
@@ -89,6 +94,8 @@ def _verify(
         assert not missing, f"acknowledged keys lost: {sorted(missing)[:5]}"
         resurrected = acked_deleted & found
         assert not resurrected, f"deleted keys came back: {sorted(resurrected)[:5]}"
+        undead = never_put & found
+        assert not undead, f"unacknowledged PUTs found absent came back: {sorted(undead)[:5]}"
         for ns, key in found:
             got = store.get(ns, key)
             assert got is not None, f"{ns}/{key} listed but not readable"
@@ -110,6 +117,7 @@ def test_sigkill_during_concurrent_puts_and_deletes(tmp_path: Path, rand) -> Non
     persist_dir = tmp_path / "store"
     present: set[Ref] = set()  # keys known to be in the store
     acked_deleted: set[Ref] = set()
+    never_put: set[Ref] = set()  # unacknowledged PUTs found absent after their crash
     total_acks = 0
     total_del_acks = 0
     busy_cycles = 0
@@ -124,12 +132,15 @@ def test_sigkill_during_concurrent_puts_and_deletes(tmp_path: Path, rand) -> Non
         assert run.lines[:1] == ["READY"], err
         assert rc == -signal.SIGKILL, f"writer exited by itself ({rc}): {err}"
         maybe_deleted: set[Ref] = set()
+        maybe_put: set[Ref] = set()
         acks = 0
         for line in run.lines[1:]:
             parts = line.split(" ")
             if parts[0] == "ACK" and parts[1] == "PUT":
                 present.add((parts[2], parts[3]))
                 acks += 1
+            elif parts[0] == "PUT?":
+                maybe_put.add((parts[1], parts[2]))
             elif parts[0] == "DEL?":
                 maybe_deleted.add((parts[1], parts[2]))
             elif parts[0] == "ACK" and parts[1] == "DEL":
@@ -140,10 +151,11 @@ def test_sigkill_during_concurrent_puts_and_deletes(tmp_path: Path, rand) -> Non
         total_acks += acks
         if acks:
             busy_cycles += 1
-        found = _verify(persist_dir, seed, present, maybe_deleted, acked_deleted)
+        found = _verify(persist_dir, seed, present, maybe_deleted, acked_deleted, never_put)
         # what was uncertain is now known: unacked deletes that happened, unacked puts
         # that made it; from here on those must stay as they are
         acked_deleted |= maybe_deleted - found
+        never_put |= maybe_put - found
         present = found
     print(f"writer seed {seed}: {total_acks} PUTs and {total_del_acks} DELETEs acknowledged")
     assert total_acks >= 100, "the writer did too little for the test to mean anything"

@@ -45,9 +45,12 @@ from epistemic_kvcache.config.schema import (
     ENV_PREFIX,
     HMAC_MIN_SECRET_BYTES,
     JWT_ALGORITHMS,
+    MAX_AUTO_EVENT_LOOPS,
+    MAX_EVENT_LOOPS,
     PERSIST_DIR_ENV_ALIAS,
     Address,
     ServerConfig,
+    usable_cores,
 )
 from epistemic_kvcache.config.settings import SETTINGS, SETTINGS_BY_NAME, Setting, add_arguments
 from epistemic_kvcache.shared import is_loopback_host
@@ -62,6 +65,8 @@ __all__ = [
     "ENV_PREFIX",
     "HMAC_MIN_SECRET_BYTES",
     "JWT_ALGORITHMS",
+    "MAX_AUTO_EVENT_LOOPS",
+    "MAX_EVENT_LOOPS",
     "PERSIST_DIR_ENV_ALIAS",
     "SETTINGS",
     "SETTINGS_BY_NAME",
@@ -83,4 +88,5 @@ __all__ = [
     "parse_size",
     "parse_size_or_zero",
     "setting_value",
+    "usable_cores",
 ]

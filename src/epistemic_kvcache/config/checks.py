@@ -12,7 +12,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from epistemic_kvcache.config.parsing import format_size
-from epistemic_kvcache.config.schema import HMAC_MIN_SECRET_BYTES, Address, ServerConfig
+from epistemic_kvcache.config.schema import (
+    HMAC_MIN_SECRET_BYTES,
+    MAX_EVENT_LOOPS,
+    Address,
+    ServerConfig,
+)
 from epistemic_kvcache.errors import ConfigurationError
 
 
@@ -103,6 +108,8 @@ def validate(c: ServerConfig) -> None:
 
     if c.store_threads > 1024:
         fail("store_threads", f"expected at most 1024 (got {c.store_threads})")
+    if c.event_loops > MAX_EVENT_LOOPS:
+        fail("event_loops", f"expected at most {MAX_EVENT_LOOPS} (got {c.event_loops})")
 
 
 def check_persist_dir(c: ServerConfig) -> None:

@@ -3,6 +3,8 @@ names the server and the client share (environment prefix, JWT algorithms)."""
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -80,6 +82,29 @@ class Address(NamedTuple):
         return is_loopback_host(self.host)
 
 
+MAX_AUTO_EVENT_LOOPS = 16
+"""`event_loops = 0` uses one loop per usable core, at most this many."""
+MAX_EVENT_LOOPS = 256
+"""The most event loops one server runs (each is a thread with its own listeners)."""
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def usable_cores(cpu_max: Path = CGROUP_CPU_MAX) -> int:
+    """The cores this process may use: its CPU affinity (`sched_getaffinity`), lowered to
+    the cgroup v2 CPU quota (`cpu.max`: `<quota> <period>`, rounded up) when one is set."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota != "max" and int(period) > 0:
+            cores = min(cores, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
+
+
 DEFAULT_ADDR = Address(DEFAULT_HOST, DEFAULT_HTTP_PORT)
 DEFAULT_RESP_ADDR = Address(DEFAULT_HOST, DEFAULT_RESP_PORT)
 
@@ -131,6 +156,9 @@ class ServerConfig:
     cluster_password_file: Path | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
     store_threads: int = 32
+    event_loops: int = 0
+    """Event loops (threads) serving both wires; 0: one per usable core, at most
+    `MAX_AUTO_EVENT_LOOPS` (`resolved_event_loops`)."""
     shutdown_timeout_s: float = 10.0
     log_level: str = "INFO"
     log_format: str = "text"
@@ -151,6 +179,14 @@ class ServerConfig:
     def max_block_bytes(self) -> int:
         """Largest block accepted (the store and the listeners share it)."""
         return self.limits.max_block_bytes
+
+    @property
+    def resolved_event_loops(self) -> int:
+        """How many event loops serve: `event_loops`, or for 0 one per usable core (at
+        most `MAX_AUTO_EVENT_LOOPS`)."""
+        if self.event_loops > 0:
+            return self.event_loops
+        return min(usable_cores(), MAX_AUTO_EVENT_LOOPS)
 
     @property
     def tls_enabled(self) -> bool:

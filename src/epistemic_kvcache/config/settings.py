@@ -436,6 +436,15 @@ SETTINGS: tuple[Setting, ...] = (
         "N",
     ),
     Setting(
+        "event_loops",
+        parse_nonneg_int,
+        _D.event_loops,
+        "event loops (threads) serving both wires over the one store, each with its own "
+        "listeners (SO_REUSEPORT); 0: one per usable core (CPU affinity and cgroup quota), "
+        "at most 16; 1: a single loop, no extra threads",
+        "N",
+    ),
+    Setting(
         "shutdown_timeout_s",
         pos_seconds,
         _D.shutdown_timeout_s,

@@ -10,8 +10,8 @@ How it works:
   logged as one parseable line, `listening http=127.0.0.1:40123` /
   `listening resp=127.0.0.1:40124` (port 0 shows the real port), followed by one
   `started epistemic-kvcache <version> ...` line.
-- Every connection's protocol is wrapped in a thin proxy that records its transport
-  and counts reads; the store thread pool counts calls in flight. On SIGTERM/SIGINT (or
+- Every connection records its transport and counts reads; the store thread pool
+  counts calls in flight. On SIGTERM/SIGINT (or
   `ServerHandle.stop()`) the listeners stop accepting, then the runner waits — at most
   `shutdown_timeout_s` — until no store call is in flight, no connection received bytes
   during the last quarter second and every write buffer is empty (requests in progress finish,
@@ -24,6 +24,11 @@ How it works:
   verifies are closed. Anything that fails to load is logged and the old value kept.
 - Background tasks (server/background.py): the stats log line, `retire_forever` and
   `watch_epochs_forever`, started with the listeners and cancelled at stop.
+- `event_loops` N > 1 (server/loops.py): N-1 more event loops on threads of their own,
+  each with its own listeners on the same addresses (SO_REUSEPORT), over the one store.
+  This loop (loop 0) keeps the signals, the background tasks, start-up and the stop:
+  a stop drains every loop at once within `shutdown_timeout_s`, a reload re-checks the
+  connections of every loop on that loop; `1` runs no extra thread at all.
 - `ServerThread` runs the same `serve` in a background thread with its own loop, for
   tests and embedding.
 """
@@ -33,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import errno
 import gc
 import logging
 import shutil
@@ -42,34 +46,33 @@ import ssl
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final, ParamSpec, TypeVar
+from typing import Final
 
 from epistemic_kvcache.buffers import configure_prefault
 from epistemic_kvcache.config import Address, ServerConfig, effective_settings
-from epistemic_kvcache.errors import ConfigurationError, KvCacheError
+from epistemic_kvcache.errors import ConfigurationError
 from epistemic_kvcache.server.auth import AuthPlan, ReloadableAuthenticator, plan_authenticator
 from epistemic_kvcache.server.background import (
     log_stats_forever,
     retire_forever,
+    sample_loop_forever,
     watch_epochs_forever,
 )
-from epistemic_kvcache.server.context import LiveConnection, ServerContext
+from epistemic_kvcache.server.context import LiveConnection, ServerContext, on_loop
+from epistemic_kvcache.server.loops import (
+    CountingExecutor,
+    LateFactory,
+    ListenerError,  # noqa: F401  (raised by serve; imported from here)
+    LoopWorker,
+    abort_all,
+    drain,
+    listen,
+)
 from epistemic_kvcache.server.oplog import AccessLog
 from epistemic_kvcache.server.tls import check_bind, ssl_context_from_config
 from epistemic_kvcache.store.api import SharedKvBackend
 
 log = logging.getLogger("epistemic_kvcache.server")
-
-P = ParamSpec("P")
-T = TypeVar("T")
-
-_POLL_S = 0.05
-_QUIET_S = 0.25
-"""A connection that received nothing for this long is not in the middle of a request."""
-
-
-class ListenerError(KvCacheError):
-    """A listener could not be opened (address in use, permission denied, ...)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +85,8 @@ class ServerHandle:
     _loop: asyncio.AbstractEventLoop = field(repr=False)
     _stop: asyncio.Event = field(repr=False)
     _reload: Callable[[], None] = field(repr=False, default=lambda: None)
+    event_loops: int = 1
+    """How many event loops serve (`event_loops`, resolved)."""
 
     @property
     def http(self) -> Address:
@@ -109,48 +114,6 @@ class ServerHandle:
             self._loop.call_soon_threadsafe(self._reload)
 
 
-class CountingExecutor(concurrent.futures.ThreadPoolExecutor):
-    """A thread pool that knows how many submitted calls have not finished yet."""
-
-    def __init__(self, max_workers: int, thread_name_prefix: str = "kvcache-store") -> None:
-        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
-        self._pending = 0
-        self._pending_lock = threading.Lock()
-
-    @property
-    def pending(self) -> int:
-        """Calls submitted and not finished."""
-        return self._pending
-
-    def submit(
-        self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs
-    ) -> concurrent.futures.Future[T]:
-        with self._pending_lock:
-            self._pending += 1
-        try:
-            future = super().submit(fn, *args, **kwargs)
-        except BaseException:
-            self._done(None)
-            raise
-        future.add_done_callback(self._done)
-        return future
-
-    def _done(self, _future: object) -> None:
-        with self._pending_lock:
-            self._pending -= 1
-
-
-# -- connection tracking ---------------------------------------------------------------
-
-
-class _Connections:
-    """Live connections of all listeners, for the graceful stop (each connection adds
-    itself to the set, which the server context shares: `ServerContext.live`)."""
-
-    def __init__(self) -> None:
-        self.live: set[LiveConnection] = set()
-
-
 # -- building blocks -------------------------------------------------------------------
 
 
@@ -176,74 +139,6 @@ def build_store(config: ServerConfig) -> SharedKvBackend:
         epoch_dir=epoch_dir,
         shutdown_timeout_s=config.shutdown_timeout_s,
     )
-
-
-def _sock_address(sockname: Any) -> Address:
-    return Address(str(sockname[0]), int(sockname[1]))
-
-
-def _free_port_hint(flag: str, addr: Address, tries: int = 20) -> str:
-    """`; the next free port is 6380 (--resp-addr 127.0.0.1:6380)` for a taken port: the
-    first of the following `tries` ports this host can bind now (a hint, not a promise:
-    another process may take it first), or nothing."""
-    import socket
-
-    if addr.port == 0:
-        return ""
-    family = socket.AF_INET6 if ":" in addr.host else socket.AF_INET
-    for port in range(addr.port + 1, min(addr.port + 1 + tries, 65536)):
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind((addr.host, port))
-            except OSError:
-                continue
-        suggested = Address(addr.host, port)
-        return f"; the next free port is {port} ({flag} {suggested})"
-    return ""
-
-
-async def _listen(
-    loop: asyncio.AbstractEventLoop,
-    flag: str,
-    addr: Address,
-    factory: Callable[[], asyncio.BaseProtocol],
-    tls: ssl.SSLContext | None,
-    backlog: int,
-) -> tuple[asyncio.Server, tuple[Address, ...]]:
-    """Bind `addr` without accepting yet (`start_serving()` later)."""
-    try:
-        server = await loop.create_server(
-            factory,
-            host=addr.host,
-            port=addr.port,
-            ssl=tls,
-            backlog=backlog,
-            ssl_handshake_timeout=10.0 if tls else None,
-            start_serving=False,
-        )
-    except OSError as exc:
-        if exc.errno == errno.EADDRINUSE:
-            reason = "address already in use" + _free_port_hint(flag, addr)
-        elif exc.errno in (errno.EACCES, errno.EPERM):
-            reason = "permission denied (ports below 1024 need privileges)"
-        elif exc.errno == errno.EADDRNOTAVAIL:
-            reason = "address not available on this machine"
-        else:
-            reason = exc.strerror or str(exc)
-        raise ListenerError(f"{flag} {addr}: {reason}") from None
-    return server, tuple(_sock_address(s.getsockname()) for s in server.sockets)
-
-
-class _LateFactory:
-    """A protocol factory bound before the context exists (nothing is accepted before)."""
-
-    def __init__(self) -> None:
-        self.factory: Callable[[], asyncio.BaseProtocol] | None = None
-
-    def __call__(self) -> asyncio.BaseProtocol:
-        if self.factory is None:  # start_serving() is called only after it is set
-            raise RuntimeError("listener accepted before the server was ready")
-        return self.factory()
 
 
 def _make_persist_dir(config: ServerConfig) -> bool:
@@ -304,8 +199,18 @@ def _reload(config: ServerConfig, ctx: ServerContext, tls: ssl.SSLContext | None
             log.error("reload: credentials NOT reloaded, the previous ones stay in force: %s", exc)
         else:
             log.info("reload: credentials reloaded (%s)", summary)
-            for hook in ctx.reload_hooks:
-                hook()
+            for peer in list(ctx.peers):  # each loop re-checks its own connections
+                hooks = list(peer.reload_hooks)
+
+                def run_hooks(hooks: list[Callable[[], None]] = hooks) -> None:
+                    for hook in hooks:
+                        hook()
+
+                loop = peer.loop.event_loop
+                if loop is None:
+                    run_hooks()
+                else:
+                    on_loop(loop, run_hooks)()
     if tls is not None:
         try:
             reload_tls(config, tls)
@@ -362,8 +267,11 @@ async def serve(
             if addr is not None and not addr.is_loopback:
                 log.warning("plaintext listener on %s (--allow-insecure-bind)", addr)
 
+    n_loops = config.resolved_event_loops
+    shared_port = n_loops > 1
     servers: list[asyncio.Server] = []
-    connections = _Connections()
+    workers: list[LoopWorker] = []
+    live: set[LiveConnection] = set()
     background: list[asyncio.Task[None]] = []
     stop = asyncio.Event()
     installed_signals: list[int] = []
@@ -373,23 +281,42 @@ async def serve(
     started = False
     try:
         # 2. Bind (not accepting yet): a taken port fails here, before any file is written.
+        #    With several event loops, each loop binds its own listeners (SO_REUSEPORT).
         backlog = max(128, min(config.limits.max_connections, 4096))
-        http_factory, resp_factory = _LateFactory(), _LateFactory()
-        http_server, http_addrs = await _listen(
-            loop, "--addr", config.addr, http_factory, tls, backlog
+        http_factory, resp_factory = LateFactory(), LateFactory()
+        http_server, http_addrs = await listen(
+            loop,
+            "--addr",
+            config.addr,
+            http_factory,
+            tls,
+            backlog,
+            reuse_port=shared_port,
+            probe=shared_port,
         )
         servers.append(http_server)
         resp_addrs: tuple[Address, ...] = ()
         if config.resp_addr is not None:
-            resp_server, resp_addrs = await _listen(
+            resp_server, resp_addrs = await listen(
                 loop,
                 "--resp-addr",
                 config.resp_addr,
                 resp_factory,
                 tls,
                 backlog,
+                reuse_port=shared_port,
+                probe=shared_port,
             )
             servers.append(resp_server)
+        late: list[tuple[LateFactory, LateFactory]] = []
+        for index in range(1, n_loops):
+            factories = (LateFactory(), LateFactory())
+            binds = [("--addr", a, factories[0]) for a in http_addrs]
+            binds += [("--resp-addr", a, factories[1]) for a in resp_addrs]
+            workers.append(LoopWorker(index, binds, tls, backlog))
+            late.append(factories)
+        for bound in [w.start() for w in workers]:
+            await asyncio.wrap_future(bound)
 
         # 3. Files: the persist dir, the store, the first-run token.
         if (
@@ -409,8 +336,10 @@ async def serve(
             metrics_tenants=frozenset(config.metrics_tenants),
             settings=tuple(effective_settings(config)),
             access_log=AccessLog(config.access_log),
-            live=connections.live,
+            live=live,
         )
+        ctx.loop.event_loop = loop
+        ctx.metrics.watch_loops(ctx.loop_view)
 
         # fleet-wide epoch notices (cluster mode): bumps made through other servers
         def on_epoch(tenant: str, scope: str, epoch: int) -> None:
@@ -418,10 +347,18 @@ async def serve(
 
         store.set_epoch_listener(on_epoch)
         http_factory.factory = make_http_factory(ctx)
+        first_resp = None
         if config.resp_addr is not None:
-            resp_factory.factory = make_resp_factory(ctx)
+            resp_factory.factory = first_resp = make_resp_factory(ctx)
         else:
             log.info("RESP listener off")
+        loop_contexts = [ctx]
+        for worker, (http_late, resp_late) in zip(workers, late, strict=True):
+            sibling = ctx.sibling(worker.index)
+            loop_contexts.append(sibling)
+            http_late.factory = make_http_factory(sibling)
+            if config.resp_addr is not None:
+                resp_late.factory = make_resp_factory(sibling, first_resp)
 
         def reload() -> None:
             _reload(config, ctx, tls)
@@ -432,6 +369,10 @@ async def serve(
         # 4. Accept.
         if threading.current_thread() is threading.main_thread():
             tune_gc()  # a server process of its own (not an embedded ServerThread)
+        for serving in [
+            w.serve(c, executor) for w, c in zip(workers, loop_contexts[1:], strict=True)
+        ]:
+            await asyncio.wrap_future(serving)
         for server in servers:
             await server.start_serving()
         started = True
@@ -444,7 +385,7 @@ async def serve(
                 log.info("listening %s=%s tls=%s", name, a, mode)
         log.info(
             "started epistemic-kvcache %s http=%s resp=%s tls=%s backend=%s persist_dir=%s "
-            "dedup_scope=%s",
+            "dedup_scope=%s event_loops=%d",
             server_version(),
             ",".join(str(a) for a in http_addrs),
             ",".join(str(a) for a in resp_addrs) or "off",
@@ -454,14 +395,16 @@ async def serve(
             if config.backend == "durable" and not config.cluster_mode
             else "-",
             config.store.dedup_scope,
+            n_loops,
             extra={
                 "event": "started",
                 "version": server_version(),
                 "http": ",".join(str(a) for a in http_addrs),
                 "resp": ",".join(str(a) for a in resp_addrs) or "off",
+                "event_loops": n_loops,
             },
         )
-
+        background.append(asyncio.create_task(sample_loop_forever(ctx), name="kvcache-loop-sample"))
         if config.stats_log_interval_s > 0:
             background.append(
                 asyncio.create_task(
@@ -477,14 +420,20 @@ async def serve(
         background.append(
             asyncio.create_task(watch_epochs_forever(ctx), name="kvcache-epoch-watch")
         )
-        handle = ServerHandle(http_addrs, resp_addrs, tls is not None, loop, stop, reload)
+        handle = ServerHandle(
+            http_addrs, resp_addrs, tls is not None, loop, stop, reload, event_loops=n_loops
+        )
         if ready is not None:
             ready(handle)
         await stop.wait()
         log.info("shutting down: no new connections, waiting for requests in flight")
         for server in servers:
             server.close()
-        await _drain(connections, executor, config.shutdown_timeout_s)
+        # every loop drains its own connections at once, within the one timeout
+        drained = [w.stop(config.shutdown_timeout_s) for w in workers]
+        await drain(live, executor, config.shutdown_timeout_s)
+        for done in drained:
+            await asyncio.wrap_future(done)
     finally:
         for sig in installed_signals:
             loop.remove_signal_handler(sig)
@@ -495,10 +444,12 @@ async def serve(
         for task in background:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for conn in list(connections.live):
-            if isinstance(conn.transport, asyncio.WriteTransport):
-                conn.transport.abort()
+        abort_all(live)
         await asyncio.sleep(0)
+        for done in [w.stop(0.0) for w in workers]:  # a failed start: stop them now
+            await asyncio.wrap_future(done)
+        for worker in workers:
+            worker.join()
         if store is not None:
             store.set_epoch_listener(None)
             await loop.run_in_executor(None, _close_store, executor, store)
@@ -544,53 +495,6 @@ def _install_signals(
             continue
         installed.append(sig)
     return installed
-
-
-def _write_buffer_size(transport: asyncio.BaseTransport | None) -> int:
-    if isinstance(transport, asyncio.WriteTransport):
-        try:
-            return transport.get_write_buffer_size()
-        except (AttributeError, RuntimeError):
-            return 0
-    return 0
-
-
-async def _drain(connections: _Connections, executor: CountingExecutor, timeout_s: float) -> None:
-    """Wait (bounded) until requests in flight finished, then close every connection.
-
-    Busy means: a store call is running, a connection received bytes during the last
-    `_QUIET_S` seconds (a body still arriving), or a response is still being sent.
-    """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    # id(connection) -> (read count, when it last changed); a new entry counts as active now.
-    seen: dict[int, tuple[int, float]] = {}
-    while loop.time() < deadline:
-        await asyncio.sleep(_POLL_S)
-        now = loop.time()
-        recently_active = False
-        for conn in connections.live:
-            reads, changed = seen.get(id(conn), (-1, now))
-            if conn.reads != reads:
-                changed = now
-            seen[id(conn)] = (conn.reads, changed)
-            if now - changed < _QUIET_S or _write_buffer_size(conn.transport):
-                recently_active = True
-        if executor.pending == 0 and not recently_active:
-            break
-    else:
-        log.warning(
-            "shutdown_timeout_s=%s elapsed: closing %d connection(s), %d store call(s) in flight",
-            timeout_s,
-            len(connections.live),
-            executor.pending,
-        )
-    for conn in list(connections.live):
-        if conn.transport is not None and not conn.transport.is_closing():
-            conn.transport.close()
-    # Let the protocols see connection_lost and flush what close() allows.
-    for _ in range(3):
-        await asyncio.sleep(0)
 
 
 TRIM_THRESHOLD_BYTES: Final = 16 << 20

@@ -5,7 +5,10 @@
   (stale-epoch entries and expired snapshots; reads are right whether or not it ran).
 - `watch_epochs_forever`: about once a second, reads the epochs of the scopes this
   server has seen from the shared registry and publishes those another process bumped
-  on the RESP channel `kvcache:epochs`.
+  on the RESP channel `kvcache:epochs` (one watcher for all event loops: the notifier
+  delivers to each subscriber on its own loop).
+- `sample_loop_forever`: on every event loop, how busy its thread was over the last
+  `LOOP_SAMPLE_S` (thread CPU time over wall time), for the per-loop view.
 Store calls run on the thread pool (`ctx.run`); a failing tick is logged, never fatal.
 """
 
@@ -14,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
+import time
 
 from epistemic_kvcache.config import format_size
 from epistemic_kvcache.errors import KvCacheError
@@ -103,7 +108,7 @@ async def watch_epochs_forever(ctx: ServerContext, interval_s: float = EPOCH_POL
     """
     while True:
         await asyncio.sleep(interval_s)
-        watched = list(ctx.epochs.known)
+        watched = ctx.epochs.watched()
         if not watched:
             continue
         try:
@@ -114,7 +119,7 @@ async def watch_epochs_forever(ctx: ServerContext, interval_s: float = EPOCH_POL
         for (tenant, scope), epoch in zip(watched, current, strict=True):
             if epoch is None:
                 continue
-            if ctx.epochs.known.get((tenant, scope), 0) is None:
+            if ctx.epochs.baseline(tenant, scope):
                 ctx.epochs.watch(tenant, scope, epoch)  # first read: a baseline, not news
             else:
                 ctx.epochs.publish(tenant, scope, epoch)
@@ -128,3 +133,22 @@ def _read_epochs(store: SharedKvBackend, pairs: list[tuple[str, str]]) -> list[i
         except KvCacheError:
             out.append(None)
     return out
+
+
+LOOP_SAMPLE_S = 1.0
+"""How often each event loop samples its thread's CPU time (`LoopStats.busy`)."""
+
+
+async def sample_loop_forever(ctx: ServerContext, interval_s: float = LOOP_SAMPLE_S) -> None:
+    """Keep `ctx.loop` (this event loop's stats) current: its thread, and the fraction of
+    each `interval_s` that thread spent on a CPU (1.0: the loop never waited)."""
+    stats = ctx.loop
+    stats.thread_id = threading.get_ident()
+    wall, cpu = time.monotonic(), time.thread_time()
+    while True:
+        await asyncio.sleep(interval_s)
+        now_wall, now_cpu = time.monotonic(), time.thread_time()
+        stats.cpu_s = now_cpu
+        if now_wall > wall:
+            stats.busy = min(1.0, (now_cpu - cpu) / (now_wall - wall))
+        wall, cpu = now_wall, now_cpu

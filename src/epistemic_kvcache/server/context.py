@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import dataclasses
 import functools
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
@@ -68,8 +72,32 @@ EpochCallback = Callable[[str, int], None]
 """A subscriber's delivery function: (scope, epoch)."""
 
 
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> Callable[[], None]:
+    """`fn`, made callable from any thread: it runs on `loop` (at once when called there,
+    else through `call_soon_threadsafe`; nothing when `loop` has stopped). For calls
+    another event loop may make: CLIENT KILL of a connection served by another loop, a
+    reload's re-check of each loop's sessions. (An evicted connection slot's callback is
+    already run on its own loop by `ConnectionSlots`.)"""
+
+    def call() -> None:
+        if _running_loop() is loop:
+            fn()
+        else:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(fn)
+
+    return call
+
+
 class EpochNotifier:
-    """Fan-out of epoch bumps to one server's RESP subscribers, per tenant (event loop only).
+    """Fan-out of epoch bumps to one server's RESP subscribers, per tenant (thread-safe).
 
     Also remembers the `(tenant, scope)` pairs this server has seen (bumped or watched) and
     their last known epoch, so a watcher can poll the shared registry for bumps made by
@@ -77,46 +105,67 @@ class EpochNotifier:
     shared fairly: a tenant watching more than `max_watched_per_tenant` scopes forgets
     its own oldest, and past `max_watched` in all the tenant watching the most loses
     its oldest, so one tenant cannot push another's watches out.
+
+    One notifier serves every event loop of the server (`event_loops`): a subscriber is
+    remembered with the loop it subscribed on, and a bump published on another loop (or
+    thread) reaches it through that loop's `call_soon_threadsafe`; on its own loop it is
+    called at once. A lock guards the tables.
     """
 
     def __init__(self, max_watched: int = 10_000, max_watched_per_tenant: int = 1_000) -> None:
         self.max_watched = max_watched
         self.max_watched_per_tenant = max_watched_per_tenant
-        self.subscribers: dict[str, set[EpochCallback]] = {}
+        self.subscribers: dict[str, dict[EpochCallback, asyncio.AbstractEventLoop | None]] = {}
+        """tenant -> {delivery function: the loop it runs on (None: any thread)}."""
         self.known: dict[tuple[str, str], int | None] = {}
         """(tenant, scope) -> last epoch published or seen; None: not read yet."""
         self._by_tenant: dict[str, dict[str, None]] = {}
         """tenant -> its watched scopes, oldest first."""
+        self._lock = threading.RLock()
 
     def subscribe(self, tenant: str, deliver: EpochCallback) -> None:
-        self.subscribers.setdefault(tenant, set()).add(deliver)
+        """Deliver `tenant`'s bumps to `deliver`, on the loop running now (if any)."""
+        with self._lock:
+            self.subscribers.setdefault(tenant, {})[deliver] = _running_loop()
 
     def unsubscribe(self, tenant: str, deliver: EpochCallback) -> None:
-        subs = self.subscribers.get(tenant)
-        if subs is not None:
-            subs.discard(deliver)
-            if not subs:
-                del self.subscribers[tenant]
+        with self._lock:
+            subs = self.subscribers.get(tenant)
+            if subs is not None:
+                subs.pop(deliver, None)
+                if not subs:
+                    del self.subscribers[tenant]
 
     def watched_by(self, tenant: str) -> int:
         """How many scopes of `tenant` are watched."""
         return len(self._by_tenant.get(tenant, ()))
 
+    def watched(self) -> list[tuple[str, str]]:
+        """A copy of the watched `(tenant, scope)` pairs."""
+        with self._lock:
+            return list(self.known)
+
+    def baseline(self, tenant: str, scope: str) -> bool:
+        """Whether `scope` is watched and its epoch not read yet."""
+        with self._lock:
+            return (tenant, scope) in self.known and self.known[(tenant, scope)] is None
+
     def watch(self, tenant: str, scope: str, epoch: int | None = None) -> None:
         """Poll `scope` from now on (its current epoch, if known, is not published)."""
-        key = (tenant, scope)
-        if key not in self.known:
-            scopes = self._by_tenant.setdefault(tenant, {})
-            if len(scopes) >= self.max_watched_per_tenant:
-                self._forget(tenant, next(iter(scopes)))
-            self.known[key] = epoch
-            self._by_tenant.setdefault(tenant, {})[scope] = None
-            while len(self.known) > self.max_watched:
-                largest = max(self._by_tenant, key=lambda t: len(self._by_tenant[t]))
-                self._forget(largest, next(iter(self._by_tenant[largest])))
-        elif epoch is not None:
-            last = self.known[key]
-            self.known[key] = epoch if last is None else max(last, epoch)
+        with self._lock:
+            key = (tenant, scope)
+            if key not in self.known:
+                scopes = self._by_tenant.setdefault(tenant, {})
+                if len(scopes) >= self.max_watched_per_tenant:
+                    self._forget(tenant, next(iter(scopes)))
+                self.known[key] = epoch
+                self._by_tenant.setdefault(tenant, {})[scope] = None
+                while len(self.known) > self.max_watched:
+                    largest = max(self._by_tenant, key=lambda t: len(self._by_tenant[t]))
+                    self._forget(largest, next(iter(self._by_tenant[largest])))
+            elif epoch is not None:
+                last = self.known[key]
+                self.known[key] = epoch if last is None else max(last, epoch)
 
     def _forget(self, tenant: str, scope: str) -> None:
         self.known.pop((tenant, scope), None)
@@ -129,15 +178,43 @@ class EpochNotifier:
     def publish(self, tenant: str, scope: str, epoch: int) -> bool:
         """Deliver `<scope> <epoch>` to the tenant's subscribers unless already known."""
         key = (tenant, scope)
-        last = self.known.get(key)
-        if last is not None and last >= epoch:
-            return False
-        self.watch(tenant, scope)
-        if key in self.known:
-            self.known[key] = epoch
-        for deliver in list(self.subscribers.get(tenant, ())):
-            deliver(scope, epoch)
+        with self._lock:
+            last = self.known.get(key)
+            if last is not None and last >= epoch:
+                return False
+            self.watch(tenant, scope)
+            if key in self.known:
+                self.known[key] = epoch
+            targets = list(self.subscribers.get(tenant, {}).items())
+        here = _running_loop()
+        for deliver, loop in targets:
+            if loop is None or loop is here:
+                deliver(scope, epoch)
+            else:
+                with contextlib.suppress(RuntimeError):  # that loop has stopped
+                    loop.call_soon_threadsafe(deliver, scope, epoch)
         return True
+
+
+@dataclass(slots=True)
+class LoopStats:
+    """One event loop's share of the server (`event_loops`): its index, its thread and
+    how busy that thread is (`busy`: its CPU time over the last sampling interval, set by
+    background.py `sample_loop_forever`)."""
+
+    index: int
+    thread_id: int = 0
+    busy: float = 0.0
+    cpu_s: float = 0.0
+    event_loop: asyncio.AbstractEventLoop | None = None
+    """The loop itself, once it serves (reload hooks are run on it)."""
+
+    def cpu_seconds(self) -> float:
+        """CPU time of the loop's thread so far (readable from any thread on Linux)."""
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(self.thread_id))
+        except (AttributeError, OSError, OverflowError):
+            return self.cpu_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +271,10 @@ class ServerContext:
     """Every byte buffered for clients, server-wide and per tenant (see server/budget.py)."""
     slots: dict[str, ConnectionSlots] = field(init=False, default_factory=dict)
     """Connection slots per listener name."""
+    loop: LoopStats = field(default_factory=lambda: LoopStats(0))
+    """This event loop's index and busy fraction (one context per loop: `sibling`)."""
+    peers: list[ServerContext] = field(default_factory=list)
+    """Every event loop's context, this one included (one list shared by all)."""
 
     def __post_init__(self) -> None:
         lim = self.limits
@@ -201,6 +282,45 @@ class ServerContext:
             lim.max_inflight_body_bytes,
             min(lim.max_tenant_inflight_bytes, lim.max_inflight_body_bytes),
         )
+        if not self.peers:
+            self.peers.append(self)
+
+    def sibling(self, index: int) -> ServerContext:
+        """The context of another event loop of this server (`event_loops`).
+
+        Global: the store, the authenticator, limits, the memory budget and connection
+        slots (limits hold across loops), metrics' registry, the thread pool, epoch
+        notifications, the logs. Per loop: its live connections, reload hooks (RESP
+        re-checks its own sessions), request counters and loop stats."""
+        for wire in ("http", "resp"):
+            self.slots_for(wire)  # created before any loop serves: one set for all
+        other = dataclasses.replace(
+            self,
+            live=set(),
+            reload_hooks=[],
+            metrics=self.metrics.loop_view(),
+            loop=LoopStats(index),
+        )
+        other.budget = self.budget
+        other.slots = self.slots
+        self.peers.append(other)
+        return other
+
+    def loop_view(self) -> list[dict[str, object]]:
+        """Per event loop: its index, open connections, requests answered, how busy its
+        thread was over the last second and its CPU seconds (`INFO loops`, `/kv/stats`)."""
+        out: list[dict[str, object]] = []
+        for peer in list(self.peers):
+            out.append(
+                {
+                    "loop": peer.loop.index,
+                    "connections": len(peer.live),
+                    "requests": peer.metrics.requests(),
+                    "busy": round(peer.loop.busy, 3),
+                    "cpu_seconds": round(peer.loop.cpu_seconds(), 3),
+                }
+            )
+        return out
 
     def slots_for(self, wire: str) -> ConnectionSlots:
         """The connection slots of listener `wire` (created on first use)."""

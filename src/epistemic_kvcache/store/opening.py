@@ -12,7 +12,10 @@ an empty directory gets a new store. Then `_finish_open` settles the segments (t
 ends, intended deletions, holes punched before, missing files), fills the segment space
 (`store/space.py`: lengths, live and tombstone bytes, key/meta record locations),
 brings the index up to date with the tail, and opens the writer at the end of the last
-complete batch (bytes after it were never acknowledged: cut off).
+complete batch. Bytes after that batch were never acknowledged: they are cut off, in its
+segment and in every later one (a torn batch may have rolled into a new segment), before
+anything is appended, since replay would otherwise read the next batch's end-of-batch
+record as theirs and apply them with it (`Opener._cut_torn_tail`).
 
 What RAM must load (`entries`, `metas`) and what open found (lost keys, damage,
 quarantine) are left on the opener for the store to take; nothing here touches RAM.
@@ -245,6 +248,30 @@ class Opener:
         for ns, key, what in sv.suspects:
             log.error("%s/%s may be lost: %s", ns, key, what)
 
+    def _cut_torn_tail(self, end: tuple[int, int]) -> None:
+        """Cut off every byte after the last complete batch `end`: in its segment, and
+        all of every later one. They were never acknowledged (a batch torn by the
+        crash), and replay groups records into batches by the end-of-batch flag alone:
+        left in the log, the next batch written after them would be read as their end,
+        and they would be applied with it at the next open. A torn batch may have rolled
+        into new segments, so the last segment is not the only one to cut."""
+        for sid in sorted(self.space.segs):
+            if sid < end[0]:
+                continue
+            seg = self.space.segs[sid]
+            keep = end[1] if sid == end[0] else 0
+            if seg.size() <= keep:
+                continue
+            log.info(
+                "segment %08d: dropping %d bytes after the last complete batch (a write "
+                "torn by a crash, never acknowledged)",
+                sid,
+                seg.size() - keep,
+            )
+            with open(seg.path, "r+b") as f:
+                f.truncate(keep)
+                os.fsync(f.fileno())
+
     def _set_index_aside(self) -> None:
         """Move an unusable index out of the way (kept for inspection, never deleted)."""
         if self.index_dir.exists() and any(self.index_dir.iterdir()):
@@ -342,13 +369,9 @@ class Opener:
             next_id=max([last, ckpt[0], *st.segdel]) + 1,
             delete_reserve=self.space.delete_reserve,
         )
+        self._cut_torn_tail(end)
         if last in self.space.segs and last not in st.seals and end[0] == last:
-            seg = self.space.segs[last]
-            if seg.size() > end[1]:  # bytes past the last complete batch: never acknowledged
-                with open(seg.path, "r+b") as f:
-                    f.truncate(end[1])
-                    os.fsync(f.fileno())
-            self.space.writer.resume(seg, end[1])
+            self.space.writer.resume(self.space.segs[last], end[1])
         else:
             self.space.writer.seal_active(prev_id=last)
         self.space.log_end = end

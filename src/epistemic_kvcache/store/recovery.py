@@ -10,10 +10,12 @@ checkpoint position (O(tail)). Rebuilding the index fills it by replaying every 
 Replay reads records in log order and applies them a batch at a time: records are
 held until the record that ends their group commit arrives, so a batch torn by a crash
 is dropped whole. Damaged bytes are skipped (the scanner resyncs on the next record),
-counted and listed. A segment abandoned after a failed sync is read only up to the end
-its SEAL record names (SEALs are always among the first records of a segment, so a
-short pre-pass finds them all). BLOB payloads are verified against their digest while
-replaying; a block that fails is never located, so its keys read as lost.
+counted and listed; zeros that run to the end of a segment are space the writer zeroed
+ahead and had not cut yet when it died, not damage. A segment abandoned after a failed
+sync is read only up to the end its SEAL record names (SEALs are always among the first
+records of a segment, so a short pre-pass finds them all). BLOB payloads are verified
+against their digest while replaying; a block that fails is never located, so its keys
+read as lost.
 
 After replay, `finish` drops blobs no key references, and sorts out what is *lost*: a
 key whose blob has no valid bytes any more (segment deleted or truncated by hand, or
@@ -41,6 +43,7 @@ META_KINDS = {1: "snap", 2: "branch"}
 META_CODES = {"snap": 1, "branch": 2}
 
 Progress = Callable[[str], None]
+_ZERO_CHECK_BYTES = 1 << 20
 
 
 class StoreMismatchError(ValueError):
@@ -143,6 +146,7 @@ def replay(
         read_seals(segments, st)
     pending: list[tuple[int, Scanned]] = []
     t_last = time.monotonic()
+    last = max(segments, default=None)
     for sid in sorted(segments):
         if start is not None and sid < start[0]:
             continue
@@ -153,6 +157,9 @@ def replay(
             continue
         for item in scan(seg, off, stop, payloads=False, verify=verify):
             if isinstance(item, Damage):
+                if sid != last and _zeroed_tail(seg, item.off, item.end):
+                    st.tail_bytes += item.end - item.off  # (the last one's: below)
+                    continue
                 st.damage.append((sid, item.off, item.end, item.reason))
                 continue
             pending.append((sid, item))
@@ -175,13 +182,31 @@ def replay(
                 )
     # Records after the last complete batch were never acknowledged: dropped. Bytes after
     # it in the last segment are its torn tail or pre-zeroed space, not damage.
-    last = max(segments, default=None)
     if last is not None:
         tail_from = st.ends.get(last, 0)
         tail = [d for d in st.damage if d[0] == last and d[1] >= tail_from]
         st.damage = [d for d in st.damage if d not in tail]
         st.tail_damage = tail
         st.tail_bytes = sum(d[2] - d[1] for d in tail)
+
+
+def _zeroed_tail(seg: Segment, off: int, end: int) -> bool:
+    """Whether `off..end` runs to the end of `seg` and holds only zeros: space the writer
+    zeroed ahead of a segment's end, which a batch rolling over into a new segment cuts
+    off once it is durable. A crash between the two leaves it in the middle of that
+    batch: not damage."""
+    try:
+        if end != seg.size():
+            return False
+        pos = off
+        while pos < end:
+            n = min(_ZERO_CHECK_BYTES, end - pos)
+            if bytes(seg.read(pos, n)).count(0) != n:
+                return False
+            pos += n
+    except OSError:
+        return False
+    return True
 
 
 def _apply(st: LogState, sid: int, item: Scanned) -> None:

@@ -16,11 +16,12 @@ Writing a group commit (`LogWriter`):
    the active segment for small batches (below), and `fdatasync`s each segment written:
    one sync per batch in the common case. Only then may the batch be acknowledged.
 3. If a `pwrite` fails (ENOSPC, EIO) nothing was synced: `rollback` resets the write
-   position, so the next batch overwrites the partial bytes (they were never part of a
-   complete batch). If an `fdatasync` fails, the dirty pages may be gone (the
-   "fsyncgate" lesson: never retry such a sync as if nothing happened): `abandon` seals
-   the segments at their last synced end; the next batch starts a new segment and
-   records a SEAL naming where the abandoned one's trusted bytes end.
+   position and overwrites the partial bytes with zeros (they were never part of a
+   complete batch, and replay must never read them as the start of a later one). If an
+   `fdatasync` fails, the dirty pages may be gone (the "fsyncgate" lesson: never retry
+   such a sync as if nothing happened): `abandon` seals the segments at their last
+   synced end; the next batch starts a new segment and records a SEAL naming where the
+   abandoned one's trusted bytes end.
 
 Pre-zeroing: an `fdatasync` that grows a file must also commit its new size and block
 allocation through the file-system journal; one that overwrites allocated blocks only
@@ -587,7 +588,16 @@ class LogWriter:
         self.zeroed_to = done
 
     def rollback(self) -> None:
-        """A write failed before any sync: forget the batch, reuse its space."""
+        """A write failed before any sync: forget the batch, reuse its space.
+
+        What the failed write put past the active segment's trusted end (a prefix of the
+        batch: records with no end-of-batch flag) is overwritten with zeros first. Left
+        there, a later batch that is shorter, or that starts in a new segment, would be
+        read by replay as their end, and they would be applied with it after a crash
+        (DELETEs the caller was told had failed). Zeros, not a cut, so the allocated space
+        after the end stays (a full disk's delete reserve); if zeroing fails, the segment
+        is cut at its trusted end, and if that fails too, it is sealed there (a SEAL
+        record in the next segment tells replay where its trusted bytes end)."""
         active, pos, zeroed, next_id, prev_id = self._batch_start
         for p in self._batch:
             if p.seg is not active and p.start == 0:  # opened by this batch: nothing in it
@@ -595,9 +605,19 @@ class LogWriter:
                 with contextlib.suppress(OSError):
                     p.seg.path.unlink()
         self.active, self.pos = active, pos
-        self.zeroed_to = min(zeroed, active.size()) if active is not None else 0
         self.next_id, self._prev_id = next_id, prev_id
+        written = [p.length for p in self._batch if active is not None and p.seg is active]
         self._batch = []
+        if active is None:
+            self.zeroed_to = 0
+        elif written and not _scrub(active, pos, written[0]):
+            self.pending_seals.append((active.id, pos))
+            self.seal_active()
+        else:
+            try:
+                self.zeroed_to = min(zeroed, active.size())
+            except OSError:
+                self.zeroed_to = pos
 
     def abandon(self) -> list[tuple[int, int]]:
         """A sync failed: seal every segment the batch wrote at its last trusted end.
@@ -620,6 +640,30 @@ class LogWriter:
         self.pos = self.zeroed_to = 0
         self._batch = []
         return sealed
+
+
+def _scrub(seg: Segment, start: int, length: int) -> bool:
+    """Overwrite what a failed write may have left at `start` (up to `length` bytes) with
+    zeros, or else cut the file there; synced. False when neither worked."""
+    try:
+        end = min(start + length, seg.size())
+        off = start
+        while off < end:
+            n = os.pwrite(seg.fd, memoryview(_ZEROS)[: min(len(_ZEROS), end - off)], off)
+            if n <= 0:
+                raise OSError(errno.EIO, "short write")
+            off += n
+        os.fdatasync(seg.fd)
+    except OSError:
+        pass
+    else:
+        return True
+    try:
+        os.ftruncate(seg.fd, start)
+        os.fdatasync(seg.fd)
+    except OSError:
+        return False
+    return True
 
 
 class SyncFailed(OSError):

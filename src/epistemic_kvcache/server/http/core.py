@@ -73,8 +73,12 @@ async def metrics(req: Request) -> Response:
 
 async def stats(req: Request) -> Response:
     ns = req.ns
-    result = await req.ctx.run(req.ctx.store.stats, ns)
-    return Response.json(200, {"namespace": ns, **result.to_dict()})
+    ctx = req.ctx
+    result = await ctx.run(ctx.store.stats, ns)
+    doc: dict[str, object] = {"namespace": ns, **result.to_dict()}
+    if ns in ctx.metrics_tenants:  # server-wide traffic per event loop: operators only
+        doc["loops"] = ctx.loop_view()
+    return Response.json(200, doc)
 
 
 def _batch_keys(req: Request) -> list[str]:

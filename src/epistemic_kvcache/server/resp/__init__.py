@@ -11,7 +11,11 @@ from epistemic_kvcache.server.resp import commands_keys  # noqa: F401  (register
 from epistemic_kvcache.server.resp.commands import EPOCH_CHANNEL
 from epistemic_kvcache.server.resp.commands_admin import install_help
 from epistemic_kvcache.server.resp.common import REDIS_COMPAT_VERSION
-from epistemic_kvcache.server.resp.connection import RespConnection, make_resp_factory
+from epistemic_kvcache.server.resp.connection import (
+    RespConnection,
+    RespFactory,
+    make_resp_factory,
+)
 from epistemic_kvcache.server.resp.registry import COMMANDS, CommandSpec
 
 install_help()
@@ -22,5 +26,6 @@ __all__ = [
     "REDIS_COMPAT_VERSION",
     "CommandSpec",
     "RespConnection",
+    "RespFactory",
     "make_resp_factory",
 ]

@@ -26,6 +26,7 @@ from epistemic_kvcache.proto.resp import (
     Verbatim,
 )
 from epistemic_kvcache.server.budget import BatchTooLarge, Busy
+from epistemic_kvcache.server.context import ServerContext
 from epistemic_kvcache.server.resp.commands_admin import info_sections
 from epistemic_kvcache.server.resp.common import (
     OK,
@@ -535,7 +536,19 @@ _INFO_DEFAULT: Final = (
     "cpu",
     "kvcache",
     "keyspace",
+    "loops",
 )
+
+
+def loop_info(ctx: ServerContext) -> list[tuple[str, object]]:
+    """INFO `loops` (operators): how many event loops serve, then one line per loop:
+    `loop0:connections=3,requests=120,busy=0.041,cpu_seconds=1.250`."""
+    rows = ctx.loop_view()
+    out: list[tuple[str, object]] = [("event_loops", len(rows))]
+    for row in rows:
+        fields = ",".join(f"{k}={v}" for k, v in row.items() if k != "loop")
+        out.append((f"loop{row['loop']}", fields))
+    return out
 
 
 def maxmemory(s: Session) -> int:
@@ -563,7 +576,7 @@ def _info(s: Session, cmd: Command) -> object:
     nkeys = s.call(s.store.count, ns)
     ctx, shared = s.ctx, s.shared
     ready = ctx.readiness()
-    activity = shared.activity(ns)
+    activity = shared.activity_total(ns)
     sections: list[tuple[str, list[tuple[str, object]]]] = [
         (
             "server",
@@ -620,6 +633,8 @@ def _info(s: Session, cmd: Command) -> object:
     sections += info_sections(s)
     sections.append(("kvcache", kv))
     sections.append(("keyspace", [("db0", f"keys={nkeys},expires=0,avg_ttl=0")]))
+    if ns in ctx.metrics_tenants:  # server-wide traffic: operators only
+        sections.append(("loops", loop_info(ctx)))
     lines: list[str] = []
     for title, fields in sections:
         if title not in wanted:

@@ -45,7 +45,7 @@ def _own_connections(s: Session) -> list[LiveConnection]:
     tenant = s.namespace
     own = [
         c
-        for c in list(s.shared.live)
+        for c in s.shared.all_live()
         if c.session.identity is not None and c.session.identity.tenant == tenant
     ]
     return sorted(own, key=lambda c: c.session.created)
@@ -299,7 +299,7 @@ def info_sections(s: Session) -> list[tuple[str, list[tuple[str, object]]]]:
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     stats: list[tuple[str, object]] = []
     if s.identity is not None:
-        per_command = dict(s.shared.activity(s.identity.tenant).per_command)
+        per_command = dict(s.shared.activity_total(s.identity.tenant).per_command)
         for route in sorted(per_command):
             if route in ("unknown", "busy"):
                 continue

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from typing import Final, cast
 
 from epistemic_kvcache.errors import RemoteProtocolError
@@ -61,7 +60,7 @@ from epistemic_kvcache.proto.resp import (
     serialize,
 )
 from epistemic_kvcache.server.budget import Account, Slot, peer_of
-from epistemic_kvcache.server.context import Identity, ServerContext
+from epistemic_kvcache.server.context import Identity, ServerContext, on_loop
 from epistemic_kvcache.server.resp.commands import EPOCH_CHANNEL
 from epistemic_kvcache.server.resp.common import WIRE, log, push
 from epistemic_kvcache.server.resp.dispatch import Dispatcher
@@ -83,15 +82,22 @@ PUBSUB_OUTPUT_LIMIT: Final = 8 * 1024 * 1024
 client-output-buffer-limit is 8 MiB)."""
 
 
-def make_resp_factory(ctx: ServerContext) -> Callable[[], asyncio.BufferedProtocol]:
-    """A protocol factory for `loop.create_server` serving RESP on `ctx`'s store."""
-    shared = Shared(ctx)
-    ctx.slots_for(WIRE)
+class RespFactory:
+    """A protocol factory for `loop.create_server` serving RESP on `ctx`'s store; for
+    another event loop of the same server, pass the first loop's factory as `first`
+    (its `Shared` holds what the loops share: `Shared.peers`)."""
 
-    def factory() -> asyncio.BufferedProtocol:
-        return RespConnection(shared)
+    def __init__(self, ctx: ServerContext, first: RespFactory | None = None) -> None:
+        self.shared: Shared = Shared(ctx, None if first is None else first.shared)
+        ctx.slots_for(WIRE)
 
-    return factory
+    def __call__(self) -> asyncio.BufferedProtocol:
+        return RespConnection(self.shared)
+
+
+def make_resp_factory(ctx: ServerContext, first: RespFactory | None = None) -> RespFactory:
+    """A `RespFactory` (see there)."""
+    return RespFactory(ctx, first)
 
 
 class RespConnection(asyncio.BufferedProtocol):
@@ -451,7 +457,11 @@ class RespConnection(asyncio.BufferedProtocol):
         self._close(abort=True)
 
     def kill(self) -> None:
-        """CLIENT KILL from another connection of the tenant: close now."""
+        """CLIENT KILL from another connection of the tenant: close now (on this
+        connection's own event loop, whichever loop the killer runs on)."""
+        on_loop(self._loop, self._killed)()
+
+    def _killed(self) -> None:
         log.info("RESP connection %d (%s) closed by CLIENT KILL", self.session.client_id, self.peer)
         self._close(abort=True)
 

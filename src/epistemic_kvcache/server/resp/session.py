@@ -11,6 +11,7 @@ per-tenant SCAN cursor tables, the start time and version.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import threading
 import time
@@ -139,88 +140,135 @@ class _Gate:
 
 
 class TenantGates:
-    """Per tenant, on the event loop: plain commands share the tenant, EXEC holds it alone.
+    """Per tenant, across event loops: plain commands share the tenant, EXEC holds it alone.
 
     A RESP command of a tenant enters its gate while it runs (`enter_nowait`/`enter`,
     then `leave`); `EXEC` takes it exclusively (`hold`): new commands of the tenant wait,
     the running ones finish, then the transaction's commands run with no other RESP
-    command of that tenant in between. `held` is the set the fast path checks."""
+    command of that tenant in between. `held` is the set the fast path checks (a hint:
+    `enter_nowait` decides under the lock).
+
+    One table serves every event loop of the server (`event_loops`), so a transaction
+    is isolated from the tenant's commands on the other loops too: the table is guarded
+    by a lock, and a waiter parked on one loop is woken from another through its own
+    loop's `call_soon_threadsafe` (on the same loop, at once)."""
 
     def __init__(self) -> None:
         self._gates: dict[str, _Gate] = {}
         self.held: set[str] = set()
+        self._lock = threading.Lock()
 
-    def enter_nowait(self, tenant: str) -> bool:
-        """Enter as a plain command; False while an EXEC holds the tenant."""
+    def _gate(self, tenant: str) -> _Gate:
         gate = self._gates.get(tenant)
         if gate is None:
             gate = self._gates[tenant] = _Gate()
-        elif gate.held:
-            return False
-        gate.active += 1
-        return True
+        return gate
+
+    def enter_nowait(self, tenant: str) -> bool:
+        """Enter as a plain command; False while an EXEC holds the tenant."""
+        with self._lock:
+            gate = self._gate(tenant)
+            if gate.held:
+                return False
+            gate.active += 1
+            return True
 
     async def enter(self, tenant: str) -> None:
         """Enter as a plain command, waiting for an EXEC that holds the tenant."""
-        while not self.enter_nowait(tenant):
-            await self._wait(self._gates[tenant])
+        while True:
+            with self._lock:
+                gate = self._gate(tenant)
+                if not gate.held:
+                    gate.active += 1
+                    return
+                fut = self._park(gate)
+            await self._wait(gate, fut)
 
     def leave(self, tenant: str) -> None:
-        gate = self._gates[tenant]
-        gate.active -= 1
-        if gate.active == 0:
-            if gate.held:
-                self._wake(gate)
-            elif not gate.waiters:
-                del self._gates[tenant]
+        waiters: list[asyncio.Future[None]] = []
+        with self._lock:
+            gate = self._gates[tenant]
+            gate.active -= 1
+            if gate.active == 0:
+                if gate.held:
+                    waiters, gate.waiters = gate.waiters, []
+                elif not gate.waiters:
+                    del self._gates[tenant]
+        _wake(waiters)
 
     async def hold(self, tenant: str) -> None:
         """Take the tenant alone: wait for another EXEC, then for running commands."""
         while True:
             # fetched again after each wait: `release` drops a gate nobody is using, and
             # the waiters it wakes must take the tenant's current gate, not the dropped one
-            gate = self._gates.get(tenant)
-            if gate is None:
-                gate = self._gates[tenant] = _Gate()
-            if not gate.held:
-                break
-            await self._wait(gate)
-        gate.held = True
-        self.held.add(tenant)
+            with self._lock:
+                gate = self._gate(tenant)
+                if not gate.held:
+                    gate.held = True
+                    self.held.add(tenant)
+                    break
+                fut = self._park(gate)
+            await self._wait(gate, fut)
         try:
-            while gate.active:
-                await self._wait(gate)
+            while True:
+                with self._lock:
+                    if not gate.active:
+                        return
+                    fut = self._park(gate)
+                await self._wait(gate, fut)
         except BaseException:
             self.release(tenant)
             raise
 
     def release(self, tenant: str) -> None:
-        gate = self._gates[tenant]
-        gate.held = False
-        self.held.discard(tenant)
-        self._wake(gate)
-        if gate.active == 0 and not gate.waiters:
-            del self._gates[tenant]
+        with self._lock:
+            gate = self._gates[tenant]
+            gate.held = False
+            self.held.discard(tenant)
+            waiters, gate.waiters = gate.waiters, []
+            if gate.active == 0:
+                del self._gates[tenant]
+        _wake(waiters)
 
     @staticmethod
-    async def _wait(gate: _Gate) -> None:
+    def _park(gate: _Gate) -> asyncio.Future[None]:
+        """A future for the running loop, queued on `gate` (call under the lock)."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         gate.waiters.append(fut)
+        return fut
+
+    async def _wait(self, gate: _Gate, fut: asyncio.Future[None]) -> None:
         try:
             await fut
         finally:
-            if fut in gate.waiters:
-                gate.waiters.remove(fut)
-
-    @staticmethod
-    def _wake(gate: _Gate) -> None:
-        waiters, gate.waiters = gate.waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
+            with self._lock:
+                if fut in gate.waiters:
+                    gate.waiters.remove(fut)
 
     def __len__(self) -> int:
         return len(self._gates)
+
+
+def _set_done(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _wake(waiters: list[asyncio.Future[None]]) -> None:
+    """Wake each waiter on its own loop (at once when that is the running loop)."""
+    if not waiters:
+        return
+    try:
+        here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        here = None
+    for fut in waiters:
+        loop = fut.get_loop()
+        if loop is here:
+            _set_done(fut)
+        else:
+            with contextlib.suppress(RuntimeError):  # that loop has stopped
+                loop.call_soon_threadsafe(_set_done, fut)
 
 
 MAX_ACTIVITY_TENANTS: Final = 10_000
@@ -228,12 +276,18 @@ MAX_ACTIVITY_TENANTS: Final = 10_000
 
 
 class Shared:
-    """What all connections of one RESP listener share."""
+    """What all connections of one RESP listener share, on one event loop.
 
-    def __init__(self, ctx: ServerContext) -> None:
+    With several event loops (`event_loops`) each loop has its own `Shared` (its read
+    scratch, its live connections, its activity counters), made with `first`: the SCAN
+    cursors and the MULTI/EXEC gates are then the first loop's (one table for all), and
+    `peers` lists every loop's `Shared` for what a tenant sees server-wide (CLIENT LIST,
+    INFO's counters)."""
+
+    def __init__(self, ctx: ServerContext, first: Shared | None = None) -> None:
         self.ctx = ctx
-        self.started = time.monotonic()
-        self.cursors = CursorTable()
+        self.started: float = time.monotonic() if first is None else first.started
+        self.cursors: CursorTable = CursorTable() if first is None else first.cursors
         self.scratch = bytearray(READ_BUFFER_BYTES)
         """The read buffer every connection's parser borrows between `get_buffer` and
         `buffer_updated` (the parser copies out what it keeps before returning)."""
@@ -245,9 +299,41 @@ class Shared:
         """Whether acknowledged writes are on disk (drives CONFIG GET appendonly/INFO)."""
         self._activity: OrderedDict[str, Activity] = OrderedDict()
         self.live: weakref.WeakSet[LiveConnection] = weakref.WeakSet()
-        self.gates = TenantGates()
-        """MULTI/EXEC isolation per tenant (see `TenantGates`)."""
+        self.gates: TenantGates = TenantGates() if first is None else first.gates
+        """MULTI/EXEC isolation per tenant (see `TenantGates`), across loops."""
+        self.peers: list[Shared] = [self] if first is None else first.peers
+        """Every event loop's `Shared`, this one included."""
+        if first is not None:
+            self.peers.append(self)
         ctx.reload_hooks.append(self.revalidate)
+
+    def all_live(self) -> list[LiveConnection]:
+        """The open connections of every event loop (a copy)."""
+        out: list[LiveConnection] = []
+        for peer in list(self.peers):
+            for _ in range(100):  # another loop may add or drop one while it is copied
+                try:
+                    out.extend(list(peer.live))
+                    break
+                except RuntimeError:
+                    continue
+        return out
+
+    def activity_total(self, tenant: str) -> Activity:
+        """`tenant`'s activity summed over every event loop (a copy, for INFO)."""
+        total = Activity()
+        for peer in list(self.peers):
+            found = peer._activity.get(tenant)
+            if found is None:
+                continue
+            total.connections += found.connections
+            total.commands += found.commands
+            for route, stat in list(found.per_command.items()):
+                have = total.per_command.setdefault(route, CommandStat())
+                have.calls += stat.calls
+                have.usec += stat.usec
+                have.failed += stat.failed
+        return total
 
     def revalidate(self) -> None:
         """After a credentials reload: close the connections whose credential no longer

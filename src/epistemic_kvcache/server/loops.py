@@ -1,0 +1,365 @@
+"""Listeners and event loops: binding, the extra loops of `event_loops`, the graceful drain.
+
+How it works:
+- With `event_loops` N > 1 the server runs N event loops over its one store: the
+  runner's own loop (loop 0: signals, background tasks, start and stop) and N-1
+  `LoopWorker` threads, each with its own uvloop and its own listeners for both wires.
+  Every listener socket of every loop is bound with `SO_REUSEPORT` to the same address,
+  so the kernel spreads new connections over the loops (by a hash of the 4-tuple); a
+  connection lives on the loop that accepted it. Loop 0 binds first (port 0: the
+  kernel picks the port) and the workers bind to the addresses it got. Before loop 0
+  binds a fixed port with `SO_REUSEPORT` it probes it with a plain bind: a port held by
+  anyone, even another server that set `SO_REUSEPORT` too, is refused as "in use"
+  instead of silently shared.
+- Each loop has its own `ServerContext` (`ServerContext.sibling`): its live connections,
+  receive scratch and request counters; the store, budgets, connection slots,
+  authenticator, epoch notifier and thread pool are the one set all loops share.
+- A worker binds while the runner binds (before any file is written), with a late
+  factory (`LateFactory`) the runner fills once the store exists; `serve` starts
+  accepting, `stop` drains it (`drain`, the same bounded wait as loop 0's, run on each
+  loop at once) and ends its thread. Every call into a worker is thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import errno
+import logging
+import socket
+import ssl
+import threading
+from collections.abc import Callable, Collection
+from typing import Any, ParamSpec, TypeVar
+
+from epistemic_kvcache.config import Address
+from epistemic_kvcache.errors import KvCacheError
+from epistemic_kvcache.server.background import sample_loop_forever
+from epistemic_kvcache.server.context import LiveConnection, ServerContext
+
+log = logging.getLogger("epistemic_kvcache.server")
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+POLL_S = 0.05
+QUIET_S = 0.25
+"""A connection that received nothing for this long is not in the middle of a request."""
+
+
+class ListenerError(KvCacheError):
+    """A listener could not be opened (address in use, permission denied, ...)."""
+
+
+class CountingExecutor(concurrent.futures.ThreadPoolExecutor):
+    """A thread pool that knows how many submitted calls have not finished yet."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str = "kvcache-store") -> None:
+        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
+        self._pending = 0
+        self._pending_lock = threading.Lock()
+
+    @property
+    def pending(self) -> int:
+        """Calls submitted and not finished."""
+        return self._pending
+
+    def submit(
+        self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs
+    ) -> concurrent.futures.Future[T]:
+        with self._pending_lock:
+            self._pending += 1
+        try:
+            future = super().submit(fn, *args, **kwargs)
+        except BaseException:
+            self._done(None)
+            raise
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, _future: object) -> None:
+        with self._pending_lock:
+            self._pending -= 1
+
+
+class LateFactory:
+    """A protocol factory bound before the context exists (nothing is accepted before)."""
+
+    def __init__(self) -> None:
+        self.factory: Callable[[], asyncio.BaseProtocol] | None = None
+
+    def __call__(self) -> asyncio.BaseProtocol:
+        if self.factory is None:  # start_serving() is called only after it is set
+            raise RuntimeError("listener accepted before the server was ready")
+        return self.factory()
+
+
+# -- binding ---------------------------------------------------------------------------
+
+
+def _sock_address(sockname: Any) -> Address:
+    return Address(str(sockname[0]), int(sockname[1]))
+
+
+def _free_port_hint(flag: str, addr: Address, tries: int = 20) -> str:
+    """`; the next free port is 6380 (--resp-addr 127.0.0.1:6380)` for a taken port: the
+    first of the following `tries` ports this host can bind now (a hint, not a promise:
+    another process may take it first), or nothing."""
+    if addr.port == 0:
+        return ""
+    family = socket.AF_INET6 if ":" in addr.host else socket.AF_INET
+    for port in range(addr.port + 1, min(addr.port + 1 + tries, 65536)):
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((addr.host, port))
+            except OSError:
+                continue
+        suggested = Address(addr.host, port)
+        return f"; the next free port is {port} ({flag} {suggested})"
+    return ""
+
+
+def _probe_unshared(addr: Address) -> None:
+    """Raise `OSError(EADDRINUSE)` when something already listens on `addr`: a plain
+    bind (no `SO_REUSEPORT`) fails on a port anyone holds, even with `SO_REUSEPORT`."""
+    if addr.port == 0:
+        return
+    for family, kind, proto, _, sockaddr in socket.getaddrinfo(
+        addr.host, addr.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    ):
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            probe.bind(sockaddr)
+
+
+async def listen(
+    loop: asyncio.AbstractEventLoop,
+    flag: str,
+    addr: Address,
+    factory: Callable[[], asyncio.BaseProtocol],
+    tls: ssl.SSLContext | None,
+    backlog: int,
+    *,
+    reuse_port: bool = False,
+    probe: bool = False,
+) -> tuple[asyncio.Server, tuple[Address, ...]]:
+    """Bind `addr` without accepting yet (`start_serving()` later); with `reuse_port`,
+    other loops may bind the same address (after `probe`: it must be free first)."""
+    try:
+        if probe:
+            await loop.run_in_executor(None, _probe_unshared, addr)
+        server = await loop.create_server(
+            factory,
+            host=addr.host,
+            port=addr.port,
+            ssl=tls,
+            backlog=backlog,
+            ssl_handshake_timeout=10.0 if tls else None,
+            start_serving=False,
+            reuse_port=reuse_port or None,
+        )
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            reason = "address already in use" + _free_port_hint(flag, addr)
+        elif exc.errno in (errno.EACCES, errno.EPERM):
+            reason = "permission denied (ports below 1024 need privileges)"
+        elif exc.errno == errno.EADDRNOTAVAIL:
+            reason = "address not available on this machine"
+        else:
+            reason = exc.strerror or str(exc)
+        raise ListenerError(f"{flag} {addr}: {reason}") from None
+    return server, tuple(_sock_address(s.getsockname()) for s in server.sockets)
+
+
+# -- the graceful drain ----------------------------------------------------------------
+
+
+def _write_buffer_size(transport: asyncio.BaseTransport | None) -> int:
+    """Bytes `transport` has not sent yet. Duck-typed: uvloop's transports are not
+    subclasses of `asyncio.WriteTransport` (an `isinstance` check read 0 for every
+    connection under uvloop, so the stop never waited for a response being sent)."""
+    size = getattr(transport, "get_write_buffer_size", None)
+    if size is None:
+        return 0
+    try:
+        return int(size())
+    except (AttributeError, RuntimeError):
+        return 0
+
+
+async def drain(
+    live: Collection[LiveConnection], executor: CountingExecutor, timeout_s: float
+) -> None:
+    """Wait (bounded) until requests in flight finished, then close every connection of
+    `live` (one loop's: each loop drains its own, all at once).
+
+    Busy means: a store call is running, a connection received bytes during the last
+    `QUIET_S` seconds (a body still arriving), or a response is still being sent.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    # id(connection) -> (read count, when it last changed); a new entry counts as active now.
+    seen: dict[int, tuple[int, float]] = {}
+    while loop.time() < deadline:
+        await asyncio.sleep(POLL_S)
+        now = loop.time()
+        recently_active = False
+        for conn in live:
+            reads, changed = seen.get(id(conn), (-1, now))
+            if conn.reads != reads:
+                changed = now
+            seen[id(conn)] = (conn.reads, changed)
+            if now - changed < QUIET_S or _write_buffer_size(conn.transport):
+                recently_active = True
+        if executor.pending == 0 and not recently_active:
+            break
+    else:
+        log.warning(
+            "shutdown_timeout_s=%s elapsed: closing %d connection(s), %d store call(s) in flight",
+            timeout_s,
+            len(live),
+            executor.pending,
+        )
+    for conn in list(live):
+        if conn.transport is not None and not conn.transport.is_closing():
+            conn.transport.close()
+    # Let the protocols see connection_lost and flush what close() allows.
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+def abort_all(live: Collection[LiveConnection]) -> None:
+    """Abort what is still open (after the drain, or when start-up failed)."""
+    for conn in list(live):
+        abort = getattr(conn.transport, "abort", None)  # duck-typed, as above
+        if abort is not None:
+            abort()
+
+
+# -- the extra loops -------------------------------------------------------------------
+
+
+class LoopWorker:
+    """Event loop `index` (>= 1) on a thread of its own, serving the listeners `binds`
+    ((flag, address, factory) each) beside loop 0. Methods are safe from any thread.
+
+    `start()` -> a future done once every listener is bound (its exception: a bind that
+    failed); `serve(ctx, executor)` -> a future done once it accepts; `stop(timeout_s)`
+    -> a future done once it drained and its thread is ending (`join()` waits for it).
+    """
+
+    def __init__(
+        self,
+        index: int,
+        binds: list[tuple[str, Address, LateFactory]],
+        tls: ssl.SSLContext | None,
+        backlog: int,
+    ) -> None:
+        self.index = index
+        self._binds, self._tls, self._backlog = binds, tls, backlog
+        self._ctx: ServerContext | None = None
+        self._executor: CountingExecutor | None = None
+        self._timeout_s = 0.0
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._go: asyncio.Event | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._serving: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._main, name=f"kvcache-loop-{index}", daemon=True
+        )
+
+    def start(self) -> concurrent.futures.Future[None]:
+        self._thread.start()
+        return self._ready
+
+    def serve(
+        self, ctx: ServerContext, executor: CountingExecutor
+    ) -> concurrent.futures.Future[None]:
+        self._ctx, self._executor = ctx, executor
+        self._wake(self._go)
+        return self._serving
+
+    def stop(self, timeout_s: float) -> concurrent.futures.Future[None]:
+        self._timeout_s = timeout_s
+        self._stopping = True  # seen by _run if it has not published its loop yet
+        self._wake(self._stop)
+        self._wake(self._go)
+        return self._done
+
+    def join(self, timeout_s: float | None = None) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _wake(self, event: asyncio.Event | None) -> None:
+        loop = self._loop
+        if loop is None or event is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop has ended already
+            loop.call_soon_threadsafe(event.set)
+
+    def _main(self) -> None:
+        import uvloop
+
+        try:
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                runner.run(self._run())
+        except BaseException as exc:
+            log.exception("event loop %d failed", self.index)
+            for fut in (self._ready, self._serving):
+                if not fut.done():
+                    fut.set_exception(exc)
+        finally:
+            for fut in (self._ready, self._serving, self._done):
+                if not fut.done():
+                    fut.set_result(None)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._go, self._stop = asyncio.Event(), asyncio.Event()
+        servers: list[asyncio.Server] = []
+        try:
+            for flag, addr, factory in self._binds:
+                server, _ = await listen(
+                    loop, flag, addr, factory, self._tls, self._backlog, reuse_port=True
+                )
+                servers.append(server)
+        except BaseException as exc:
+            for server in servers:
+                server.close()
+            self._ready.set_exception(exc)
+            return
+        self._loop = loop  # from here on, serve() and stop() reach this loop
+        self._ready.set_result(None)
+        if self._stopping:
+            self._stop.set()
+        else:
+            await self._go.wait()
+        ctx, executor = self._ctx, self._executor
+        sampler: asyncio.Task[None] | None = None
+        try:
+            if ctx is not None and executor is not None and not self._stop.is_set():
+                ctx.loop.event_loop = loop
+                for server in servers:
+                    await server.start_serving()
+                sampler = loop.create_task(sample_loop_forever(ctx), name="kvcache-loop-sample")
+                self._serving.set_result(None)
+                await self._stop.wait()
+                for server in servers:
+                    server.close()
+                await drain(ctx.live, executor, self._timeout_s)
+        finally:
+            for server in servers:
+                server.close()
+            if sampler is not None:
+                sampler.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sampler
+            if ctx is not None:
+                abort_all(ctx.live)
+            await asyncio.sleep(0)
