@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 RUN_STAMP := $(VENV)/.stamp-run
 DEV_STAMP := $(VENV)/.stamp-dev
 
-.PHONY: setup setup-dev sysdeps serve check test lint fmt types bench clean dist dist-check crash-test e2e
+.PHONY: setup setup-dev sysdeps serve check test lint fmt types bench clean dist dist-check crash-test e2e compiled
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -13,19 +13,30 @@ $(BIN)/python:
 
 CONSTRAINTS := constraints/test.txt
 
-# Runtime only: what `make serve` needs (the package with its `server` extra).
-$(RUN_STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
+# Runtime only: what `make serve` needs (the package with its `server` extra). The
+# install also compiles the RESP framer's twin (setup.py) when a C compiler is there, and
+# says so in one line when it is not (the server then runs the pure-Python framer).
+$(RUN_STAMP): pyproject.toml setup.py $(CONSTRAINTS) | $(BIN)/python
 	$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[server]'
 	touch $(RUN_STAMP)
 
 # Everything the checks need: dev tools (server, mcp and deploy validators included), and
 # lmcache + torch (CPU build) for the LMCache integration tests, at the tested versions.
-$(DEV_STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
+$(DEV_STAMP): pyproject.toml setup.py $(CONSTRAINTS) | $(BIN)/python
 	$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[dev,lmcache]'
 	touch $(RUN_STAMP) $(DEV_STAMP)
 
 setup: $(RUN_STAMP)
 setup-dev: $(DEV_STAMP)
+
+# The compiled twin of the RESP framer, rebuilt in place whenever its source changes
+# (proto/resp_parser.py compiled with proto/_resp_parser_c.pxd; see setup.py).
+PROTO := src/epistemic_kvcache/proto
+COMPILED_STAMP := build/.stamp-compiled
+$(COMPILED_STAMP): setup.py $(PROTO)/resp_parser.py $(PROTO)/_resp_parser_c.pxd | $(DEV_STAMP)
+	$(BIN)/python setup.py -q build_ext --inplace
+	mkdir -p build && touch $(COMPILED_STAMP)
+compiled: $(COMPILED_STAMP)
 
 # Debian packages the test-suite talks to (real redis-server, redis-cli, redis-benchmark),
 # the daemonless image builder (buildah, podman, debootstrap: tests/test_image.py) and
@@ -54,23 +65,47 @@ fmt: setup-dev
 types: setup-dev
 	$(BIN)/mypy
 
-test: setup-dev sysdeps
-	$(BIN)/pytest
+# The whole suite on the compiled twin of the RESP framer; then the protocol, dispatch
+# and wire tests again on the pure-Python twin. In CI (CI=true) a compiled twin that is
+# missing fails the run (tests/test_proto_resp_twins.py) instead of passing it pure.
+PURE_AGAIN := tests/test_proto_resp.py tests/test_proto_resp_framer.py \
+  tests/test_proto_resp_twins.py tests/test_server_resp*.py tests/test_server_wire_features.py
+REQUIRE_COMPILED ?= $(if $(CI),1,)
+test: setup-dev sysdeps compiled
+	KVCACHE_REQUIRE_COMPILED=$(REQUIRE_COMPILED) $(BIN)/pytest
+	EPISTEMIC_GRAPH_KVCACHE_PURE_PYTHON=1 KVCACHE_REQUIRE_COMPILED=$(REQUIRE_COMPILED) \
+	  $(BIN)/pytest $(PURE_AGAIN)
 
 # The wheel and sdist, installed into a fresh venv: the client alone (no server extra)
-# must import without the store, and the command must run.
+# must import without the store, and the command must run. The wheel carries the
+# compiled RESP framer; a pure wheel (EPISTEMIC_GRAPH_KVCACHE_PURE_BUILD=1: no extension)
+# is built and checked too, as is the compiled one forced pure at run time.
 DIST_VENV := build/dist-venv
+PURE_VENV := build/dist-venv-pure
+TWIN = python -c 'import sys; from epistemic_kvcache.proto import resp_framer as f; \
+  p = f.RespParser(authenticated=True); p.feed(b"*2\r\n$$3\r\nGET\r\n$$1\r\nk\r\n"); \
+  assert p.next_command() == [b"GET", b"k"]; print("RESP framer:", f.IMPLEMENTATION, f.WHY_PURE); \
+  sys.exit(f.IMPLEMENTATION != sys.argv[1])'
 dist: setup-dev
 	rm -rf dist
 	$(BIN)/python -m build --outdir dist .
+	EPISTEMIC_GRAPH_KVCACHE_PURE_BUILD=1 $(BIN)/python -m build --wheel --outdir dist/pure .
 dist-check: dist
-	rm -rf $(DIST_VENV)
+	rm -rf $(DIST_VENV) $(PURE_VENV)
 	$(PY) -m venv $(DIST_VENV)
 	$(DIST_VENV)/bin/pip install -q dist/epistemic_kvcache-*.whl
 	$(DIST_VENV)/bin/epistemic-kvcache --version
 	$(DIST_VENV)/bin/python scripts/check_client_install.py
 	tar tzf dist/epistemic_kvcache-*.tar.gz | grep -q '/LICENSE$$'
+	tar tzf dist/epistemic_kvcache-*.tar.gz | grep -q '/proto/_resp_parser_c.pxd$$'
 	unzip -l dist/epistemic_kvcache-*.whl | grep -q 'licenses/LICENSE'
+	unzip -l dist/epistemic_kvcache-*.whl | grep -q '/proto/_resp_parser_c\..*\.so$$'
+	$(DIST_VENV)/bin/$(TWIN) compiled
+	EPISTEMIC_GRAPH_KVCACHE_PURE_PYTHON=1 $(DIST_VENV)/bin/$(TWIN) pure
+	$(PY) -m venv $(PURE_VENV)
+	$(PURE_VENV)/bin/pip install -q dist/pure/epistemic_kvcache-*-py3-none-any.whl
+	$(PURE_VENV)/bin/python scripts/check_client_install.py
+	$(PURE_VENV)/bin/$(TWIN) pure
 
 # Quick start: set up from nothing and pass every check.
 # `make check` took 19 minutes from a fresh clone on a quiet 2-core machine (the test

@@ -1,7 +1,8 @@
 """Sans-IO Redis wire protocol (RESP2 and RESP3): the request parser and the reply serializer.
 
 The parser (`RespParser`: bytes in, commands out) lives in proto/resp_parser.py and is
-re-exported here; see that module for how it frames. This module holds the serializer:
+re-exported here (its compiled twin when built: proto/resp_framer.py picks); see that
+module for how it frames. This module holds the serializer:
 `serialize` turns a Python value into a list of buffers; a large bulk payload is its own
 buffer (never concatenated) so the I/O layer can `writelines` it.
 """
@@ -12,6 +13,7 @@ import math
 from typing import Final
 
 from epistemic_kvcache.errors import LocalProtocolError
+from epistemic_kvcache.proto.resp_framer import RespParser
 from epistemic_kvcache.proto.resp_inline import split_inline
 from epistemic_kvcache.proto.resp_parser import (
     ARG_OVERHEAD,
@@ -24,15 +26,16 @@ from epistemic_kvcache.proto.resp_parser import (
     DEFAULT_UNAUTHENTICATED_MAX_BULK_BYTES,
     DEFAULT_UNAUTHENTICATED_MAX_MULTIBULK_LEN,
     FIRST_READ_AFTER_BIG,
+    args_size,
+    command_size,
+)
+from epistemic_kvcache.proto.resp_types import (
     NEED_DATA,
     Arg,
     Buffer,
     Command,
     Event,
     RefusedCommand,
-    RespParser,
-    args_size,
-    command_size,
 )
 
 __all__ = [

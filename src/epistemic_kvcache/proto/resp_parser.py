@@ -8,19 +8,21 @@ arguments, or `NEED_DATA`), `peek()`, and `unread(commands)` to put commands the
 took but did not run back at the front. A few read-only figures serve the owner's
 accounting (`held_bytes`, `pending_bytes`, `buffered_bytes`, `has_partial`,
 `commands_parsed`, `has_error`), `refuse_partial` and `close` its memory limits. That is
-the whole seam: a compiled twin (a Cython or C framer, the way hiredis slots under
-redis-py) can replace this class behind the same calls; tests/test_proto_resp_framer.py
-holds it to the byte-at-a-time reference.
+the whole seam: this file is also compiled by Cython into its twin, proto/_resp_parser_c
+(setup.py; the C types are in proto/_resp_parser_c.pxd, proto/resp_framer.py picks the
+twin at import), the way hiredis slots under redis-py. tests/test_proto_resp_framer.py
+holds this class to the byte-at-a-time reference, tests/test_proto_resp_twins.py the
+twin to this class.
 
 How it frames
 -------------
 One resumable state machine (`_frame`) runs over whatever holds the unread bytes: the
 read buffer itself when nothing was left over from the previous read (so a read of
 complete commands is framed without being copied), else the receive buffer the leftover
-went to. Per state it takes as much as the bytes allow: a `*N` / `$N` header whose
-canonical form a regular expression matches is read in one step (anything else goes to
-the careful path, which applies every limit and raises Redis' wording), and a run of
-small bulks is framed in one inner loop. Fed one byte at a time it is the byte-at-a-time
+went to. Per state it takes as much as the bytes allow: a `*N` / `$N` header in
+canonical form is read in one step (`_canonical_head`; anything else goes to the careful
+path, which applies every limit and raises Redis' wording), and a run of small bulks is
+framed in one inner loop. Fed one byte at a time it is the byte-at-a-time
 state machine; fed a whole read it is the fast framer: the same code, so the two agree.
 
 Two request forms, as Redis' `networking.c`: multibulk (`*N\\r\\n$len\\r\\n<bytes>\\r\\n...`)
@@ -52,37 +54,17 @@ framed before the bad bytes are still delivered first, then `next_command()` rai
 
 from __future__ import annotations
 
-import enum
 import re
 from collections import deque
-from collections.abc import Callable
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Final
 
 from epistemic_kvcache.buffers import alloc_block
 from epistemic_kvcache.errors import RemoteProtocolError
 from epistemic_kvcache.proto.resp_inline import split_inline
+from epistemic_kvcache.proto.resp_types import NEED_DATA, RefusedCommand
 
-Buffer = bytes | bytearray | memoryview
-Arg = bytes | bytearray | memoryview
-Command = list[Arg]
-ReserveFn = Callable[[int], bool | str]
-"""Asked before a large bulk is allocated: may the parser hold this many more bytes?
-True grants; False or a reason string refuses (the reason ends up in `RefusedCommand`)."""
-
-
-class RefusedCommand(list[Arg]):
-    """Framed in place of a command one of whose large bulks `reserve` refused (or that
-    the owner refused while it was being framed, `refuse_partial`).
-
-    It is empty: the command's arguments were read off the wire and dropped. `reason` is
-    what `reserve` (or the owner) gave as the reason, `""` if none."""
-
-    __slots__ = ("reason",)
-
-    def __init__(self, reason: str = "") -> None:
-        super().__init__()
-        self.reason = reason
-
+if TYPE_CHECKING:
+    from epistemic_kvcache.proto.resp_types import Arg, Buffer, Command, Event, ReserveFn
 
 KiB: Final = 1024
 MiB: Final = 1024 * 1024
@@ -113,26 +95,12 @@ ARG_OVERHEAD: Final = 48
 """Memory one argument costs beyond its bytes (object header, list slot), estimated."""
 
 _INT_RE: Final = re.compile(rb"-?(?:0|[1-9][0-9]{0,18})")
-# One-step headers: a count or length `_parse_int` accepts, without the sign (negative
-# ones go to the careful path), and its CRLF.
-_MULTIBULK_HEAD: Final = re.compile(rb"\*(0|[1-9][0-9]{0,18})\r\n")
-_BULK_HEAD: Final = re.compile(rb"\$(0|[1-9][0-9]{0,18})\r\n")
+_HEAD_DIGITS: Final = 18
+"""Most digits of a header read in one step (`_canonical_head`); 10**18 - 1 fits a C
+64-bit integer, so the compiled twin scans it without Python integers."""
 _INT64_MAX: Final = 2**63 - 1
 _INT64_MIN: Final = -(2**63)
 _COMPACT_AT: Final = 64 * KiB
-
-
-class _NeedData(enum.Enum):
-    NEED_DATA = "NEED_DATA"
-
-    def __repr__(self) -> str:
-        return "NEED_DATA"
-
-
-NEED_DATA: Final = _NeedData.NEED_DATA
-"""Returned by `RespParser.next_command()` when no complete command is buffered."""
-
-Event = Command | Literal[_NeedData.NEED_DATA]
 
 
 def args_size(cmd: Command) -> int:
@@ -180,6 +148,41 @@ def _parse_int(raw: Buffer) -> int | None:
     return value
 
 
+def _canonical_head(
+    data: bytearray, pos: int, end: int, marker: int, max_line: int
+) -> tuple[int, int]:
+    """The `*N` / `$N` header at `pos` in one step: (N, where its CRLF ends), when it is
+    complete and canonical (`marker`, an unsigned decimal of at most `_HEAD_DIGITS`
+    digits without a leading zero, CRLF, the line no longer than `max_line`); else
+    (-1, pos), and the caller's careful path applies every limit and Redis' wording.
+    A byte loop rather than a regular expression: compiled, it runs on C integers."""
+    if data[pos] != marker:
+        return -1, pos
+    i = pos + 1
+    stop = min(end, pos + _HEAD_DIGITS + 2)  # the digits and the CR
+    value = 0
+    while i < stop:
+        c = data[i]
+        if c == 0x0D:
+            break
+        if c < 0x30 or c > 0x39:
+            return -1, pos
+        value = value * 10 + (c - 0x30)
+        i += 1
+    else:
+        return -1, pos  # no CR yet (or too many digits)
+    digits = i - pos - 1
+    if (
+        digits == 0
+        or (digits > 1 and data[pos + 1] == 0x30)
+        or i + 1 >= end
+        or data[i + 1] != 0x0A
+        or i - pos > max_line
+    ):
+        return -1, pos
+    return value, i + 2
+
+
 def _show_byte(b: int) -> str:
     """A byte as Redis shows it in "expected '$', got 'x'", escaped when unprintable."""
     return chr(b) if 0x20 <= b < 0x7F else f"\\x{b:02x}"
@@ -188,23 +191,17 @@ def _show_byte(b: int) -> str:
 # -- the request parser ---------------------------------------------------------------
 
 
-class _State(enum.Enum):
-    START = 0
-    """Between commands: expect `*` (multibulk) or an inline line."""
-    ARG_HEADER = 1
-    """Inside a multibulk: expect `$len\\r\\n`."""
-    ARG_BODY = 2
-    """A small bulk: wait until `len + 2` bytes are buffered."""
-    BIG_BODY = 3
-    """A large bulk: fill the preallocated array, then expect `\\r\\n`."""
-    SKIP_BODY = 4
-    """A refused large bulk: drop its bytes, then expect `\\r\\n`."""
-
-
-_START: Final = _State.START
-_ARG_HEADER: Final = _State.ARG_HEADER
-_ARG_BODY: Final = _State.ARG_BODY
-_BIG_BODY: Final = _State.BIG_BODY
+# The framer's states (plain ints: the compiled twin keeps them in a C integer).
+_START: Final = 0
+"""Between commands: expect `*` (multibulk) or an inline line."""
+_ARG_HEADER: Final = 1
+"""Inside a multibulk: expect `$len\\r\\n`."""
+_ARG_BODY: Final = 2
+"""A small bulk: wait until `len + 2` bytes are buffered."""
+_BIG_BODY: Final = 3
+"""A large bulk: fill the preallocated array, then expect `\\r\\n`."""
+_SKIP_BODY: Final = 4
+"""A refused large bulk: drop its bytes, then expect `\\r\\n`."""
 
 
 class RespParser:
@@ -304,7 +301,7 @@ class RespParser:
         Call `buffer_updated(n)` after writing `n` bytes into it, before the next call.
         """
         if (
-            self._state is _BIG_BODY
+            self._state == _BIG_BODY
             and self._big_filled < len(self._big)
             and self._pos == len(self._buf)
             and self._error is None
@@ -398,7 +395,7 @@ class RespParser:
     @property
     def has_partial(self) -> bool:
         """Whether bytes of a not-yet-complete command are buffered."""
-        return self._state is not _START or (not self._ready and self._pos < len(self._buf))
+        return self._state != _START or (not self._ready and self._pos < len(self._buf))
 
     @property
     def buffered_bytes(self) -> int:
@@ -417,7 +414,7 @@ class RespParser:
     def refuse_partial(self, reason: str = "") -> bool:
         """Drop the arguments of the command being framed; the rest of it is read and
         dropped, and it is framed as a `RefusedCommand`. False when none is in progress."""
-        if self._state is _START or self._refused:
+        if self._state == _START or self._refused:
             return False
         self._refuse(reason)
         return True
@@ -482,7 +479,7 @@ class RespParser:
         with memoryview(data) as view:
             while True:
                 state = self._state
-                if state is _START:
+                if state == _START:
                     if pos >= end or (ready and not self.authenticated):
                         return pos  # lazy before AUTH: limits may change after a command
                     max_ready = self.max_ready
@@ -494,10 +491,10 @@ class RespParser:
                             return pos
                         pos = nxt
                         continue
-                    m = _MULTIBULK_HEAD.match(data, pos, end)
-                    if m is not None and m.end() - 2 - pos <= self.max_inline_bytes:
-                        count: int | None = int(m.group(1))
-                        pos = m.end()
+                    value, after = _canonical_head(data, pos, end, 0x2A, self.max_inline_bytes)
+                    if value >= 0:
+                        count: int | None = value
+                        pos = after
                     else:
                         cr = self._header_line(data, pos, end, "mbulk")
                         if cr < 0:
@@ -514,13 +511,13 @@ class RespParser:
                     nbytes = held = 0
                     left = count
                     refused = False
-                elif state is _ARG_HEADER:
+                elif state == _ARG_HEADER:
                     args = self._args
                     nbytes = self._args_bytes
                     held = self._args_held
                     left = self._args_left
                     refused = self._refused
-                elif state is _ARG_BODY:
+                elif state == _ARG_BODY:
                     stop = pos + self._bulk_len
                     if end < stop + 2:
                         return pos
@@ -529,7 +526,7 @@ class RespParser:
                     self._push_arg(bytes(view[pos:stop]))
                     pos = stop + 2
                     continue
-                elif state is _BIG_BODY:
+                elif state == _BIG_BODY:
                     big = self._big
                     missing = len(big) - self._big_filled
                     if missing:
@@ -567,16 +564,12 @@ class RespParser:
                 max_bulk = self.max_bulk_bytes
                 auth_limit = None if self.authenticated else self.unauthenticated_max_bulk_bytes
                 small_max = min(self.large_bulk_threshold - 1, max_bulk, auth_limit or max_bulk)
-                match = _BULK_HEAD.match
                 while left:
                     if pos >= end:
                         length = -1  # waiting for a header
                         break
-                    m = match(data, pos, end)
-                    if m is not None and m.end() - 2 - pos <= max_line:
-                        length = int(m.group(1))
-                        start = m.end()
-                    else:
+                    length, start = _canonical_head(data, pos, end, 0x24, max_line)
+                    if length < 0:
                         if data[pos] != 0x24:  # '$'
                             raise _perr(f"expected '$', got '{_show_byte(data[pos])}'")
                         cr = self._header_line(data, pos, end, "bulk")
@@ -627,7 +620,7 @@ class RespParser:
                     self._state = _ARG_BODY
                     return pos
                 # The command is complete.
-                if state is not _START:
+                if state != _START:
                     self._args = []
                     self._args_bytes = self._args_held = self._args_cost = 0
                     self._refused = False
@@ -682,7 +675,7 @@ class RespParser:
         if self._refused or not self._granted(length):
             self._refuse(self._refusal)
             self._skip = length
-            self._state = _State.SKIP_BODY
+            self._state = _SKIP_BODY
         else:
             self._big_room = alloc_block(length, slack=2)
             self._big = self._big_room[:length]
@@ -711,12 +704,12 @@ class RespParser:
             self._refusal = reason
         self._refused = True
         self.held_bytes -= self._args_held
-        if self._state is _BIG_BODY and not self._lent_big:
+        if self._state == _BIG_BODY and not self._lent_big:
             # refused while its large bulk arrives: let the buffer go, skip the rest
             self.held_bytes -= len(self._big)
             self._skip = len(self._big) - self._big_filled
             self._drop_big()
-            self._state = _State.SKIP_BODY
+            self._state = _SKIP_BODY
         self._args = []
         self._args_bytes = 0
         self._args_held = 0

@@ -17,6 +17,7 @@ import time
 from typing import Final
 
 from epistemic_kvcache.buffers import received_block
+from epistemic_kvcache.proto import resp_framer
 from epistemic_kvcache.proto.glob import Glob
 from epistemic_kvcache.proto.resp import (
     Buffer,
@@ -585,6 +586,7 @@ def _info(s: Session, cmd: Command) -> object:
                 ("redis_mode", "standalone"),
                 ("server_name", "epistemic-kvcache"),
                 ("kvcache_version", shared.version),
+                ("kvcache_resp_framer", resp_framer.IMPLEMENTATION),
                 ("arch_bits", 64),
                 ("uptime_in_seconds", int(time.monotonic() - shared.started)),
                 ("resp_protocols", "2,3"),

@@ -52,6 +52,7 @@ import time
 from typing import Final, cast
 
 from epistemic_kvcache.errors import RemoteProtocolError
+from epistemic_kvcache.proto import resp_framer
 from epistemic_kvcache.proto.resp import (
     NEED_DATA,
     Buffer,
@@ -89,6 +90,12 @@ class RespFactory:
     def __init__(self, ctx: ServerContext, first: RespFactory | None = None) -> None:
         self.shared: Shared = Shared(ctx, None if first is None else first.shared)
         ctx.slots_for(WIRE)
+        if first is None:
+            log.info(
+                "RESP framer: %s twin%s",
+                resp_framer.IMPLEMENTATION,
+                f" ({resp_framer.WHY_PURE})" if resp_framer.WHY_PURE else "",
+            )
 
     def __call__(self) -> asyncio.BufferedProtocol:
         return RespConnection(self.shared)

@@ -1,0 +1,48 @@
+"""The RESP request framer's events and argument types, shared by both twins.
+
+`RespParser` has two implementations (proto/resp_parser.py, the pure-Python reference,
+and proto/_resp_parser_c, the same source compiled by Cython; proto/resp_framer.py picks
+one). What their callers compare by identity (`NEED_DATA`) or by class
+(`RefusedCommand`) lives here, once, so a command or an event from either twin is the
+same object to the dispatcher.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Final, Literal
+
+Buffer = bytes | bytearray | memoryview
+Arg = bytes | bytearray | memoryview
+Command = list[Arg]
+ReserveFn = Callable[[int], bool | str]
+"""Asked before a large bulk is allocated: may the parser hold this many more bytes?
+True grants; False or a reason string refuses (the reason ends up in `RefusedCommand`)."""
+
+
+class RefusedCommand(list[Arg]):
+    """Framed in place of a command one of whose large bulks `reserve` refused (or that
+    the owner refused while it was being framed, `refuse_partial`).
+
+    It is empty: the command's arguments were read off the wire and dropped. `reason` is
+    what `reserve` (or the owner) gave as the reason, `""` if none."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str = "") -> None:
+        super().__init__()
+        self.reason = reason
+
+
+class _NeedData(enum.Enum):
+    NEED_DATA = "NEED_DATA"
+
+    def __repr__(self) -> str:
+        return "NEED_DATA"
+
+
+NEED_DATA: Final = _NeedData.NEED_DATA
+"""Returned by `RespParser.next_command()` when no complete command is buffered."""
+
+Event = Command | Literal[_NeedData.NEED_DATA]

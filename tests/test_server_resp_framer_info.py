@@ -1,0 +1,30 @@
+"""Which twin of the RESP framer the server runs is visible: `INFO server`'s
+`kvcache_resp_framer` and the log line at start (docs/architecture.md, issue 27)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import redis
+
+from epistemic_kvcache.proto import resp_framer
+from servers import running_server
+
+TOKEN = "framer-token-0123456789"
+
+
+def test_info_and_the_log_name_the_running_twin(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="epistemic_kvcache.server.resp")
+    with running_server(tmp_path, backend="memory", tokens={TOKEN: "default"}) as srv:
+        resp = srv.handle.resp
+        assert resp is not None
+        with redis.Redis(port=resp.port, password=TOKEN, socket_timeout=30) as r:
+            info = r.info("server")
+    assert info["kvcache_resp_framer"] == resp_framer.IMPLEMENTATION
+    lines = [m for m in caplog.messages if m.startswith("RESP framer: ")]
+    assert lines, caplog.messages
+    assert lines[0].startswith(f"RESP framer: {resp_framer.IMPLEMENTATION} twin")
