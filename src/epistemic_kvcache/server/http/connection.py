@@ -64,6 +64,7 @@ from epistemic_kvcache.server.http.admission import (
 )
 from epistemic_kvcache.server.http.api import HttpError, Request, Response
 from epistemic_kvcache.server.http.routes import ROUTES
+from epistemic_kvcache.server.sendfast import ReplyWriter
 
 log = logging.getLogger("epistemic_kvcache.server.http")
 
@@ -110,6 +111,8 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._limits = ctx.limits
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
+        self.writer = ReplyWriter()
+        """Answer writes: large ones straight to the socket, without the GIL."""
         self._scratch = scratch
         self._backlog = bytearray()
         """Input read but not parsed yet (parsing stopped at `MAX_QUEUED` requests)."""
@@ -634,7 +637,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         if head_only or not resp.parts:
             transport.write(head)
         else:
-            transport.writelines([head, *resp.parts])
+            self.writer.write(transport, [head, *resp.parts])
         self._account_output()
 
     def _account_output(self) -> None:

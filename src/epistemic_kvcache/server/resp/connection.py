@@ -66,6 +66,7 @@ from epistemic_kvcache.server.resp.commands import EPOCH_CHANNEL
 from epistemic_kvcache.server.resp.common import WIRE, log, push
 from epistemic_kvcache.server.resp.dispatch import Dispatcher
 from epistemic_kvcache.server.resp.session import Session, Shared
+from epistemic_kvcache.server.sendfast import ReplyWriter
 from epistemic_kvcache.shared import MAX_KEY_BYTES
 
 READ_HIGH_WATER: Final = 4 * 1024 * 1024
@@ -131,6 +132,8 @@ class RespConnection(asyncio.BufferedProtocol):
 
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
+        self.writer = ReplyWriter()
+        """Reply writes: large ones straight to the socket, without the GIL."""
         self._task: asyncio.Task[None] | None = None
         self._wakeup = asyncio.Event()
         self._can_write = asyncio.Event()
@@ -435,10 +438,7 @@ class RespConnection(asyncio.BufferedProtocol):
         if transport is None or transport.is_closing():
             return False
         if buffers:
-            if len(buffers) == 1:
-                transport.write(buffers[0])
-            else:
-                transport.writelines(buffers)
+            self.writer.write(transport, buffers)
             # "output" counts what the transport holds back (most writes: nothing)
             if self._output_held or transport.get_write_buffer_size():
                 self._account_output()
