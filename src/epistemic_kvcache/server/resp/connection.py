@@ -64,7 +64,7 @@ from epistemic_kvcache.server.budget import Account, Slot, peer_of
 from epistemic_kvcache.server.context import Identity, ServerContext, on_loop
 from epistemic_kvcache.server.resp.commands import EPOCH_CHANNEL
 from epistemic_kvcache.server.resp.common import WIRE, log, push
-from epistemic_kvcache.server.resp.dispatch import Dispatcher
+from epistemic_kvcache.server.resp.dispatch import INLINE_MAX_COMMANDS, Dispatcher
 from epistemic_kvcache.server.resp.session import Session, Shared
 from epistemic_kvcache.server.sendfast import ReplyWriter
 from epistemic_kvcache.shared import MAX_KEY_BYTES
@@ -214,7 +214,7 @@ class RespConnection(asyncio.BufferedProtocol):
             # peer reads its replies, no SET started here waits for its reply. What the
             # store answers at once is answered here, with the task left parked;
             # durable SETs are started here and finished by the task.
-            dispatcher.run_fast(self._write)
+            dispatcher.run_fast(self._write, INLINE_MAX_COMMANDS, started)
         if parser.pending_bytes or parser.has_error:  # (a framed command counts in it)
             self._after_read()  # something is left: the general bookkeeping
         else:
