@@ -186,6 +186,8 @@ class Dispatcher:
         future): `finish_started` awaits them, in order, on the connection's task."""
         self._gate: str | None = None
         """The tenant whose gate `run_fast` entered for `started` (left when finished)."""
+        self.fast_ended = 0.0
+        """`perf_counter` when `run_fast` last finished its last command (or began)."""
 
     # -- checks and metrics ---------------------------------------------------------------
     def check(self, cmd: Command) -> tuple[str, CommandSpec | None, ErrorReply | None]:
@@ -703,6 +705,7 @@ class Dispatcher:
             t0 = t1
         if out:
             write(out)
+        self.fast_ended = t0
         if calls:
             activity = s.shared.activity(ns)
             activity.count(route_now, seconds, failures, calls)
