@@ -670,19 +670,24 @@ class Dispatcher:
                 continue
             if type(reply) is PutResult:
                 reply = OK if reply.applied else None
+            failed = False  # (the common replies first, encoded as `encode` does)
             if reply is OK:
                 out.append(b"+OK\r\n")
                 queued += 5
+            elif type(reply) is bytes and len(reply) < SMALL_REPLY:
+                buf = b"".join((b"$%d\r\n" % len(reply), reply, b"\r\n"))
+                out.append(buf)
+                queued += len(buf)
             elif type(reply) is int:
                 buf = b":%d\r\n" % reply
                 out.append(buf)
                 queued += len(buf)
             else:
+                failed = isinstance(reply, ErrorReply)
                 for buf in self.encode(reply):
                     out.append(buf)
                     queued += len(buf)
             t1 = perf()
-            failed = type(reply) is ErrorReply or isinstance(reply, ErrorReply)
             if plain and not failed:
                 series[route].observe(t1 - t0)
             else:
