@@ -675,13 +675,13 @@ class Dispatcher:
                 out.append(b"+OK\r\n")
                 queued += 5
             elif type(reply) is bytes and len(reply) < SMALL_REPLY:
-                buf = b"".join((b"$%d\r\n" % len(reply), reply, b"\r\n"))
-                out.append(buf)
-                queued += len(buf)
+                head = b"".join((b"$%d\r\n" % len(reply), reply, b"\r\n"))
+                out.append(head)
+                queued += len(head)
             elif type(reply) is int:
-                buf = b":%d\r\n" % reply
-                out.append(buf)
-                queued += len(buf)
+                head = b":%d\r\n" % reply
+                out.append(head)
+                queued += len(head)
             else:
                 failed = isinstance(reply, ErrorReply)
                 for buf in self.encode(reply):
