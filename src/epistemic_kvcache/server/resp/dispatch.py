@@ -583,10 +583,9 @@ class Dispatcher:
         starts but cannot finish at once (durable: a future) goes to `started` with the
         plain SETs right behind it; the task sends their replies (`finish_started`).
         Stops after `limit` commands; returns how many it took. `t0`: when the read
-        began (`perf_counter`; the first command's time runs from it). Successes are
-        counted straight into their metric series, the rest (errors, or everything while
-        the access log is on) through `observe`; the tenant's tallies (INFO) are summed
-        here and added once per call, per route.
+        began (`perf_counter`). Successes are counted straight into their metric series,
+        the rest (errors, or all while the access log is on) through `observe`; the
+        tenant's tallies (INFO) are summed here and added once per call and route.
         """
         s = self.session
         identity = s.identity
@@ -605,8 +604,7 @@ class Dispatcher:
         out: list[Buffer] = []
         taken = 0
         queued = 0
-        # The tallies of the current run of one route, in locals (a read is mostly one
-        # command, or one route); `tallies` holds the earlier routes: [calls, s, failures]
+        # the current route's tallies in locals; `tallies`: earlier routes' [calls, s, failed]
         route_now = ""
         calls = failures = 0
         seconds = 0.0
@@ -696,13 +694,10 @@ class Dispatcher:
                 if calls:
                     if tallies is None:
                         tallies = {}
-                    tally = tallies.get(route_now)
-                    if tally is None:
-                        tallies[route_now] = [calls, seconds, failures]
-                    else:
-                        tally[0] += calls
-                        tally[1] += seconds
-                        tally[2] += failures
+                    tally = tallies.setdefault(route_now, [0, 0.0, 0])
+                    tally[0] += calls
+                    tally[1] += seconds
+                    tally[2] += failures
                 route_now, calls, seconds, failures = route, 0, 0.0, 0
             calls += 1
             seconds += t1 - t0
