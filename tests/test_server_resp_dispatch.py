@@ -17,6 +17,7 @@ import pytest
 
 from epistemic_kvcache.server.context import ServerContext
 from epistemic_kvcache.server.resp import make_resp_factory
+from epistemic_kvcache.server.resp.connection import RespFactory
 from helpers import FakeTransport, eventually_async
 from servers import run_in_context
 
@@ -36,8 +37,9 @@ def cmd(*args: str | bytes) -> bytes:
 class Conn:
     """One RESP connection over a FakeTransport, inside the running loop."""
 
-    def __init__(self, ctx: ServerContext) -> None:
-        self.proto = make_resp_factory(ctx)()
+    def __init__(self, ctx: ServerContext, factory: RespFactory | None = None) -> None:
+        self.factory = make_resp_factory(ctx) if factory is None else factory
+        self.proto = self.factory()
         self.transport = FakeTransport().connect(self.proto)
 
     def send(self, data: bytes, *, read_size: int | None = None) -> None:
@@ -233,5 +235,28 @@ def test_connection_lost_releases_the_slot_and_the_live_set() -> None:
         c.transport.close()
         await eventually_async(lambda: c.proto not in ctx.live, what="the connection left")
         assert ctx.open_connections["resp"] == 0
+
+    run(scenario)
+
+
+def test_client_list_names_the_last_command_answered_on_the_fast_path() -> None:
+    """GET/SET/EXISTS/STRLEN answered inline (`run_fast`) are the connection's last
+    command for CLIENT LIST's `cmd=` too, as when the task answers them."""
+
+    async def scenario(ctx: ServerContext) -> None:
+        c = Conn(ctx)
+        await c.login()
+        c.send(cmd("SET", "k", "v"))
+        await c.reply(b"+OK\r\n")
+        c.send(cmd("EXISTS", "k"))
+        await c.reply(b":1\r\n")
+        other = Conn(ctx, c.factory)  # (a second connection of the same listener)
+        await other.login()
+        other.send(cmd("CLIENT", "LIST"))
+        got = await eventually_async(lambda: other.transport.take(), what="CLIENT LIST")
+        lines = [line for line in got.split(b"\n") if b"id=" in line]
+        mine = [line for line in lines if b" cmd=client " not in line]
+        assert len(mine) == 1
+        assert b" cmd=exists " in mine[0]
 
     run(scenario)

@@ -64,7 +64,7 @@ from epistemic_kvcache.server.budget import Account, Slot, peer_of
 from epistemic_kvcache.server.context import Identity, ServerContext, on_loop
 from epistemic_kvcache.server.resp.commands import EPOCH_CHANNEL
 from epistemic_kvcache.server.resp.common import WIRE, log, push
-from epistemic_kvcache.server.resp.dispatch import Dispatcher
+from epistemic_kvcache.server.resp.dispatch import INLINE_MAX_COMMANDS, Dispatcher
 from epistemic_kvcache.server.resp.session import Session, Shared
 from epistemic_kvcache.server.sendfast import ReplyWriter
 from epistemic_kvcache.shared import MAX_KEY_BYTES
@@ -214,7 +214,10 @@ class RespConnection(asyncio.BufferedProtocol):
             # peer reads its replies, no SET started here waits for its reply. What the
             # store answers at once is answered here, with the task left parked;
             # durable SETs are started here and finished by the task.
-            dispatcher.run_fast(self._write)
+            dispatcher.run_fast(self._write, INLINE_MAX_COMMANDS, started)
+            now = dispatcher.fast_ended  # (its last clock reading: no need for another)
+        else:
+            now = time.perf_counter()
         if parser.pending_bytes or parser.has_error:  # (a framed command counts in it)
             self._after_read()  # something is left: the general bookkeeping
         else:
@@ -225,7 +228,7 @@ class RespConnection(asyncio.BufferedProtocol):
                 self._account_holds_input = False
             if dispatcher.started:
                 self._wakeup.set()
-        if time.perf_counter() - started > READ_SLICE_S:
+        if now - started > READ_SLICE_S:
             self._yield_reading()
 
     def _after_read(self) -> None:
@@ -438,7 +441,11 @@ class RespConnection(asyncio.BufferedProtocol):
         if transport is None or transport.is_closing():
             return False
         if buffers:
-            self.writer.write(transport, buffers)
+            one, writer = buffers[0], self.writer
+            if len(buffers) == 1 and type(one) is bytes and len(one) < writer.min_bytes:
+                transport.write(one)  # (a small reply: what `writer` does, one call less)
+            else:
+                writer.write(transport, buffers)
             # "output" counts what the transport holds back (most writes: nothing)
             if self._output_held or transport.get_write_buffer_size():
                 self._account_output()

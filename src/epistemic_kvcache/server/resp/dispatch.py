@@ -186,6 +186,8 @@ class Dispatcher:
         future): `finish_started` awaits them, in order, on the connection's task."""
         self._gate: str | None = None
         """The tenant whose gate `run_fast` entered for `started` (left when finished)."""
+        self.fast_ended = 0.0
+        """`perf_counter` when `run_fast` last finished its last command (or began)."""
 
     # -- checks and metrics ---------------------------------------------------------------
     def check(self, cmd: Command) -> tuple[str, CommandSpec | None, ErrorReply | None]:
@@ -565,7 +567,10 @@ class Dispatcher:
             return store_error_reply(exc, "set")
 
     def run_fast(
-        self, write: Callable[[list[Buffer]], bool], limit: int = INLINE_MAX_COMMANDS
+        self,
+        write: Callable[[list[Buffer]], bool],
+        limit: int = INLINE_MAX_COMMANDS,
+        t0: float | None = None,
     ) -> int:
         """The one inline dispatcher: answer the framed commands at the head of the queue
         that the store answers at once (`*_nowait`); the connection's task is parked, so
@@ -577,9 +582,10 @@ class Dispatcher:
         whether the peer keeps up, and when it does not, this stops. A SET the store
         starts but cannot finish at once (durable: a future) goes to `started` with the
         plain SETs right behind it; the task sends their replies (`finish_started`).
-        Stops after `limit` commands; returns how many it took. Successes are counted
-        straight into their metric series, the rest (errors, or everything while the
-        access log is on) through `observe`.
+        Stops after `limit` commands; returns how many it took. `t0`: when the read
+        began (`perf_counter`). Successes are counted straight into their metric series,
+        the rest (errors, or all while the access log is on) through `observe`; the
+        tenant's tallies (INFO) are summed here and added once per call and route.
         """
         s = self.session
         identity = s.identity
@@ -598,8 +604,13 @@ class Dispatcher:
         out: list[Buffer] = []
         taken = 0
         queued = 0
-        tallies: dict[str, list[Any]] = {}  # route -> [calls, seconds, failures]
-        t0 = perf()
+        # the current route's tallies in locals; `tallies`: earlier routes' [calls, s, failed]
+        route_now = ""
+        calls = failures = 0
+        seconds = 0.0
+        tallies: dict[str, list[Any]] | None = None
+        if t0 is None:
+            t0 = perf()
         while taken < limit:
             if queued >= FAST_FLUSH_BYTES:
                 queued = 0
@@ -635,6 +646,8 @@ class Dispatcher:
                         str(cmd[1], "utf-8"),
                         value if type(value) is bytes else received_block(value),
                     )
+                elif route == "exists" and argc == 2:
+                    reply = store.exists_nowait(ns, (str(cmd[1], "utf-8"),))
                 else:
                     reply = _READ_NOWAIT[route](self, cmd)
             except UnicodeDecodeError:
@@ -653,37 +666,57 @@ class Dispatcher:
                 started.append((reply, t0, cmd))
                 t0 = perf()
                 continue
-            if isinstance(reply, PutResult):
+            if type(reply) is PutResult:
                 reply = OK if reply.applied else None
+            failed = False  # (the common replies first, encoded as `encode` does)
             if reply is OK:
                 out.append(b"+OK\r\n")
                 queued += 5
+            elif type(reply) is bytes and len(reply) < SMALL_REPLY:
+                head = b"".join((b"$%d\r\n" % len(reply), reply, b"\r\n"))
+                out.append(head)
+                queued += len(head)
+            elif type(reply) is int:
+                head = b":%d\r\n" % reply
+                out.append(head)
+                queued += len(head)
             else:
+                failed = isinstance(reply, ErrorReply)
                 for buf in self.encode(reply):
                     out.append(buf)
                     queued += len(buf)
             t1 = perf()
-            failed = isinstance(reply, ErrorReply)
             if plain and not failed:
                 series[route].observe(t1 - t0)
             else:
                 self.observe(route, reply, t1 - t0, cmd, count_activity=False)
-            tally = tallies.get(route)
-            if tally is None:
-                tallies[route] = [1, t1 - t0, failed]
-            else:
-                tally[0] += 1
-                tally[1] += t1 - t0
-                tally[2] += failed
+            if route != route_now:
+                if calls:
+                    if tallies is None:
+                        tallies = {}
+                    tally = tallies.setdefault(route_now, [0, 0.0, 0])
+                    tally[0] += calls
+                    tally[1] += seconds
+                    tally[2] += failures
+                route_now, calls, seconds, failures = route, 0, 0.0, 0
+            calls += 1
+            seconds += t1 - t0
+            failures += failed
             t0 = t1
         if out:
             write(out)
-        if tallies:
+        self.fast_ended = t0
+        if calls:
             activity = s.shared.activity(ns)
-            for route, (calls, seconds, failures) in tallies.items():
-                activity.commands += calls
-                activity.count(route, seconds, failures, calls)
+            activity.count(route_now, seconds, failures, calls)
+            total = calls
+            if tallies is not None:
+                for other, (more_calls, more_s, more_failures) in tallies.items():
+                    activity.count(other, more_s, more_failures, more_calls)
+                    total += more_calls
+            activity.commands += total
             s.last_command = t0
+            s.last_route = route_now
         return taken
 
     def _start_following_sets(self) -> None:
