@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +25,7 @@ import redis
 from epistemic_kvcache.client import EpistemicGraphKVBackend
 from epistemic_kvcache.config import load_config, usable_cores
 from epistemic_kvcache.errors import ConfigurationError
-from epistemic_kvcache.server.app import ServerThread
+from epistemic_kvcache.server.app import SWITCH_INTERVAL_S, ServerThread, tune_switch_interval
 from epistemic_kvcache.server.loops import ListenerError
 from epistemic_kvcache.server.resp.session import TenantGates
 from helpers import eventually
@@ -458,3 +459,19 @@ def test_usable_cores_reads_the_cgroup_quota(tmp_path: Path) -> None:
     cpu_max.write_text("50000 100000\n")
     assert usable_cores(cpu_max) == 1
     assert usable_cores(tmp_path / "missing") == affinity
+
+
+def test_several_loops_hand_the_gil_over_often() -> None:
+    """With 2 loops a busy loop held the GIL for CPython's 5 ms at a time, and every
+    callback of the other loop waited that long for it: a quiet tenant's RESP GET p99
+    went from ~10 ms to up to 1.3 s under another tenant's pipeline flood
+    (tests/test_abuse.py auth_pipeline_flood). Several loops hand it over sooner."""
+    before = sys.getswitchinterval()
+    try:
+        tune_switch_interval(1)
+        assert sys.getswitchinterval() == before  # one loop: the interpreter's default
+        tune_switch_interval(2)
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
+        assert SWITCH_INTERVAL_S <= 0.001
+    finally:
+        sys.setswitchinterval(before)
