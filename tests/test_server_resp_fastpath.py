@@ -131,10 +131,23 @@ def test_a_4k_set_is_dispatched_once(server: _Server, monkeypatch: pytest.Monkey
     monkeypatch.setattr(Dispatcher, "run_fast", run_fast)
     monkeypatch.setattr(Dispatcher, "execute", execute)
     monkeypatch.setattr(server.store, "put_nowait", put_nowait)
-    value = os.urandom(4096)
-    assert r.set("once", value) is True
-    assert (seen, puts) == (["run_fast"], ["once"])
-    assert r.get("once") == value
+    # A SET that arrives before the connection's task is parked again (a loaded machine
+    # can run the read callback first) is the task's, through `execute`: also one
+    # attempt. So each SET must be seen exactly once, and SETs are sent until one is
+    # taken on the inline path (the first, unless the machine interferes).
+    paths: list[list[str]] = []
+    for i in range(50):
+        seen.clear()
+        puts.clear()
+        value = os.urandom(4096)
+        assert r.set(f"once{i}", value) is True
+        assert len(seen) == 1, seen
+        assert puts == [f"once{i}"]
+        assert r.get(f"once{i}") == value
+        paths.append(list(seen))
+        if seen == ["run_fast"]:
+            break
+    assert ["run_fast"] in paths, paths
 
 
 def test_inline_errors_are_replies_not_disconnects(server: _Server) -> None:
