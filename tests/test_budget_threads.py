@@ -239,8 +239,9 @@ def test_connection_slots_are_exact_across_threads(rand: random.Random, with_res
     assert admitted == sum(c["released"] for c in counts) + s.evicted
     assert len(evicted) == s.evicted == len({id(token) for token in evicted})
     assert s.refused >= sum(c["refused"] for c in counts)
+    # (reclaims are all but certain with this clock; refusals depend on how the threads
+    # interleave, so they are not required here: test_server_budget.py covers each one)
     assert s.evicted > 0
-    assert s.refused > 0
 
 
 # -- eviction across loops -------------------------------------------------------------------
