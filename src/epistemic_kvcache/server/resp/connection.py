@@ -19,7 +19,12 @@ command the store cannot answer inline stays queued in the parser for the task, 
 order.
 
 Fairness: the task yields to the event loop once a time slice (`SLICE_S`) of commands
-has run, and after every command before AUTH, so no connection holds the loop.
+has run, so no connection holds the loop. Before AUTH too: the parser's pre-AUTH limits
+keep those commands small, and yielding after each one made a flood of unauthenticated
+PINGs cost one loop turn per command; with several loops every turn retakes the GIL
+from the others: a quiet tenant's GET p99 on the flooded loop was 40-250 ms, 5-10 ms
+without that yield (one loop: 4-7 ms; tests/test_abuse.py `unauth_ping_flood`, 2 loops
+on 2 cores).
 
 Accounting (server/budget.py): the connection's `Account` holds, under its tenant (or
 the unauthenticated pseudo-tenant): "bulk" — large bulks preallocated by the parser;
@@ -348,7 +353,7 @@ class RespConnection(asyncio.BufferedProtocol):
                 if self._closing:
                     return
                 self._last_activity = self._loop.time()
-                if self.session.identity is None or loop_time() - slice_start > SLICE_S:
+                if loop_time() - slice_start > SLICE_S:
                     await asyncio.sleep(0)  # let other connections run
                     slice_start = loop_time()
         except asyncio.CancelledError:
