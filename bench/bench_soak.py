@@ -1,12 +1,12 @@
 """Sustained LMCache load on a durable server with small tiers: RSS, tiers, batch GET p99.
 
     .venv/bin/python -m bench.bench_soak [--wire http resp] [--duration-s 1800]
-        [--warmup-s 120] [--out bench/out/soak] [--src DIR]
+        [--clients 1] [--warmup-s 120] [--out bench/out/soak] [--src DIR] [--option FLAG]
 
 Per wire, a fresh server process (durable backend, hot 32 MiB, warm 64 MiB, cold 2 GiB,
 in-flight budget 512 MiB) under LMCache's store and load patterns (bench/soak.py: batch
 PUT of 16 x 4 MiB, batch EXISTS with a quarter of misses, batch GET of the hit prefix)
-for `--duration-s`. Prints the markdown table of docs/benchmarks.md ("Sustained LMCache
+for `--duration-s`, from `--clients` LMCache instances at once. Prints the markdown table of docs/benchmarks.md ("Sustained LMCache
 load") and writes, under `--out`, a CSV of the samples per wire (`soak-<wire>.csv`:
 RSS and each tier's bytes / peak / capacity over time), the batch GET p99 per window
 (`soak-<wire>-windows.csv`), `soak.json` and the plot `soak.png`. Exits 1 when a check
@@ -37,6 +37,9 @@ def main() -> None:
     p.add_argument("--sample-interval-s", type=float, default=1.0)
     p.add_argument("--block-mib", type=int, default=4)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument(
+        "--clients", type=int, default=1, help="LMCache instances at once, one connection each"
+    )
     p.add_argument("--miss-share", type=float, default=0.25)
     p.add_argument(
         "--max-slope-mib-per-min",
@@ -58,6 +61,7 @@ def main() -> None:
             sample_interval_s=args.sample_interval_s,
             block_bytes=args.block_mib * soak.MiB,
             batch=args.batch,
+            clients=args.clients,
             miss_share=args.miss_share,
             src=args.src,
             options=[o for opt in args.option for o in opt.split(" ", 1)],

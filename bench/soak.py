@@ -3,7 +3,9 @@
 Shared by `bench/bench_soak.py` (the long run, numbers for docs/benchmarks.md) and
 `tests/test_soak.py` (the same load, about 25 s per wire, with the checks that fail).
 
-The load is LMCache's L2 traffic, one client on one wire, in a loop:
+The load is LMCache's L2 traffic on one wire, from `clients` LMCache instances at once
+(threads, each with its own connection and its own keys; with several, their
+connections spread over the server's event loops), each in a loop:
 
 - store: a batch PUT of `batch` new chunks of `block_bytes` (16 x 4 MiB by default): the
   client's `put_many` on HTTP (the L2 connector's path), `MSET` on RESP;
@@ -49,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.abuse import TOKEN_B, ServerProc, rss_kib, start_server
+from bench.abuse import TOKEN_B, TOKEN_OPS, ServerProc, rss_kib, start_server
 
 KiB, MiB = 1024, 1024 * 1024
 
@@ -86,6 +88,9 @@ class SoakConfig:
     """Run the server from this source tree (e.g. an export of an older commit)."""
     options: list[str] = field(default_factory=list)
     """Extra server flags."""
+    clients: int = 1
+    """LMCache instances at once, each with its own connection and keys (with several,
+    their connections spread over the server's event loops)."""
 
     def server_options(self) -> list[str]:
         return [
@@ -110,6 +115,7 @@ class Sample:
 class SoakResult:
     wire: str
     duration_s: float
+    clients: int = 1
     iterations: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
@@ -133,6 +139,8 @@ class SoakResult:
     """(window start s, p99 ms of batch GET, batch GETs in the window)."""
     put_p99_ms: float = 0.0
     get_p99_ms: float = 0.0
+    loops: list[dict[str, Any]] = field(default_factory=list)
+    """`/kv/stats` "loops" at the end: connections and requests per event loop."""
     samples: list[Sample] = field(default_factory=list, repr=False)
 
     def summary(self) -> dict[str, Any]:
@@ -159,12 +167,13 @@ def rss_bound_mib(cfg: SoakConfig, baseline_mib: float, connections: int) -> flo
 
 def slope_allowance_mib_per_min(cfg: SoakConfig) -> float:
     """The RSS slope a bounded server may show over the fit window: twice what one lasting
-    step of one batch (the allocator keeping one more batch's worth of freed memory, a
-    legitimate plateau change) makes in the middle of the window, `1.5 * step / window`.
+    step of one batch per client (the allocator keeping one more batch's worth of freed
+    memory, a legitimate plateau change) makes in the middle of the window, `1.5 * step / window`.
     A server whose tiers grow with the data written climbs by a batch every round, many
     times faster (see docs/benchmarks.md, "Sustained LMCache load")."""
     window_s = max(1.0, cfg.duration_s - cfg.warmup_s)
-    return 2 * 1.5 * (cfg.batch * cfg.block_bytes / MiB) / window_s * 60
+    step_mib = cfg.clients * cfg.batch * cfg.block_bytes / MiB  # a batch per client in flight
+    return 2 * 1.5 * step_mib / window_s * 60
 
 
 def slope_mib_per_min(points: Sequence[tuple[float, float]]) -> float:
@@ -351,38 +360,42 @@ class Blocks:
         )
 
 
-def run(cfg: SoakConfig, workdir: Path, *, log: Callable[[str], None] = print) -> SoakResult:
-    """One soak on a fresh server in `workdir`; the result holds every sample."""
-    rng = random.Random(cfg.seed)
-    blocks = Blocks(cfg)
-    result = SoakResult(wire=cfg.wire, duration_s=cfg.duration_s)
-    with start_server(workdir, src=cfg.src, options=cfg.server_options()) as server:
-        baseline = 0.0
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:  # settled: two equal reads 200 ms apart
-            a = rss_kib(server.pid)
-            time.sleep(0.2)
-            if rss_kib(server.pid) == a:
-                break
-        baseline = rss_kib(server.pid) / 1024
-        wire = WIRES[cfg.wire](server)
-        t0 = time.monotonic()
-        sampler = Sampler(server, cfg.sample_interval_s, t0)
-        sampler.sample()
-        sampler.start()
+class Client(threading.Thread):
+    """One LMCache instance: its own connection(s) and key space, the store / lookup /
+    load rounds until the deadline. Its tallies go into its own `SoakResult`."""
+
+    def __init__(self, cfg: SoakConfig, index: int, server: ServerProc, t0: float) -> None:
+        super().__init__(daemon=True, name=f"soak-client-{index}")
+        self.cfg = cfg
+        self.index = index
+        self.server = server
+        self.t0 = t0
+        self.rng = random.Random(cfg.seed * 1000 + index)
+        self.result = SoakResult(wire=cfg.wire, duration_s=cfg.duration_s)
+        self.gets: list[tuple[float, float]] = []  # (t, seconds)
+        self.puts: list[float] = []
+        self.connections = 1
+
+    def run(self) -> None:
+        cfg, result, rng = self.cfg, self.result, self.rng
+        try:
+            blocks = Blocks(cfg)
+            wire = WIRES[cfg.wire](self.server)
+        except Exception as exc:
+            _error(result, f"client {self.index} start: {exc!r}")
+            return
+        self.connections = wire.connections
         stored: list[list[tuple[str, int, int]]] = []  # per batch: (key, slot, serial)
         serial = 0
-        gets: list[tuple[float, float]] = []  # (t, seconds)
-        puts: list[float] = []
-        next_log = t0 + 30
+        tag = f"c{self.index:02x}"
         try:
-            while time.monotonic() - t0 < cfg.duration_s:
+            while time.monotonic() - self.t0 < cfg.duration_s:
                 it = result.iterations
                 # store: a batch PUT of new chunks
                 batch = []
                 for slot in range(cfg.batch):
                     serial += 1
-                    batch.append((f"soak@{it:08x}@{slot:02x}", slot, serial))
+                    batch.append((f"soak@{tag}@{it:08x}@{slot:02x}", slot, serial))
                 items = [(k, blocks.make(s, n)) for k, s, n in batch]
                 t = time.perf_counter()
                 try:
@@ -391,7 +404,7 @@ def run(cfg: SoakConfig, workdir: Path, *, log: Callable[[str], None] = print) -
                     result.bytes_written += cfg.batch * cfg.block_bytes
                 except Exception as exc:
                     _error(result, f"put_many: {exc!r}")
-                puts.append(time.perf_counter() - t)
+                self.puts.append(time.perf_counter() - t)
                 del stored[: -cfg.reuse_window]
                 # lookup: a prompt = a stored prefix + chunks never stored
                 if stored:
@@ -399,7 +412,7 @@ def run(cfg: SoakConfig, workdir: Path, *, log: Callable[[str], None] = print) -
                     k = sum(rng.random() >= cfg.miss_share for _ in range(cfg.batch))
                     prompt = src[:k]
                     keys = [key for key, _s, _n in prompt]
-                    keys += [f"soak@never@{it:08x}@{i:02x}" for i in range(cfg.batch - k)]
+                    keys += [f"soak@{tag}@never@{it:08x}@{i:02x}" for i in range(cfg.batch - k)]
                     try:
                         present = wire.exists_many(keys)
                     except Exception as exc:
@@ -420,7 +433,7 @@ def run(cfg: SoakConfig, workdir: Path, *, log: Callable[[str], None] = print) -
                         except Exception as exc:
                             _error(result, f"get_many: {exc!r}")
                             got = []
-                        gets.append((time.monotonic() - t0, time.perf_counter() - t))
+                        self.gets.append((time.monotonic() - self.t0, time.perf_counter() - t))
                         for (_key, slot, n), g in zip(prompt[:hits], got, strict=False):
                             if g is None:
                                 result.vanished += 1
@@ -429,23 +442,87 @@ def run(cfg: SoakConfig, workdir: Path, *, log: Callable[[str], None] = print) -
                             else:
                                 result.bytes_read += len(g)
                 result.iterations += 1
-                if time.monotonic() >= next_log:
-                    next_log += 30
-                    s = sampler.samples[-1] if sampler.samples else None
-                    log(
-                        f"[{cfg.wire}] {time.monotonic() - t0:6.0f} s: {result.iterations} "
-                        f"rounds, {result.errors} errors"
-                        + (f", RSS {s.rss_mib:.0f} MiB" if s else "")
-                    )
+        except Exception as exc:  # a bug in the load itself: count it, do not hang
+            _error(result, f"client {self.index}: {exc!r}")
+        finally:
+            wire.close()
+
+
+def read_loops(port: int) -> list[dict[str, Any]]:
+    """`/kv/stats` "loops" (an operator tenant's view): requests per event loop."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", "/kv/stats", headers={"Authorization": f"Bearer {TOKEN_OPS}"})
+        resp = conn.getresponse()
+        body = resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"/kv/stats answered {resp.status}: {body[:200]!r}")
+        loops: list[dict[str, Any]] = json.loads(body).get("loops", [])
+        return loops
+    finally:
+        conn.close()
+
+
+def run(cfg: SoakConfig, workdir: Path, *, log: Callable[[str], None] = print) -> SoakResult:
+    """One soak on a fresh server in `workdir`, `cfg.clients` clients at once; the result
+    holds every sample and the clients' merged tallies."""
+    result = SoakResult(wire=cfg.wire, duration_s=cfg.duration_s, clients=cfg.clients)
+    with start_server(workdir, src=cfg.src, options=cfg.server_options()) as server:
+        baseline = 0.0
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # settled: two equal reads 200 ms apart
+            a = rss_kib(server.pid)
+            time.sleep(0.2)
+            if rss_kib(server.pid) == a:
+                break
+        baseline = rss_kib(server.pid) / 1024
+        t0 = time.monotonic()
+        sampler = Sampler(server, cfg.sample_interval_s, t0)
+        sampler.sample()
+        sampler.start()
+        clients = [Client(cfg, i, server, t0) for i in range(cfg.clients)]
+        try:
+            for c in clients:
+                c.start()
+            while any(c.is_alive() for c in clients):
+                clients[0].join(30)
+                for c in clients:
+                    c.join(0.0)
+                rounds = sum(c.result.iterations for c in clients)
+                errors = sum(c.result.errors for c in clients)
+                s = sampler.samples[-1] if sampler.samples else None
+                log(
+                    f"[{cfg.wire}] {time.monotonic() - t0:6.0f} s: {rounds} rounds, "
+                    f"{errors} errors" + (f", RSS {s.rss_mib:.0f} MiB" if s else "")
+                )
+            try:
+                result.loops = read_loops(server.http_port)
+            except (OSError, RuntimeError, ValueError) as exc:
+                _error(result, f"stats (loops): {exc}")
         finally:
             sampler.stop()
-            wire.close()
         for e in sampler.errors:
             _error(result, e)
+        gets: list[tuple[float, float]] = []
+        puts: list[float] = []
+        for c in clients:
+            _merge(result, c.result)
+            gets += c.gets
+            puts += c.puts
+        gets.sort()
+        connections = sum(c.connections for c in clients) + 1  # + the sampler's
         result.baseline_rss_mib = baseline
-        result.rss_bound_mib = rss_bound_mib(cfg, baseline, 2 * wire.connections)
+        result.rss_bound_mib = rss_bound_mib(cfg, baseline, connections)
         _analyse(cfg, result, sampler.samples, gets, puts)
     return result
+
+
+def _merge(into: SoakResult, part: SoakResult) -> None:
+    for name in ("iterations", "bytes_written", "bytes_read", "exists_asked", "exists_hits",
+                 "vanished"):  # fmt: skip
+        setattr(into, name, getattr(into, name) + getattr(part, name))
+    into.errors += part.errors
+    into.error_samples += part.error_samples[: max(0, 10 - len(into.error_samples))]
 
 
 def _error(result: SoakResult, what: str) -> None:
@@ -577,10 +654,11 @@ def plot(results: Sequence[SoakResult], cfg: SoakConfig, out: Path) -> Path:
 def table(results: Sequence[SoakResult]) -> str:
     """The markdown table docs/benchmarks.md shows."""
     rows = [
-        "| wire | run | rounds | GiB written / read | EXISTS hit share | errors | vanished | "
-        "RSS start → max → end (MiB) | RSS slope after warm-up (MiB/min) | RSS bound (MiB) | "
-        "hot / warm / cold peak vs capacity (MiB) | batch PUT p99 (ms) | batch GET p99 (ms) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| wire | run | clients | rounds | GiB written / read | EXISTS hit share | errors | "
+        "vanished | RSS start → max → end (MiB) | RSS slope after warm-up (MiB/min) | "
+        "RSS bound (MiB) | hot / warm / cold peak vs capacity (MiB) | batch PUT p99 (ms) | "
+        "batch GET p99 (ms) | requests per event loop |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         tiers = " / ".join(
@@ -588,12 +666,13 @@ def table(results: Sequence[SoakResult]) -> str:
             for n in ("hot", "warm", "cold")
         )
         share = r.exists_hits / r.exists_asked if r.exists_asked else 0.0
+        per_loop = " / ".join(str(v.get("requests", "?")) for v in r.loops) or "-"
         rows.append(
-            f"| {r.wire} | {r.duration_s / 60:.1f} min | {r.iterations} | "
+            f"| {r.wire} | {r.duration_s / 60:.1f} min | {r.clients} | {r.iterations} | "
             f"{r.bytes_written / 2**30:.1f} / {r.bytes_read / 2**30:.1f} | {share:.2f} | "
             f"{r.errors} | {r.vanished} | {r.baseline_rss_mib:.0f} → {r.rss_max_mib:.0f} → "
             f"{r.rss_last_mib:.0f} | {r.rss_slope_mib_per_min:+.2f} | {r.rss_bound_mib:.0f} | "
-            f"{tiers} | {r.put_p99_ms:.0f} | {r.get_p99_ms:.0f} |"
+            f"{tiers} | {r.put_p99_ms:.0f} | {r.get_p99_ms:.0f} | {per_loop} |"
         )
     return "\n".join(rows)
 
