@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,25 @@ def test_a_complete_batch_across_segments_leaves_no_false_damage(tmp_path: Path)
         assert store.check(deep=True).ok
         assert set(store.keys(NS, limit=1 << 20)) == {"first", "small", *KEYS}
         assert store.stats(None).extra["damaged_log_regions"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_segment_the_cut_emptied_is_deleted(tmp_path: Path) -> None:
+    """The torn batch had opened a new segment: the cut leaves that file empty. It is
+    sealed (the writer opens a fresh one after it), holds nothing live, and compaction's
+    first step deletes it (a SEGDEL record, then the unlink); the next open is clean."""
+    persist_dir = tmp_path / "store"
+    with SharedKvStoreBackend(persist_dir, writer.OPTIONS) as store:
+        store.put_many(NS, [(k, BLOCK) for k in KEYS])
+    _run("torn-delete", persist_dir, KEYS)
+    segments = persist_dir / "segments"
+    emptied = [p.name for p in sorted(segments.iterdir()) if p.stat().st_size == 0]
+    assert emptied, "the torn batch left no empty segment: this test tests nothing"
+    with SharedKvStoreBackend(persist_dir, writer.OPTIONS) as store:
+        deadline = time.monotonic() + 60
+        while any((segments / name).exists() for name in emptied):
+            assert time.monotonic() < deadline, f"{emptied} still there"
+            time.sleep(0.05)  # polling, with the deadline above
+        assert store.stats(None).extra["segments_deleted"] >= len(emptied)
+    _assert_all_there(persist_dir, KEYS)
+    assert not any((segments / name).exists() for name in emptied)
