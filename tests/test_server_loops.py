@@ -23,8 +23,9 @@ import pytest
 import redis
 
 from epistemic_kvcache.client import EpistemicGraphKVBackend
-from epistemic_kvcache.config import load_config, usable_cores
+from epistemic_kvcache.config import Address, load_config, usable_cores
 from epistemic_kvcache.errors import ConfigurationError
+from epistemic_kvcache.server import loops
 from epistemic_kvcache.server.app import SWITCH_INTERVAL_S, ServerThread, tune_switch_interval
 from epistemic_kvcache.server.loops import ListenerError
 from epistemic_kvcache.server.resp.session import TenantGates
@@ -249,6 +250,47 @@ def test_a_port_another_reuseport_socket_holds_is_in_use(tmp_path: Path) -> None
         port = holder.getsockname()[1]
         config = server_config(tmp_path, addr=f"127.0.0.1:{port}", event_loops=str(LOOPS))
         with pytest.raises(ListenerError, match=f"--addr 127.0.0.1:{port}: address already in use"):
+            ServerThread(config).start()
+    assert _no_loop_threads()
+
+
+def _reuseport_listener(port: int = 0, host: str = "127.0.0.1") -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen()
+    return sock
+
+
+def test_the_listeners_on_a_port_are_listed_whoever_owns_them() -> None:
+    with _reuseport_listener() as ours:
+        port = ours.getsockname()[1]
+        with _reuseport_listener(port) as theirs, socket.socket() as elsewhere:
+            elsewhere.bind(("127.0.0.1", 0))  # bound, not listening: not a listener
+            found = loops.listeners_on(socket.AF_INET, "127.0.0.1", port)
+            mine, other = (os.fstat(s.fileno()).st_ino for s in (ours, theirs))
+            assert found == {mine, other}
+            with pytest.raises(ListenerError, match="another process started listening"):
+                loops.check_unshared("--addr", [Address("127.0.0.1", port)], {mine})
+            loops.check_unshared("--addr", [Address("127.0.0.1", port)], {mine, other})
+        assert loops.listeners_on(socket.AF_INET, "127.0.0.1", port) == {mine}
+    with _reuseport_listener(host="::1") as six:
+        port = six.getsockname()[1]
+        assert loops.listeners_on(socket.AF_INET6, "::1", port) == {os.fstat(six.fileno()).st_ino}
+
+
+def test_a_listener_that_joins_between_the_probe_and_the_binds_fails_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two servers started at the same moment on one port can both pass the probe (a
+    plain bind) before either binds; then both bind with SO_REUSEPORT and the kernel
+    would split connections between them. The check after the binds catches it: here
+    the probe is skipped, as if the other socket arrived just after it."""
+    monkeypatch.setattr(loops, "_probe_unshared", lambda addr: None)
+    with _reuseport_listener() as holder:
+        port = holder.getsockname()[1]
+        config = server_config(tmp_path, addr=f"127.0.0.1:{port}", event_loops=str(LOOPS))
+        with pytest.raises(ListenerError, match="another process started listening"):
             ServerThread(config).start()
     assert _no_loop_threads()
 

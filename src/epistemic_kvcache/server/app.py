@@ -66,8 +66,10 @@ from epistemic_kvcache.server.loops import (
     ListenerError,  # noqa: F401  (raised by serve; imported from here)
     LoopWorker,
     abort_all,
+    check_unshared,
     drain,
     listen,
+    socket_inodes,
 )
 from epistemic_kvcache.server.oplog import AccessLog
 from epistemic_kvcache.server.tls import check_bind, ssl_context_from_config
@@ -318,6 +320,10 @@ async def serve(
             late.append(factories)
         for bound in [w.start() for w in workers]:
             await asyncio.wrap_future(bound)
+        if shared_port:  # nobody joined the SO_REUSEPORT groups since the probe
+            ours = socket_inodes(servers).union(*(w.inodes for w in workers))
+            check_unshared("--addr", http_addrs, ours)
+            check_unshared("--resp-addr", resp_addrs, ours)
 
         # 3. Files: the persist dir, the store, the first-run token.
         if (

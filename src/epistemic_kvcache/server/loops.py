@@ -27,11 +27,13 @@ import concurrent.futures
 import contextlib
 import errno
 import logging
+import os
 import socket
 import ssl
+import sys
 import threading
 from collections.abc import Callable, Collection
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Final, ParamSpec, TypeVar
 
 from epistemic_kvcache.config import Address
 from epistemic_kvcache.errors import KvCacheError
@@ -133,6 +135,67 @@ def _probe_unshared(addr: Address) -> None:
             if family == socket.AF_INET6:
                 probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             probe.bind(sockaddr)
+
+
+_PROC_NET: Final[dict[int, str]] = {
+    socket.AF_INET: "/proc/net/tcp",
+    socket.AF_INET6: "/proc/net/tcp6",
+}
+_LISTEN: Final = "0A"
+"""`TCP_LISTEN` in /proc/net/tcp's `st` column."""
+
+
+def _proc_address(field: str) -> tuple[bytes, int]:
+    """A /proc/net/tcp `local_address` ("0100007F:1F90"): packed IP bytes and port. The
+    address is printed as 32-bit words in host byte order."""
+    ip_hex, port_hex = field.split(":")
+    words = [int(ip_hex[i : i + 8], 16) for i in range(0, len(ip_hex), 8)]
+    return b"".join(w.to_bytes(4, sys.byteorder) for w in words), int(port_hex, 16)
+
+
+def listeners_on(family: int, host: str, port: int) -> set[int] | None:
+    """Inodes of every TCP socket listening on exactly (`host`, `port`) in this network
+    namespace, whoever owns it; None where /proc/net/tcp cannot be read (not Linux)."""
+    try:
+        packed = socket.inet_pton(family, host)
+        with open(_PROC_NET[family]) as f:
+            lines = f.read().splitlines()[1:]
+    except (OSError, KeyError, ValueError):
+        return None
+    found: set[int] = set()
+    for line in lines:
+        cols = line.split()
+        if len(cols) < 10 or cols[3] != _LISTEN:
+            continue
+        with contextlib.suppress(ValueError):
+            if _proc_address(cols[1]) == (packed, port):
+                found.add(int(cols[9]))
+    return found
+
+
+def socket_inodes(servers: Collection[asyncio.Server]) -> set[int]:
+    """Inodes of `servers`' listening sockets."""
+    return {os.fstat(s.fileno()).st_ino for srv in servers for s in srv.sockets}
+
+
+def check_unshared(flag: str, addrs: Collection[Address], ours: set[int]) -> None:
+    """Raise `ListenerError` when a socket that is not one of `ours` listens on any of
+    `addrs`: another process joined the port's `SO_REUSEPORT` group between the probe
+    (`_probe_unshared`) and the binds, and the kernel would split connections between
+    two servers. Run once every loop has bound and before any accepts; the other
+    server's own check sees these sockets too, so both fail rather than share."""
+    for addr in addrs:
+        family = socket.AF_INET6 if ":" in addr.host else socket.AF_INET
+        found = listeners_on(family, addr.host, addr.port)
+        if found is None:
+            log.debug("cannot list the listeners on %s: not checked for sharing", addr)
+            continue
+        foreign = found - ours
+        if foreign:
+            raise ListenerError(
+                f"{flag} {addr}: address already in use (another process started listening "
+                "on it with SO_REUSEPORT while this server was binding)"
+            )
 
 
 async def listen(
@@ -273,6 +336,8 @@ class LoopWorker:
         self._thread = threading.Thread(
             target=self._main, name=f"kvcache-loop-{index}", daemon=True
         )
+        self.inodes: set[int] = set()
+        """Inodes of this loop's listening sockets, once bound (`check_unshared`)."""
 
     def start(self) -> concurrent.futures.Future[None]:
         self._thread.start()
@@ -334,6 +399,7 @@ class LoopWorker:
                 server.close()
             self._ready.set_exception(exc)
             return
+        self.inodes = socket_inodes(servers)
         self._loop = loop  # from here on, serve() and stop() reach this loop
         self._ready.set_result(None)
         if self._stopping:
