@@ -51,6 +51,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from helpers import sigstop  # tests/helpers.py
+
 TOKEN = "bench-failures-token-0123456789abcdef"
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "bench/failures"
@@ -447,7 +451,7 @@ def stalled(path: str, server: ServerProcess, deploy: Path, limit: float) -> dic
         d.store(1)
         if not d.lookup(1):
             raise RuntimeError(f"{path}: stored chunk not found")
-        server.signal(signal.SIGSTOP)
+        sigstop(server.pid)  # every thread stopped, not only the stop queued
         try:
             out["lookup 1"] = timed(lambda: d.lookup(1), limit, hit_or_miss)
             out["lookup 2"] = timed(lambda: d.lookup(1), limit, hit_or_miss)

@@ -27,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import os
+import signal
 import socket
 import subprocess
 import time
@@ -112,6 +114,27 @@ class PortReservation:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def sigstop(pid: int, timeout_s: float = 30.0) -> None:
+    """SIGSTOP process `pid` and return once every one of its threads has stopped.
+
+    kill() only queues the stop: one thread takes it and then stops the others, and
+    until each has stopped it may still run. On a loaded machine a server with several
+    event loops answered a request after kill() had returned (a stalled-server test
+    saw a hit). /proc/PID/task/*/stat shows each thread's state: `T` once stopped."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):  # a thread that just ended
+                stat = (task / "stat").read_text()
+                states.append(stat[stat.rindex(")") + 2])
+        if states and all(state in "Tt" for state in states):
+            return
+        assert time.monotonic() < deadline, f"pid {pid} not stopped: thread states {states}"
+        time.sleep(0.002)  # polling, with the deadline above
 
 
 def reserve_port(host: str = "127.0.0.1") -> PortReservation:

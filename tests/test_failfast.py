@@ -23,6 +23,7 @@ from epistemic_kvcache.integrations.lmcache.l2_native_connector import (
     EpistemicGraphL2Connector,
 )
 from helpers import held_port as free_port
+from helpers import sigstop
 from servers import TOKEN, ServeProcess
 from test_lmcache_connector import wait
 
@@ -34,9 +35,10 @@ FAST_MAX_S = 0.5
 
 @contextmanager
 def stopped(server: ServeProcess) -> Iterator[None]:
-    """SIGSTOP the server process for the block (always SIGCONT afterwards)."""
-    server.proc.send_signal(signal.SIGSTOP)
+    """SIGSTOP the server process for the block, every thread of it stopped before the
+    block runs (always SIGCONT afterwards)."""
     try:
+        sigstop(server.proc.pid)
         yield
     finally:
         server.proc.send_signal(signal.SIGCONT)

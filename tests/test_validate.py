@@ -18,6 +18,7 @@ import pytest
 
 from epistemic_kvcache.client import EpistemicGraphKVBackend
 from helpers import held_port as free_port
+from helpers import sigstop
 from servers import TOKEN, ServeProcess
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -153,7 +154,7 @@ def test_sigterm_still_deletes_what_it_wrote(server: ServeProcess) -> None:
         frozen = False
         while not frozen and proc.poll() is None:
             if leftover(server):
-                proc.send_signal(signal.SIGSTOP)
+                sigstop(proc.pid)  # every thread of it stopped
                 frozen = bool(leftover(server))  # still there once it cannot move
                 if not frozen:
                     proc.send_signal(signal.SIGCONT)
