@@ -1,7 +1,7 @@
 """Lookups (EXISTS) on the Redis wire: our server (memory, durable) side by side with redis-server.
 
     .venv/bin/python -m bench.bench_lookup [--src TREE]... [--backends memory,durable]
-        [--requests 10000] [--lookups 100] [--rounds 2] [--keys 64]
+        [--requests 10000] [--lookups 100] [--rounds 2] [--keys 64] [--loops 0,1]
 
 All servers run at once; `--rounds` rounds visit them in turn (so a burst of load from the
 neighbours hits them alike) and each figure is the best round's. Per server and round:
@@ -71,13 +71,17 @@ class Server:
 
 
 @contextmanager
-def our_server(tmp: Path, src: Path, backend: str, label: str) -> Iterator[Server]:
-    """Our server from tree `src` on free loopback ports; its output drained by a thread."""
+def our_server(
+    tmp: Path, src: Path, backend: str, label: str, loops: str = "0"
+) -> Iterator[Server]:
+    """Our server from tree `src` on free loopback ports, `loops` event loops (0: the
+    default, one per core); its output drained by a thread."""
     env = dict(os.environ, PYTHONPATH=f"{src / 'src'}")
     cmd = [sys.executable, "-m", "epistemic_kvcache", "serve", "--backend", backend,
            "--addr", "127.0.0.1:0", "--resp-addr", "127.0.0.1:0",
            "--persist-dir", str(tmp / f"ours-{label}"), "--token", TOKEN,
-           "--log-level", "info", "--hot-capacity-bytes", "256MiB"]  # fmt: skip
+           "--log-level", "info", "--hot-capacity-bytes", "256MiB",
+           *(["--event-loops", loops] if loops != "0" else [])]  # fmt: skip
     p = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp
     )
@@ -292,6 +296,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="rounds over all servers")
     parser.add_argument("--keys", type=int, default=64, help="keys per lookup")
     parser.add_argument("--paths", default="mp-resp,v1-resp,v1-redis,http")
+    parser.add_argument(
+        "--loops", default="0", help="our servers' --event-loops, e.g. 0,1 (0: the default)"
+    )
     args = parser.parse_args()
     for tool in ("redis-server", "redis-benchmark"):
         if shutil.which(tool) is None:
@@ -310,10 +317,11 @@ def main() -> None:
             rev = subprocess.run(["git", "-C", str(tree), "log", "-1", "--format=%h", "--", "src"],
                                  capture_output=True, text=True).stdout.strip() or tree.name  # fmt: skip
             for backend in args.backends.split(","):
-                label = f"ours {backend} @{rev}"
-                plan.append(lambda t=tree, b=backend, lb=label, i=i:
-                            our_server(tmp, t, b, f"{lb.split()[1]}-{i}"))  # fmt: skip
-                rows.append(Row(label))
+                for loops in args.loops.split(","):
+                    label = f"ours {backend} @{rev}" + (f" loops={loops}" if loops != "0" else "")
+                    plan.append(lambda t=tree, b=backend, i=i, n=loops:
+                                our_server(tmp, t, b, f"{b}-{i}-{n}", n))  # fmt: skip
+                    rows.append(Row(label))
         plan.append(lambda: redis_server(tmp))
         rows.append(Row("redis-server"))
         with ExitStack() as stack:
