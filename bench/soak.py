@@ -484,10 +484,8 @@ def run(cfg: SoakConfig, workdir: Path, *, log: Callable[[str], None] = print) -
         try:
             for c in clients:
                 c.start()
-            while any(c.is_alive() for c in clients):
-                clients[0].join(30)
-                for c in clients:
-                    c.join(0.0)
+            while alive := [c for c in clients if c.is_alive()]:
+                alive[0].join(30)
                 rounds = sum(c.result.iterations for c in clients)
                 errors = sum(c.result.errors for c in clients)
                 s = sampler.samples[-1] if sampler.samples else None
