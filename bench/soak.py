@@ -287,18 +287,24 @@ WIRES: dict[str, Callable[[ServerProc], Wire]] = {"http": HttpWire, "resp": Resp
 
 
 # -- the sampler -----------------------------------------------------------------------
-def read_tiers(port: int) -> dict[str, dict[str, int]]:
+def read_stats(port: int, token: str = TOKEN_B) -> dict[str, Any]:
+    """`/kv/stats` as `token`'s tenant sees it."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
-        conn.request("GET", "/kv/stats", headers={"Authorization": f"Bearer {TOKEN_B}"})
+        conn.request("GET", "/kv/stats", headers={"Authorization": f"Bearer {token}"})
         resp = conn.getresponse()
         body = resp.read()
         if resp.status != 200:
             raise RuntimeError(f"/kv/stats answered {resp.status}: {body[:200]!r}")
-        tiers: dict[str, dict[str, int]] = json.loads(body)["tiers"]
-        return tiers
+        stats: dict[str, Any] = json.loads(body)
+        return stats
     finally:
         conn.close()
+
+
+def read_tiers(port: int) -> dict[str, dict[str, int]]:
+    tiers: dict[str, dict[str, int]] = read_stats(port)["tiers"]
+    return tiers
 
 
 class Sampler(threading.Thread):
@@ -450,17 +456,8 @@ class Client(threading.Thread):
 
 def read_loops(port: int) -> list[dict[str, Any]]:
     """`/kv/stats` "loops" (an operator tenant's view): requests per event loop."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        conn.request("GET", "/kv/stats", headers={"Authorization": f"Bearer {TOKEN_OPS}"})
-        resp = conn.getresponse()
-        body = resp.read()
-        if resp.status != 200:
-            raise RuntimeError(f"/kv/stats answered {resp.status}: {body[:200]!r}")
-        loops: list[dict[str, Any]] = json.loads(body).get("loops", [])
-        return loops
-    finally:
-        conn.close()
+    loops: list[dict[str, Any]] = read_stats(port, TOKEN_OPS).get("loops", [])
+    return loops
 
 
 def run(cfg: SoakConfig, workdir: Path, *, log: Callable[[str], None] = print) -> SoakResult:
