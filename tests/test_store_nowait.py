@@ -9,9 +9,12 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from epistemic_kvcache.errors import InvalidKeyError
 from epistemic_kvcache.options import StoreOptions
+from epistemic_kvcache.shared import MAX_KEY_BYTES, validate_key
 from epistemic_kvcache.store import PutResult, SharedKvIndex, SharedKvStoreBackend
 from epistemic_kvcache.store.api import PutOutcome
 from epistemic_kvcache.store.engine import INLINE_MAX_BYTES, WOULD_BLOCK
@@ -36,6 +39,55 @@ def test_memory_get_nowait_hit_and_miss_are_counted_once() -> None:
     assert (st.get_hits, st.get_misses) == (1, 1)
     with pytest.raises(InvalidKeyError):
         store.get_nowait(NS, "")
+
+
+def test_exists_nowait_counts_each_mention_and_skips_stale_keys() -> None:
+    """The engine's own `exists_nowait` (what every RESP EXISTS runs) answers as
+    `exists_many` summed: one count per mention, absent keys and other namespaces 0,
+    a key whose epoch scope went stale not counted."""
+    store = SharedKvIndex(StoreOptions(warm_capacity_bytes=0))
+    store.put(NS, "a", b"1")
+    store.put(NS, "b", b"2")
+    store.put("other", "c", b"3")
+    for keys in (["a"], ["a", "a", "b"], ["a", "absent", "c"], []):
+        assert store.exists_nowait(NS, keys) == sum(store.exists_many(NS, keys))
+    assert store.exists_nowait("nobody", ["a"]) == 0
+    store.put(NS, "scoped", b"4", epoch_scope="s")
+    assert store.exists_nowait(NS, ["scoped"]) == 1
+    store.epoch_bump(NS, "s")
+    assert (
+        store.exists_nowait(NS, ["scoped", "a"]) == 1 == sum(store.exists_many(NS, ["scoped", "a"]))
+    )
+    store.close()
+    with pytest.raises(Exception, match="closed"):
+        store.exists_nowait(NS, ["a"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.one_of(
+        st.text(max_size=MAX_KEY_BYTES + 2),
+        st.text(alphabet="a", min_size=MAX_KEY_BYTES - 1, max_size=MAX_KEY_BYTES + 1),
+    )
+)
+def test_the_ascii_shortcut_accepts_exactly_what_validate_key_accepts(key: str) -> None:
+    """The engine skips `validate_key` for short ASCII keys: every key it then takes or
+    refuses is one `validate_key` takes or refuses."""
+    try:
+        validate_key(key)
+        valid = True
+    except InvalidKeyError:
+        valid = False
+    try:
+        found = _SHORTCUT_STORE.exists_nowait(NS, [key])
+    except InvalidKeyError:
+        assert not valid
+    else:
+        assert valid
+        assert found == 0
+
+
+_SHORTCUT_STORE = SharedKvIndex(StoreOptions(warm_capacity_bytes=0))
 
 
 def test_memory_put_nowait_small_is_done_large_or_full_would_block() -> None:

@@ -35,7 +35,7 @@ from epistemic_kvcache.errors import (
     StoreClosedError,
 )
 from epistemic_kvcache.options import DedupScope, StoreOptions
-from epistemic_kvcache.shared import MAX_SCOPE_BYTES
+from epistemic_kvcache.shared import MAX_KEY_BYTES, MAX_SCOPE_BYTES
 from epistemic_kvcache.store.api import (
     BlockData,
     Buffer,
@@ -202,7 +202,8 @@ class TieredEngine(Catalog, SharedKvBackend):
             raise StoreClosedError("the store is closed")
 
     def _validate(self, ns: str, key: str) -> bytes:
-        validate_key(key)
+        if not (key.isascii() and 0 < len(key) <= MAX_KEY_BYTES):  # (else: surely valid)
+            validate_key(key)
         raw = self._valid_ns.get(ns)
         if raw is None:  # validated once per namespace (the set of names is bounded)
             raw = validate_namespace(ns)
@@ -619,6 +620,24 @@ class TieredEngine(Catalog, SharedKvBackend):
         with self._lock:
             b = self._live(ns, key)
             return b.hits if b is not None else None
+
+    def exists_nowait(self, ns: str, keys: Sequence[str]) -> int:
+        """How many of `keys` exist (one count per mention): the index is in RAM, so
+        always answered at once. `exists_many` summed, without its list (every RESP
+        EXISTS runs this inline)."""
+        for key in keys:
+            self._validate(ns, key)
+        if self._closed:
+            self._check_open()
+        with self._lock:
+            idx = self._index.get(ns)
+            found = 0
+            if idx:
+                tags = self._tags
+                for k in keys:
+                    if k in idx and not (tags and self._stale(ns, k)):
+                        found += 1
+            return found
 
     def exists_many(self, ns: str, keys: Sequence[str]) -> list[bool]:
         for key in keys:
