@@ -69,7 +69,8 @@ from epistemic_kvcache.server.budget import Account, Slot, peer_of
 from epistemic_kvcache.server.context import Identity, ServerContext, on_loop
 from epistemic_kvcache.server.resp.commands import EPOCH_CHANNEL
 from epistemic_kvcache.server.resp.common import WIRE, log, push
-from epistemic_kvcache.server.resp.dispatch import INLINE_MAX_COMMANDS, Dispatcher
+from epistemic_kvcache.server.resp.dispatch import Dispatcher
+from epistemic_kvcache.server.resp.fastpath import INLINE_MAX_COMMANDS
 from epistemic_kvcache.server.resp.session import Session, Shared
 from epistemic_kvcache.server.sendfast import ReplyWriter
 from epistemic_kvcache.shared import MAX_KEY_BYTES
