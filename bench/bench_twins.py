@@ -1,6 +1,6 @@
 """The RESP framer's compiled twin vs its pure twin vs redis-server (issue 27), one run.
 
-    .venv/bin/python -m bench.bench_twins [--rounds 3] [--quick]
+    .venv/bin/python -m bench.bench_twins [--rounds 3] [--quick] [--event-loops N]
     .venv/bin/python -m bench.bench_twins --framer   # the two framers alone, in process
 
 Three servers, side by side: redis-server without persistence, our memory backend with
@@ -11,6 +11,8 @@ first; the rounds repeat that and the medians are printed. For each command: req
 (redis-benchmark's own count) and the server's CPU time per request (utime + stime of
 the server process from /proc across the command, the load generator excluded, as
 bench/bench_cpu.py reads it). Prints `uptime` before and after: the machine's load.
+`--event-loops N` runs our two servers with N event loops (0, the default: the server's
+own default, one per usable core).
 
 `--framer` times the two framers alone instead, in this process (thread CPU time, best
 of 5): the way a connection drives them (`get_buffer`, copy a read in, `buffer_updated`,
@@ -36,6 +38,8 @@ from bench.bench_cpu import cpu_seconds, pid_listening
 from bench.bench_server import TOKEN, our_server, redis_server
 
 PURE_ENV = "EPISTEMIC_GRAPH_KVCACHE_PURE_PYTHON"
+OUR_OPTIONS = ["--hot-capacity-bytes", "6GiB", "--warm-capacity-bytes", "0",
+               "--max-block-bytes", "64MiB"]  # fmt: skip
 
 # (label, redis-benchmark arguments, requests): keys are fixed (no -r), so GET and
 # EXISTS find the key the SET before them wrote.
@@ -66,8 +70,12 @@ def run_benchmark(port: int, auth: str | None, args: list[str], n: int) -> tuple
 
 
 @contextmanager
-def servers(tmp: Path, round_no: int) -> Iterator[dict[str, tuple[int, str | None]]]:
-    """The three servers of one round: name -> (RESP port, password)."""
+def servers(
+    tmp: Path, round_no: int, loops: int = 0
+) -> Iterator[dict[str, tuple[int, str | None]]]:
+    """The three servers of one round: name -> (RESP port, password); ours with `loops`
+    event loops (0: their default)."""
+    extra = ["--event-loops", str(loops)] if loops else []
     with ExitStack() as stack:
         out: dict[str, tuple[int, str | None]] = {}
         out["redis-server"] = (stack.enter_context(redis_server(tmp, fsync_always=False)), None)
@@ -78,7 +86,9 @@ def servers(tmp: Path, round_no: int) -> Iterator[dict[str, tuple[int, str | Non
             try:
                 d = tmp / f"r{round_no}-{'pure' if pure else 'compiled'}"
                 d.mkdir()
-                _, resp = stack.enter_context(our_server(d, "memory"))
+                _, resp = stack.enter_context(
+                    our_server(d, "memory", options=[*OUR_OPTIONS, *extra])
+                )
             finally:
                 os.environ.pop(PURE_ENV, None)
                 if old is not None:
@@ -131,6 +141,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="a quarter of the requests")
     ap.add_argument("--framer", action="store_true", help="the two framers alone")
+    ap.add_argument("--event-loops", type=int, default=0, help="ours: N loops (0: default)")
     args = ap.parse_args()
     if args.framer:
         print("load:", subprocess.run(["uptime"], capture_output=True, text=True).stdout)
@@ -141,7 +152,7 @@ def main() -> None:
     print("load before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout)
     with tempfile.TemporaryDirectory(prefix="kvbench-twins-") as t:
         for r in range(args.rounds):
-            with servers(Path(t), r) as ports:
+            with servers(Path(t), r, args.event_loops) as ports:
                 for label, bargs, n in COMMANDS:
                     n = n // 4 if args.quick else n
                     order = names[r % 3 :] + names[: r % 3]
@@ -151,7 +162,9 @@ def main() -> None:
                             run_benchmark(port, auth, bargs, n)
                         )
     print("load after:", subprocess.run(["uptime"], capture_output=True, text=True).stdout)
-    print(f"medians of {args.rounds} rounds; CPU = server process utime+stime per request\n")
+    loops = args.event_loops or "default"
+    print(f"medians of {args.rounds} rounds; CPU = server process utime+stime per request; "
+          f"ours with --event-loops {loops}\n")  # fmt: skip
     print(
         "| command | redis-server req/s | compiled req/s | pure req/s | compiled / redis "
         "| pure / redis | redis CPU us/req | compiled CPU us/req | pure CPU us/req |"

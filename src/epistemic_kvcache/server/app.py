@@ -59,12 +59,14 @@ from epistemic_kvcache.server.background import (
     sample_loop_forever,
     watch_epochs_forever,
 )
+from epistemic_kvcache.server.balance import Balancer
 from epistemic_kvcache.server.context import LiveConnection, ServerContext, on_loop
 from epistemic_kvcache.server.loops import (
     CountingExecutor,
     LateFactory,
     ListenerError,  # noqa: F401  (raised by serve; imported from here)
     LoopWorker,
+    Serving,
     abort_all,
     check_unshared,
     drain,
@@ -272,7 +274,7 @@ async def serve(
 
     n_loops = config.resolved_event_loops
     shared_port = n_loops > 1
-    servers: list[asyncio.Server] = []
+    servers: list[Serving] = []
     workers: list[LoopWorker] = []
     live: set[LiveConnection] = set()
     background: list[asyncio.Task[None]] = []
@@ -286,6 +288,8 @@ async def serve(
         # 2. Bind (not accepting yet): a taken port fails here, before any file is written.
         #    With several event loops, each loop binds its own listeners (SO_REUSEPORT).
         backlog = max(128, min(config.limits.max_connections, 4096))
+        balancer = Balancer() if shared_port else None  # each connection to the lightest loop
+        seat = balancer.seat(loop) if balancer is not None else None
         http_factory, resp_factory = LateFactory(), LateFactory()
         http_server, http_addrs = await listen(
             loop,
@@ -296,6 +300,7 @@ async def serve(
             backlog,
             reuse_port=shared_port,
             probe=shared_port,
+            seat=seat,
         )
         servers.append(http_server)
         resp_addrs: tuple[Address, ...] = ()
@@ -309,6 +314,7 @@ async def serve(
                 backlog,
                 reuse_port=shared_port,
                 probe=shared_port,
+                seat=seat,
             )
             servers.append(resp_server)
         late: list[tuple[LateFactory, LateFactory]] = []
@@ -316,7 +322,7 @@ async def serve(
             factories = (LateFactory(), LateFactory())
             binds = [("--addr", a, factories[0]) for a in http_addrs]
             binds += [("--resp-addr", a, factories[1]) for a in resp_addrs]
-            workers.append(LoopWorker(index, binds, tls, backlog))
+            workers.append(LoopWorker(index, binds, tls, backlog, balancer))
             late.append(factories)
         for bound in [w.start() for w in workers]:
             await asyncio.wrap_future(bound)
@@ -381,6 +387,8 @@ async def serve(
             w.serve(c, executor) for w, c in zip(workers, loop_contexts[1:], strict=True)
         ]:
             await asyncio.wrap_future(serving)
+        if seat is not None:
+            seat.serve(live)
         for server in servers:
             await server.start_serving()
         started = True

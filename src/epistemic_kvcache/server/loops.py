@@ -33,11 +33,18 @@ import ssl
 import sys
 import threading
 from collections.abc import Callable, Collection
-from typing import Any, Final, ParamSpec, TypeVar
+from typing import Any, Final, ParamSpec, Protocol, TypeVar
 
 from epistemic_kvcache.config import Address
 from epistemic_kvcache.errors import KvCacheError
 from epistemic_kvcache.server.background import sample_loop_forever
+from epistemic_kvcache.server.balance import (
+    HANDSHAKE_TIMEOUT_S,
+    Balancer,
+    Listener,
+    LoopSeat,
+    bind_sockets,
+)
 from epistemic_kvcache.server.context import LiveConnection, ServerContext
 
 log = logging.getLogger("epistemic_kvcache.server")
@@ -52,6 +59,17 @@ QUIET_S = 0.25
 
 class ListenerError(KvCacheError):
     """A listener could not be opened (address in use, permission denied, ...)."""
+
+
+class Serving(Protocol):
+    """A bound listener: `asyncio.Server`, or a balanced `Listener` (several loops)."""
+
+    @property
+    def sockets(self) -> tuple[Any, ...]: ...
+
+    async def start_serving(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class CountingExecutor(concurrent.futures.ThreadPoolExecutor):
@@ -173,7 +191,7 @@ def listeners_on(family: int, host: str, port: int) -> set[int] | None:
     return found
 
 
-def socket_inodes(servers: Collection[asyncio.Server]) -> set[int]:
+def socket_inodes(servers: Collection[Serving]) -> set[int]:
     """Inodes of `servers`' listening sockets."""
     return {os.fstat(s.fileno()).st_ino for srv in servers for s in srv.sockets}
 
@@ -208,22 +226,30 @@ async def listen(
     *,
     reuse_port: bool = False,
     probe: bool = False,
-) -> tuple[asyncio.Server, tuple[Address, ...]]:
+    seat: LoopSeat | None = None,
+) -> tuple[Serving, tuple[Address, ...]]:
     """Bind `addr` without accepting yet (`start_serving()` later); with `reuse_port`,
-    other loops may bind the same address (after `probe`: it must be free first)."""
+    other loops may bind the same address (after `probe`: it must be free first). With
+    `seat` (several loops), the loop accepts itself and places each connection on the
+    lightest loop (server/balance.py; implies `reuse_port`)."""
+    server: Serving
     try:
         if probe:
             await loop.run_in_executor(None, _probe_unshared, addr)
-        server = await loop.create_server(
-            factory,
-            host=addr.host,
-            port=addr.port,
-            ssl=tls,
-            backlog=backlog,
-            ssl_handshake_timeout=10.0 if tls else None,
-            start_serving=False,
-            reuse_port=reuse_port or None,
-        )
+        if seat is not None:
+            socks = await loop.run_in_executor(None, bind_sockets, addr.host, addr.port, backlog)
+            server = Listener(flag, socks, seat, factory, tls)
+        else:
+            server = await loop.create_server(
+                factory,
+                host=addr.host,
+                port=addr.port,
+                ssl=tls,
+                backlog=backlog,
+                ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if tls else None,
+                start_serving=False,
+                reuse_port=reuse_port or None,
+            )
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             reason = "address already in use" + _free_port_hint(flag, addr)
@@ -320,9 +346,11 @@ class LoopWorker:
         binds: list[tuple[str, Address, LateFactory]],
         tls: ssl.SSLContext | None,
         backlog: int,
+        balancer: Balancer | None = None,
     ) -> None:
         self.index = index
         self._binds, self._tls, self._backlog = binds, tls, backlog
+        self._balancer = balancer
         self._ctx: ServerContext | None = None
         self._executor: CountingExecutor | None = None
         self._timeout_s = 0.0
@@ -387,11 +415,12 @@ class LoopWorker:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         self._go, self._stop = asyncio.Event(), asyncio.Event()
-        servers: list[asyncio.Server] = []
+        servers: list[Serving] = []
+        seat = self._balancer.seat(loop) if self._balancer is not None else None
         try:
             for flag, addr, factory in self._binds:
                 server, _ = await listen(
-                    loop, flag, addr, factory, self._tls, self._backlog, reuse_port=True
+                    loop, flag, addr, factory, self._tls, self._backlog, reuse_port=True, seat=seat
                 )
                 servers.append(server)
         except BaseException as exc:
@@ -411,6 +440,8 @@ class LoopWorker:
         try:
             if ctx is not None and executor is not None and not self._stop.is_set():
                 ctx.loop.event_loop = loop
+                if seat is not None:
+                    seat.serve(ctx.live)
                 for server in servers:
                     await server.start_serving()
                 sampler = loop.create_task(sample_loop_forever(ctx), name="kvcache-loop-sample")

@@ -72,6 +72,7 @@ def _client_line(c: Session, now: float) -> str:
         ("resp", c.protocol_version),
         ("lib-name", c.lib_name or ""),
         ("lib-ver", c.lib_version or ""),
+        ("io-thread", c.shared.ctx.loop.index),  # (Redis 8: its I/O thread; ours: event loop)
     ]
     return " ".join(f"{k}={v}" for k, v in fields)
 
