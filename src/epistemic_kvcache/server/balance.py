@@ -10,8 +10,8 @@ it does not: in an hour-long soak, 3 of 4 clients landed on one of two loops, wh
 answered three quarters of the requests while the other loop idled.
 
 So a loop does not serve every connection its socket accepts. Each loop's `Listener`
-accepts on its sockets itself (an accept task per socket, instead of the event loop's
-`create_server`) and asks the server's one `Balancer` where the connection goes: it
+accepts on its sockets itself (a reader callback per socket, instead of the event
+loop's `create_server`) and asks the server's one `Balancer` where the connection goes: it
 stays unless another loop is lighter, and then goes to the lightest, which opens it on
 its own loop (`connect_accepted_socket`, the TLS handshake included). A loop's load is
 its open connections (its `ServerContext.live`, both wires) plus those handed to it and
@@ -48,6 +48,9 @@ ACCEPT_RETRY_S: Final = 1.0
 HANDSHAKE_TIMEOUT_S: Final = 10.0
 """A TLS handshake not done within this is dropped (the same as `create_server`'s)."""
 _PAUSE_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+ACCEPT_BATCH: Final = 64
+"""Connections one readiness event of a listening socket accepts at most (the rest at the
+next turn of the loop, after the others had theirs)."""
 
 Factory = Callable[[], asyncio.BaseProtocol]
 
@@ -167,7 +170,9 @@ def _load(seat: LoopSeat) -> int:
 
 class Listener:
     """A listener flag's sockets on one loop, accepting into the `Balancer`: what the
-    server uses of `asyncio.Server` (`sockets`, `start_serving`, `close`)."""
+    server uses of `asyncio.Server` (`sockets`, `start_serving`, `close`). Accepts in a
+    reader callback, as asyncio's own server does: every connection waiting (at most
+    `ACCEPT_BATCH` a turn) per readiness event, no future or task per accept."""
 
     def __init__(
         self,
@@ -181,54 +186,77 @@ class Listener:
         self._socks = socks
         self._seat = seat
         seat.factories[flag] = (factory, tls)
-        self._accepting: list[asyncio.Task[None]] = []
+        self._reading: list[socket.socket] = []
+        self._retry: asyncio.TimerHandle | None = None
+        self._failing = False
+        self._closed = False
 
     @property
     def sockets(self) -> tuple[socket.socket, ...]:
         return tuple(self._socks)
 
     async def start_serving(self) -> None:
-        loop = self._seat.loop
-        for sock in self._socks:
-            if sock.fileno() != -1:
-                self._accepting.append(
-                    loop.create_task(self._accept(sock), name=f"kvcache-accept {self.flag}")
-                )
+        self._read(self._socks)
 
     def close(self) -> None:
         """Stop accepting and close the sockets; open connections stay."""
+        self._closed = True
         self._seat.leave()
-        for task in self._accepting:
-            task.cancel()
-        self._accepting.clear()
+        self._unread()
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
         for sock in self._socks:
             sock.close()
 
-    async def _accept(self, sock: socket.socket) -> None:
-        loop, seat = self._seat.loop, self._seat
-        paused = False
-        while True:
+    def _read(self, socks: list[socket.socket]) -> None:
+        loop = self._seat.loop
+        for sock in socks:
+            if sock.fileno() != -1:
+                loop.add_reader(sock.fileno(), self._accept, sock)
+                self._reading.append(sock)
+
+    def _unread(self) -> None:
+        loop = self._seat.loop
+        for sock in self._reading:
+            if sock.fileno() != -1:
+                loop.remove_reader(sock.fileno())
+        self._reading.clear()
+
+    def _accept(self, sock: socket.socket) -> None:
+        seat = self._seat
+        for _ in range(ACCEPT_BATCH):
             try:
-                conn, _ = await loop.sock_accept(sock)
-            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                conn, _ = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return  # none waiting
+            except ConnectionAbortedError:
                 continue
-            except OSError as exc:
-                if sock.fileno() == -1:
-                    return  # closed
-                if not paused:  # (out of descriptors or memory, or anything unexpected)
-                    level = logging.WARNING if exc.errno in _PAUSE_ERRNOS else logging.ERROR
-                    log.log(
-                        level,
-                        "%s: accept failed (%s): retrying every %.0f s",
-                        self.flag,
-                        exc.strerror or exc,
-                        ACCEPT_RETRY_S,
-                    )
-                paused = True
-                await asyncio.sleep(ACCEPT_RETRY_S)
-                continue
-            paused = False
+            except OSError as exc:  # out of descriptors or memory, or anything unexpected
+                self._pause(exc)
+                return
+            self._failing = False
             seat.balancer.place(seat, self.flag, conn)
+
+    def _pause(self, exc: OSError) -> None:
+        """Stop accepting for `ACCEPT_RETRY_S` (said once until an accept succeeds)."""
+        if not self._failing:
+            level = logging.WARNING if exc.errno in _PAUSE_ERRNOS else logging.ERROR
+            log.log(
+                level,
+                "%s: accept failed (%s): retrying every %.0f s",
+                self.flag,
+                exc.strerror or exc,
+                ACCEPT_RETRY_S,
+            )
+        self._failing = True
+        self._unread()
+        self._retry = self._seat.loop.call_later(ACCEPT_RETRY_S, self._resume)
+
+    def _resume(self) -> None:
+        self._retry = None
+        if not self._closed:
+            self._read(self._socks)
 
 
 def bind_sockets(host: str, port: int, backlog: int) -> list[socket.socket]:
