@@ -440,8 +440,9 @@ SETTINGS: tuple[Setting, ...] = (
         parse_nonneg_int,
         _D.event_loops,
         "event loops (threads) serving both wires over the one store, each with its own "
-        "listeners (SO_REUSEPORT); 0: one per usable core (CPU affinity and cgroup quota), "
-        "at most 16; 1: a single loop, no extra threads",
+        "listeners (SO_REUSEPORT), each connection on the loop with the fewest; 0: one per "
+        "usable core (CPU affinity and cgroup quota), at most 16; 1: a single loop, no extra "
+        "threads",
         "N",
     ),
     Setting(

@@ -28,7 +28,7 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Final
 
 from epistemic_kvcache.buffers import received_block
 from epistemic_kvcache.errors import StoreError
@@ -36,7 +36,6 @@ from epistemic_kvcache.proto.resp import (
     Buffer,
     Command,
     ErrorReply,
-    Event,
     RefusedCommand,
     SimpleString,
     args_size,
@@ -60,6 +59,7 @@ from epistemic_kvcache.server.resp.fastpath import (
     FAST_ROUTES,
     MAX_PIPELINED_SETS,
     SMALL_REPLY,
+    CommandQueue,
 )
 from epistemic_kvcache.server.resp.fastpath import run_fast as _run_fast
 from epistemic_kvcache.server.resp.registry import (
@@ -101,18 +101,6 @@ the dispatcher runs them holding the tenant alone (`TenantGates.hold`), like EXE
 _SUBSCRIBED_MODE_COMMANDS: Final = frozenset(
     {"subscribe", "unsubscribe", "psubscribe", "punsubscribe", "ping", "quit", "reset"}
 )
-
-
-class CommandQueue(Protocol):
-    """The connection's framed commands, in order (the parser: `RespParser`)."""
-
-    def peek(self) -> Command | None: ...
-
-    def next_command(self) -> Event:
-        """Take the next command (`NEED_DATA` when none is framed)."""
-
-    def unread(self, commands: list[Command]) -> None:
-        """Put commands back at the front, in order."""
 
 
 def reply_bytes(reply: object) -> int:

@@ -21,16 +21,18 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from epistemic_kvcache.buffers import received_block
 from epistemic_kvcache.errors import RemoteProtocolError, StoreError
-from epistemic_kvcache.proto.resp import NEED_DATA, Arg, Buffer, ErrorReply
+from epistemic_kvcache.proto.resp import NEED_DATA, Arg, Buffer, Command, ErrorReply, Event
 from epistemic_kvcache.server.resp.common import INVALID_KEY, OK, Reply, store_error_reply
-from epistemic_kvcache.store.api import WOULD_BLOCK, PutResult
+from epistemic_kvcache.store.api import WOULD_BLOCK, PutResult, SharedKvBackend
 
 if TYPE_CHECKING:
-    from epistemic_kvcache.server.resp.dispatch import Dispatcher
+    from epistemic_kvcache.server.context import ServerContext
+    from epistemic_kvcache.server.metrics import RequestSeries
+    from epistemic_kvcache.server.resp.session import Session
 
 MAX_PIPELINED_SETS: Final = 64
 """Plain SETs queued for one group commit before their replies are awaited."""
@@ -50,6 +52,48 @@ FAST_FLUSH_BYTES: Final = 64 * 1024
 so a client that does not read is noticed (`pause_writing`) before more are made."""
 
 
+class CommandQueue(Protocol):
+    """The connection's framed commands, in order (the parser: `RespParser`)."""
+
+    def peek(self) -> Command | None: ...
+
+    def next_command(self) -> Event:
+        """Take the next command (`NEED_DATA` when none is framed)."""
+
+    def unread(self, commands: list[Command]) -> None:
+        """Put commands back at the front, in order."""
+
+
+class InlineDispatcher(Protocol):
+    """What `run_fast` uses of the connection's dispatcher (server/resp/dispatch.py
+    `Dispatcher`, whose method it is)."""
+
+    session: Session
+    ctx: ServerContext
+    store: SharedKvBackend
+    queue: CommandQueue
+    started: list[tuple[object, float, Command]]
+    _series: dict[str, RequestSeries]
+    _gate: str | None
+    fast_ended: float
+
+    def encode(self, reply: object) -> list[Buffer]: ...
+
+    def observe(
+        self,
+        route: str,
+        reply: object,
+        seconds: float,
+        cmd: Command | None = None,
+        *,
+        count_activity: bool = True,
+    ) -> None: ...
+
+    def exists_nowait(self, cmd: Command) -> object: ...
+
+    def strlen_nowait(self, cmd: Command) -> object: ...
+
+
 def fast_name(name: Arg) -> str | None:
     """The fast path's route for any spelling of GET, SET, EXISTS, STRLEN, else None."""
     if len(name) not in {3, 6}:
@@ -58,7 +102,7 @@ def fast_name(name: Arg) -> str | None:
 
 
 def run_fast(
-    self: Dispatcher,
+    self: InlineDispatcher,
     write: Callable[[list[Buffer]], bool],
     limit: int = INLINE_MAX_COMMANDS,
     t0: float | None = None,
