@@ -5,12 +5,16 @@ server process whose descriptor limit is lowered while it runs)."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import resource
 import socket
+import ssl
 from pathlib import Path
 
+import pytest
 import redis
+import uvloop
 
 from epistemic_kvcache.server.balance import Balancer, LoopSeat, bind_sockets
 from helpers import eventually
@@ -96,6 +100,59 @@ def test_bind_sockets_binds_every_address_a_name_resolves_to() -> None:
     finally:
         for s in socks:
             s.close()
+
+
+def test_an_address_family_the_kernel_lacks_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel with IPv6 switched off refuses IPv6 sockets (EAFNOSUPPORT; simulated: it
+    cannot be switched off here): "" still listens on IPv4, as uvloop's `create_server`
+    does; an address of that family alone fails with a clear error, nothing left open."""
+    real = socket.socket
+
+    def no_ipv6(family: int = socket.AF_INET, *args: object) -> socket.socket:
+        if family == socket.AF_INET6:
+            raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+        return real(family, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "socket", no_ipv6)
+    socks = bind_sockets("", 0, 16)
+    try:
+        assert [s.family for s in socks] == [socket.AF_INET]
+    finally:
+        for s in socks:
+            s.close()
+    with pytest.raises(OSError, match="no address of '::1' can be bound"):
+        bind_sockets("::1", 0, 16)
+
+
+def test_a_tls_handshake_still_running_is_cancelled_when_the_loop_ends(tmp_path: Path) -> None:
+    """`LoopSeat.abort` (run after the drain): a connection whose TLS handshake has not
+    finished is closed, not opened after the loop's connections were aborted."""
+    trustme = pytest.importorskip("trustme")
+    cert = trustme.CA().issue_cert("127.0.0.1")
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    cert.configure_cert(tls)
+
+    async def scenario() -> None:
+        b = Balancer()
+        seat = b.seat(asyncio.get_running_loop())
+        seat.factories["--resp-addr"] = (asyncio.Protocol, tls)
+        seat.serve([])
+        ours, peer = socket.socketpair()
+        b.choose(seat)
+        seat.adopt("--resp-addr", ours)  # the peer never sends its ClientHello
+        await asyncio.sleep(0)
+        assert seat.incoming == 1
+        seat.abort()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert seat.incoming == 0
+        peer.setblocking(False)
+        loop = asyncio.get_running_loop()
+        assert await asyncio.wait_for(loop.sock_recv(peer, 1), 10) == b""  # closed
+        peer.close()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(scenario())
 
 
 def test_out_of_descriptors_the_accept_waits_and_serves_once_some_are_freed(

@@ -59,7 +59,7 @@ from epistemic_kvcache.server.background import (
     sample_loop_forever,
     watch_epochs_forever,
 )
-from epistemic_kvcache.server.balance import Balancer
+from epistemic_kvcache.server.balance import Balancer, LoopSeat
 from epistemic_kvcache.server.context import LiveConnection, ServerContext, on_loop
 from epistemic_kvcache.server.loops import (
     CountingExecutor,
@@ -284,6 +284,7 @@ async def serve(
     executor: CountingExecutor | None = None
     created_dir = False
     started = False
+    seat: LoopSeat | None = None
     try:
         # 2. Bind (not accepting yet): a taken port fails here, before any file is written.
         #    With several event loops, each loop binds its own listeners (SO_REUSEPORT).
@@ -460,6 +461,8 @@ async def serve(
         for task in background:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if seat is not None:
+            seat.abort()  # TLS handshakes still running: no connection after the drain
         abort_all(live)
         await asyncio.sleep(0)
         for done in [w.stop(0.0) for w in workers]:  # a failed start: stop them now

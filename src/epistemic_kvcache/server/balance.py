@@ -23,10 +23,15 @@ loop's live set is read from other threads without a lock (a snapshot is enough)
 Failure modes: an `accept` that fails for want of descriptors or memory (`EMFILE`,
 `ENFILE`, `ENOBUFS`, `ENOMEM`; any other error too, logged as an error) logs once and
 retries every `ACCEPT_RETRY_S` until one succeeds, as asyncio's own accept loop does; a
-connection handed to a loop that has stopped accepting (the server is stopping) is
-closed; once `connect_accepted_socket` has the socket, its transport owns it (a failed
-TLS handshake closes it there). With one loop nothing of this runs: the event loop's own
-`create_server` accepts (server/loops.py `listen`).
+pending connection's own network error (`EPROTO`, `ENETDOWN`, ..., a firewall's `EPERM`)
+skips just that one. A hand-over is queued under the balancer's lock, so it always
+precedes the target loop's `leave`: a connection handed to a loop that has stopped
+accepting (the server is stopping) is closed there, and one handed to a loop that has
+ended is closed at once. Once `connect_accepted_socket` has the socket, its transport
+owns it (a failed TLS handshake closes it there); `LoopSeat.abort` cancels handshakes
+still running when the loop ends. An address family the kernel cannot make sockets of
+(IPv6 switched off) is skipped at bind time, as uvloop skips it. With one loop nothing
+of this runs: the event loop's own `create_server` accepts (server/loops.py `listen`).
 """
 
 from __future__ import annotations
@@ -48,6 +53,14 @@ ACCEPT_RETRY_S: Final = 1.0
 HANDSHAKE_TIMEOUT_S: Final = 10.0
 """A TLS handshake not done within this is dropped (the same as `create_server`'s)."""
 _PAUSE_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_RETRY_NAMES: Final = "EPROTO ENETDOWN ENOPROTOOPT EHOSTDOWN ENONET EHOSTUNREACH EOPNOTSUPP"
+_RETRY_ERRNOS: Final = frozenset(
+    getattr(errno, name)
+    for name in (*_RETRY_NAMES.split(), "ENETUNREACH", "EPERM")
+    if hasattr(errno, name)
+)
+"""accept(2) errors of one pending connection (Linux passes its network errors on, and
+a firewall's EPERM): retried at once, as the man page says, not a pause."""
 ACCEPT_BATCH: Final = 64
 """Connections one readiness event of a listening socket accepts at most (the rest at the
 next turn of the loop, after the others had theirs)."""
@@ -94,19 +107,28 @@ class LoopSeat:
         task.add_done_callback(self._opening.discard)
 
     async def _open(self, flag: str, conn: socket.socket) -> None:
-        factory, tls = self.factories[flag]
+        # `conn.close()` after a failure is always safe: before the transport took the
+        # socket it closes it; after, the transport holds an I/O reference (uvloop
+        # `_attach_fileobj`), so it only marks the object closed, and the transport
+        # closes the descriptor itself, once
         try:
+            factory, tls = self.factories[flag]
             await self.loop.connect_accepted_socket(
                 factory, conn, ssl=tls, ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if tls else None
             )
         except (OSError, TimeoutError, EOFError) as exc:  # (ssl.SSLError is an OSError)
-            # a peer gone, a failed handshake: the transport had the socket and closed it
-            log.debug("%s: connection not opened: %r", flag, exc)
+            log.debug("%s: connection not opened: %r", flag, exc)  # a peer gone, a handshake
+            conn.close()
         except Exception:
             log.exception("%s: connection not opened", flag)
-            conn.close()  # (only a failure before the transport took it gets here)
+            conn.close()
         finally:
             self.balancer.opened(self)
+
+    def abort(self) -> None:
+        """Cancel the connections still opening (TLS handshakes): the loop is ending."""
+        for task in list(self._opening):
+            task.cancel()
 
 
 class Balancer:
@@ -143,25 +165,35 @@ class Balancer:
         """Where a connection `here` accepted goes: `here` unless another seat is
         lighter, else the lightest (first of equals); counted as incoming there."""
         with self._lock:
-            target = here
-            if self._seats:
-                lightest = min(self._seats, key=_load)
-                if here not in self._seats or lightest.load < here.load:
-                    target = lightest
-            target.incoming += 1
-            return target
+            return self._choose_locked(here)
+
+    def _choose_locked(self, here: LoopSeat) -> LoopSeat:
+        target = here
+        if self._seats:
+            lightest = min(self._seats, key=_load)
+            if here not in self._seats or lightest.load < here.load:
+                target = lightest
+        target.incoming += 1
+        return target
 
     def place(self, here: LoopSeat, flag: str, conn: socket.socket) -> None:
-        """Open `conn`, accepted on `here`'s loop (call there), on the chosen loop."""
-        target = self.choose(here)
+        """Open `conn`, accepted on `here`'s loop (call there), on the chosen loop.
+
+        A hand-over is queued on the other loop under the lock, so it comes before that
+        loop's `leave` (which takes the lock too); the leaving loop runs at least once
+        more (its drain), where `adopt` finds it gone and closes the connection."""
+        with self._lock:
+            target = self._choose_locked(here)
+            if target is not here:
+                try:
+                    target.loop.call_soon_threadsafe(target.adopt, flag, conn)
+                    return
+                except RuntimeError:  # that loop has ended
+                    target.incoming -= 1
         if target is here:
             here.adopt(flag, conn)
-            return
-        try:
-            target.loop.call_soon_threadsafe(target.adopt, flag, conn)
-        except RuntimeError:  # that loop has just ended
+        else:
             conn.close()
-            self.opened(target)
 
 
 def _load(seat: LoopSeat) -> int:
@@ -232,8 +264,10 @@ class Listener:
                 return  # none waiting
             except ConnectionAbortedError:
                 continue
-            except OSError as exc:  # out of descriptors or memory, or anything unexpected
-                self._pause(exc)
+            except OSError as exc:
+                if exc.errno in _RETRY_ERRNOS:
+                    continue  # that connection's own network error: take the next
+                self._pause(exc)  # out of descriptors or memory, or anything unexpected
                 return
             self._failing = False
             seat.balancer.place(seat, self.flag, conn)
@@ -262,12 +296,17 @@ class Listener:
 def bind_sockets(host: str, port: int, backlog: int) -> list[socket.socket]:
     """Listening sockets for `host`:`port` as `create_server(reuse_port=True)` makes them
     (one per address `host` resolves to; `SO_REUSEADDR`, `SO_REUSEPORT`, IPv6 only on
-    IPv6 sockets), non-blocking. Raises `OSError` (nothing left open)."""
+    IPv6 sockets), non-blocking; an address family this kernel cannot make sockets of
+    is skipped, as uvloop skips it. Raises `OSError` (nothing left open)."""
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     socks: list[socket.socket] = []
     try:
         for family, kind, proto, _, sockaddr in dict.fromkeys(infos):
-            sock = socket.socket(family, kind, proto)
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError as exc:  # e.g. IPv6 switched off in this kernel: as uvloop does
+                log.debug("%s:%s: no %s socket (%s)", host, port, family.name, exc)
+                continue
             socks.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -276,6 +315,8 @@ def bind_sockets(host: str, port: int, backlog: int) -> list[socket.socket]:
             sock.bind(sockaddr)
             sock.listen(backlog)
             sock.setblocking(False)
+        if not socks:
+            raise OSError(errno.EADDRNOTAVAIL, f"no address of {host!r} can be bound here")
     except BaseException:
         for sock in socks:
             with contextlib.suppress(OSError):

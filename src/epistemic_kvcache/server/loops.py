@@ -457,6 +457,8 @@ class LoopWorker:
                 sampler.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await sampler
+            if seat is not None:
+                seat.abort()  # TLS handshakes still running: no connection after the drain
             if ctx is not None:
                 abort_all(ctx.live)
             await asyncio.sleep(0)
