@@ -113,16 +113,10 @@ def our_server(
 
 @contextmanager
 def redis_server(tmp: Path) -> Iterator[Server]:
-    from bench.bench_server import free_port, wait_port
+    from bench.bench_server import spawn_redis
 
-    port = free_port()
-    d = tmp / f"redis-{port}"
-    d.mkdir()
-    args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d),
-            "--save", "", "--appendonly", "no", "--protected-mode", "no"]  # fmt: skip
-    p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p, port = spawn_redis(tmp, ["--save", "", "--appendonly", "no"])
     try:
-        wait_port(port)
         yield Server("redis-server", p.pid, port, "")
     finally:
         p.terminate()

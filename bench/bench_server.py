@@ -57,30 +57,57 @@ def wait_port(port: int, timeout: float = 30.0) -> None:
     raise RuntimeError(f"port {port} never opened")
 
 
+def spawn_redis(
+    tmp: Path, args: Sequence[str], tries: int = 5
+) -> tuple[subprocess.Popen[bytes], int]:
+    """redis-server with `args` on a loopback port -> (its process, the port).
+
+    The port is one the kernel had free a moment ago, so another process may take it
+    first: redis-server then exits (address in use), or someone else answers on it. Only
+    a server that reports this process's pid (`INFO server`) counts; otherwise another
+    port is tried."""
+    for _ in range(tries):
+        port = free_port()
+        d = tmp / f"redis-{port}"
+        d.mkdir(exist_ok=True)
+        cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d),
+               "--protected-mode", "no", *args]  # fmt: skip
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if _redis_pid(p, port) == p.pid:
+            return p, port
+        p.kill()
+        p.wait()
+    raise RuntimeError(f"redis-server did not start on any of {tries} ports")
+
+
+def _redis_pid(p: subprocess.Popen[bytes], port: int, timeout: float = 30.0) -> int | None:
+    """The pid of the redis-server answering on `port`, once one does; None if `p` exits
+    first or nothing answers within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and p.poll() is None:
+        try:
+            with socket.create_connection(("127.0.0.1", port), 1.0) as s:
+                s.sendall(b"INFO server\r\n")
+                got = b""
+                while b"process_id:" not in got or not got.endswith(b"\r\n"):
+                    chunk = s.recv(65536)
+                    if not chunk:
+                        break
+                    got += chunk
+            found = re.search(rb"process_id:(\d+)", got)
+            return int(found.group(1)) if found else None
+        except OSError:
+            time.sleep(0.05)
+    return None
+
+
 @contextmanager
 def redis_server(
     tmp: Path, *, fsync_always: bool, maxmemory_mib: int = 0, extra: Sequence[str] = ()
 ) -> Iterator[int]:
     """redis-server on a free loopback port; with `maxmemory_mib` a cache of that size
     (`allkeys-lru`), the way a fleet runs it; `extra` arguments last."""
-    port = free_port()
-    d = tmp / f"redis-{port}"
-    d.mkdir()
-    args = [
-        "redis-server",
-        "--port",
-        str(port),
-        "--bind",
-        "127.0.0.1",
-        "--dir",
-        str(d),
-        "--save",
-        "",
-        "--protected-mode",
-        "no",
-        "--maxmemory",
-        f"{maxmemory_mib}mb" if maxmemory_mib else "0",
-    ]
+    args = ["--save", "", "--maxmemory", f"{maxmemory_mib}mb" if maxmemory_mib else "0"]
     if maxmemory_mib:
         args += ["--maxmemory-policy", "allkeys-lru"]
     args += (
@@ -89,9 +116,8 @@ def redis_server(
         else ["--appendonly", "no"]
     )
     args += extra
-    p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p, port = spawn_redis(tmp, args)
     try:
-        wait_port(port)
         yield port
     finally:
         p.terminate()

@@ -1,0 +1,234 @@
+"""The floor of a Python server on uvloop, side by side with ours and redis-server (issues 27, 29).
+
+    .venv/bin/python -m bench.bench_floor [--rounds 3] [--quick] [--event-loops 1]
+    .venv/bin/python -m bench.bench_floor --serve 0   # the floor server alone (0: any port)
+
+How much of our CPU per request could a compiled twin of our Python still remove? This
+answers it with a third server: the least a Python server on uvloop does to answer
+`redis-benchmark` correctly. It is one `asyncio.BufferedProtocol` per connection on
+uvloop, framing with our own RESP framer (`RespParser`, the compiled twin when built),
+a plain dict for the data, and the replies written with one `transport.write` per read.
+It has no auth check (AUTH says OK), no store, no tiers, no hashing, no metrics, no
+limits beyond the framer's: nothing else a real server needs. (A protocol error is
+answered and closes the connection, as ours does.) What it spends per request is the event loop's
+callbacks, the framer and the kernel's socket calls; what ours spends above it is our
+Python (dispatch, store, BLAKE3, metrics), which is all a compiled twin can reach;
+whatever the floor spends above redis-server stays while the server runs on uvloop.
+
+All three run at once; each round drives each with the same `redis-benchmark` commands
+as `bench_twins`, one server after the other (the order rotates per round), and the
+medians are printed. CPU is the server process's utime and stime per request, from
+/proc before and after each command (the load generator is another process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import io
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import cast
+
+from bench.bench_cpu import pid_listening
+from bench.bench_server import TOKEN, our_server, redis_server
+from bench.bench_twins import COMMANDS, OUR_OPTIONS
+
+NAMES = ["redis-server", "floor", "ours"]
+
+
+# -- the floor server ----------------------------------------------------------------
+
+
+def serve_floor(port: int) -> None:
+    """Run the floor server on loopback `port` (0: one the kernel picks) until killed;
+    prints the port it listens on."""
+    import uvloop
+
+    from epistemic_kvcache.errors import RemoteProtocolError
+    from epistemic_kvcache.proto.resp import NEED_DATA
+    from epistemic_kvcache.proto.resp_framer import IMPLEMENTATION, RespParser
+
+    data: dict[bytes, bytes] = {}
+
+    class Floor(asyncio.BufferedProtocol):
+        def __init__(self) -> None:
+            self.parser = RespParser(authenticated=True)
+            self.get_buffer = self.parser.get_buffer  # type: ignore[method-assign]
+            self.transport: asyncio.Transport | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = cast(asyncio.Transport, transport)  # (uvloop's: not a subclass)
+
+        def get_buffer(self, sizehint: int) -> memoryview:  # (bound per instance above)
+            return self.parser.get_buffer(sizehint)
+
+        def buffer_updated(self, nbytes: int) -> None:
+            parser = self.parser
+            parser.buffer_updated(nbytes)
+            out: list[bytes] = []
+            failed = False
+            while True:
+                try:
+                    cmd = parser.next_command()
+                except RemoteProtocolError as exc:
+                    out.append(b"-ERR %s\r\n" % str(exc).encode())
+                    failed = True
+                    break
+                if cmd is NEED_DATA:
+                    break
+                out.append(answer(cmd))
+            if out and self.transport is not None:
+                self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+            if failed and self.transport is not None:
+                self.transport.close()
+
+    def answer(cmd: list[bytes]) -> bytes:
+        name = bytes(cmd[0]).upper() if cmd else b""
+        if name == b"GET" and len(cmd) == 2:
+            value = data.get(bytes(cmd[1]))
+            return b"$-1\r\n" if value is None else b"$%d\r\n%s\r\n" % (len(value), value)
+        if name == b"SET" and len(cmd) == 3:
+            value = cmd[2]
+            data[bytes(cmd[1])] = value if type(value) is bytes else bytes(value)
+            return b"+OK\r\n"
+        if name == b"EXISTS" and len(cmd) >= 2:
+            return b":%d\r\n" % sum(bytes(k) in data for k in cmd[1:])
+        if name in (b"AUTH", b"PING"):
+            return b"+OK\r\n" if name == b"AUTH" else b"+PONG\r\n"
+        if name == b"CONFIG":
+            return b"*0\r\n"  # (redis-benchmark asks for `save` and `appendonly`)
+        return b"-ERR unknown command\r\n"
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(Floor, "127.0.0.1", port)
+        bound = server.sockets[0].getsockname()[1]
+        print(f"floor listening on 127.0.0.1:{bound} (framer: {IMPLEMENTATION})", flush=True)
+        async with server:
+            await server.serve_forever()
+
+    uvloop.run(main())
+
+
+@contextmanager
+def floor_server() -> Iterator[int]:
+    """The floor server in a child process -> its port (the kernel picks it)."""
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root / "src"), str(root)]))
+    p = subprocess.Popen(
+        [sys.executable, "-m", "bench.bench_floor", "--serve", "0"],
+        env=env, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert p.stdout is not None
+        line = p.stdout.readline()  # (blocks until it listens, or "" once it died)
+        found = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+        if found is None:
+            raise RuntimeError(f"the floor server did not start: {line!r}")
+        yield int(found.group(1))
+    finally:
+        p.terminate()
+        p.wait(10)
+        if p.stdout is not None:
+            p.stdout.close()
+
+
+# -- the comparison ------------------------------------------------------------------
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(utime, stime) of the whole process, in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def run_benchmark(
+    port: int, auth: str | None, args: list[str], n: int
+) -> tuple[float, float, float]:
+    """(requests/s, server user and system CPU microseconds per request) of one
+    redis-benchmark command."""
+    pid = pid_listening(port)
+    cmd = ["redis-benchmark", "-p", str(port), "-n", str(n), "--csv", *args]
+    if auth is not None:
+        cmd[1:1] = ["-a", auth]
+    u0, s0 = cpu_split(pid)
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600).stdout
+    u1, s1 = cpu_split(pid)
+    rows = [r for r in csv.reader(io.StringIO(out)) if r and r[0] != "test"]
+    return float(rows[-1][1]), (u1 - u0) / n * 1e6, (s1 - s0) / n * 1e6
+
+
+@contextmanager
+def servers(tmp: Path, loops: int) -> Iterator[dict[str, tuple[int, str | None]]]:
+    """name -> (RESP port, password) of the three servers."""
+    extra = ["--event-loops", str(loops)] if loops else []
+    with ExitStack() as stack:
+        ports: dict[str, tuple[int, str | None]] = {}
+        ports["redis-server"] = (stack.enter_context(redis_server(tmp, fsync_always=False)), None)
+        ports["floor"] = (stack.enter_context(floor_server()), None)
+        ours = stack.enter_context(our_server(tmp, "memory", options=[*OUR_OPTIONS, *extra]))
+        ports["ours"] = (ours[1], TOKEN)
+        yield ports
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="a quarter of the requests")
+    ap.add_argument("--event-loops", type=int, default=1, help="ours: N loops (0: default)")
+    ap.add_argument("--scale", type=float, default=1.0, help="requests x this (--quick: 0.25)")
+    ap.add_argument("--serve", type=int, metavar="PORT", help="run the floor server alone")
+    args = ap.parse_args()
+    if args.serve is not None:
+        serve_floor(args.serve)
+        return
+    results: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    print("load before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout)
+    started = time.monotonic()
+    with (
+        tempfile.TemporaryDirectory(prefix="kvbench-floor-") as t,
+        servers(Path(t), args.event_loops) as ports,
+    ):
+        for r in range(args.rounds):
+            for label, bargs, n in COMMANDS:
+                n = max(1, int(n * (0.25 if args.quick else args.scale)))
+                for name in NAMES[r % 3 :] + NAMES[: r % 3]:
+                    port, auth = ports[name]
+                    results.setdefault((label, name), []).append(
+                        run_benchmark(port, auth, bargs, n)
+                    )
+    print("load after:", subprocess.run(["uptime"], capture_output=True, text=True).stdout)
+    loops = args.event_loops or "default"
+    print(f"medians of {args.rounds} rounds ({time.monotonic() - started:.0f} s); CPU = server "
+          f"process user + system time per request; ours with --event-loops {loops}\n")  # fmt: skip
+    print(
+        "| command | req/s redis / floor / ours | floor / redis | ours / redis "
+        "| CPU us/req (user+sys) redis | floor | ours | ours - floor |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for label, _, _ in COMMANDS:
+        rps = {s: statistics.median(x[0] for x in results[(label, s)]) for s in NAMES}
+        user = {s: statistics.median(x[1] for x in results[(label, s)]) for s in NAMES}
+        sys_ = {s: statistics.median(x[2] for x in results[(label, s)]) for s in NAMES}
+        cpu = {s: user[s] + sys_[s] for s in NAMES}
+        cells = " | ".join(f"{cpu[s]:.1f} ({user[s]:.1f}+{sys_[s]:.1f})" for s in NAMES)
+        print(
+            f"| {label} | {rps['redis-server']:,.0f} / {rps['floor']:,.0f} / {rps['ours']:,.0f} "
+            f"| {rps['floor'] / rps['redis-server']:.2f}x | {rps['ours'] / rps['redis-server']:.2f}x "
+            f"| {cells} | {cpu['ours'] - cpu['floor']:+.1f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
