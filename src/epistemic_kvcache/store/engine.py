@@ -37,6 +37,9 @@ from epistemic_kvcache.errors import (
 from epistemic_kvcache.options import DedupScope, StoreOptions
 from epistemic_kvcache.shared import MAX_KEY_BYTES, MAX_SCOPE_BYTES
 from epistemic_kvcache.store.api import (
+    PUT_CONFLICT,
+    PUT_DUPLICATE,
+    PUT_MISSING,
     BlockData,
     Buffer,
     ConsistencyReport,
@@ -230,10 +233,10 @@ class TieredEngine(Catalog, SharedKvBackend):
         existing = self._lookup(ns, key)
         live = None if existing is None or (self._tags and self._stale(ns, key)) else existing
         outcome = decide_put(live.sdig if live is not None else None, sdig, cond, self._fww(ns))
-        if outcome is PutOutcome.MISSING:
+        if outcome is PUT_MISSING:
             self._count_put(ns, outcome, False)
             return outcome, existing, PutResult(outcome, digest, size)
-        if outcome is PutOutcome.DUPLICATE or outcome is PutOutcome.CONFLICT:
+        if outcome is PUT_DUPLICATE or outcome is PUT_CONFLICT:
             assert live is not None  # nothing written
             self._count_put(ns, outcome, False)
             return outcome, existing, PutResult(outcome, live.digest, live.size)

@@ -30,8 +30,17 @@ import blake3
 
 from epistemic_kvcache.errors import InvalidKeyError
 from epistemic_kvcache.shared import MAX_SCOPE_BYTES
+from epistemic_kvcache.store.api import (
+    PUT_CONFLICT,
+    PUT_DUPLICATE,
+    PUT_NEW,
+    PUT_REPLACED,
+    Buffer,
+    PutOutcome,
+    StoreStats,
+    TierStats,
+)
 from epistemic_kvcache.store.api import WOULD_BLOCK as WOULD_BLOCK  # noqa: PLC0414
-from epistemic_kvcache.store.api import Buffer, PutOutcome, StoreStats, TierStats
 from epistemic_kvcache.store.api import WouldBlock as WouldBlock  # noqa: PLC0414
 
 DIGEST_BYTES = 32
@@ -336,15 +345,25 @@ class Ledger:
             setattr(c, name, getattr(c, name) + 1)
 
     def count_put(self, ns: str, outcome: PutOutcome, deduped: bool) -> None:
-        for cc in (self.counters(ns), self.total):
-            if outcome is PutOutcome.NEW or outcome is PutOutcome.REPLACED:
-                if outcome is PutOutcome.NEW:
-                    cc.put_new += 1
-                else:
-                    cc.put_replaced += 1
-                if deduped:
-                    cc.dedup_hits += 1
-            elif outcome is PutOutcome.DUPLICATE:
-                cc.dedup_hits += 1
-            elif outcome is PutOutcome.CONFLICT:
-                cc.put_conflicts += 1
+        """Count one decided PUT on its namespace and the total (every PUT runs this)."""
+        c = self.by_ns.get(ns)
+        if c is None:
+            c = self.counters(ns)
+        t = self.total
+        if outcome is PUT_NEW:
+            c.put_new += 1
+            t.put_new += 1
+        elif outcome is PUT_REPLACED:
+            c.put_replaced += 1
+            t.put_replaced += 1
+        elif outcome is PUT_DUPLICATE:
+            deduped = True
+        elif outcome is PUT_CONFLICT:
+            c.put_conflicts += 1
+            t.put_conflicts += 1
+            return
+        else:  # MISSING: nothing to count
+            return
+        if deduped:
+            c.dedup_hits += 1
+            t.dedup_hits += 1

@@ -32,7 +32,15 @@ from typing import Any, Protocol
 
 from epistemic_kvcache.errors import CapacityError, NotFoundError, StoreError
 from epistemic_kvcache.store import records
-from epistemic_kvcache.store.api import Buffer, PutCond, PutOutcome, PutResult, decide_put
+from epistemic_kvcache.store.api import (
+    PUT_CONFLICT,
+    PUT_DUPLICATE,
+    PUT_MISSING,
+    Buffer,
+    PutCond,
+    PutResult,
+    decide_put,
+)
 from epistemic_kvcache.store.engine import (
     AddKey,
     DelKey,
@@ -361,9 +369,9 @@ class _Decider:
         outcome = decide_put(
             live.sdig if live else None, op.sdig, op.cond, self.r.first_write_wins(ns)
         )
-        if outcome is PutOutcome.MISSING:
+        if outcome is PUT_MISSING:
             return PutResult(outcome, op.digest, len(op.data))
-        if outcome is PutOutcome.DUPLICATE or outcome is PutOutcome.CONFLICT:
+        if outcome is PUT_DUPLICATE or outcome is PUT_CONFLICT:
             assert live is not None
             return PutResult(outcome, live.sdig[-32:], live.size)
         if cur is None and self.r.max_keys_per_tenant and internal is None:
