@@ -65,10 +65,16 @@ def pid_listening(port: int) -> int:
     raise RuntimeError(f"nobody listens on port {port}")
 
 
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(utime, stime) of the whole process, in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
 def cpu_seconds(pid: int) -> float:
     """utime + stime of the whole process."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return sum(cpu_split(pid))
 
 
 def thread_cpu(pid: int) -> dict[str, tuple[float, float]]:

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
-import io
 import os
 import re
 import statistics
@@ -39,9 +37,8 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import cast
 
-from bench.bench_cpu import pid_listening
 from bench.bench_server import TOKEN, our_server, redis_server
-from bench.bench_twins import COMMANDS, OUR_OPTIONS
+from bench.bench_twins import COMMANDS, OUR_OPTIONS, run_benchmark_split
 
 NAMES = ["redis-server", "floor", "ours"]
 
@@ -101,8 +98,18 @@ def serve_floor(port: int) -> None:
             value = cmd[2]
             data[bytes(cmd[1])] = value if type(value) is bytes else bytes(value)
             return b"+OK\r\n"
+        if name == b"MSET" and len(cmd) >= 3 and len(cmd) % 2 == 1:  # (bench_lookup's keys)
+            for k, v in zip(cmd[1::2], cmd[2::2], strict=True):
+                data[bytes(k)] = bytes(v)
+            return b"+OK\r\n"
         if name == b"EXISTS" and len(cmd) >= 2:
             return b":%d\r\n" % sum(bytes(k) in data for k in cmd[1:])
+        if name == b"HELLO":  # (redis-py 7 opens with HELLO 3; AUTH in it is not checked)
+            proto = bytes(cmd[1]) if len(cmd) > 1 else b"2"
+            if proto not in (b"2", b"3"):
+                return b"-NOPROTO unsupported protocol version\r\n"
+            fields = b"$6\r\nserver\r\n$5\r\nfloor\r\n$5\r\nproto\r\n:%s\r\n" % proto
+            return (b"%2\r\n" if proto == b"3" else b"*4\r\n") + fields
         if name in (b"AUTH", b"PING"):
             return b"+OK\r\n" if name == b"AUTH" else b"+PONG\r\n"
         if name == b"CONFIG":
@@ -146,29 +153,6 @@ def floor_server() -> Iterator[int]:
 # -- the comparison ------------------------------------------------------------------
 
 
-def cpu_split(pid: int) -> tuple[float, float]:
-    """(utime, stime) of the whole process, in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / tick, int(fields[12]) / tick
-
-
-def run_benchmark(
-    port: int, auth: str | None, args: list[str], n: int
-) -> tuple[float, float, float]:
-    """(requests/s, server user and system CPU microseconds per request) of one
-    redis-benchmark command."""
-    pid = pid_listening(port)
-    cmd = ["redis-benchmark", "-p", str(port), "-n", str(n), "--csv", *args]
-    if auth is not None:
-        cmd[1:1] = ["-a", auth]
-    u0, s0 = cpu_split(pid)
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600).stdout
-    u1, s1 = cpu_split(pid)
-    rows = [r for r in csv.reader(io.StringIO(out)) if r and r[0] != "test"]
-    return float(rows[-1][1]), (u1 - u0) / n * 1e6, (s1 - s0) / n * 1e6
-
-
 @contextmanager
 def servers(tmp: Path, loops: int) -> Iterator[dict[str, tuple[int, str | None]]]:
     """name -> (RESP port, password) of the three servers."""
@@ -206,7 +190,7 @@ def main() -> None:
                 for name in NAMES[r % 3 :] + NAMES[: r % 3]:
                     port, auth = ports[name]
                     results.setdefault((label, name), []).append(
-                        run_benchmark(port, auth, bargs, n)
+                        run_benchmark_split(port, auth, bargs, n)
                     )
     print("load after:", subprocess.run(["uptime"], capture_output=True, text=True).stdout)
     loops = args.event_loops or "default"

@@ -1,7 +1,7 @@
 """Lookups (EXISTS) on the Redis wire: our server (memory, durable) side by side with redis-server.
 
     .venv/bin/python -m bench.bench_lookup [--src TREE]... [--backends memory,durable]
-        [--requests 10000] [--lookups 100] [--rounds 2] [--keys 64] [--loops 0,1]
+        [--requests 10000] [--lookups 100] [--rounds 2] [--keys 64] [--loops 0,1] [--floor]
 
 All servers run at once; `--rounds` rounds visit them in turn (so a burst of load from the
 neighbours hits them alike) and each figure is the best round's. Per server and round:
@@ -22,6 +22,10 @@ neighbours hits them alike) and each figure is the best round's. Per server and 
       and, for reference, our HTTP batch lookup (`EpistemicGraphKVBackend.exists_many`,
       one `POST` for all keys; no Redis form).
       The keys are written with redis-py `SET` (a lookup never reads the value).
+
+`--floor` adds `bench_floor`'s server (uvloop, our compiled framer, a dict; no auth,
+store or metrics): what any Python server on uvloop spends, so the gap between ours and
+redis-server splits into what our code adds and what the platform costs.
 
 `--src TREE` (repeatable) runs our server from another checkout (its `src/` first on
 PYTHONPATH), e.g. the tree before a change, so before and after share one redis-server and
@@ -123,6 +127,17 @@ def redis_server(tmp: Path) -> Iterator[Server]:
         p.wait(10)
 
 
+@contextmanager
+def floor_server() -> Iterator[Server]:
+    """bench/bench_floor.py's floor server: the least a Python server on uvloop does per
+    request (our compiled framer, a dict, no auth, store or metrics)."""
+    from bench.bench_cpu import pid_listening
+    from bench.bench_floor import floor_server as floor
+
+    with floor() as port:
+        yield Server("floor", pid_listening(port), port, "")
+
+
 @dataclass
 class Row:
     server: str
@@ -200,7 +215,8 @@ def lmcache_lookups(srv: Server, nkeys: int, n: int, row: Row, paths: list[str])
 
     from bench.bench_lmcache import V1ConnectorDriver, V1Engine, v1_config
 
-    r = redis.Redis(port=srv.port, password=srv.password or None)
+    # (RESP2: the floor server knows no HELLO)
+    r = redis.Redis(port=srv.port, password=srv.password or None, protocol=2)
     names = [f"bench/lookup/{i:04d}" for i in range(nkeys)]
     r.mset(dict.fromkeys(names, b"v"))
     r.set("k", b"v")
@@ -293,6 +309,11 @@ def main() -> None:
     parser.add_argument(
         "--loops", default="0", help="our servers' --event-loops, e.g. 0,1 (0: the default)"
     )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="add bench_floor's server: what any Python server on uvloop spends per lookup",
+    )
     args = parser.parse_args()
     for tool in ("redis-server", "redis-benchmark"):
         if shutil.which(tool) is None:
@@ -316,6 +337,9 @@ def main() -> None:
                     plan.append(lambda t=tree, b=backend, i=i, n=loops:
                                 our_server(tmp, t, b, f"{b}-{i}-{n}", n))  # fmt: skip
                     rows.append(Row(label))
+        if args.floor:
+            plan.append(floor_server)
+            rows.append(Row("floor (uvloop + framer + dict)"))
         plan.append(lambda: redis_server(tmp))
         rows.append(Row("redis-server"))
         with ExitStack() as stack:

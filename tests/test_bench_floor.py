@@ -35,6 +35,11 @@ def test_floor_server_answers_the_benchmarks_commands() -> None:
         assert r.get("big") == big
         assert r.get("absent") is None
         assert r.exists("big", "absent", "big") == 2
+        assert r.mset({"m1": b"a", "m2": b"b"})  # (bench_lookup writes its keys so)
+        assert r.get("m2") == b"b"
+        r3 = redis.Redis(port=port, protocol=3, socket_timeout=30)  # (opens with HELLO 3)
+        assert r3.get("m1") == b"a"
+        r3.close()
         pipe = r.pipeline(transaction=False)
         for i in range(200):
             pipe.set(f"k{i}", b"v%d" % i)
