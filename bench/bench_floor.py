@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import os
 import re
+import select
 import statistics
 import subprocess
 import sys
@@ -138,7 +139,10 @@ def floor_server() -> Iterator[int]:
     )  # fmt: skip
     try:
         assert p.stdout is not None
-        line = p.stdout.readline()  # (blocks until it listens, or "" once it died)
+        # its first line says it listens ("" once it died); a child that hangs is waited
+        # for 60 s, not forever
+        ready, _, _ = select.select([p.stdout], [], [], 60)
+        line = p.stdout.readline() if ready else "(nothing within 60 s)"
         found = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
         if found is None:
             raise RuntimeError(f"the floor server did not start: {line!r}")
