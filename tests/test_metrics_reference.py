@@ -3,6 +3,7 @@ request labels use one vocabulary on both wires."""
 
 from __future__ import annotations
 
+import bisect
 import http.client
 import re
 import urllib.request
@@ -11,11 +12,13 @@ from pathlib import Path
 
 import pytest
 import redis
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from epistemic_kvcache import __version__
 from epistemic_kvcache.server.app import ServerHandle
-from epistemic_kvcache.server.metrics import status_label
+from epistemic_kvcache.server.metrics import LATENCY_BUCKETS_S, RequestSeries, status_label
 from epistemic_kvcache.shared import STATS_FIELDS, TIER_FIELDS
 from servers import running_server
 
@@ -211,3 +214,27 @@ def test_latencies_resolve_below_a_millisecond(server: ServerHandle) -> None:
         millis = total * 1000
         assert total > 0, (wire, total)
         assert abs(millis - round(millis)) > 1e-6, (wire, total)
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.floats(min_value=-1.0, max_value=60.0, allow_nan=False),
+            st.floats(min_value=0.0, max_value=0.001),  # (around the first bounds)
+            st.sampled_from([0.0, *LATENCY_BUCKETS_S]),  # (on each bound: that bucket)
+        ),
+        max_size=50,
+    )
+)
+def test_observe_places_each_latency_in_its_bucket(latencies: list[float]) -> None:
+    """`RequestSeries.observe` (its shortcut for the first bucket included) counts each
+    latency in the first bucket whose bound is at or above it (Prometheus `le`), the rest
+    in +Inf; a latency at or below 0 counts in the first bucket and adds nothing."""
+    series = RequestSeries(("resp", "get", "ok", ""))
+    want = [0] * (len(LATENCY_BUCKETS_S) + 1)
+    for s in latencies:
+        series.observe(s)
+        want[0 if s <= 0 else bisect.bisect_left(LATENCY_BUCKETS_S, s)] += 1
+    assert series.buckets == want
+    assert series.count == len(latencies)
+    assert series.total_s == pytest.approx(sum(s for s in latencies if s > 0))

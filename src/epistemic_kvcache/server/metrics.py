@@ -28,6 +28,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from typing import Final
 
 from prometheus_client import (
     CollectorRegistry,
@@ -75,6 +76,7 @@ LATENCY_BUCKETS_S = (
     30.0,
 )
 """Cache hits take well under a millisecond; a 80 MiB block over a slow link, seconds."""
+_FIRST_BUCKET_S: Final = LATENCY_BUCKETS_S[0]
 
 _STORE_INTERNAL: dict[str, tuple[str, str]] = {
     "fsyncs": ("counter", "fsync/fdatasync calls made by the group committer."),
@@ -283,7 +285,10 @@ class RequestSeries:
         self.count += 1
         if seconds > 0.0:
             self.total_s += seconds
-            self.buckets[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
+            if seconds <= _FIRST_BUCKET_S:  # (most requests: no search)
+                self.buckets[0] += 1
+            else:
+                self.buckets[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
         else:
             self.buckets[0] += 1
 

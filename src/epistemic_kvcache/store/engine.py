@@ -232,11 +232,15 @@ class TieredEngine(Catalog, SharedKvBackend):
         counted here - else None). A stale entry decides as an absent one."""
         existing = self._lookup(ns, key)
         live = None if existing is None or (self._tags and self._stale(ns, key)) else existing
-        outcome = decide_put(live.sdig if live is not None else None, sdig, cond, self._fww(ns))
-        if outcome is PUT_MISSING:
+        held = live.sdig if live is not None else None
+        # (first-write-wins decides only over other bytes: not looked up for the rest)
+        fww = held is not None and held != sdig and self._fww(ns)
+        outcome = decide_put(held, sdig, cond, fww)
+        if outcome is PUT_MISSING or outcome is PUT_DUPLICATE:
+            # (a duplicate holds these very bytes: the key's digest and size are these)
             self._count_put(ns, outcome, False)
             return outcome, existing, PutResult(outcome, digest, size)
-        if outcome is PUT_DUPLICATE or outcome is PUT_CONFLICT:
+        if outcome is PUT_CONFLICT:
             assert live is not None  # nothing written
             self._count_put(ns, outcome, False)
             return outcome, existing, PutResult(outcome, live.digest, live.size)
