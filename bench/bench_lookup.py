@@ -53,16 +53,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.bench_cpu import cpu_seconds, pid_listening
+
 TOKEN = "bench-lookup-token-0123456789abcdef"
 WORKERS = 8
-TICK = os.sysconf("SC_CLK_TCK")
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def cpu_s(pid: int) -> float:
-    """utime + stime of process `pid` (all its threads), in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 @dataclass
@@ -131,7 +126,6 @@ def redis_server(tmp: Path) -> Iterator[Server]:
 def floor_server() -> Iterator[Server]:
     """bench/bench_floor.py's floor server: the least a Python server on uvloop does per
     request (our compiled framer, a dict, no auth, store or metrics)."""
-    from bench.bench_cpu import pid_listening
     from bench.bench_floor import floor_server as floor
 
     with floor() as port:
@@ -167,9 +161,9 @@ def redis_benchmark(srv: Server, clients: int, requests: int, row: Row) -> None:
            "--csv"]  # fmt: skip
     if srv.password:
         cmd += ["-a", srv.password]
-    c0 = cpu_s(srv.pid)
+    c0 = cpu_seconds(srv.pid)
     out = subprocess.run([*cmd, "EXISTS", "k"], capture_output=True, text=True, timeout=120)
-    c1 = cpu_s(srv.pid)
+    c1 = cpu_seconds(srv.pid)
     last = [ln for ln in out.stdout.splitlines() if ln.startswith('"EXISTS')]
     if not last:
         raise RuntimeError(f"redis-benchmark against {srv.label}: {out.stdout}{out.stderr}")
@@ -198,14 +192,14 @@ def timed(name: str, srv: Server, lookup: Callable[[], int], keys: int, n: int, 
     for _ in range(10):
         lookup()
     times: list[float] = []
-    c0 = cpu_s(srv.pid)
+    c0 = cpu_seconds(srv.pid)
     for _ in range(n):
         t0 = time.perf_counter()
         hits = lookup()
         times.append(time.perf_counter() - t0)
         if hits != keys:
             raise AssertionError(f"{name} against {srv.label}: {hits} of {keys} keys found")
-    row.lookup_cpu_us[name] = (cpu_s(srv.pid) - c0) * 1e6 / (n * keys)
+    row.lookup_cpu_us[name] = (cpu_seconds(srv.pid) - c0) * 1e6 / (n * keys)
     row.lookup_ms[name] = times
 
 
@@ -215,8 +209,7 @@ def lmcache_lookups(srv: Server, nkeys: int, n: int, row: Row, paths: list[str])
 
     from bench.bench_lmcache import V1ConnectorDriver, V1Engine, v1_config
 
-    # (RESP2: the floor server knows no HELLO)
-    r = redis.Redis(port=srv.port, password=srv.password or None, protocol=2)
+    r = redis.Redis(port=srv.port, password=srv.password or None)
     names = [f"bench/lookup/{i:04d}" for i in range(nkeys)]
     r.mset(dict.fromkeys(names, b"v"))
     r.set("k", b"v")

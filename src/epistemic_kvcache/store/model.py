@@ -346,9 +346,7 @@ class Ledger:
 
     def count_put(self, ns: str, outcome: PutOutcome, deduped: bool) -> None:
         """Count one decided PUT on its namespace and the total (every PUT runs this)."""
-        c = self.by_ns.get(ns)
-        if c is None:
-            c = self.counters(ns)
+        c = self.counters(ns)
         t = self.total
         if outcome is PUT_NEW:
             c.put_new += 1
