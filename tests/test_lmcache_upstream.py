@@ -221,13 +221,27 @@ def test_upstream_file(
 ) -> None:
     """One upstream file against one target (each its own test, with its own budget).
 
-    Against redis-server: every failure is a known LMCache problem (UPSTREAM_FAILURES).
+    Against redis-server: every failure is a known LMCache problem (UPSTREAM_FAILURES);
+    another one is run once more (the whole file), and fails the test if it fails again.
     Against us: every upstream test passes but those known ones, nothing is skipped, and
     (when the redis-server run came first, as it does in a full run) the same tests ran
     and every one that passed against redis-server passes against us."""
     if target == "redis":
         port: int = request.getfixturevalue("control")
-        results = REDIS_RESULTS[short] = run_upstream(upstream, short, "redis", port, "")
+        results = run_upstream(upstream, short, "redis", port, "")
+        odd = [t for t, o in results.items() if o == "failed" and t not in UPSTREAM_FAILURES]
+        if odd:
+            # LMCache's own client against redis-server, none of our code: a failure that
+            # does not come back on a second run is an intermittent upstream one (seen
+            # once in ~20 CI runs: "socket writev failed" in test_resp_connector_thread_
+            # scaling[8]). It is reported; one that comes back fails below.
+            again = run_upstream(upstream, short, "redis", port, "")
+            print(f"\n{short}.py against redis: failed once, rerun: "
+                  f"{ {t: again.get(t) for t in odd} }")  # fmt: skip
+            for t in odd:
+                if again.get(t) == "passed":
+                    results[t] = "passed"
+        REDIS_RESULTS[short] = results
     else:
         ours: ServeProcess = request.getfixturevalue("ours")
         results = run_upstream(upstream, short, "ours", ours.ports["resp"], ours.url())
