@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,10 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # tests/: the main suite's helpers
+
+from helpers import held_port  # noqa: E402
+
 ROOT = HERE.parent.parent
 DEPLOY = ROOT / "deploy" / "lmcache"
 BIN = Path(sys.executable).parent
@@ -46,12 +49,6 @@ VLLM_ENV = {
     "LMCACHE_DISABLE_BANNER": "1",
     "PYTHONWARNINGS": "ignore",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -172,8 +169,10 @@ class LMCacheServer:
     """`lmcache server` (MP mode) with one of our L2 adapters, engine-driven transfers."""
 
     def __init__(self, tmp: Path, kind: str, kv: KvServer, token: str = TOKEN_A) -> None:
-        self.port = free_port()
-        self.http_port = free_port()
+        # held for the rest of the run (LMCache's zmq and uvicorn bind with SO_REUSEADDR):
+        # a port released before the server binds it could be taken by another process
+        self.port = held_port()
+        self.http_port = held_port()
         self.log = tmp / f"lmcache-{kind}-{self.port}.log"
         cmd = [str(BIN / "lmcache"), "server", "--host", "127.0.0.1", "--port", str(self.port),
                "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
