@@ -1,7 +1,8 @@
 """The floor of a Python server on uvloop, side by side with ours and redis-server (issues 27, 29).
 
     .venv/bin/python -m bench.bench_floor [--rounds 3] [--quick] [--event-loops 1]
-    .venv/bin/python -m bench.bench_floor --serve 0   # the floor server alone (0: any port)
+    .venv/bin/python -m bench.bench_floor --floors dict,blake3,store,spin   # its variants too
+    .venv/bin/python -m bench.bench_floor --serve 0 [--floor store]   # one floor alone (0: any port)
 
 How much of our CPU per request could a compiled twin of our Python still remove? This
 answers it with a third server: the least a Python server on uvloop does to answer
@@ -19,6 +20,19 @@ All three run at once; each round drives each with the same `redis-benchmark` co
 as `bench_twins`, one server after the other (the order rotates per round), and the
 medians are printed. CPU is the server process's utime and stime per request, from
 /proc before and after each command (the load generator is another process).
+
+`--floors dict,blake3,store` adds variants of the floor beside it, to split ours minus
+the floor into its parts (ninth session):
+- `blake3`: the floor that also takes the BLAKE3 digest of every SET's value (the hash
+  our content addressing needs), and nothing else;
+- `store`: the floor with our real store (`SharedKvIndex`, the memory backend with ours'
+  capacities) in place of its dict, called as our fast path calls it (`get_nowait`,
+  `put_nowait`, `exists_nowait`; the blocking call on `WOULD_BLOCK`).
+- `spin`: the floor that busy-waits `SPIN_S` (9 µs) per command and does nothing else:
+  how the kernel's share of a request grows when the server is slower (the load
+  generator sleeps more, and each reply has to wake it).
+Ours minus `store` is then our connection, auth, dispatch, fast path and metrics; `store`
+minus the floor is the store with its hash.
 """
 
 from __future__ import annotations
@@ -41,22 +55,62 @@ from typing import cast
 from bench.bench_server import TOKEN, our_server, redis_server
 from bench.bench_twins import COMMANDS, OUR_OPTIONS, run_benchmark_split
 
-NAMES = ["redis-server", "floor", "ours"]
+FLOORS = {"dict": "floor", "blake3": "floor+blake3", "store": "floor+store", "spin": "floor+spin"}
+"""The floor's variants (`--floor`) and their names in the tables."""
+STORE_NS = "bench"
+SPIN_S = 9e-6
+"""The `spin` floor's busy wait per command: about ours' Python above the floor's."""
 
 
 # -- the floor server ----------------------------------------------------------------
 
 
-def serve_floor(port: int) -> None:
-    """Run the floor server on loopback `port` (0: one the kernel picks) until killed;
-    prints the port it listens on."""
+def serve_floor(port: int, variant: str = "dict") -> None:
+    """Run the floor server (`variant`: a key of `FLOORS`) on loopback `port` (0: one
+    the kernel picks) until killed; prints the port it listens on."""
     import uvloop
+    from blake3 import blake3
 
+    from epistemic_kvcache.buffers import received_block
     from epistemic_kvcache.errors import RemoteProtocolError
+    from epistemic_kvcache.options import StoreOptions
     from epistemic_kvcache.proto.resp import NEED_DATA
     from epistemic_kvcache.proto.resp_framer import IMPLEMENTATION, RespParser
+    from epistemic_kvcache.store import SharedKvIndex
+    from epistemic_kvcache.store.api import WOULD_BLOCK
 
     data: dict[bytes, bytes] = {}
+    hashing = variant == "blake3"
+    spin = SPIN_S if variant == "spin" else 0.0
+    store = None
+    if variant == "store":  # ours' capacities (bench_twins.OUR_OPTIONS)
+        store = SharedKvIndex(
+            StoreOptions(hot_capacity_bytes=6 << 30, warm_capacity_bytes=0,
+                         max_block_bytes=64 << 20)
+        )  # fmt: skip
+
+    def get(key: bytes) -> bytes | None:
+        if store is None:
+            return data.get(key)
+        value = store.get_nowait(STORE_NS, str(key, "utf-8"))
+        if value is WOULD_BLOCK:
+            value = store.get(STORE_NS, str(key, "utf-8"))
+        return None if value is None else bytes(value)
+
+    def put(key: bytes, value: bytes | bytearray | memoryview) -> None:
+        if store is None:
+            data[key] = value if type(value) is bytes else bytes(value)
+            if hashing:
+                blake3(data[key]).digest()
+            return
+        block = value if type(value) is bytes else received_block(value)
+        if store.put_nowait(STORE_NS, str(key, "utf-8"), block) is WOULD_BLOCK:
+            store.put(STORE_NS, str(key, "utf-8"), block)
+
+    def exists(keys: list[bytes]) -> int:
+        if store is None:
+            return sum(k in data for k in keys)
+        return store.exists_nowait(STORE_NS, [str(k, "utf-8") for k in keys])  # (RAM: at once)
 
     class Floor(asyncio.BufferedProtocol):
         def __init__(self) -> None:
@@ -85,26 +139,29 @@ def serve_floor(port: int) -> None:
                 if cmd is NEED_DATA:
                     break
                 out.append(answer(cmd))
+                if spin:
+                    until = time.perf_counter() + spin
+                    while time.perf_counter() < until:
+                        pass
             if out and self.transport is not None:
                 self.transport.write(out[0] if len(out) == 1 else b"".join(out))
             if failed and self.transport is not None:
                 self.transport.close()
 
-    def answer(cmd: list[bytes]) -> bytes:
+    def answer(cmd: list[bytes | bytearray | memoryview]) -> bytes:
         name = bytes(cmd[0]).upper() if cmd else b""
         if name == b"GET" and len(cmd) == 2:
-            value = data.get(bytes(cmd[1]))
+            value = get(bytes(cmd[1]))
             return b"$-1\r\n" if value is None else b"$%d\r\n%s\r\n" % (len(value), value)
         if name == b"SET" and len(cmd) == 3:
-            value = cmd[2]
-            data[bytes(cmd[1])] = value if type(value) is bytes else bytes(value)
+            put(bytes(cmd[1]), cmd[2])
             return b"+OK\r\n"
         if name == b"MSET" and len(cmd) >= 3 and len(cmd) % 2 == 1:  # (bench_lookup's keys)
             for k, v in zip(cmd[1::2], cmd[2::2], strict=True):
-                data[bytes(k)] = bytes(v)
+                put(bytes(k), bytes(v))
             return b"+OK\r\n"
         if name == b"EXISTS" and len(cmd) >= 2:
-            return b":%d\r\n" % sum(bytes(k) in data for k in cmd[1:])
+            return b":%d\r\n" % exists([bytes(k) for k in cmd[1:]])
         if name == b"HELLO":  # (redis-py 7 opens with HELLO 3; AUTH in it is not checked)
             proto = bytes(cmd[1]) if len(cmd) > 1 else b"2"
             if proto not in (b"2", b"3"):
@@ -121,7 +178,10 @@ def serve_floor(port: int) -> None:
         loop = asyncio.get_running_loop()
         server = await loop.create_server(Floor, "127.0.0.1", port)
         bound = server.sockets[0].getsockname()[1]
-        print(f"floor listening on 127.0.0.1:{bound} (framer: {IMPLEMENTATION})", flush=True)
+        print(
+            f"floor listening on 127.0.0.1:{bound} (framer: {IMPLEMENTATION}, {variant})",
+            flush=True,
+        )
         async with server:
             await server.serve_forever()
 
@@ -129,12 +189,13 @@ def serve_floor(port: int) -> None:
 
 
 @contextmanager
-def floor_server() -> Iterator[int]:
-    """The floor server in a child process -> its port (the kernel picks it)."""
+def floor_server(variant: str = "dict") -> Iterator[int]:
+    """The floor server (`variant`: a key of `FLOORS`) in a child process -> its port
+    (the kernel picks it)."""
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root / "src"), str(root)]))
     p = subprocess.Popen(
-        [sys.executable, "-m", "bench.bench_floor", "--serve", "0"],
+        [sys.executable, "-m", "bench.bench_floor", "--serve", "0", "--floor", variant],
         env=env, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -158,13 +219,16 @@ def floor_server() -> Iterator[int]:
 
 
 @contextmanager
-def servers(tmp: Path, loops: int) -> Iterator[dict[str, tuple[int, str | None]]]:
-    """name -> (RESP port, password) of the three servers."""
+def servers(
+    tmp: Path, loops: int, floors: list[str]
+) -> Iterator[dict[str, tuple[int, str | None]]]:
+    """name -> (RESP port, password) of redis-server, the floors and ours."""
     extra = ["--event-loops", str(loops)] if loops else []
     with ExitStack() as stack:
         ports: dict[str, tuple[int, str | None]] = {}
         ports["redis-server"] = (stack.enter_context(redis_server(tmp, fsync_always=False)), None)
-        ports["floor"] = (stack.enter_context(floor_server()), None)
+        for variant in floors:
+            ports[FLOORS[variant]] = (stack.enter_context(floor_server(variant)), None)
         ours = stack.enter_context(our_server(tmp, "memory", options=[*OUR_OPTIONS, *extra]))
         ports["ours"] = (ours[1], TOKEN)
         yield ports
@@ -176,22 +240,31 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a quarter of the requests")
     ap.add_argument("--event-loops", type=int, default=1, help="ours: N loops (0: default)")
     ap.add_argument("--scale", type=float, default=1.0, help="requests x this (--quick: 0.25)")
-    ap.add_argument("--serve", type=int, metavar="PORT", help="run the floor server alone")
+    ap.add_argument("--floors", default="dict", help="the floor's variants beside ours: "
+                    "any of dict, blake3, store, spin, comma-separated")  # fmt: skip
+    ap.add_argument("--serve", type=int, metavar="PORT", help="run one floor server alone")
+    ap.add_argument("--floor", default="dict", choices=sorted(FLOORS), help="its variant")
     args = ap.parse_args()
     if args.serve is not None:
-        serve_floor(args.serve)
+        serve_floor(args.serve, args.floor)
         return
+    floors = [f for f in args.floors.split(",") if f]
+    unknown = sorted(set(floors) - set(FLOORS))
+    if unknown or not floors:
+        ap.error(f"--floors: expected some of {', '.join(FLOORS)} (got {args.floors!r})")
+    names = ["redis-server", *(FLOORS[f] for f in floors), "ours"]
     results: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
     print("load before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout)
     started = time.monotonic()
     with (
         tempfile.TemporaryDirectory(prefix="kvbench-floor-") as t,
-        servers(Path(t), args.event_loops) as ports,
+        servers(Path(t), args.event_loops, floors) as ports,
     ):
         for r in range(args.rounds):
             for label, bargs, n in COMMANDS:
                 n = max(1, int(n * (0.25 if args.quick else args.scale)))
-                for name in NAMES[r % 3 :] + NAMES[: r % 3]:
+                shift = r % len(names)
+                for name in names[shift:] + names[:shift]:
                     port, auth = ports[name]
                     results.setdefault((label, name), []).append(
                         run_benchmark_split(port, auth, bargs, n)
@@ -200,21 +273,23 @@ def main() -> None:
     loops = args.event_loops or "default"
     print(f"medians of {args.rounds} rounds ({time.monotonic() - started:.0f} s); CPU = server "
           f"process user + system time per request; ours with --event-loops {loops}\n")  # fmt: skip
+    others = names[1:]
     print(
-        "| command | req/s redis / floor / ours | floor / redis | ours / redis "
-        "| CPU us/req (user+sys) redis | floor | ours | ours - floor |"
+        f"| command | req/s {' / '.join(names)} | "
+        + " | ".join(f"{n} / redis" for n in others)
+        + f" | CPU us/req (user+sys) {' | '.join(names)} | ours - floor |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---" * (2 + len(others) + len(names)) + "|")
     for label, _, _ in COMMANDS:
-        rps = {s: statistics.median(x[0] for x in results[(label, s)]) for s in NAMES}
-        user = {s: statistics.median(x[1] for x in results[(label, s)]) for s in NAMES}
-        sys_ = {s: statistics.median(x[2] for x in results[(label, s)]) for s in NAMES}
-        cpu = {s: user[s] + sys_[s] for s in NAMES}
-        cells = " | ".join(f"{cpu[s]:.1f} ({user[s]:.1f}+{sys_[s]:.1f})" for s in NAMES)
+        rps = {s: statistics.median(x[0] for x in results[(label, s)]) for s in names}
+        user = {s: statistics.median(x[1] for x in results[(label, s)]) for s in names}
+        sys_ = {s: statistics.median(x[2] for x in results[(label, s)]) for s in names}
+        cpu = {s: user[s] + sys_[s] for s in names}
+        ratios = " | ".join(f"{rps[s] / rps['redis-server']:.2f}x" for s in others)
+        cells = " | ".join(f"{cpu[s]:.1f} ({user[s]:.1f}+{sys_[s]:.1f})" for s in names)
         print(
-            f"| {label} | {rps['redis-server']:,.0f} / {rps['floor']:,.0f} / {rps['ours']:,.0f} "
-            f"| {rps['floor'] / rps['redis-server']:.2f}x | {rps['ours'] / rps['redis-server']:.2f}x "
-            f"| {cells} | {cpu['ours'] - cpu['floor']:+.1f} |"
+            f"| {label} | {' / '.join(f'{rps[s]:,.0f}' for s in names)} | {ratios} "
+            f"| {cells} | {cpu['ours'] - cpu[names[1]]:+.1f} |"
         )
 
 

@@ -26,8 +26,10 @@ needs_redis = pytest.mark.skipif(
 )
 
 
-def test_floor_server_answers_the_benchmarks_commands() -> None:
-    with floor_server() as port:
+@pytest.mark.parametrize("variant", ["dict", "blake3", "store", "spin"])
+def test_floor_server_answers_the_benchmarks_commands(variant: str) -> None:
+    """Every variant answers alike (`store`: through our real memory store)."""
+    with floor_server(variant) as port:
         r = redis.Redis(port=port, protocol=2, socket_timeout=30)
         assert r.ping()
         big = os.urandom(300_000)  # above the framer's large-bulk threshold
@@ -82,10 +84,12 @@ def test_spawn_redis_skips_a_port_someone_else_took(
 
 @pytest.mark.slow
 @needs_redis
-def test_bench_floor_prints_a_row_per_command() -> None:
+@pytest.mark.parametrize(("floors", "servers"), [("dict", 3), ("dict,store", 4)])
+def test_bench_floor_prints_a_row_per_command(floors: str, servers: int) -> None:
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}")
     out = subprocess.run(
-        [sys.executable, "-m", "bench.bench_floor", "--rounds", "1", "--scale", "0.01"],
+        [sys.executable, "-m", "bench.bench_floor", "--rounds", "1", "--scale", "0.01",
+         "--floors", floors],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
@@ -94,7 +98,8 @@ def test_bench_floor_prints_a_row_per_command() -> None:
     assert len(rows) == 8, out.stdout
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert len(cells) == 8, row
+        # label, rates, a ratio per server but redis, a CPU per server, ours - floor
+        assert len(cells) == 2 + (servers - 1) + servers + 1, row
         rates = [float(x.replace(",", "")) for x in cells[1].split(" / ")]
-        assert len(rates) == 3, row
+        assert len(rates) == servers, row
         assert all(x > 0 for x in rates), row
