@@ -75,13 +75,18 @@ def test_a_reply_lost_after_sending_is_unknown_unless_safe(cluster: rc.LocalClus
 
 def test_down_fails_at_once_after_the_window_and_the_probe_clears_it(parts: rc.Parts) -> None:
     conn = parts.conn
+    conn.retry_window_s = 30.0  # what failing only after the window would cost
     conn.mark_down("test: cut off")
     conn.down_since = time.monotonic() - 2 * conn.retry_window_s  # down for long
     k = f"{parts.prefix}:x".encode()
+    retries = conn.counts["retries"]
     t0 = time.monotonic()
     with pytest.raises(ClusterUnavailableError, match="test: cut off"):
         conn.exec(k, [("GET", k)])
-    assert time.monotonic() - t0 < 0.5
+    # At once: refused before any round trip (none retried; the cluster is up, so one
+    # would have answered), not after waiting out the retry window.
+    assert conn.counts["retries"] == retries
+    assert time.monotonic() - t0 < conn.retry_window_s / 3
     assert conn.exec(k, [("GET", k)], window_s=1.0) == [None]  # a flush's own window
     conn.mark_down("test: cut off")
     conn.probe()  # every slot served: up

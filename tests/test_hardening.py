@@ -64,7 +64,10 @@ def test_scan_match_pattern_cannot_freeze_the_server(server: ServerHandle, patte
         started = time.monotonic()
         cursor, keys = r.scan(0, match=pattern, count=10000)
         assert keys == []
-        assert time.monotonic() - started < 0.5
+        # Milliseconds here. The regex translation `*` -> `.*` takes 37 s (quiet machine)
+        # on the first pattern and far longer on the second, past this client's 30 s socket
+        # timeout; a third of that leaves a loaded machine ample room.
+        assert time.monotonic() - started < 10
         r.set("a" * 998 + "zb", b"v")
         matched: list[bytes] = []
         cursor = 0
@@ -320,6 +323,12 @@ def hasty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
     thread.stop()
 
 
+CLOSED_BY_S = 5.0
+"""How soon the hasty server must close an unauthenticated connection: its deadline is
+0.5 s, the default one 10 s; half of that is the margin for a loaded machine that still
+fails a server falling back to the default (or never closing)."""
+
+
 def _closed_within(s: socket.socket, seconds: float) -> float | None:
     """Seconds until the peer closed `s` (reading and dropping input), None if it did not."""
     started = time.monotonic()
@@ -349,8 +358,8 @@ def test_http_connection_without_credentials_is_closed_at_the_deadline(
         status, headers, rest = _read_head(authed)
         assert status == 200
         assert len(rest) == int(headers["content-length"])
-        assert _closed_within(silent, 3.0) is not None
-        assert _closed_within(healthz, 3.0) is not None
+        assert _closed_within(silent, CLOSED_BY_S) is not None
+        assert _closed_within(healthz, CLOSED_BY_S) is not None
         assert _closed_within(authed, 1.0) is None  # authenticated: the idle timeout applies
         authed.sendall(b"GET /kv/stats HTTP/1.1\r\nHost: x\r\n" + auth + b"\r\n")
         assert _read_head(authed)[0] == 200
@@ -365,7 +374,7 @@ def test_resp_connection_that_only_pings_is_closed_at_the_deadline(hasty: Server
     started = time.monotonic()
     closed = False
     try:
-        while time.monotonic() - started < 3.0:
+        while time.monotonic() - started < 30.0:  # without a deadline: never closed
             try:
                 pinger.sendall(b"PING\r\n")
                 if pinger.recv(100) == b"":
@@ -378,7 +387,7 @@ def test_resp_connection_that_only_pings_is_closed_at_the_deadline(hasty: Server
     finally:
         pinger.close()
     assert closed
-    assert time.monotonic() - started < 2.0
+    assert time.monotonic() - started < CLOSED_BY_S
     r = resp_client(hasty, TOKEN_A)
     try:
         assert r.ping()
@@ -393,7 +402,7 @@ def test_resp_connection_that_only_pings_is_closed_at_the_deadline(hasty: Server
         time.sleep(0.8)  # a delay on purpose: most of the unauthenticated deadline
         raw.sendall(b"RESET\r\n")  # de-authenticates: the deadline starts again
         assert raw.recv(100) == b"+RESET\r\n"
-        assert _closed_within(raw, 3.0) is not None
+        assert _closed_within(raw, CLOSED_BY_S) is not None
     finally:
         raw.close()
 
@@ -413,19 +422,22 @@ def _post(server: ServerHandle, path: str, body: bytes, token: str = TOKEN_A) ->
         )
 
 
-def _healthz_latency_while(server: ServerHandle, busy: threading.Thread) -> float:
-    """The slowest /healthz round trip (on its own connection) while `busy` runs."""
+def _healthz_latency_while(server: ServerHandle, busy: threading.Thread) -> tuple[float, float]:
+    """The slowest /healthz round trip (on its own connection) while `busy` runs, and how
+    long `busy` ran."""
     worst = 0.0
     with urllib3.HTTPConnectionPool(server.http.host, server.http.port, maxsize=1) as pool:
         pool.request("GET", "/healthz")
+        started = time.monotonic()
         busy.start()
         while busy.is_alive():
             t0 = time.monotonic()
             assert pool.request("GET", "/healthz").status == 200
             worst = max(worst, time.monotonic() - t0)
             time.sleep(0.005)
+        busy_s = time.monotonic() - started
     busy.join()
-    return worst
+    return worst, busy_s
 
 
 def test_page_in_json_is_not_parsed_on_the_event_loop(server: ServerHandle) -> None:
@@ -433,8 +445,12 @@ def test_page_in_json_is_not_parsed_on_the_event_loop(server: ServerHandle) -> N
     body += b"]}"  # 15 MB of tiny JSON values: ~1 s of json.loads holding the GIL
     answers: list[Any] = []
     busy = threading.Thread(target=lambda: answers.append(_post(server, "/kv/page-in", body)))
-    worst = _healthz_latency_while(server, busy)
-    assert worst < 0.3, f"/healthz waited {worst:.2f}s behind a page-in body"
+    worst, busy_s = _healthz_latency_while(server, busy)
+    # Parsed (on the loop or not: json holds the GIL), /healthz waits for most of the
+    # request. The bound is relative to the request's own duration (a loaded machine slows
+    # both), with an absolute floor; the message below says the parser never ran.
+    bound = max(0.3, busy_s / 2)
+    assert worst < bound, f"/healthz waited {worst:.2f}s behind a page-in of {busy_s:.2f}s"
     (r,) = answers
     assert r.status == 400
     assert "graph too large" in json.loads(r.data)["message"]

@@ -564,13 +564,18 @@ def test_an_unexpected_error_in_the_committer_is_a_loud_read_only_fault(
     monkeypatch.setattr(durable_mod, "decide_batch", broken)
     with pytest.raises(StoreFaultError, match="a bug in the committer"):
         store.put(NS, "boom", block("boom"))
+    faulted = "read-only after a fault: RuntimeError: a bug in the committer"
     t0 = time.monotonic()
     for key in ("after", "other"):
-        with pytest.raises(StoreFaultError):
+        with pytest.raises(StoreFaultError, match=faulted):
             store.put(NS, key, block(key))
-    with pytest.raises(StoreFaultError):
+    with pytest.raises(StoreFaultError, match=faulted):
         store.delete(NS, "before")
-    assert time.monotonic() - t0 < 1  # at once, not after a timeout
+    assert store._committer.queued() == 0  # refused, not queued for a committer that is gone
+    # At once (milliseconds), not after a timeout: these calls have none of their own, so
+    # a broken store hangs them (until pytest's timeout) or makes them wait for another
+    # one, such as the 30 s shutdown timeout.
+    assert time.monotonic() - t0 < 10
     assert bytes(store.get(NS, "before") or b"") == block("before")  # reads keep working
     health = store.health()
     assert not health.ready
