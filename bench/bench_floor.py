@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import cast
 
 from bench.bench_server import TOKEN, our_server, redis_server
-from bench.bench_twins import COMMANDS, OUR_OPTIONS, run_benchmark_split
+from bench.bench_twins import COMMANDS, OUR_OPTIONS, our_store_options, run_benchmark_split
 
 FLOORS = {"dict": "floor", "blake3": "floor+blake3", "store": "floor+store", "spin": "floor+spin"}
 """The floor's variants (`--floor`) and their names in the tables."""
@@ -73,29 +73,23 @@ def serve_floor(port: int, variant: str = "dict") -> None:
 
     from epistemic_kvcache.buffers import received_block
     from epistemic_kvcache.errors import RemoteProtocolError
-    from epistemic_kvcache.options import StoreOptions
     from epistemic_kvcache.proto.resp import NEED_DATA
     from epistemic_kvcache.proto.resp_framer import IMPLEMENTATION, RespParser
     from epistemic_kvcache.store import SharedKvIndex
-    from epistemic_kvcache.store.api import WOULD_BLOCK
+    from epistemic_kvcache.store.api import WOULD_BLOCK, Buffer
 
     data: dict[bytes, bytes] = {}
     hashing = variant == "blake3"
     spin = SPIN_S if variant == "spin" else 0.0
-    store = None
-    if variant == "store":  # ours' capacities (bench_twins.OUR_OPTIONS)
-        store = SharedKvIndex(
-            StoreOptions(hot_capacity_bytes=6 << 30, warm_capacity_bytes=0,
-                         max_block_bytes=64 << 20)
-        )  # fmt: skip
+    store = SharedKvIndex(our_store_options()) if variant == "store" else None
 
-    def get(key: bytes) -> bytes | None:
+    def get(key: bytes) -> Buffer | None:
         if store is None:
             return data.get(key)
         value = store.get_nowait(STORE_NS, str(key, "utf-8"))
         if value is WOULD_BLOCK:
             value = store.get(STORE_NS, str(key, "utf-8"))
-        return None if value is None else bytes(value)
+        return value  # (formatted into the reply as it is: no copy first)
 
     def put(key: bytes, value: bytes | bytearray | memoryview) -> None:
         if store is None:
@@ -158,7 +152,7 @@ def serve_floor(port: int, variant: str = "dict") -> None:
             return b"+OK\r\n"
         if name == b"MSET" and len(cmd) >= 3 and len(cmd) % 2 == 1:  # (bench_lookup's keys)
             for k, v in zip(cmd[1::2], cmd[2::2], strict=True):
-                put(bytes(k), bytes(v))
+                put(bytes(k), v)
             return b"+OK\r\n"
         if name == b"EXISTS" and len(cmd) >= 2:
             return b":%d\r\n" % exists([bytes(k) for k in cmd[1:]])
@@ -277,7 +271,7 @@ def main() -> None:
     print(
         f"| command | req/s {' / '.join(names)} | "
         + " | ".join(f"{n} / redis" for n in others)
-        + f" | CPU us/req (user+sys) {' | '.join(names)} | ours - floor |"
+        + f" | CPU us/req (user+sys) {' | '.join(names)} | ours - {names[1]} |"
     )
     print("|---" * (2 + len(others) + len(names)) + "|")
     for label, _, _ in COMMANDS:

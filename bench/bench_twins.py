@@ -36,10 +36,23 @@ from pathlib import Path
 
 from bench.bench_cpu import cpu_split, pid_listening
 from bench.bench_server import TOKEN, our_server, redis_server
+from epistemic_kvcache.config.loading import load_config
+from epistemic_kvcache.config.settings import add_arguments
+from epistemic_kvcache.options import StoreOptions
 
 PURE_ENV = "EPISTEMIC_GRAPH_KVCACHE_PURE_PYTHON"
 OUR_OPTIONS = ["--hot-capacity-bytes", "6GiB", "--warm-capacity-bytes", "0",
                "--max-block-bytes", "64MiB"]  # fmt: skip
+
+
+def our_store_options() -> StoreOptions:
+    """The store options ours runs with here: `OUR_OPTIONS` read as the server reads its
+    flags (everything else at its default, no environment), for benchmarks that drive
+    the store in process."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return load_config(vars(parser.parse_args(OUR_OPTIONS)), env={}).store
+
 
 # (label, redis-benchmark arguments, requests): keys are fixed (no -r), so GET and
 # EXISTS find the key the SET before them wrote.

@@ -233,4 +233,4 @@ async def run_http(
 
 
 def run(coro: object) -> Result:
-    return uvloop.run(coro)  # type: ignore[arg-type,no-any-return]
+    return uvloop.run(coro)  # type: ignore[arg-type]
