@@ -29,11 +29,14 @@ $(DEV_STAMP): pyproject.toml setup.py $(CONSTRAINTS) | $(BIN)/python
 setup: $(RUN_STAMP)
 setup-dev: $(DEV_STAMP)
 
-# The compiled twin of the RESP framer, rebuilt in place whenever its source changes
-# (proto/resp_parser.py compiled with proto/_resp_parser_c.pxd; see setup.py).
+# The compiled twins, rebuilt in place whenever a source changes (see setup.py): the RESP
+# framer (proto/resp_parser.py with proto/_resp_parser_c.pxd) and the store's hot core
+# (store/hotcore.py with store/_hotcore_c.pxd).
 PROTO := src/epistemic_kvcache/proto
+STORE := src/epistemic_kvcache/store
 COMPILED_STAMP := build/.stamp-compiled
-$(COMPILED_STAMP): setup.py $(PROTO)/resp_parser.py $(PROTO)/_resp_parser_c.pxd | $(DEV_STAMP)
+$(COMPILED_STAMP): setup.py $(PROTO)/resp_parser.py $(PROTO)/_resp_parser_c.pxd \
+  $(STORE)/hotcore.py $(STORE)/_hotcore_c.pxd | $(DEV_STAMP)
 	$(BIN)/python setup.py -q build_ext --inplace
 	mkdir -p build && touch $(COMPILED_STAMP)
 compiled: $(COMPILED_STAMP)
@@ -65,11 +68,13 @@ fmt: setup-dev
 types: setup-dev
 	$(BIN)/mypy
 
-# The whole suite on the compiled twin of the RESP framer; then the protocol, dispatch
-# and wire tests again on the pure-Python twin. In CI (CI=true) a compiled twin that is
-# missing fails the run (tests/test_proto_resp_twins.py) instead of passing it pure.
-PURE_AGAIN := tests/test_proto_resp.py tests/test_proto_resp_framer.py \
-  tests/test_proto_resp_twins.py tests/test_server_resp*.py tests/test_server_wire_features.py
+# The whole suite on the compiled twins; then the protocol, dispatch, wire and store tests
+# again on the pure-Python twins. In CI (CI=true) a compiled twin that is missing fails
+# the run (tests/test_twins.py) instead of passing it pure.
+PURE_AGAIN := tests/test_twins.py tests/test_proto_resp.py tests/test_proto_resp_framer.py \
+  tests/test_proto_resp_twins.py tests/test_server_resp*.py tests/test_server_wire_features.py \
+  tests/test_store_hotcore_twins.py tests/test_store_model.py tests/test_store_nowait.py \
+  tests/test_store_tiers.py tests/test_store_epochs.py tests/test_store_snapshots.py tests/test_model.py
 REQUIRE_COMPILED ?= $(if $(CI),1,)
 test: setup-dev sysdeps compiled
 	KVCACHE_REQUIRE_COMPILED=$(REQUIRE_COMPILED) $(BIN)/pytest
@@ -83,9 +88,12 @@ test: setup-dev sysdeps compiled
 DIST_VENV := build/dist-venv
 PURE_VENV := build/dist-venv-pure
 TWIN = python -c 'import sys; from epistemic_kvcache.proto import resp_framer as f; \
+  from epistemic_kvcache.store import core; from epistemic_kvcache.store.memory import SharedKvIndex; \
   p = f.RespParser(authenticated=True); p.feed(b"*2\r\n$$3\r\nGET\r\n$$1\r\nk\r\n"); \
   assert p.next_command() == [b"GET", b"k"]; print("RESP framer:", f.IMPLEMENTATION, f.WHY_PURE); \
-  sys.exit(f.IMPLEMENTATION != sys.argv[1])'
+  s = SharedKvIndex(); s.put("t", "k", b"v"); assert s.get_nowait("t", "k") == b"v"; \
+  print("store hot core:", core.IMPLEMENTATION, core.WHY_PURE); \
+  sys.exit(f.IMPLEMENTATION != sys.argv[1] or core.IMPLEMENTATION != sys.argv[1])'
 dist: setup-dev
 	rm -rf dist
 	$(BIN)/python -m build --outdir dist .
@@ -98,8 +106,10 @@ dist-check: dist
 	$(DIST_VENV)/bin/python scripts/check_client_install.py
 	tar tzf dist/epistemic_kvcache-*.tar.gz | grep -q '/LICENSE$$'
 	tar tzf dist/epistemic_kvcache-*.tar.gz | grep -q '/proto/_resp_parser_c.pxd$$'
+	tar tzf dist/epistemic_kvcache-*.tar.gz | grep -q '/store/_hotcore_c.pxd$$'
 	unzip -l dist/epistemic_kvcache-*.whl | grep -q 'licenses/LICENSE'
 	unzip -l dist/epistemic_kvcache-*.whl | grep -q '/proto/_resp_parser_c\..*\.so$$'
+	unzip -l dist/epistemic_kvcache-*.whl | grep -q '/store/_hotcore_c\..*\.so$$'
 	$(DIST_VENV)/bin/$(TWIN) compiled
 	EPISTEMIC_GRAPH_KVCACHE_PURE_PYTHON=1 $(DIST_VENV)/bin/$(TWIN) pure
 	$(PY) -m venv $(PURE_VENV)

@@ -1,14 +1,16 @@
-"""Build the optional compiled twin of the RESP framer (Cython), or skip it cleanly.
+"""Build the optional compiled twins (Cython), or skip them cleanly.
 
-Everything else about the package is in pyproject.toml. `RespParser` has one source,
-src/epistemic_kvcache/proto/resp_parser.py: the pure-Python reference, which Cython
-also compiles (its "pure Python mode", with the C types of
-src/epistemic_kvcache/proto/_resp_parser_c.pxd) into the extension module
-`epistemic_kvcache.proto._resp_parser_c`; proto/resp_framer.py imports it when present.
+Everything else about the package is in pyproject.toml. Each twin has one source, a
+pure-Python module that Cython also compiles (its "pure Python mode", with the C types
+of the `.pxd` beside it) into an extension module:
+- src/epistemic_kvcache/proto/resp_parser.py -> `epistemic_kvcache.proto._resp_parser_c`
+  (the RESP framer; proto/resp_framer.py imports it when present);
+- src/epistemic_kvcache/store/hotcore.py -> `epistemic_kvcache.store._hotcore_c` (the
+  store's records and hit paths; store/core.py imports it when present).
 
-The extension is optional: without Cython or without a C compiler, or with
-`EPISTEMIC_GRAPH_KVCACHE_PURE_BUILD=1`, the package builds without it (one line says
-so) and runs the pure-Python twin.
+The extensions are optional: without Cython or without a C compiler, or with
+`EPISTEMIC_GRAPH_KVCACHE_PURE_BUILD=1`, the package builds without them (one line says
+so) and runs the pure-Python twins.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
 PURE_BUILD_ENV = "EPISTEMIC_GRAPH_KVCACHE_PURE_BUILD"
-MODULE = "epistemic_kvcache.proto._resp_parser_c"
-SOURCE = "src/epistemic_kvcache/proto/resp_parser.py"
+# (extension module, its pure-Python source)
+TWINS = [
+    ("epistemic_kvcache.proto._resp_parser_c", "src/epistemic_kvcache/proto/resp_parser.py"),
+    ("epistemic_kvcache.store._hotcore_c", "src/epistemic_kvcache/store/hotcore.py"),
+]
 
 
 _said: set[str] = set()
@@ -36,7 +41,7 @@ def _not_built(exc: BaseException) -> None:
     copy of its output after it: that one is not said again)."""
     if not _said:
         _said.add("not built")
-        _say(f"compiled RESP framer not built ({exc}); using the pure-Python one")
+        _say(f"compiled twins not built ({exc}); using the pure-Python ones")
 
 
 class OptionalBuildExt(build_ext):
@@ -66,11 +71,11 @@ def _extensions() -> list[object]:
         _say("Cython is not installed: building the pure-Python package")
         return []
     # -g0: no debug info (the .so shrinks from 1.8 MB to a few hundred KB)
-    ext = Extension(MODULE, sources=[SOURCE], extra_compile_args=["-g0"])
+    exts = [Extension(m, sources=[src], extra_compile_args=["-g0"]) for m, src in TWINS]
     try:
         return list(
             cythonize(
-                [ext],
+                exts,
                 # annotations are for mypy; the C types come from the .pxd alone
                 compiler_directives={"language_level": "3", "annotation_typing": False},
                 quiet=True,
@@ -78,7 +83,7 @@ def _extensions() -> list[object]:
             )
         )
     except Exception as exc:
-        _say(f"compiled RESP framer not built (Cython: {exc}); using the pure-Python one")
+        _say(f"compiled twins not built (Cython: {exc}); using the pure-Python ones")
         return []
 
 

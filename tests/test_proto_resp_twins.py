@@ -10,17 +10,12 @@ their preallocated buffers) and must hand out the same commands (argument types
 included), the same refusals and the same error after the same commands, with the same
 accounting (`held_bytes`, `pending_bytes`, `buffered_bytes`, ...) after every step.
 
-Where the compiled twin is not built these tests are skipped, except in CI, which
-builds it and sets `KVCACHE_REQUIRE_COMPILED=1`: there a missing twin fails
-`test_the_compiled_twin_runs_where_required`.
+Where the compiled twin is not built these tests are skipped; tests/test_twins.py checks
+that it is built and selected where it should be (in CI, `KVCACHE_REQUIRE_COMPILED=1`).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from epistemic_kvcache.errors import RemoteProtocolError
-from epistemic_kvcache.proto import resp_framer, resp_parser
+from epistemic_kvcache.proto import resp_parser
 from epistemic_kvcache.proto.resp import NEED_DATA, RefusedCommand
 
 try:
@@ -36,57 +31,9 @@ try:
 except ImportError:
     compiled = None  # type: ignore[assignment]
 
-REQUIRED = os.environ.get("KVCACHE_REQUIRE_COMPILED", "") == "1"
 needs_compiled = pytest.mark.skipif(
     compiled is None, reason="the compiled twin is not built (setup.py build_ext --inplace)"
 )
-
-
-def test_the_compiled_twin_runs_where_required() -> None:
-    """CI builds the twin and sets KVCACHE_REQUIRE_COMPILED=1: a silently missing or
-    unselected compiled twin fails here instead of passing the suite on the pure one."""
-    if not REQUIRED:
-        pytest.skip("KVCACHE_REQUIRE_COMPILED is not set")
-    if os.environ.get(resp_framer.PURE_PYTHON_ENV, "") not in {"", "0"}:  # CI's pure pass
-        assert resp_framer.IMPLEMENTATION == "pure"
-        assert compiled is not None, "the compiled twin is not built"
-        return
-    assert resp_framer.WHY_PURE == ""
-    assert resp_framer.IMPLEMENTATION == "compiled"
-    assert resp_framer.RespParser.__module__ == "epistemic_kvcache.proto._resp_parser_c"
-
-
-def _implementation_in_child(env: dict[str, str]) -> str:
-    code = "from epistemic_kvcache.proto import resp_framer as f; print(f.IMPLEMENTATION)"
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
-    return out.stdout.strip()
-
-
-def test_the_environment_forces_the_pure_twin() -> None:
-    assert _implementation_in_child({resp_framer.PURE_PYTHON_ENV: "1"}) == "pure"
-    expected = "pure" if compiled is None else "compiled"
-    assert _implementation_in_child({resp_framer.PURE_PYTHON_ENV: "0"}) == expected
-
-
-@needs_compiled
-def test_the_compiled_twin_is_built_from_the_current_source() -> None:
-    """In a source checkout the extension sits beside resp_parser.py: built before the
-    source (or its .pxd) last changed means it frames with old code."""
-    so = Path(compiled.__file__)
-    source = Path(resp_parser.__file__)
-    if so.parent != source.parent:
-        pytest.skip("installed elsewhere than the source")
-    for dep in (source, source.with_name("_resp_parser_c.pxd")):
-        assert so.stat().st_mtime >= dep.stat().st_mtime, (
-            f"{so.name} is older than {dep.name}: rebuild it (python setup.py build_ext --inplace)"
-        )
 
 
 # -- the differential property ------------------------------------------------------------

@@ -15,25 +15,16 @@ Both frame the same commands and raise the same errors
 
 from __future__ import annotations
 
-import os
-from typing import Final
-
 from epistemic_kvcache.proto import resp_parser as pure
+from epistemic_kvcache.twins import PURE_PYTHON_ENV, select
 
 __all__ = ["IMPLEMENTATION", "PURE_PYTHON_ENV", "WHY_PURE", "RespParser", "pure"]
 
-PURE_PYTHON_ENV: Final = "EPISTEMIC_GRAPH_KVCACHE_PURE_PYTHON"
-"""Set to anything but "" or "0" to run the pure-Python twin even when the compiled one
-is built."""
-
 
 def _select() -> tuple[type[pure.RespParser], str, str]:
-    if os.environ.get(PURE_PYTHON_ENV, "") not in {"", "0"}:
-        return pure.RespParser, "pure", f"{PURE_PYTHON_ENV} is set"
-    try:
-        from epistemic_kvcache.proto import _resp_parser_c as compiled
-    except ImportError as exc:  # not built: no C compiler, or a pure wheel
-        return pure.RespParser, "pure", f"the compiled twin is not built ({exc})"
+    compiled, why = select("epistemic_kvcache.proto._resp_parser_c")
+    if compiled is None:
+        return pure.RespParser, "pure", why
     return compiled.RespParser, "compiled", ""
 
 

@@ -75,6 +75,7 @@ from epistemic_kvcache.server.loops import (
 )
 from epistemic_kvcache.server.oplog import AccessLog
 from epistemic_kvcache.server.tls import check_bind, ssl_context_from_config
+from epistemic_kvcache.store import core as store_core
 from epistemic_kvcache.store.api import SharedKvBackend
 
 log = logging.getLogger("epistemic_kvcache.server")
@@ -400,6 +401,11 @@ async def serve(
         for name, addrs in (("http", http_addrs), ("resp", resp_addrs)):
             for a in addrs:
                 log.info("listening %s=%s tls=%s", name, a, mode)
+        log.info(
+            "store hot core: %s twin%s",
+            store_core.IMPLEMENTATION,
+            f" ({store_core.WHY_PURE})" if store_core.WHY_PURE else "",
+        )
         log.info(
             "started epistemic-kvcache %s http=%s resp=%s tls=%s backend=%s persist_dir=%s "
             "dedup_scope=%s event_loops=%d",

@@ -57,9 +57,11 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+from sortedcontainers import SortedList
 
 from epistemic_kvcache.errors import (
     ConfigurationError,
@@ -95,6 +97,7 @@ from epistemic_kvcache.store.index import (
     pack_loc,
     unpack_loc,
 )
+from epistemic_kvcache.store.model import Ledger, _Blob, tenant_of
 from epistemic_kvcache.store.opening import Opener
 from epistemic_kvcache.store.plan import BatchOp as _Op
 from epistemic_kvcache.store.plan import Plan, decide_batch, plan_evictions, plan_room
@@ -187,6 +190,7 @@ class SharedKvStoreBackend(TieredEngine):
         )
         self._quarantined = self._opened.quarantined  # and every quarantine since
         self._inflight: dict[tuple[str, str], int] = {}
+        self._core.inflight = self._inflight  # the committer decides those keys' PUTs
         self._batches = 0
         self._committed_ops = 0
         self._write_failures = 0
@@ -301,6 +305,55 @@ class SharedKvStoreBackend(TieredEngine):
             self._load(o.entries)
             self._apply(o.metas)
         return opened.ix
+
+    def _load(
+        self,
+        entries: Iterable[tuple[str, str, bytes, int, int, int, tuple[str, int] | None, int]],
+    ) -> None:
+        """Fill an empty engine in bulk (opening a store): the same state as applying
+        `AddKey` (+ `PinDelta`) per entry, built in a few passes (lock held).
+
+        `entries`: (ns, key, scoped digest, size, segment, offset, epoch tag, pins)."""
+        blobs = self._blobs
+        glob = self.options.dedup_scope == "global"
+        pins_of = self._pins
+        by_ns: dict[str, dict[str, _Blob]] = {}
+        for ns, key, sdig, size, seg, off, tag, pins in entries:
+            b = blobs.get(sdig)
+            if b is None:
+                b = blobs[sdig] = _Blob(sdig, size)
+                b.seg, b.off = seg, off
+                b.owner = {} if glob else tenant_of(ns)
+            b.refs += 1
+            b.add_keyref((ns, key))
+            if isinstance(b.owner, dict):
+                t = tenant_of(ns)
+                b.owner[t] = b.owner.get(t, 0) + 1
+            idx = by_ns.get(ns)
+            if idx is None:
+                idx = by_ns[ns] = self._index.setdefault(ns, {})
+            idx[key] = b
+            if tag is not None:
+                self._tags[(ns, key)] = tag
+            if pins:
+                pins_of[(ns, key)] = pins
+                b.pins += pins
+            c = self._counters(ns)
+            c.total_refs += 1
+            c.logical_bytes += b.size
+        total = self._total
+        for ns in by_ns:
+            c = self._counters(ns)
+            total.total_refs += c.total_refs
+            total.logical_bytes += c.logical_bytes
+            self._sorted[ns] = SortedList(self._index[ns])
+        for b in blobs.values():
+            Ledger.footprint(b, total, +1)
+            for o in b.owners():
+                Ledger.footprint(b, self._counters(o), +1)
+            if b.pins:
+                self._pinned_bytes += b.size
+            self._lower.blob_created(b)
 
     @property
     def salvaged(self) -> Salvage | None:

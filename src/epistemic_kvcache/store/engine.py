@@ -25,7 +25,7 @@ import concurrent.futures
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, overload
 
 from sortedcontainers import SortedList
@@ -57,6 +57,7 @@ from epistemic_kvcache.store.api import (
 )
 from epistemic_kvcache.store.catalog import Catalog, RamEpochs
 from epistemic_kvcache.store.codec import WarmCodec
+from epistemic_kvcache.store.core import DECLINED, HotCore
 from epistemic_kvcache.store.model import (
     _VALID_NS_CACHE,
     DIGEST_BYTES,
@@ -177,6 +178,19 @@ class TieredEngine(Catalog, SharedKvBackend):
             self._lock, self._tags, options.max_epoch_scopes_per_tenant
         )
         self._epoch_current = self._epoch_src.current
+        # the hit paths (hotcore.py): RAM answers most requests there, in one call
+        self._core = HotCore(
+            index=self._index,
+            blobs=self._blobs,
+            hot=self._hot,
+            by_ns=self._ns,
+            total=self._total,
+            lock=self._lock,
+            tags=self._tags,
+            valid_ns=self._valid_ns,
+            global_dedup=options.dedup_scope == "global",
+            max_block_bytes=options.max_block_bytes,
+        )
 
     def _compose(
         self,
@@ -268,55 +282,6 @@ class TieredEngine(Catalog, SharedKvBackend):
                 recs = self._meta(e.kind).get(e.tenant)
                 if recs is not None:
                     recs.pop(e.id, None)
-
-    def _load(
-        self,
-        entries: Iterable[tuple[str, str, bytes, int, int, int, tuple[str, int] | None, int]],
-    ) -> None:
-        """Fill an empty engine in bulk (opening a store): the same state as applying
-        `AddKey` (+ `PinDelta`) per entry, built in a few passes (lock held).
-
-        `entries`: (ns, key, scoped digest, size, segment, offset, epoch tag, pins)."""
-        blobs = self._blobs
-        glob = self.options.dedup_scope == "global"
-        pins_of = self._pins
-        by_ns: dict[str, dict[str, _Blob]] = {}
-        for ns, key, sdig, size, seg, off, tag, pins in entries:
-            b = blobs.get(sdig)
-            if b is None:
-                b = blobs[sdig] = _Blob(sdig, size)
-                b.seg, b.off = seg, off
-                b.owner = {} if glob else tenant_of(ns)
-            b.refs += 1
-            b.add_keyref((ns, key))
-            if isinstance(b.owner, dict):
-                t = tenant_of(ns)
-                b.owner[t] = b.owner.get(t, 0) + 1
-            idx = by_ns.get(ns)
-            if idx is None:
-                idx = by_ns[ns] = self._index.setdefault(ns, {})
-            idx[key] = b
-            if tag is not None:
-                self._tags[(ns, key)] = tag
-            if pins:
-                pins_of[(ns, key)] = pins
-                b.pins += pins
-            c = self._counters(ns)
-            c.total_refs += 1
-            c.logical_bytes += b.size
-        total = self._total
-        for ns in by_ns:
-            c = self._counters(ns)
-            total.total_refs += c.total_refs
-            total.logical_bytes += c.logical_bytes
-            self._sorted[ns] = SortedList(self._index[ns])
-        for b in blobs.values():
-            Ledger.footprint(b, total, +1)
-            for o in b.owners():
-                Ledger.footprint(b, self._counters(o), +1)
-            if b.pins:
-                self._pinned_bytes += b.size
-            self._lower.blob_created(b)
 
     def _meta(self, kind: str) -> dict[str, dict[str, dict[str, Any]]]:
         return self._snapshots if kind == "snap" else self._branches
@@ -458,6 +423,10 @@ class TieredEngine(Catalog, SharedKvBackend):
         return b
 
     def get(self, ns: str, key: str) -> Buffer | None:
+        if not self._closed:
+            data = self._core.get(ns, key)  # a hot hit, a miss: the hit path answers
+            if data is not WOULD_BLOCK:
+                return data
         self._validate(ns, key)
         self._check_open()
         return self._read(ns, key)
@@ -468,6 +437,10 @@ class TieredEngine(Catalog, SharedKvBackend):
         Never does I/O or decompression, so an event loop may call it inline; on
         `WOULD_BLOCK` nothing was counted and `get` (on a worker thread) does the read.
         """
+        if not self._closed:
+            data = self._core.get(ns, key)
+            if data is not WOULD_BLOCK:
+                return data
         self._validate(ns, key)
         self._check_open()
         return self._read(ns, key, nowait=True)
@@ -510,6 +483,10 @@ class TieredEngine(Catalog, SharedKvBackend):
             and not self._tiers.cheap_room()
         ):
             return WOULD_BLOCK
+        if cond is None and not self._closed:
+            r = self._core.put(ns, key, data)  # the bytes the key holds: a duplicate
+            if r is not WOULD_BLOCK:
+                return r
         if not self._seq.queues:  # applied at once: the whole PUT, as `put` (or an override)
             return self.put(ns, key, data, cond=cond)
         return self._start_put(ns, key, data, None, cond, False)
@@ -632,6 +609,10 @@ class TieredEngine(Catalog, SharedKvBackend):
         """How many of `keys` exist (one count per mention): the index is in RAM, so
         always answered at once. `exists_many` summed, without its list (every RESP
         EXISTS runs this inline)."""
+        if not self._closed:
+            n = self._core.exists(ns, keys)
+            if n != DECLINED:
+                return n
         for key in keys:
             self._validate(ns, key)
         if self._closed:

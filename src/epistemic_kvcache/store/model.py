@@ -6,7 +6,9 @@ How it works
   digest of the bytes, prefixed by the namespace in the default `namespace` dedup scope
   (tenants never share or probe each other's blobs) or by nothing in `global` scope.
   Every key holding the same bytes in the same scope points at the same `_Blob`; `refs`
-  counts them, `keys` lists them (compactly: most blobs have one key).
+  counts them, `keys` lists them (compactly: most blobs have one key). `_Blob` and the
+  `_Counters` records are defined in hotcore.py, which has a compiled twin (core.py
+  picks it): the records get C fields there. They are re-exported here.
 - Mutations are *effects* (`AddKey`, `DelKey`, `PinDelta`, `MetaPut`, `MetaDel`,
   `Move`); the engine applies them to RAM in one place (`TieredEngine._apply`).
 - Snapshot and branch entries live in internal namespaces that contain NUL, which a
@@ -15,14 +17,12 @@ How it works
   per-tier occupancy, pinned) is added to each namespace that references it and to the
   total, and moved with it, under the engine lock.
 
-This module imports nothing else of the store but `api`: every other store module may
-import it.
+This module imports nothing else of the store but `api` and the hot core (`core`,
+`hotcore`): every other store module may import it.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -37,13 +37,13 @@ from epistemic_kvcache.store.api import (
     PUT_REPLACED,
     Buffer,
     PutOutcome,
-    StoreStats,
-    TierStats,
 )
 from epistemic_kvcache.store.api import WOULD_BLOCK as WOULD_BLOCK  # noqa: PLC0414
 from epistemic_kvcache.store.api import WouldBlock as WouldBlock  # noqa: PLC0414
+from epistemic_kvcache.store.core import _Blob as _Blob  # noqa: PLC0414
+from epistemic_kvcache.store.core import _Counters as _Counters  # noqa: PLC0414
+from epistemic_kvcache.store.hotcore import DIGEST_BYTES as DIGEST_BYTES  # noqa: PLC0414
 
-DIGEST_BYTES = 32
 # Above this size BLAKE3 hashes with several threads (and releases the GIL).
 _PARALLEL_HASH_BYTES = 1 << 20
 # Namespaces remembered as valid (tenants, plus snapshot/branch namespaces in use).
@@ -72,130 +72,6 @@ def digest_of(data: Buffer) -> bytes:
     if len(data) >= _PARALLEL_HASH_BYTES:
         return blake3.blake3(data, max_threads=blake3.blake3.AUTO).digest()
     return blake3.blake3(data).digest()
-
-
-class _Blob:
-    """One stored block. `seg >= 0` means it is on disk (durable backend)."""
-
-    __slots__ = (
-        "busy",
-        "hits",
-        "hot",
-        "importance",
-        "keys",
-        "off",
-        "owner",
-        "pins",
-        "refs",
-        "sdig",
-        "seg",
-        "size",
-        "warm",
-    )
-
-    def __init__(self, sdig: bytes, size: int) -> None:
-        self.sdig = sdig
-        self.size = size
-        self.refs = 0
-        self.pins = 0
-        self.hits = 0
-        self.importance = 0.0
-        self.hot: Buffer | None = None
-        self.warm: bytes | None = None
-        self.seg = -1
-        self.off = 0
-        # namespace scope: the one owning namespace; global scope: {ns: refs}
-        self.owner: str | dict[str, int] = ""
-        # The keys referencing the blob: None; one key of the owning namespace as its bare
-        # name (the common case: no tuple per block); one (ns, key); or a list of them.
-        self.keys: str | tuple[str, str] | list[tuple[str, str]] | None = None
-        self.busy = False
-
-    @property
-    def digest(self) -> bytes:
-        return self.sdig[-DIGEST_BYTES:]
-
-    def key_refs(self) -> list[tuple[str, str]]:
-        k = self.keys
-        if k is None:
-            return []
-        if isinstance(k, str):
-            return [(self.owner, k)]  # type: ignore[list-item]  # owner is a str then
-        return [k] if isinstance(k, tuple) else list(k)
-
-    def add_keyref(self, ref: tuple[str, str]) -> None:
-        k = self.keys
-        if k is None:
-            self.keys = ref[1] if ref[0] == self.owner else ref
-        elif isinstance(k, list):
-            k.append(ref)
-        else:
-            self.keys = [*self.key_refs(), ref]
-
-    def remove_keyref(self, ref: tuple[str, str]) -> None:
-        k = self.keys
-        if isinstance(k, list):
-            k.remove(ref)
-            if len(k) == 1:
-                self.keys = None
-                self.add_keyref(k[0])
-        elif k is not None and self.key_refs()[0] == ref:
-            self.keys = None
-
-    def owners(self) -> Iterable[str]:
-        o = self.owner
-        return (o,) if isinstance(o, str) else tuple(o)
-
-
-@dataclass(slots=True)
-class _Counters:
-    """Per-namespace counters and gauges (gauges are kept exact under the lock)."""
-
-    cold_blocks: int = 0
-    cold_bytes: int = 0
-    cold_peak: int = 0
-    dedup_hits: int = 0
-    demotions: int = 0
-    evictions: int = 0
-    get_hits: int = 0
-    get_misses: int = 0
-    hot_blocks: int = 0
-    hot_bytes: int = 0
-    hot_peak: int = 0
-    integrity_failures: int = 0
-    logical_bytes: int = 0
-    pinned_blocks: int = 0
-    pinned_bytes: int = 0
-    promotions: int = 0
-    put_conflicts: int = 0
-    put_new: int = 0
-    put_replaced: int = 0
-    resident_bytes: int = 0
-    stale_missed: int = 0
-    total_refs: int = 0
-    unique_blocks: int = 0
-    warm_blocks: int = 0
-    warm_bytes: int = 0
-    warm_logical: int = 0
-    warm_peak: int = 0
-
-    def stats(self, caps: dict[str, int]) -> StoreStats:
-        """These counters as `StoreStats`; `caps`: tier capacities by name."""
-        s = StoreStats.of(
-            functools.partial(getattr, self),
-            dedup_savings_bytes=self.logical_bytes - self.resident_bytes,
-        )
-        s.tiers["hot"] = TierStats(
-            self.hot_blocks, self.hot_bytes, caps["hot"], self.hot_bytes, self.hot_peak
-        )
-        s.tiers["warm"] = TierStats(
-            self.warm_blocks, self.warm_bytes, caps["warm"], self.warm_logical, self.warm_peak
-        )
-        if "cold" in caps:
-            s.tiers["cold"] = TierStats(
-                self.cold_blocks, self.cold_bytes, caps["cold"], self.cold_bytes, self.cold_peak
-            )
-        return s
 
 
 # AddKey and DelKey are built once per PUT/DELETE: not frozen, because a frozen

@@ -47,6 +47,7 @@ from epistemic_kvcache.server.resp.common import (
 )
 from epistemic_kvcache.server.resp.registry import blocking_command, command
 from epistemic_kvcache.server.resp.session import Session
+from epistemic_kvcache.store import core as store_core
 from epistemic_kvcache.store.api import PutCond, SharedKvBackend
 
 EPOCH_CHANNEL: Final = b"kvcache:epochs"
@@ -587,6 +588,7 @@ def _info(s: Session, cmd: Command) -> object:
                 ("server_name", "epistemic-kvcache"),
                 ("kvcache_version", shared.version),
                 ("kvcache_resp_framer", resp_framer.IMPLEMENTATION),
+                ("kvcache_store_core", store_core.IMPLEMENTATION),
                 ("arch_bits", 64),
                 ("uptime_in_seconds", int(time.monotonic() - shared.started)),
                 ("resp_protocols", "2,3"),

@@ -1,0 +1,123 @@
+"""Every compiled twin is selected where it should be (twins.py), for each twin alike: the
+RESP framer (proto/resp_framer.py) and the store's hot core (store/core.py).
+
+Where a compiled twin is not built the checks that need it are skipped, except in CI,
+which builds the twins and sets `KVCACHE_REQUIRE_COMPILED=1`: there a missing twin fails
+`test_the_compiled_twin_runs_where_required`. CI runs this file again with
+`EPISTEMIC_GRAPH_KVCACHE_PURE_PYTHON=1` (Makefile `PURE_AGAIN`): then the pure twins must
+run, though the compiled ones are built. The differential tests of each pair are
+tests/test_proto_resp_twins.py and tests/test_store_hotcore_twins.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from epistemic_kvcache.twins import PURE_PYTHON_ENV
+
+REQUIRED = os.environ.get("KVCACHE_REQUIRE_COMPILED", "") == "1"
+
+# (selector module, the class it picks, pure source module, compiled module, its .pxd)
+TWINS = [
+    (
+        "epistemic_kvcache.proto.resp_framer",
+        "RespParser",
+        "epistemic_kvcache.proto.resp_parser",
+        "epistemic_kvcache.proto._resp_parser_c",
+        "_resp_parser_c.pxd",
+    ),
+    (
+        "epistemic_kvcache.store.core",
+        "HotCore",
+        "epistemic_kvcache.store.hotcore",
+        "epistemic_kvcache.store._hotcore_c",
+        "_hotcore_c.pxd",
+    ),
+]
+each_twin = pytest.mark.parametrize(
+    ("selector", "name", "pure", "compiled", "pxd"), TWINS, ids=["resp_framer", "store_core"]
+)
+
+
+def _compiled(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+@each_twin
+def test_the_compiled_twin_runs_where_required(
+    selector: str, name: str, pure: str, compiled: str, pxd: str
+) -> None:
+    """A silently missing or unselected compiled twin fails here in CI instead of passing
+    the suite on the pure one."""
+    if not REQUIRED:
+        pytest.skip("KVCACHE_REQUIRE_COMPILED is not set")
+    sel = importlib.import_module(selector)
+    if os.environ.get(PURE_PYTHON_ENV, "") not in {"", "0"}:  # CI's pure pass
+        assert sel.IMPLEMENTATION == "pure"
+        assert getattr(sel, name) is getattr(importlib.import_module(pure), name)
+        assert _compiled(compiled) is not None, "the compiled twin is not built"
+        return
+    assert sel.WHY_PURE == ""
+    assert sel.IMPLEMENTATION == "compiled"
+    assert getattr(sel, name).__module__ == compiled
+
+
+def test_the_store_keeps_the_selected_twins_records() -> None:
+    """Every blob and counter set the store makes is of the twin `store.core` picked."""
+    from epistemic_kvcache.store import SharedKvIndex, core
+
+    s = SharedKvIndex()
+    s.put("t", "k", b"v")
+    module = core.HotCore.__module__
+    assert type(next(iter(s._blobs.values()))).__module__ == module
+    assert type(s._total).__module__ == type(s._ns["t"]).__module__ == module
+
+
+@each_twin
+def test_the_environment_forces_the_pure_twin(
+    selector: str, name: str, pure: str, compiled: str, pxd: str
+) -> None:
+    def implementation_in_child(value: str) -> str:
+        code = f"import {selector} as s; print(s.IMPLEMENTATION)"
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, PURE_PYTHON_ENV: value},
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        )
+        return out.stdout.strip()
+
+    assert implementation_in_child("1") == "pure"
+    expected = "pure" if _compiled(compiled) is None else "compiled"
+    assert implementation_in_child("0") == expected
+
+
+@each_twin
+def test_the_compiled_twin_is_built_from_the_current_source(
+    selector: str, name: str, pure: str, compiled: str, pxd: str
+) -> None:
+    """In a source checkout the extension sits beside its source: built before the source
+    (or its .pxd) last changed means it runs old code."""
+    mod = _compiled(compiled)
+    if mod is None:
+        pytest.skip("the compiled twin is not built (setup.py build_ext --inplace)")
+    so = Path(str(mod.__file__))
+    source = Path(str(importlib.import_module(pure).__file__))
+    if so.parent != source.parent:
+        pytest.skip("installed elsewhere than the source")
+    for dep in (source, source.with_name(pxd)):
+        assert so.stat().st_mtime >= dep.stat().st_mtime, (
+            f"{so.name} is older than {dep.name}: rebuild it (python setup.py build_ext --inplace)"
+        )
