@@ -102,6 +102,12 @@ def test_the_environment_forces_the_pure_twin(
     assert implementation_in_child("1") == "pure"
     expected = "pure" if _compiled(compiled) is None else "compiled"
     assert implementation_in_child("0") == expected
+    # by name: only the twins named run pure
+    twin_name = "resp_framer" if "proto" in selector else "store_core"
+    other = "store_core" if twin_name == "resp_framer" else "resp_framer"
+    assert implementation_in_child(twin_name) == "pure"
+    assert implementation_in_child(f" {other} , {twin_name}") == "pure"
+    assert implementation_in_child(other) == expected
 
 
 @each_twin

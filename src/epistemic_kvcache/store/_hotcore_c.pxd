@@ -73,5 +73,5 @@ cdef class HotCore:
     @cython.locals(idx=dict, found=Py_ssize_t)
     cpdef Py_ssize_t exists(self, str ns, object keys) except? -2
 
-    @cython.locals(c=_Counters, b=_Blob, idx=dict, size=Py_ssize_t, raw=bytes)
+    @cython.locals(c=_Counters, b=_Blob, idx=dict, size=Py_ssize_t, raw=bytes, digest=bytes, sdig=bytes)
     cpdef object put(self, str ns, str key, object data)

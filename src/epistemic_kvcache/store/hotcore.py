@@ -8,11 +8,12 @@ How it works
   and `HotCore`'s paths run as C over them. store/core.py picks the twin at import.
 - `HotCore` answers the requests that RAM alone answers, the most frequent ones, in one
   call under the engine lock: a GET of a hot block or of an absent key, EXISTS, and a PUT
-  of the bytes a key already holds (a duplicate). For anything else it declines with
-  `WOULD_BLOCK` (`DECLINED` for EXISTS) before it has counted or changed anything, and the
-  engine's general path (engine.py) does the request: a store with epoch-tagged entries,
-  a block that is not hot, an internal namespace, a namespace or key not yet validated,
-  counters not yet made, a key with a write in flight (durable backend).
+  of the bytes a key already holds (a duplicate: found equal to the hot copy byte for
+  byte, or by its digest). For anything else it declines with `WOULD_BLOCK` (`DECLINED`
+  for EXISTS) before it has counted or changed anything, and the engine's general path
+  (engine.py) does the request: a store with epoch-tagged entries, a block that is not
+  hot, an internal namespace, a namespace or key not yet validated, counters not yet
+  made, a key with a write in flight (durable backend).
 - It works on the engine's own containers, handed over once and never replaced, so
   both paths see one state and keep one set of books: the LRU orders, the hit counts and
   the counters move exactly as the general path would move them.
@@ -306,8 +307,11 @@ class HotCore:
 
     def put(self, ns: str, key: str, data: BlockData) -> PutResult | WouldBlock:
         """The answer to a PUT (no condition) of the bytes `key` already holds: a
-        duplicate, counted; else `WOULD_BLOCK`, with nothing counted or changed. Hashes
-        only when the key holds a block of this size."""
+        duplicate, counted; else `WOULD_BLOCK`, with nothing counted or changed.
+
+        A key whose block is hot is compared with it byte for byte (equal bytes have
+        equal digests: no hash needed, and other bytes are declined unhashed); otherwise
+        the bytes are hashed when the key holds a block of their size."""
         raw = self.valid_ns.get(ns)
         if raw is None or "\x00" in ns or not (key.isascii() and 0 < len(key) <= MAX_KEY_BYTES):
             return WOULD_BLOCK
@@ -321,7 +325,14 @@ class HotCore:
         b = idx.get(key)  # unlocked look: is this likely the same block again?
         if b is None or b.size != size:
             return WOULD_BLOCK
-        digest = blake3(data).digest()  # (small: the engine sends larger blocks elsewhere)
+        hot = b.hot  # (a blob's hot copy, while it has one, is its bytes: immutable)
+        if hot is not None:
+            if hot != data:
+                return WOULD_BLOCK  # other bytes: a replacement, for the general path
+            digest = b.sdig[-DIGEST_BYTES:]
+        else:
+            digest = blake3(data).digest()  # (small: the engine sends larger blocks elsewhere)
+        # what the general path compares the key's blob with: these bytes, scoped
         sdig = digest if self.global_dedup else raw + b"\x00" + digest
         lock = self.lock
         lock.acquire()
