@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 from blake3 import blake3
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from epistemic_kvcache.options import StoreOptions
@@ -49,7 +49,7 @@ needs_compiled = pytest.mark.skipif(
 
 # -- twins: the same RAM state, the same requests -------------------------------------------
 
-NAMESPACES = ["a", "b", "c\x00s\x00x"]  # the last one internal: the core declines it
+NAMESPACES = ["a", "b", "c\x00s\x00x"]  # the last one internal: PUTs into it are declined
 KEYS = ["k0", "k1", "k2", "k3", "", "\u00e9"]  # the last two: never the core's
 VALUES = [b"x" * 5, b"y" * 5, b"z" * 9, bytearray(b"x" * 5), memoryview(b"x" * 5)]
 
@@ -107,6 +107,10 @@ class _Ram:
         )
 
 
+class _Str(str):
+    """A str subclass (numpy.str_ is one): the core leaves such names to the engine."""
+
+
 def _answer(r: object) -> object:
     if r is WOULD_BLOCK or r is None or isinstance(r, int):
         return r
@@ -117,8 +121,8 @@ def _answer(r: object) -> object:
 
 setup_st = st.lists(
     st.tuples(
-        st.sampled_from(NAMESPACES[:2]),
-        st.sampled_from(KEYS[:4]),
+        st.sampled_from(NAMESPACES),
+        st.sampled_from(KEYS[:2]),
         st.sampled_from([b"x" * 5, b"y" * 5, b"z" * 9]),
         st.booleans(),
     ),
@@ -138,16 +142,42 @@ op_st = st.lists(
             st.sampled_from(KEYS),
             st.sampled_from(range(len(VALUES))),
         ),
-        st.tuples(st.just("tag"), st.sampled_from(NAMESPACES[:2]), st.sampled_from(KEYS[:4])),
-        st.tuples(st.just("untag"), st.sampled_from(NAMESPACES[:2]), st.sampled_from(KEYS[:4])),
+        st.tuples(
+            st.sampled_from(["tag", "untag", "inflight", "landed"]),
+            st.sampled_from(NAMESPACES[:2]),
+            st.sampled_from(KEYS[:2]),
+        ),
+        st.tuples(st.just("uncount"), st.sampled_from(NAMESPACES)),
+        st.tuples(st.just("str subclass"), st.sampled_from(NAMESPACES[:2])),
     ),
     max_size=40,
 )
 
 
 @needs_compiled
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(setup=setup_st, ops=op_st, global_dedup=st.booleans())
+# (each guard of a duplicate PUT, for certain: an epoch tag, a write in flight)
+@example(
+    setup=[("a", "k0", b"x" * 5, True)],
+    ops=[("tag", "a", "k0"), ("put", "a", "k0", 0)],
+    global_dedup=False,
+)
+@example(
+    setup=[("a", "k0", b"x" * 5, False)],
+    ops=[
+        ("inflight", "a", "k0"),
+        ("put", "a", "k0", 0),
+        ("landed", "a", "k0"),
+        ("put", "a", "k0", 0),
+    ],
+    global_dedup=False,
+)
+@example(
+    setup=[("a", "k0", b"x" * 5, True)],
+    ops=[("inflight", "a", "k0"), ("put", "a", "k0", 3), ("uncount", "a"), ("get", "a", "k0")],
+    global_dedup=True,
+)
 def test_both_twins_answer_and_count_alike(
     setup: list[tuple[str, str, bytes, bool]], ops: list[tuple[Any, ...]], global_dedup: bool
 ) -> None:
@@ -167,14 +197,30 @@ def test_both_twins_answer_and_count_alike(
                 answers.append(_answer(ram.core.put(op[1], op[2], VALUES[op[3]])))
             elif op[0] == "tag":
                 ram.tags[(op[1], op[2])] = ("s", 1)
-            else:
+            elif op[0] == "untag":
                 ram.tags.pop((op[1], op[2]), None)
+            elif op[0] == "inflight":  # a write of the key queued for the committer
+                ram.core.inflight[(op[1], op[2])] = 1
+            elif op[0] == "landed":
+                ram.core.inflight.pop((op[1], op[2]), None)
+            elif op[0] == "uncount":  # the namespace's counters not made yet
+                ram.by_ns.pop(op[1], None)
+            else:  # names of a str subclass: declined, never a TypeError
+                ns, key = _Str(op[1]), _Str("k0")
+                answers.append(
+                    (
+                        _answer(ram.core.get(ns, key)),
+                        ram.core.exists(ns, [key]),
+                        _answer(ram.core.put(ns, key, b"x" * 5)),
+                    )
+                )
         if answers:
             assert answers[0] == answers[1], op
         assert rams[0].books() == rams[1].books(), op
 
 
 @needs_compiled
+@settings(deadline=None)
 @given(
     refs=st.lists(
         st.tuples(st.sampled_from(["a", "b", "a\x00s\x00x"]), st.sampled_from(["k", "l", "m"])),
@@ -228,7 +274,13 @@ class _Declining:
 
 
 ENGINE_KEYS = ["k0", "k1", "k2", "k3"]
-ENGINE_VALUES = [b"a" * 3000, b"b" * 3000, b"c" * 5000, bytearray(b"a" * 3000)]
+ENGINE_VALUES = [
+    b"a" * 3000,
+    b"b" * 3000,
+    b"c" * 5000,
+    bytearray(b"a" * 3000),
+    memoryview(b"b" * 3000),
+]
 engine_op_st = st.lists(
     st.one_of(
         st.tuples(
@@ -237,11 +289,13 @@ engine_op_st = st.lists(
             st.sampled_from(range(len(ENGINE_VALUES))),
         ),
         st.tuples(
-            st.sampled_from(["get", "get_nowait", "delete", "evict", "promote"]),
+            st.sampled_from(
+                ["get", "get_nowait", "delete", "evict", "promote", "pin", "unpin", "branch_put"]
+            ),
             st.sampled_from(ENGINE_KEYS),
         ),
         st.tuples(st.just("exists"), st.lists(st.sampled_from(ENGINE_KEYS), max_size=3)),
-        st.tuples(st.just("bump")),
+        st.tuples(st.sampled_from(["bump", "snapshot", "branch", "drop snapshots"])),
     ),
     max_size=30,
 )
@@ -273,6 +327,24 @@ def _run(store: TieredEngine, op: tuple[Any, ...]) -> object:
         return store.evict("t", op[1])
     if name == "promote":
         return store.promote("t", op[1])
+    if name == "pin":
+        return store.pin("t", op[1])
+    if name == "unpin":
+        return store.unpin("t", op[1])
+    if name == "snapshot":  # entries in an internal namespace, sharing the tenant's blobs
+        return store.snapshot_create("t", keys=ENGINE_KEYS[:2]).keys
+    if name == "branch":
+        snaps = store.snapshot_list("t")
+        return bool(snaps) and store.branch_create("t", snaps[0].id).snapshot_id == snaps[0].id
+    if name == "branch_put":  # a PUT into an internal namespace
+        branches = store.branch_list("t")
+        if not branches:
+            return None
+        return tuple(store.branch_put("t", branches[0].id, op[1], ENGINE_VALUES[0]))
+    if name == "drop snapshots":
+        for branch in store.branch_list("t"):
+            store.branch_delete("t", branch.id)
+        return [store.snapshot_delete("t", snap.id) for snap in store.snapshot_list("t")]
     return store.epoch_bump("t", "s")
 
 
@@ -302,12 +374,17 @@ def _both(make: Any, ops: list[tuple[Any, ...]]) -> None:
 RAM = {"hot_capacity_bytes": 8000, "warm_capacity_bytes": 1 << 20}
 
 
-@settings(max_examples=150, deadline=None)
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"dedup_scope": "global"}, {"first_write_wins": True}],
+    ids=["namespace-scope", "global-scope", "first-write-wins"],
+)
+@settings(max_examples=100, deadline=None)
 @given(ops=engine_op_st)
 def test_memory_engine_answers_alike_with_and_without_its_hit_paths(
-    ops: list[tuple[Any, ...]],
+    options: dict[str, Any], ops: list[tuple[Any, ...]]
 ) -> None:
-    _both(lambda _: SharedKvIndex(StoreOptions(**RAM)), ops)  # type: ignore[arg-type]
+    _both(lambda _: SharedKvIndex(StoreOptions(**RAM, **options)), ops)
 
 
 @settings(
@@ -383,5 +460,28 @@ def test_the_hit_paths_answer_what_ram_alone_answers(tmp_path: Path, backend: st
         assert answers[9] == ENGINE_VALUES[1]  # the general path answers it now
         st_t = store.stats("t")
         assert (st_t.get_hits, st_t.get_misses, st_t.dedup_hits) == (3, 1, 2)
+    finally:
+        store.close()
+
+
+def test_a_key_with_a_write_in_flight_is_left_to_the_committer(tmp_path: Path) -> None:
+    """Durable backend: while a write of the key waits for the committer, a PUT of the
+    bytes the key holds in RAM is not a duplicate yet (the queued write may replace them):
+    the core leaves it to the committer, which decides in order."""
+    opts = StoreOptions(map_size_bytes=64 << 20, **RAM)  # type: ignore[arg-type]
+    store = SharedKvStoreBackend(tmp_path / "s", opts, epoch_dir=tmp_path / "e")
+    counting = _Counting(store._core)
+    store._core = counting  # type: ignore[assignment]
+    try:
+        store.put("t", "k0", ENGINE_VALUES[0])
+        store._inflight[("t", "k0")] = 1  # as the committer's queue holds a write of k0
+        started = store.put_nowait("t", "k0", ENGINE_VALUES[0])
+        assert counting.answered == []
+        assert not isinstance(started, tuple)  # queued: a future, not an answer from RAM
+        assert started is not WOULD_BLOCK
+        assert started.result(timeout=60).outcome.value == "duplicate"
+        assert store._inflight.pop(("t", "k0")) == 1  # (only the pretend write is left)
+        assert isinstance(store.put_nowait("t", "k0", ENGINE_VALUES[0]), tuple)
+        assert counting.answered == ["put"]
     finally:
         store.close()

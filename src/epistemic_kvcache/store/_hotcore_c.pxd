@@ -8,8 +8,6 @@
 
 cimport cython
 
-cdef Py_ssize_t DIGEST_BYTES, DECLINED
-
 cdef class _Blob:
     cdef public bytes sdig
     cdef public Py_ssize_t size
@@ -68,10 +66,10 @@ cdef class HotCore:
     cdef public dict inflight
 
     @cython.locals(c=_Counters, b=_Blob, idx=dict, blobs=dict)
-    cpdef object get(self, str ns, str key)
+    cpdef object get(self, object ns, object key)
 
     @cython.locals(idx=dict, found=Py_ssize_t)
-    cpdef Py_ssize_t exists(self, str ns, object keys) except? -2
+    cpdef Py_ssize_t exists(self, object ns, object keys) except? -2
 
     @cython.locals(c=_Counters, b=_Blob, idx=dict, size=Py_ssize_t, raw=bytes, digest=bytes, sdig=bytes)
-    cpdef object put(self, str ns, str key, object data)
+    cpdef object put(self, object ns, object key, object data)

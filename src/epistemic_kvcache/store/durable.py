@@ -300,7 +300,7 @@ class SharedKvStoreBackend(TieredEngine):
         self._store_id = opened.store_id
         self._writer = self._space.writer
         self._quarantined = o.quarantined
-        self._total.integrity_failures = o.integrity_failures
+        self._total.integrity_failures = int(o.integrity_failures)
         with self._lock:
             self._load(o.entries)
             self._apply(o.metas)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -189,7 +190,7 @@ class TieredEngine(Catalog, SharedKvBackend):
             tags=self._tags,
             valid_ns=self._valid_ns,
             global_dedup=options.dedup_scope == "global",
-            max_block_bytes=options.max_block_bytes,
+            max_block_bytes=min(options.max_block_bytes, sys.maxsize),  # (a C field there)
         )
 
     def _compose(

@@ -250,7 +250,12 @@ class HotCore:
     def get(self, ns: str, key: str) -> Buffer | WouldBlock | None:
         """A hot block's bytes, or None for an absent key (a counted miss); else
         `WOULD_BLOCK`, with nothing counted or changed."""
-        if ns not in self.valid_ns or not (key.isascii() and 0 < len(key) <= MAX_KEY_BYTES):
+        if (
+            type(ns) is not str
+            or type(key) is not str
+            or ns not in self.valid_ns
+            or not (key.isascii() and 0 < len(key) <= MAX_KEY_BYTES)
+        ):
             return WOULD_BLOCK
         lock = self.lock
         lock.acquire()
@@ -285,10 +290,10 @@ class HotCore:
     def exists(self, ns: str, keys: Sequence[str]) -> int:
         """How many of `keys` exist (one count per mention); `DECLINED` when the general
         path must answer."""
-        if ns not in self.valid_ns:
+        if type(ns) is not str or ns not in self.valid_ns:
             return DECLINED
         for key in keys:
-            if not (key.isascii() and 0 < len(key) <= MAX_KEY_BYTES):
+            if type(key) is not str or not (key.isascii() and 0 < len(key) <= MAX_KEY_BYTES):
                 return DECLINED
         lock = self.lock
         lock.acquire()
@@ -312,6 +317,8 @@ class HotCore:
         A key whose block is hot is compared with it byte for byte (equal bytes have
         equal digests: no hash needed, and other bytes are declined unhashed); otherwise
         the bytes are hashed when the key holds a block of their size."""
+        if type(ns) is not str or type(key) is not str:
+            return WOULD_BLOCK
         raw = self.valid_ns.get(ns)
         if raw is None or "\x00" in ns or not (key.isascii() and 0 < len(key) <= MAX_KEY_BYTES):
             return WOULD_BLOCK
@@ -340,7 +347,8 @@ class HotCore:
             if self.tags or (self.inflight and self.inflight.get((ns, key))):
                 return WOULD_BLOCK
             c = self.by_ns.get(ns)
-            b = idx.get(key)
+            idx = self.index.get(ns)
+            b = idx.get(key) if idx is not None else None
             if c is None or b is None or b.sdig != sdig:
                 return WOULD_BLOCK
             c.dedup_hits += 1
