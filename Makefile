@@ -83,8 +83,9 @@ test: setup-dev sysdeps compiled
 
 # The wheel and sdist, installed into a fresh venv: the client alone (no server extra)
 # must import without the store, and the command must run. The wheel carries the
-# compiled RESP framer; a pure wheel (EPISTEMIC_GRAPH_KVCACHE_PURE_BUILD=1: no extension)
-# is built and checked too, as is the compiled one forced pure at run time.
+# compiled twins (RESP framer, store hot core); with the server extra added, both must
+# run compiled. A pure wheel (EPISTEMIC_GRAPH_KVCACHE_PURE_BUILD=1: no extension) is
+# built and checked too, as is the compiled one forced pure at run time.
 DIST_VENV := build/dist-venv
 PURE_VENV := build/dist-venv-pure
 TWIN = python -c 'import sys; from epistemic_kvcache.proto import resp_framer as f; \
@@ -110,11 +111,13 @@ dist-check: dist
 	unzip -l dist/epistemic_kvcache-*.whl | grep -q 'licenses/LICENSE'
 	unzip -l dist/epistemic_kvcache-*.whl | grep -q '/proto/_resp_parser_c\..*\.so$$'
 	unzip -l dist/epistemic_kvcache-*.whl | grep -q '/store/_hotcore_c\..*\.so$$'
+	$(DIST_VENV)/bin/pip install -q "$$(ls dist/epistemic_kvcache-*.whl)[server]"
 	$(DIST_VENV)/bin/$(TWIN) compiled
 	EPISTEMIC_GRAPH_KVCACHE_PURE_PYTHON=1 $(DIST_VENV)/bin/$(TWIN) pure
 	$(PY) -m venv $(PURE_VENV)
 	$(PURE_VENV)/bin/pip install -q dist/pure/epistemic_kvcache-*-py3-none-any.whl
 	$(PURE_VENV)/bin/python scripts/check_client_install.py
+	$(PURE_VENV)/bin/pip install -q "$$(ls dist/pure/epistemic_kvcache-*-py3-none-any.whl)[server]"
 	$(PURE_VENV)/bin/$(TWIN) pure
 
 # Quick start: set up from nothing and pass every check.
