@@ -30,13 +30,16 @@ setup: $(RUN_STAMP)
 setup-dev: $(DEV_STAMP)
 
 # The compiled twins, rebuilt in place whenever a source changes (see setup.py): the RESP
-# framer (proto/resp_parser.py with proto/_resp_parser_c.pxd) and the store's hot core
-# (store/hotcore.py with store/_hotcore_c.pxd).
+# framer (proto/resp_parser.py with proto/_resp_parser_c.pxd), the store's hot core
+# (store/hotcore.py with store/_hotcore_c.pxd) and RESP's inline dispatcher
+# (server/resp/fastpath.py with server/resp/_fastpath_c.pxd).
 PROTO := src/epistemic_kvcache/proto
 STORE := src/epistemic_kvcache/store
+RESP := src/epistemic_kvcache/server/resp
 COMPILED_STAMP := build/.stamp-compiled
 $(COMPILED_STAMP): setup.py $(PROTO)/resp_parser.py $(PROTO)/_resp_parser_c.pxd \
-  $(STORE)/hotcore.py $(STORE)/_hotcore_c.pxd | $(DEV_STAMP)
+  $(STORE)/hotcore.py $(STORE)/_hotcore_c.pxd $(RESP)/fastpath.py $(RESP)/_fastpath_c.pxd \
+  | $(DEV_STAMP)
 	$(BIN)/python setup.py -q build_ext --inplace
 	mkdir -p build && touch $(COMPILED_STAMP)
 compiled: $(COMPILED_STAMP)
@@ -83,8 +86,8 @@ test: setup-dev sysdeps compiled
 
 # The wheel and sdist, installed into a fresh venv: the client alone (no server extra)
 # must import without the store, and the command must run. The wheel carries the
-# compiled twins (RESP framer, store hot core); with the server extra added, both must
-# run compiled. A pure wheel (EPISTEMIC_GRAPH_KVCACHE_PURE_BUILD=1: no extension) is
+# compiled twins (RESP framer, store hot core, RESP fast path); with the server extra
+# added, all must run compiled. A pure wheel (EPISTEMIC_GRAPH_KVCACHE_PURE_BUILD=1: no extension) is
 # built and checked too, as is the compiled one forced pure at run time.
 DIST_VENV := build/dist-venv
 PURE_VENV := build/dist-venv-pure
@@ -94,7 +97,8 @@ TWIN = python -c 'import sys; from epistemic_kvcache.proto import resp_framer as
   assert p.next_command() == [b"GET", b"k"]; print("RESP framer:", f.IMPLEMENTATION, f.WHY_PURE); \
   s = SharedKvIndex(); s.put("t", "k", b"v"); assert s.get_nowait("t", "k") == b"v"; \
   print("store hot core:", core.IMPLEMENTATION, core.WHY_PURE); \
-  sys.exit(f.IMPLEMENTATION != sys.argv[1] or core.IMPLEMENTATION != sys.argv[1])'
+  from epistemic_kvcache.server.resp import fast; print("RESP fast path:", fast.IMPLEMENTATION, fast.WHY_PURE); \
+  sys.exit(any(t.IMPLEMENTATION != sys.argv[1] for t in (f, core, fast)))'
 dist: setup-dev
 	rm -rf dist
 	$(BIN)/python -m build --outdir dist .
@@ -108,9 +112,11 @@ dist-check: dist
 	tar tzf dist/epistemic_kvcache-*.tar.gz | grep -q '/LICENSE$$'
 	tar tzf dist/epistemic_kvcache-*.tar.gz | grep -q '/proto/_resp_parser_c.pxd$$'
 	tar tzf dist/epistemic_kvcache-*.tar.gz | grep -q '/store/_hotcore_c.pxd$$'
+	tar tzf dist/epistemic_kvcache-*.tar.gz | grep -q '/server/resp/_fastpath_c.pxd$$'
 	unzip -l dist/epistemic_kvcache-*.whl | grep -q 'licenses/LICENSE'
 	unzip -l dist/epistemic_kvcache-*.whl | grep -q '/proto/_resp_parser_c\..*\.so$$'
 	unzip -l dist/epistemic_kvcache-*.whl | grep -q '/store/_hotcore_c\..*\.so$$'
+	unzip -l dist/epistemic_kvcache-*.whl | grep -q '/server/resp/_fastpath_c\..*\.so$$'
 	$(DIST_VENV)/bin/pip install -q "$$(ls dist/epistemic_kvcache-*.whl)[server]"
 	$(DIST_VENV)/bin/$(TWIN) compiled
 	EPISTEMIC_GRAPH_KVCACHE_PURE_PYTHON=1 $(DIST_VENV)/bin/$(TWIN) pure

@@ -6,7 +6,10 @@ of the `.pxd` beside it) into an extension module:
 - src/epistemic_kvcache/proto/resp_parser.py -> `epistemic_kvcache.proto._resp_parser_c`
   (the RESP framer; proto/resp_framer.py imports it when present);
 - src/epistemic_kvcache/store/hotcore.py -> `epistemic_kvcache.store._hotcore_c` (the
-  store's records and hit paths; store/core.py imports it when present).
+  store's records and hit paths; store/core.py imports it when present);
+- src/epistemic_kvcache/server/resp/fastpath.py ->
+  `epistemic_kvcache.server.resp._fastpath_c` (`run_fast`, RESP's inline dispatcher;
+  server/resp/fast.py imports it when present).
 
 The extensions are optional: without Cython or without a C compiler, or with
 `EPISTEMIC_GRAPH_KVCACHE_PURE_BUILD=1`, the package builds without them (one line says
@@ -26,6 +29,10 @@ PURE_BUILD_ENV = "EPISTEMIC_GRAPH_KVCACHE_PURE_BUILD"
 TWINS = [
     ("epistemic_kvcache.proto._resp_parser_c", "src/epistemic_kvcache/proto/resp_parser.py"),
     ("epistemic_kvcache.store._hotcore_c", "src/epistemic_kvcache/store/hotcore.py"),
+    (
+        "epistemic_kvcache.server.resp._fastpath_c",
+        "src/epistemic_kvcache/server/resp/fastpath.py",
+    ),
 ]
 
 

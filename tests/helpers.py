@@ -20,12 +20,15 @@
   `connection_lost(None)` on the next loop turn as a real transport does; `fill(n)` /
   `drain()` make the write buffer look full or empty and call `pause_writing` /
   `resume_writing` like the loop would.
+- `compiled_twin(module)`: a compiled twin's extension module (None where it is not
+  built) and the mark that skips a test needing it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import inspect
 import os
 import signal
@@ -35,6 +38,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any, TypeVar
 
 import pytest
@@ -339,3 +343,15 @@ def feed(protocol: asyncio.BaseProtocol, data: bytes) -> None:
             view = view[n:]
     else:
         protocol.data_received(data)  # type: ignore[attr-defined]
+
+
+def compiled_twin(module: str) -> tuple[Any, pytest.MarkDecorator]:
+    """(the compiled twin `module`, or None where it is not built; a mark that skips the
+    test then). tests/test_twins.py requires it built where CI says so."""
+    found: ModuleType | None
+    try:
+        found = importlib.import_module(module)
+    except ImportError:
+        found = None
+    reason = "the compiled twin is not built (setup.py build_ext --inplace)"
+    return found, pytest.mark.skipif(found is None, reason=reason)

@@ -25,15 +25,9 @@ from hypothesis import strategies as st
 from epistemic_kvcache.errors import RemoteProtocolError
 from epistemic_kvcache.proto import resp_parser
 from epistemic_kvcache.proto.resp import NEED_DATA, RefusedCommand
+from helpers import compiled_twin
 
-try:
-    from epistemic_kvcache.proto import _resp_parser_c as compiled
-except ImportError:
-    compiled = None  # type: ignore[assignment]
-
-needs_compiled = pytest.mark.skipif(
-    compiled is None, reason="the compiled twin is not built (setup.py build_ext --inplace)"
-)
+compiled, needs_compiled = compiled_twin("epistemic_kvcache.proto._resp_parser_c")
 
 
 # -- the differential property ------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Which twins the server runs is visible: `INFO server`'s `kvcache_resp_framer` and
-`kvcache_store_core`, and a log line at start for each (docs/architecture.md, issue 27)."""
+"""Which twins the server runs is visible: `INFO server`'s `kvcache_resp_framer`,
+`kvcache_store_core` and `kvcache_fast_path`, and a log line at start for each
+(docs/architecture.md, issue 27)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import redis
 
 from epistemic_kvcache.proto import resp_framer
+from epistemic_kvcache.server.resp import fast
 from epistemic_kvcache.store import core
 from servers import running_server
 
@@ -31,3 +33,5 @@ def test_info_and_the_log_name_the_running_twin(
     assert lines[0].startswith(f"RESP framer: {resp_framer.IMPLEMENTATION} twin")
     assert info["kvcache_store_core"] == core.IMPLEMENTATION
     assert f"store hot core: {core.IMPLEMENTATION} twin" in "\n".join(caplog.messages)
+    assert info["kvcache_fast_path"] == fast.IMPLEMENTATION
+    assert f"RESP fast path: {fast.IMPLEMENTATION} twin" in "\n".join(caplog.messages)

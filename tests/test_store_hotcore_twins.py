@@ -36,15 +36,9 @@ from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.store import SharedKvIndex, SharedKvStoreBackend, core, hotcore
 from epistemic_kvcache.store.api import WOULD_BLOCK
 from epistemic_kvcache.store.engine import TieredEngine
+from helpers import compiled_twin
 
-try:
-    from epistemic_kvcache.store import _hotcore_c as compiled
-except ImportError:
-    compiled = None  # type: ignore[assignment]
-
-needs_compiled = pytest.mark.skipif(
-    compiled is None, reason="the compiled twin is not built (setup.py build_ext --inplace)"
-)
+compiled, needs_compiled = compiled_twin("epistemic_kvcache.store._hotcore_c")
 
 
 # -- twins: the same RAM state, the same requests -------------------------------------------

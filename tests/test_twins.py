@@ -1,12 +1,14 @@
 """Every compiled twin is selected where it should be (twins.py), for each twin alike: the
-RESP framer (proto/resp_framer.py) and the store's hot core (store/core.py).
+RESP framer (proto/resp_framer.py), the store's hot core (store/core.py) and RESP's inline
+dispatcher (server/resp/fast.py).
 
 Where a compiled twin is not built the checks that need it are skipped, except in CI,
 which builds the twins and sets `KVCACHE_REQUIRE_COMPILED=1`: there a missing twin fails
 `test_the_compiled_twin_runs_where_required`. CI runs this file again with
 `EPISTEMIC_GRAPH_KVCACHE_PURE_PYTHON=1` (Makefile `PURE_AGAIN`): then the pure twins must
 run, though the compiled ones are built. The differential tests of each pair are
-tests/test_proto_resp_twins.py and tests/test_store_hotcore_twins.py.
+tests/test_proto_resp_twins.py, tests/test_store_hotcore_twins.py and
+tests/test_server_resp_fastpath_twins.py.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ from types import ModuleType
 
 import pytest
 
-from epistemic_kvcache.twins import PURE_PYTHON_ENV
+from epistemic_kvcache.twins import PURE_PYTHON_ENV, TWIN_NAMES
 
 REQUIRED = os.environ.get("KVCACHE_REQUIRE_COMPILED", "") == "1"
 
-# (selector module, the class it picks, pure source module, compiled module, its .pxd)
+# (selector module, what it picks, pure source module, compiled module, its .pxd)
 TWINS = [
     (
         "epistemic_kvcache.proto.resp_framer",
@@ -40,9 +42,16 @@ TWINS = [
         "epistemic_kvcache.store._hotcore_c",
         "_hotcore_c.pxd",
     ),
+    (
+        "epistemic_kvcache.server.resp.fast",
+        "run_fast",
+        "epistemic_kvcache.server.resp.fastpath",
+        "epistemic_kvcache.server.resp._fastpath_c",
+        "_fastpath_c.pxd",
+    ),
 ]
 each_twin = pytest.mark.parametrize(
-    ("selector", "name", "pure", "compiled", "pxd"), TWINS, ids=["resp_framer", "store_core"]
+    ("selector", "name", "pure", "compiled", "pxd"), TWINS, ids=list(TWIN_NAMES)
 )
 
 
@@ -103,8 +112,8 @@ def test_the_environment_forces_the_pure_twin(
     expected = "pure" if _compiled(compiled) is None else "compiled"
     assert implementation_in_child("0") == expected
     # by name: only the twins named run pure
-    twin_name = "resp_framer" if "proto" in selector else "store_core"
-    other = "store_core" if twin_name == "resp_framer" else "resp_framer"
+    twin_name = TWIN_NAMES[[t[0] for t in TWINS].index(selector)]
+    other = next(n for n in TWIN_NAMES if n != twin_name)
     assert implementation_in_child(twin_name) == "pure"
     assert implementation_in_child(f" {other} , {twin_name}") == "pure"
     assert implementation_in_child(other) == expected

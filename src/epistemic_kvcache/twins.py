@@ -7,8 +7,8 @@ and Cython compiles that same file into an extension module (setup.py; a `.pxd` 
 adds C types). `select` imports the extension when it was built and
 `EPISTEMIC_GRAPH_KVCACHE_PURE_PYTHON` does not name the twin; the caller falls back to the
 pure module otherwise and says why. Today's twins, by name: `resp_framer`
-(proto/resp_framer.py, the RESP framer) and `store_core` (store/core.py, the store's
-records and hit paths).
+(proto/resp_framer.py, the RESP framer), `store_core` (store/core.py, the store's
+records and hit paths) and `fast_path` (server/resp/fast.py, RESP's inline dispatcher).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ __all__ = ["PURE_PYTHON_ENV", "TWIN_NAMES", "forced_pure", "select"]
 
 PURE_PYTHON_ENV: Final = "EPISTEMIC_GRAPH_KVCACHE_PURE_PYTHON"
 """`1` (or anything else but "" or "0") runs every pure-Python twin even when the compiled
-ones are built; a comma-separated list of twin names (`resp_framer`, `store_core`) runs
-only those pure."""
+ones are built; a comma-separated list of twin names (`resp_framer`, `store_core`,
+`fast_path`) runs only those pure."""
 
-TWIN_NAMES: Final = ("resp_framer", "store_core")
+TWIN_NAMES: Final = ("resp_framer", "store_core", "fast_path")
 
 
 def forced_pure(name: str) -> bool:

@@ -28,6 +28,7 @@ from epistemic_kvcache.proto.resp import (
 )
 from epistemic_kvcache.server.budget import BatchTooLarge, Busy
 from epistemic_kvcache.server.context import ServerContext
+from epistemic_kvcache.server.resp import fast
 from epistemic_kvcache.server.resp.commands_admin import info_sections
 from epistemic_kvcache.server.resp.common import (
     OK,
@@ -589,6 +590,7 @@ def _info(s: Session, cmd: Command) -> object:
                 ("kvcache_version", shared.version),
                 ("kvcache_resp_framer", resp_framer.IMPLEMENTATION),
                 ("kvcache_store_core", store_core.IMPLEMENTATION),
+                ("kvcache_fast_path", fast.IMPLEMENTATION),
                 ("arch_bits", 64),
                 ("uptime_in_seconds", int(time.monotonic() - shared.started)),
                 ("resp_protocols", "2,3"),

@@ -67,6 +67,7 @@ from epistemic_kvcache.proto.resp import (
 )
 from epistemic_kvcache.server.budget import Account, Slot, peer_of
 from epistemic_kvcache.server.context import Identity, ServerContext, on_loop
+from epistemic_kvcache.server.resp import fast
 from epistemic_kvcache.server.resp.commands import EPOCH_CHANNEL
 from epistemic_kvcache.server.resp.common import WIRE, log, push
 from epistemic_kvcache.server.resp.dispatch import Dispatcher
@@ -102,6 +103,11 @@ class RespFactory:
                 "RESP framer: %s twin%s",
                 resp_framer.IMPLEMENTATION,
                 f" ({resp_framer.WHY_PURE})" if resp_framer.WHY_PURE else "",
+            )
+            log.info(
+                "RESP fast path: %s twin%s",
+                fast.IMPLEMENTATION,
+                f" ({fast.WHY_PURE})" if fast.WHY_PURE else "",
             )
 
     def __call__(self) -> asyncio.BufferedProtocol:

@@ -55,13 +55,13 @@ from epistemic_kvcache.server.resp.common import (
     to_key,
     wrong_args,
 )
+from epistemic_kvcache.server.resp.fast import run_fast as _run_fast
 from epistemic_kvcache.server.resp.fastpath import (
     FAST_ROUTES,
     MAX_PIPELINED_SETS,
     SMALL_REPLY,
     CommandQueue,
 )
-from epistemic_kvcache.server.resp.fastpath import run_fast as _run_fast
 from epistemic_kvcache.server.resp.registry import (
     COMMANDS,
     UNSUPPORTED,
@@ -495,7 +495,7 @@ class Dispatcher:
         return started
 
     # -- fast paths -------------------------------------------------------------------------
-    run_fast = _run_fast  # (server/resp/fastpath.py)
+    run_fast = _run_fast  # (server/resp/fastpath.py: the twin server/resp/fast.py picked)
 
     def get_nowait(self, cmd: Command) -> object:
         """A plain GET's reply if RAM answers it, else `WOULD_BLOCK` (arity checked)."""

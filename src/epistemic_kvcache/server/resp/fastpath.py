@@ -14,6 +14,11 @@ plain SETs pipelined right behind it, so they share one group commit) and the ta
 awaits it (`Dispatcher.finish_started`). Per command it does only what an answer needs:
 one dict lookup for the route, the store call, the reply bytes, one clock reading and
 its latency bucket; the tenant's tallies (INFO) are summed in locals and added once.
+
+One source, two twins, like proto/resp_parser.py: this file is the pure-Python
+reference, and server/resp/_fastpath_c is the same file compiled by Cython (setup.py,
+with the C types of server/resp/_fastpath_c.pxd); server/resp/fast.py picks the twin at
+import, and `Dispatcher.run_fast` is the one it picked.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from epistemic_kvcache.errors import RemoteProtocolError, StoreError
 from epistemic_kvcache.proto.resp import NEED_DATA, Arg, Buffer, Command, ErrorReply, Event
 from epistemic_kvcache.server.resp.common import INVALID_KEY, OK, Reply, store_error_reply
 from epistemic_kvcache.store.api import WOULD_BLOCK, PutResult, SharedKvBackend
+
+_Future: Final = concurrent.futures.Future
 
 if TYPE_CHECKING:
     from epistemic_kvcache.server.context import ServerContext
@@ -144,8 +151,7 @@ def run_fast(
     calls = failures = 0
     seconds = 0.0
     tallies: dict[str, list[Any]] | None = None
-    if t0 is None:
-        t0 = perf()
+    mark = perf() if t0 is None else t0  # when the current command began
     while taken < limit:
         if queued >= FAST_FLUSH_BYTES:
             queued = 0
@@ -199,11 +205,11 @@ def run_fast(
             self.queue.unread([cmd])
             break
         taken += 1
-        if started or isinstance(reply, concurrent.futures.Future):
+        if started or isinstance(reply, _Future):
             if not started and gates.enter_nowait(ns):
                 self._gate = ns  # the tenant is in use until the SETs are acked
-            started.append((reply, t0, cmd))
-            t0 = perf()
+            started.append((reply, mark, cmd))
+            mark = perf()
             continue
         if type(reply) is PutResult:
             reply = OK if reply.applied else None
@@ -226,9 +232,9 @@ def run_fast(
                 queued += len(buf)
         t1 = perf()
         if plain and not failed:
-            series[route].observe(t1 - t0)
+            series[route].observe(t1 - mark)
         else:
-            self.observe(route, reply, t1 - t0, cmd, count_activity=False)
+            self.observe(route, reply, t1 - mark, cmd, count_activity=False)
         if route != route_now:
             if calls:
                 if tallies is None:
@@ -239,12 +245,12 @@ def run_fast(
                 tally[2] += failures
             route_now, calls, seconds, failures = route, 0, 0.0, 0
         calls += 1
-        seconds += t1 - t0
+        seconds += t1 - mark
         failures += failed
-        t0 = t1
+        mark = t1
     if out:
         write(out)
-    self.fast_ended = t0
+    self.fast_ended = mark
     if calls:
         activity = s.shared.activity(ns)
         activity.count(route_now, seconds, failures, calls)
@@ -254,6 +260,6 @@ def run_fast(
                 activity.count(other, more_s, more_failures, more_calls)
                 total += more_calls
         activity.commands += total
-        s.last_command = t0
+        s.last_command = mark
         s.last_route = route_now
     return taken
