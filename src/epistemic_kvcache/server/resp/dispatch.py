@@ -61,6 +61,7 @@ from epistemic_kvcache.server.resp.fastpath import (
     MAX_PIPELINED_SETS,
     SMALL_REPLY,
     CommandQueue,
+    FastLane,
 )
 from epistemic_kvcache.server.resp.registry import (
     COMMANDS,
@@ -150,6 +151,11 @@ class Dispatcher:
         """The tenant whose gate `run_fast` entered for `started` (left when finished)."""
         self.fast_ended = 0.0
         """`perf_counter` when `run_fast` last finished its last command (or began)."""
+        shared = session.shared
+        self.lane = FastLane(
+            self.store, queue.next_command, self._series, shared.gates, shared.activity,
+            self.ctx.access_log,
+        )  # fmt: skip
 
     # -- checks and metrics ---------------------------------------------------------------
     def check(self, cmd: Command) -> tuple[str, CommandSpec | None, ErrorReply | None]:

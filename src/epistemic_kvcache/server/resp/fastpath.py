@@ -26,7 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
 from epistemic_kvcache.buffers import received_block
 from epistemic_kvcache.errors import RemoteProtocolError, StoreError
@@ -35,11 +35,13 @@ from epistemic_kvcache.server.resp.common import INVALID_KEY, OK, Reply, store_e
 from epistemic_kvcache.store.api import WOULD_BLOCK, PutResult, SharedKvBackend
 
 _Future: Final = concurrent.futures.Future
+_perf_counter: Final = time.perf_counter
 
 if TYPE_CHECKING:
     from epistemic_kvcache.server.context import ServerContext
     from epistemic_kvcache.server.metrics import RequestSeries
-    from epistemic_kvcache.server.resp.session import Session
+    from epistemic_kvcache.server.oplog import AccessLog
+    from epistemic_kvcache.server.resp.session import Activity, Session, TenantGates
 
 MAX_PIPELINED_SETS: Final = 64
 """Plain SETs queued for one group commit before their replies are awaited."""
@@ -71,6 +73,21 @@ class CommandQueue(Protocol):
         """Put commands back at the front, in order."""
 
 
+class FastLane(NamedTuple):
+    """What `run_fast` reads of a connection that never changes, in one tuple: one read
+    per call where it took eleven attribute reads and a bound method."""
+
+    store: SharedKvBackend
+    take: Callable[[], Event]
+    """The queue's `next_command`."""
+    series: dict[str, RequestSeries]
+    """The fast routes' metric series (successes)."""
+    gates: TenantGates
+    activity: Callable[[str], Activity]
+    """The listener's `Shared.activity`."""
+    access_log: AccessLog
+
+
 class InlineDispatcher(Protocol):
     """What `run_fast` uses of the connection's dispatcher (server/resp/dispatch.py
     `Dispatcher`, whose method it is)."""
@@ -83,6 +100,7 @@ class InlineDispatcher(Protocol):
     _series: dict[str, RequestSeries]
     _gate: str | None
     fast_ended: float
+    lane: FastLane
 
     def encode(self, reply: object) -> list[Buffer]: ...
 
@@ -134,15 +152,12 @@ def run_fast(
     if identity is None or s.multi is not None:
         return 0  # (a transaction queues its commands: the task)
     ns = identity.tenant
-    gates = s.shared.gates
+    store, take, series, gates, activity_of, access_log = self.lane
     if ns in gates.held:
         return 0  # a transaction of the tenant runs: the task waits for it
-    store = self.store
-    take = self.queue.next_command
     started = self.started
-    plain = not self.ctx.access_log.enabled
-    series = self._series
-    perf = time.perf_counter
+    plain = not access_log.enabled
+    perf = _perf_counter
     out: list[Buffer] = []
     taken = 0
     queued = 0
@@ -252,7 +267,7 @@ def run_fast(
         write(out)
     self.fast_ended = mark
     if calls:
-        activity = s.shared.activity(ns)
+        activity = activity_of(ns)
         activity.count(route_now, seconds, failures, calls)
         total = calls
         if tallies is not None:
