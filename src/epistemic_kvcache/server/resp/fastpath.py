@@ -38,7 +38,6 @@ _Future: Final = concurrent.futures.Future
 _perf_counter: Final = time.perf_counter
 
 if TYPE_CHECKING:
-    from epistemic_kvcache.server.context import ServerContext
     from epistemic_kvcache.server.metrics import RequestSeries
     from epistemic_kvcache.server.oplog import AccessLog
     from epistemic_kvcache.server.resp.session import Activity, Session, TenantGates
@@ -75,7 +74,7 @@ class CommandQueue(Protocol):
 
 class FastLane(NamedTuple):
     """What `run_fast` reads of a connection that never changes, in one tuple: one read
-    per call where it took eleven attribute reads and a bound method."""
+    per call in place of a chain of attribute reads and a bound method's creation."""
 
     store: SharedKvBackend
     take: Callable[[], Event]
@@ -93,11 +92,8 @@ class InlineDispatcher(Protocol):
     `Dispatcher`, whose method it is)."""
 
     session: Session
-    ctx: ServerContext
-    store: SharedKvBackend
     queue: CommandQueue
     started: list[tuple[object, float, Command]]
-    _series: dict[str, RequestSeries]
     _gate: str | None
     fast_ended: float
     lane: FastLane
