@@ -1,11 +1,12 @@
 """The inputs of the multi-loop scaling prediction (issue 26 item 5), and the prediction.
 
     PYTHONPATH=src python -m bench.bench_scaling_inputs [--sizes 256KiB,4MiB,32MiB]
-        [--wires resp,http] [--ops set,get] [--conns 4] [--seconds 6]
+        [--wires resp,http] [--ops set,get] [--conns 4] [--seconds 6] [--event-loops 1]
 
 How it works
 ------------
-Today's server (one event loop, `serve --backend memory`, a child process) is driven by
+Today's server (one event loop, `serve --backend memory --event-loops 1`: the default is a
+loop per core, and the prediction starts from one; a child process) is driven by
 the bench load generator (bench/loadgen.py, in this process: unique payloads, one
 request in flight per connection) with GET or SET at each size, over the RESP wire and
 over HTTP, for `--seconds` per cell (whole passes, keys written before a GET cell
@@ -56,6 +57,8 @@ from bench.bench_server import TOKEN, human, our_server, workload
 
 MiB = 1024 * 1024
 PYSPY_RATE = 200
+SERVER_OPTIONS = ("--hot-capacity-bytes", "6GiB", "--warm-capacity-bytes", "0",
+                  "--max-block-bytes", "64MiB")  # fmt: skip
 LOOPS = (1, 2, 4, 8, 16)
 
 
@@ -286,6 +289,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pass-mib", type=int, default=256, help="bytes per load-generator pass")
     p.add_argument("--cores", type=int, default=16, help="the machine the prediction is for")
     p.add_argument(
+        "--event-loops", type=int, default=1, help="the server's loops (the prediction's N = 1)"
+    )
+    p.add_argument(
         "--gil",
         choices=("perf", "py-spy"),
         default="perf" if os.geteuid() == 0 and shutil.which("perf") else "py-spy",
@@ -302,7 +308,11 @@ def main(argv: list[str] | None = None) -> None:
     cells: list[Cell] = []
     tmp = Path(tempfile.mkdtemp(prefix="kvbench-scaling-"))
     try:
-        with our_server(tmp, "memory") as (hport, rport), contextlib.ExitStack() as probes:
+        options = (*SERVER_OPTIONS, "--event-loops", str(a.event_loops))
+        with (
+            our_server(tmp, "memory", options=options) as (hport, rport),
+            contextlib.ExitStack() as probes,
+        ):
             if a.gil == "perf":
                 probes.enter_context(gil_probes(pid_listening(rport)))
             for wire in a.wires.split(","):
