@@ -1,6 +1,6 @@
 """What releasing the GIL would buy the compiled twins' C-only work (issue 27, item 4).
 
-    .venv/bin/python -m bench.bench_gil [--sizes 4KiB,32KiB,64KiB,256KiB] [--seconds 1]
+    .venv/bin/python -m bench.bench_gil_twins [--sizes 4KiB,32KiB,64KiB,256KiB] [--seconds 1]
 
 How it works
 ------------

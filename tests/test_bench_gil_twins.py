@@ -1,4 +1,4 @@
-"""`bench/bench_gil.py`: the probe compiles, both forms of each operation run on 1 and 2
+"""`bench/bench_gil_twins.py`: the probe compiles, both forms of each operation run on 1 and 2
 threads, and the uncontended hand-off is timed."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # (bench/ is beside src/, not installed)
 
-from bench import bench_gil  # noqa: E402
+from bench import bench_gil_twins  # noqa: E402
 
 needs_cython = pytest.mark.skipif(
     not (Path(sys.executable).parent / "cythonize").exists() or shutil.which("cc") is None,
@@ -22,9 +22,9 @@ needs_cython = pytest.mark.skipif(
 
 @needs_cython
 def test_every_form_of_every_operation_is_timed(capsys: pytest.CaptureFixture[str]) -> None:
-    results = bench_gil.main(["--sizes", "4KiB", "--seconds", "0.05"])
+    results = bench_gil_twins.main(["--sizes", "4KiB", "--seconds", "0.05"])
     assert set(results) == {"handoff_ns"} | {
-        f"{op} 4096 {form}" for op in bench_gil.OPS for form in ("held", "free")
+        f"{op} 4096 {form}" for op in bench_gil_twins.OPS for form in ("held", "free")
     }
     assert all(v > 0 for v in results.values())
     out = capsys.readouterr().out
@@ -33,6 +33,6 @@ def test_every_form_of_every_operation_is_timed(capsys: pytest.CaptureFixture[st
 
 
 def test_sizes_parse_in_binary_units() -> None:
-    assert bench_gil.parse_size("64KiB") == 65536
-    assert bench_gil.parse_size("1MiB") == 1 << 20
-    assert bench_gil.parse_size("100") == 100
+    assert bench_gil_twins.parse_size("64KiB") == 65536
+    assert bench_gil_twins.parse_size("1MiB") == 1 << 20
+    assert bench_gil_twins.parse_size("100") == 100
