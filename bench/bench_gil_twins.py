@@ -32,6 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
+from bench.bench_cpu import parse_size
+from bench.bench_server import human
 from epistemic_kvcache.server.app import SWITCH_INTERVAL_S
 
 PROBE = """\
@@ -77,16 +79,7 @@ def release_and_retake(int n):
             pass
 """
 
-UNITS = {"KiB": 1024, "MiB": 1024 * 1024, "B": 1}
 OPS = ("compare", "copy")
-
-
-def parse_size(text: str) -> int:
-    """'64KiB' -> 65536."""
-    for unit, scale in UNITS.items():
-        if text.endswith(unit):
-            return int(text[: -len(unit)]) * scale
-    return int(text)
 
 
 def build_probe(folder: Path) -> ModuleType:
@@ -164,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     one = rate(fn, a, b, 1, args.seconds)
                     two = rate(fn, a, b, 2, args.seconds)
                     results[f"{op} {size} {form}"] = two / one
-                    print(f"| {op} | {_human(size)} | {form} | {one / 1e3:.0f} | "
+                    print(f"| {op} | {human(size)} | {form} | {one / 1e3:.0f} | "
                           f"{two / 1e3:.0f} | {two / one:.2f}x |")  # fmt: skip
     return results
 
@@ -173,13 +166,6 @@ def _timed(fn: Callable[[int], object], n: int) -> float:
     started = time.perf_counter()
     fn(n)
     return time.perf_counter() - started
-
-
-def _human(size: int) -> str:
-    for unit in ("MiB", "KiB"):
-        if size >= UNITS[unit] and size % UNITS[unit] == 0:
-            return f"{size // UNITS[unit]} {unit}"
-    return f"{size} B"
 
 
 if __name__ == "__main__":

@@ -54,11 +54,10 @@ from pathlib import Path
 from bench import loadgen
 from bench.bench_cpu import parse_size, pid_listening, thread_cpu
 from bench.bench_server import TOKEN, human, our_server, workload
+from bench.bench_twins import OUR_OPTIONS
 
 MiB = 1024 * 1024
 PYSPY_RATE = 200
-SERVER_OPTIONS = ("--hot-capacity-bytes", "6GiB", "--warm-capacity-bytes", "0",
-                  "--max-block-bytes", "64MiB")  # fmt: skip
 LOOPS = (1, 2, 4, 8, 16)
 
 
@@ -308,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     cells: list[Cell] = []
     tmp = Path(tempfile.mkdtemp(prefix="kvbench-scaling-"))
     try:
-        options = (*SERVER_OPTIONS, "--event-loops", str(a.event_loops))
+        options = (*OUR_OPTIONS, "--event-loops", str(a.event_loops))
         with (
             our_server(tmp, "memory", options=options) as (hport, rport),
             contextlib.ExitStack() as probes,

@@ -30,9 +30,3 @@ def test_every_form_of_every_operation_is_timed(capsys: pytest.CaptureFixture[st
     out = capsys.readouterr().out
     assert "| compare | 4 KiB | free |" in out
     assert "release and retake" in out
-
-
-def test_sizes_parse_in_binary_units() -> None:
-    assert bench_gil_twins.parse_size("64KiB") == 65536
-    assert bench_gil_twins.parse_size("1MiB") == 1 << 20
-    assert bench_gil_twins.parse_size("100") == 100
