@@ -4,6 +4,7 @@ warnings."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -19,6 +20,8 @@ from epistemic_kvcache.config.schema import (
     ServerConfig,
 )
 from epistemic_kvcache.errors import ConfigurationError
+from epistemic_kvcache.proto.resp_types import MAX_LIMIT
+from epistemic_kvcache.shared import ServerLimits
 
 
 def validate(c: ServerConfig) -> None:
@@ -91,6 +94,7 @@ def validate(c: ServerConfig) -> None:
         check_hmac_secret(c.jwt_secret.encode("utf-8"), c.jwt_algorithms or ("HS256",))
 
     lim = c.limits
+    check_limit_range(lim)
     for name in ("max_block_bytes", "max_batch_bytes"):
         if getattr(lim, name) > lim.max_inflight_body_bytes:
             fail(
@@ -110,6 +114,19 @@ def validate(c: ServerConfig) -> None:
         fail("store_threads", f"expected at most 1024 (got {c.store_threads})")
     if c.event_loops > MAX_EVENT_LOOPS:
         fail("event_loops", f"expected at most {MAX_EVENT_LOOPS} (got {c.event_loops})")
+
+
+def check_limit_range(limits: ServerLimits) -> None:
+    """Every integer limit within what the compiled build holds (`MAX_LIMIT`): the
+    compiled RESP framer keeps its limits in C integers, and a larger value would start
+    the server and then fail its first connection."""
+    for f in dataclasses.fields(limits):
+        value = getattr(limits, f.name)
+        if type(value) is int and value > MAX_LIMIT:
+            raise ConfigurationError(
+                f"invalid {f.name}: expected at most {MAX_LIMIT} (2**62, the most the "
+                f"compiled build holds in its 64-bit C integers), got {value}"
+            )
 
 
 def check_persist_dir(c: ServerConfig) -> None:

@@ -35,6 +35,20 @@ from epistemic_kvcache.options import StoreOptions, first_write_wins_of
 from epistemic_kvcache.shared import (
     ServerLimits,
 )
+from epistemic_kvcache.twins import PURE_PYTHON_ENV, TWIN_NAMES
+
+
+def _twin_warnings(value: str) -> list[str]:
+    """What is wrong with a `PURE_PYTHON_ENV` value: names that are no twin's."""
+    names = {n.strip() for n in value.split(",")} - {"", "0", "1"}
+    unknown = sorted(names - set(TWIN_NAMES))
+    if not unknown:
+        return []
+    effect = "ignored" if names & set(TWIN_NAMES) else "every twin runs pure, as for 1"
+    return [
+        f"{PURE_PYTHON_ENV}: unknown twin name(s) {', '.join(unknown)} ({effect}; the "
+        f"twins are {', '.join(TWIN_NAMES)})"
+    ]
 
 
 def load_config(
@@ -65,6 +79,8 @@ def load_config(
         raise ConfigurationError(f"unknown settings: {', '.join(sorted(unknown_cli))}")
 
     known_env = {name for s in SETTINGS for name in s.env_names} | {CONFIG_FILE_ENV}
+    known_env.add(PURE_PYTHON_ENV)  # read by twins.py (docs/configuration.md)
+    warnings += _twin_warnings(env.get(PURE_PYTHON_ENV, ""))
     all_names = sorted(s.env for s in SETTINGS)
     for name in sorted(env):
         if not name.startswith(ENV_PREFIX) or name in known_env:

@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Final
 from epistemic_kvcache.buffers import alloc_block
 from epistemic_kvcache.errors import RemoteProtocolError
 from epistemic_kvcache.proto.resp_inline import split_inline
-from epistemic_kvcache.proto.resp_types import NEED_DATA, RefusedCommand
+from epistemic_kvcache.proto.resp_types import MAX_LIMIT, NEED_DATA, RefusedCommand
 
 if TYPE_CHECKING:
     from epistemic_kvcache.proto.resp_types import Arg, Buffer, Command, Event, ReserveFn
@@ -237,6 +237,8 @@ class RespParser:
         ):
             if value < 1:
                 raise ValueError(f"invalid {name}: expected a positive integer (got {value!r})")
+            if value > MAX_LIMIT:
+                raise ValueError(f"invalid {name}: expected at most {MAX_LIMIT} (got {value!r})")
         self.max_inline_bytes = max_inline_bytes
         self.max_multibulk_len = max_multibulk_len
         self.max_bulk_bytes = max_bulk_bytes

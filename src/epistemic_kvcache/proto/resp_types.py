@@ -21,6 +21,14 @@ ReserveFn = Callable[[int], bool | str]
 True grants; False or a reason string refuses (the reason ends up in `RefusedCommand`)."""
 
 
+MAX_LIMIT: Final = 2**62
+"""The largest value a framer limit may take (`RespParser` refuses more, and so does the
+configuration, for every integer limit of `ServerLimits`). The compiled twin holds its
+limits, and the lengths and buffer positions they bound, in C `Py_ssize_t` (at most
+2**63 - 1) and adds to them (a bulk's length and its CRLF, offsets in a buffer): 2**62
+(4 EiB, more than any memory) leaves that arithmetic room."""
+
+
 class RefusedCommand(list[Arg]):
     """Framed in place of a command one of whose large bulks `reserve` refused (or that
     the owner refused while it was being framed, `refuse_partial`).
