@@ -220,6 +220,19 @@ def _healthcheck(args: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_FAILURE
 
 
+def _does_it_pay_arguments(parser: argparse.ArgumentParser) -> None:
+    from epistemic_kvcache.integrations.lmcache.does_it_pay import add_arguments
+
+    add_arguments(parser)
+
+
+def _does_it_pay(args: argparse.Namespace) -> int:
+    require_extra("lmcache", "torch")  # lmcache itself only for the paths through it
+    from epistemic_kvcache.integrations.lmcache.does_it_pay import run
+
+    return run(args)
+
+
 def _mcp_arguments(parser: argparse.ArgumentParser) -> None:
     from epistemic_kvcache.mcp_tools import add_arguments
 
@@ -322,6 +335,13 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         help="cluster mode: check (or scrub) the block references in the cluster",
         add_arguments=_cluster_arguments,
         run=_cluster,
+    ),
+    "does-it-pay": Subcommand(
+        help="measure here, for a model's shape, the prefill time and the time to fetch its "
+        "KV from a server through each LMCache path: the prompt length from which a hit "
+        "pays (needs the lmcache extra)",
+        add_arguments=_does_it_pay_arguments,
+        run=_does_it_pay,
     ),
     "mcp": Subcommand(
         help="serve the MCP tools graph_kvcache, graph_fork, graph_kv_checkpoint (needs [mcp])",

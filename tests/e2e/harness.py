@@ -222,7 +222,9 @@ def generate(tmp: Path, name: str, model: Path, *args: str, **env: str) -> dict[
     result["log"] = str(log)
     # Every process's figures, for docs/does-it-pay.md (build/ is not committed).
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    stamp = {"ts_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+             "load_average": list(os.getloadavg())}  # fmt: skip
     with RESULTS.open("a") as f:
-        f.write(json.dumps({"name": name, **result}) + "\n")
+        f.write(json.dumps({"name": name, **result, **stamp}) + "\n")
     print(f"{name}: " + json.dumps({k: v for k, v in result.items() if k != "output_token_ids"}))
     return result

@@ -1,0 +1,401 @@
+"""Write docs/does-it-pay.md from measurements, never by hand.
+
+    python scripts/gen_does_it_pay.py --run docs/does-it-pay/cpu-tiny.json \
+        [--run MORE.json ...] [--e2e build/e2e-results.jsonl] [--stores STORES.json] \
+        [--loops LOOPS.md] [--out docs/does-it-pay.md]
+
+Inputs:
+- `--run`: the JSON `epistemic-kvcache does-it-pay` writes (one per machine or run);
+  each run's tables say the device, the load average and which figures are scaled.
+- `--e2e`: `make e2e`'s `build/e2e-results.jsonl` (vLLM's own timestamps per process);
+  when it is absent the page says so.
+- `--stores`: the JSON of `python -m bench.bench_lmcache --json` (our server, redis-server
+  and Mooncake Store through LMCache, and what each promises, measured).
+- `--loops`: the markdown table `bench.bench_loops` printed (the GPU machine's script).
+
+The computed part uses each run's own measured figures (the lookup cost and the range
+of load rates of each path, for each model's chunk size) with an H100's datasheet peak
+at MFU 30/50/70 %, and `ModelShape.prefill_flops` (no embedding; the output layer on the
+last token only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from epistemic_kvcache.integrations.lmcache.does_it_pay_models import ModelShape
+from epistemic_kvcache.integrations.lmcache.does_it_pay_report import (
+    H100_BF16_DENSE_FLOPS,
+    computed_break_even,
+    fmt_tokens,
+    prefill_rate,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+MFUS = (0.3, 0.5, 0.7)
+E2E_ROWS = [  # (label, process-1 record, process-2 record)
+    ("plain vLLM (no connector)", "plain", None),
+    ("MP native plugin (server SIGKILLed and restarted between the two)", "native-p1", "native-p2"),
+    ("MP native plugin, second tenant (sees no hits)", "native-tenant-b", None),
+    ("MP native plugin, our server SIGKILLed", "native-server-down", None),
+    ("MP RESP adapter", "resp-p1", "resp-p2"),
+    ("v1 Path A", "path-a-p1", "path-a-p2"),
+    ("v1 `redis://`", "redis-url-p1", "redis-url-p2"),
+    ("v1 `resp://`", "resp-url-p1", "resp-url-p2"),
+]
+
+
+def _load(run: dict[str, Any]) -> str:
+    start, end = run["host"]["load_average_start"][0], run["host"]["load_average_end"][0]
+    cpus = run["host"]["cpus"] or 1
+    text = f"load average {start:.2f} at the start, {end:.2f} at the end, {cpus} CPUs"
+    if max(start, end) > cpus:
+        text += (
+            " — **taken loaded** (other work shared the CPUs): read these as orders of "
+            "magnitude, to be remeasured on a quiet machine"
+        )
+    return text
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.2f}" if s < 10 else f"{s:.1f} s"
+
+
+def e2e_section(path: Path) -> list[str]:
+    out = ["## 1. vLLM end to end: the tiny model through each LMCache path", ""]
+    if not path.exists():
+        return [
+            *out,
+            f"`{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}` was not there "
+            "when this page was generated: `make e2e` (tests/e2e/, vLLM's CPU build, LMCache "
+            "and this server, see docs/lmcache.md) writes it, then run this script again. "
+            "Nothing from an earlier run is copied here by hand.",
+            "",
+        ]
+    records: dict[str, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            records[rec["name"]] = rec  # the last run of each process counts
+    loads = [r["load_average"][0] for r in records.values() if r.get("load_average")]
+    when = sorted(r["ts_utc"] for r in records.values() if r.get("ts_utc"))
+    out += [
+        "`make e2e` runs vLLM (CPU build) with LMCache and this server (durable backend) on "
+        "loopback: process 1 computes a 900-token prompt and stores its chunks; process 2, a "
+        "fresh vLLM, loads 768 of them (three 256-token chunks) and computes the rest. TTFT "
+        "= arrival to first token, prefill = scheduled to first token (LMCache's load "
+        "included), from vLLM's `RequestOutput.metrics`. One sample per cell.",
+        "",
+        f"Source: `{path.name}`, {len(records)} processes"
+        + (f", {when[0]} to {when[-1]}" if when else "")
+        + (
+            f", load average {min(loads):.1f}-{max(loads):.1f}"
+            if loads
+            else ", load average not recorded"
+        )
+        + ".",
+        "",
+        "| path | miss (process 1): TTFT / prefill | hit (process 2): TTFT / prefill "
+        "| cached tokens | same output as plain |",
+        "|---|---|---|---|---|",
+    ]
+    plain = records.get("plain", {}).get("output_token_ids")
+    for label, miss, hit in E2E_ROWS:
+        a = records.get(miss)
+        if a is None:
+            out.append(f"| {label} | not in this run | | | |")
+            continue
+        b = records.get(hit) if hit else None
+        cells = [f"{a['ttft_s']:.3f} s / {a['prefill_s']:.3f} s"]
+        cells.append(f"{b['ttft_s']:.3f} s / {b['prefill_s']:.3f} s" if b else "—")
+        cells.append(f"{(b or a)['num_cached_tokens']} of {(b or a)['prompt_tokens']}")
+        same = all(r["output_token_ids"] == plain for r in (a, b) if r) if plain else None
+        cells.append(
+            "reference" if miss == "plain" else ("yes" if same else "no" if same is False else "?")
+        )
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return [*out, ""]
+
+
+def run_section(run: dict[str, Any], name: str) -> list[str]:
+    dev = run["device"]
+    out = [
+        f"### {dev['name']} ({dev['type']}, torch {dev['torch']}): `{name}`",
+        "",
+        f"`{run['command']}`, {run['started_utc']} to {run['finished_utc']}; {_load(run)}. "
+        f"Server {run['server']['url']} (RESP {run['server']['resp'] or 'not given'}); "
+        f"LMCache: {run['lmcache']}; chunks of {run['chunk_tokens']} tokens; medians of "
+        f"{run['repeats']} timed runs after a verified warm-up.",
+        "",
+    ]
+    for m in run["models"]:
+        rank_kv = m["rank_kv_bytes_per_token"]
+        out += [
+            f"**{m['label']}**: {rank_kv:,} KV bytes per token"
+            + (
+                f" per rank ({m['kv_bytes_per_token']:,} for the whole model)"
+                if m["tensor_parallel"] > 1
+                else ""
+            )
+            + ".",
+            "",
+        ]
+        pre = m.get("prefill")
+        if pre:
+            out += [
+                f"Prefill ({pre['engine']} engine, {pre['dtype']}): {pre['what']}."
+                + (f" {pre['stopped']}." if pre.get("stopped") else ""),
+                "",
+            ]
+        paths = {p: v for p, v in m["paths"].items() if not v.get("skipped")}
+        head = (
+            "| tokens | KV bytes |"
+            + (" prefill ms |" if pre else "")
+            + "".join(f" {p}: lookup / total ms |" for p in paths)
+        )
+        out += [head, "|---|---|" + ("---|" if pre else "") + "---|" * len(paths)]
+        pre_at = {p["tokens"]: p["seconds"] for p in (pre or {}).get("points", [])}
+        for n in run["lengths"]:
+            row = f"| {n:,} | {n * rank_kv:,} |"
+            if pre:
+                row += f" {_ms(pre_at[n])} |" if n in pre_at else " — |"
+            for v in paths.values():
+                pt = next((q for q in v["points"] if q["tokens"] == n), None)
+                row += f" {_ms(pt['lookup_s'])} / {_ms(pt['total_s'])} |" if pt else " — |"
+            out.append(row)
+        out.append("")
+        for p, v in m["paths"].items():
+            if v.get("skipped"):
+                out.append(f"- {p}: not measured: {v['skipped']}")
+        if m["break_even"]:
+            out += [
+                "",
+                "Break-even on this machine (measured curves; interpolated between the "
+                "two measured lengths around the crossing, never extrapolated):",
+                "",
+            ]
+            out += [f"- {p}: **{b['text']}** tokens" for p, b in m["break_even"].items()]
+        out.append("")
+    return out
+
+
+def _shape(m: dict[str, Any]) -> ModelShape:
+    return ModelShape(**m["rank_shape"])
+
+
+def _rates(v: dict[str, Any]) -> tuple[float, float, float, float]:
+    """(lookup median s, load rate min, median, max in B/s): load = load + copy to device."""
+    rates = [q["bytes"] / (q["load_s"] + q["to_device_s"]) for q in v["points"]]
+    return (
+        statistics.median(q["lookup_s"] for q in v["points"]),
+        min(rates),
+        statistics.median(rates),
+        max(rates),
+    )
+
+
+def computed_section(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    peak = H100_BF16_DENSE_FLOPS
+    out = [
+        "## 3. Computed for a GPU: this run's fetch figures against an H100's compute",
+        "",
+        "No GPU measurement is part of this page unless section 2 names a CUDA device. "
+        "Below, the fetch side is what section 2 measured for each model's chunk size "
+        "(per path: the median lookup cost, and the load rate = bytes / (load + copy to "
+        "the device) across the lengths measured, slowest to fastest); the prefill side is "
+        f"computed: `prefill_flops(n)` at {peak / 1e12:.0f} TFLOP/s (NVIDIA H100 SXM "
+        "datasheet, dense BF16; the H200 has the same compute) times a model FLOPs "
+        "utilisation (MFU). `prefill_flops(n) = 2 n x (every layer's matrix weights) + "
+        "2 x layers x heads x head_dim x n (n + 1) + 2 x hidden x vocab`: no embedding (a "
+        "table lookup), the output layer on the last token only. A cell is the prompt "
+        "length from which fetching (lookup + n x KV bytes / rate) takes less time than "
+        'recomputing; "never": not below 1M tokens. A tensor-parallel model is computed '
+        "per rank: each GPU computes its share and fetches its share of the KV at the "
+        "rate measured for one client (the server must then deliver that rate to every "
+        "rank at once, which was not measured).",
+        "",
+    ]
+    rows, sens = [], []
+    for name, run in runs:
+        for m in run["models"]:
+            shape = _shape(m)
+            if shape.kv_bytes_per_token() < 4096:  # the CI model: no GPU question to answer
+                continue
+            for p, v in m["paths"].items():
+                if v.get("skipped"):
+                    continue
+                lookup, lo, mid, hi = _rates(v)
+                be = {
+                    (mfu, r): computed_break_even(shape, r, lookup, peak, mfu)
+                    for mfu in MFUS
+                    for r in (lo, mid, hi)
+                }
+                rows.append(
+                    f"| {m['label']} | {p} | {_ms(lookup)} "
+                    f"| {lo / 1e9:.2f} / {mid / 1e9:.2f} / {hi / 1e9:.2f} "
+                    f"| {prefill_rate(shape, 1024, peak, 0.5) / 1e3:.1f}k / "
+                    f"{prefill_rate(shape, 32768, peak, 0.5) / 1e3:.1f}k "
+                    f"| **{fmt_tokens(be[(0.5, mid)])}** | `{name}` |"
+                )
+                sens.append(
+                    f"| {m['label']} | {p} | "
+                    + " | ".join(
+                        f"{fmt_tokens(be[(mfu, lo)])} - {fmt_tokens(be[(mfu, hi)])}" for mfu in MFUS
+                    )
+                    + " |"
+                )
+    if not rows:
+        return [
+            *out,
+            "No run measured the fetch of a real model's chunk size: nothing to compute.",
+            "",
+        ]
+    out += [
+        "| model | path | lookup (measured) | load GB/s: slowest / median / fastest "
+        "(measured) | recompute tok/s at 1k / 32k tokens, MFU 50 % | break-even, MFU 50 %, "
+        "median rate | run |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        "**Sensitivity**: the break-even across the measured load rates (fastest - slowest "
+        "rate: a faster rate pays sooner) at three MFUs (a higher MFU recomputes faster, so "
+        "fetching pays later):",
+        "",
+        "| model | path | MFU 30 % | MFU 50 % | MFU 70 % |",
+        "|---|---|---|---|---|",
+        *sens,
+        "",
+    ]
+    return out
+
+
+def stores_section(path: Path | None) -> list[str]:
+    out = ["## 4. Three stores through LMCache: this server, redis-server, Mooncake Store", ""]
+    if path is None or not path.exists():
+        return [
+            *out,
+            "No `bench.bench_lmcache --json` output was given to this run of the generator.",
+            "",
+        ]
+    doc = json.loads(path.read_text())
+    out += [
+        f"`{doc['command']}`, {doc['started_utc']}; load average "
+        f"{doc['load_average_start'][0]:.2f} at the start, "
+        f"{doc['load_average_end'][0]:.2f} at the end"
+        + (
+            " — **taken loaded**: to be remeasured quiet"
+            if max(doc["load_average_start"][0], doc["load_average_end"][0])
+            > (doc.get("cpus") or 2)
+            else ""
+        )
+        + ".",
+        "",
+    ]
+    out += [
+        "| batch | store (path) | store GB/s | load GB/s | exists(64) p50 ms |",
+        "|---|---|---|---|---|",
+    ]
+    for r in doc["rows"]:
+        out.append(
+            f"| {r['batch']} | {r['name']} | {r['store_gbps']:.2f} | {r['load_gbps']:.2f} "
+            f"| {r['exists_ms']:.2f} |"
+        )
+    for why in doc.get("not_measured", []):
+        out.append(f"\n- not measured: {why}")
+    if doc.get("promises"):
+        out += [
+            "",
+            "What each store promises, each cell checked by the benchmark, not taken from "
+            "its docs:",
+            "",
+            "| store | " + " | ".join(doc["promise_names"]) + " |",
+            "|---|" + "---|" * len(doc["promise_names"]),
+        ]
+        for store, cells in doc["promises"].items():
+            out.append(
+                f"| {store} | "
+                + " | ".join(cells.get(k, "not checked") for k in doc["promise_names"])
+                + " |"
+            )
+    return [*out, ""]
+
+
+def gpu_section(loops: Path | None, runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    out = ["## 5. On a GPU machine", ""]
+    cuda = [n for n, r in runs if r["device"]["type"] == "cuda"]
+    if cuda:
+        out.append(f"Measured on a GPU: {', '.join(f'`{n}`' for n in cuda)} (section 2).")
+    else:
+        out.append(
+            "No GPU machine was available for the runs on this page. "
+            "`scripts/gpu_does_it_pay.sh` is the prepared run (at most 8 minutes: "
+            "does-it-pay for Llama-3-8B and Llama-3-70B per rank with this server on "
+            "the same machine, and the event-loop scaling table against "
+            "redis-server); its outputs go through this script like the ones above."
+        )
+    if loops is not None and loops.exists():
+        out += ["", "Event-loop scaling (`bench.bench_loops`):", "", loops.read_text().strip()]
+    return [*out, ""]
+
+
+def render(
+    runs: list[tuple[str, dict[str, Any]]], e2e: Path, stores: Path | None, loops: Path | None
+) -> str:
+    lines = [
+        "# Does it pay? Fetching a prefix's KV from this server vs recomputing it",
+        "",
+        "<!-- generated by scripts/gen_does_it_pay.py from measurement files; edit the "
+        "script or rerun the measurements, not this page -->",
+        "",
+        "From what prompt length does loading a prefix's KV from this server beat "
+        "recomputing it? `epistemic-kvcache does-it-pay` answers that on the machine it runs "
+        "on, for a model's shape, through each LMCache path: it times a prefill with a "
+        "random-weight model of that shape on the best device present, and the lookup, "
+        "load and copy to the device of the same tokens' KV through each path, and writes "
+        'the JSON this page is generated from (docs/lmcache.md, "does-it-pay").',
+        "",
+    ]
+    lines += e2e_section(e2e)
+    lines += ["## 2. Measured by `epistemic-kvcache does-it-pay`", ""]
+    for name, run in runs:
+        lines += run_section(run, name)
+    lines += computed_section(runs)
+    lines += stores_section(stores)
+    lines += gpu_section(loops, runs)
+    text = "\n".join(lines).rstrip() + "\n"
+    return text.replace("\n\n\n", "\n\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run", action="append", required=True, help="does-it-pay JSON (repeatable)")
+    ap.add_argument("--e2e", default=str(ROOT / "build" / "e2e-results.jsonl"))
+    ap.add_argument("--stores", default=None, help="bench.bench_lmcache --json output")
+    ap.add_argument("--loops", default=None, help="bench.bench_loops markdown output")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "does-it-pay.md"))
+    args = ap.parse_args()
+    runs = []
+    for r in args.run:
+        path = Path(r).resolve()
+        runs.append(
+            (
+                str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name,
+                json.loads(path.read_text()),
+            )
+        )
+    text = render(
+        runs,
+        Path(args.e2e).resolve(),
+        Path(args.stores) if args.stores else None,
+        Path(args.loops) if args.loops else None,
+    )
+    Path(args.out).write_text(text)
+    print(f"wrote {args.out} ({len(text.splitlines())} lines)")
+
+
+if __name__ == "__main__":
+    main()
