@@ -846,28 +846,6 @@ def test_reading_pauses_while_a_slow_command_runs() -> None:
         srv.close()
 
 
-def test_client_not_reading_stops_being_served(server: ServerThread, raw: Raw) -> None:
-    """Write back-pressure: replies to a client that does not read are not produced."""
-    size, n = MiB, 64
-    server.store.put("alpha", "wp", b"w" * size)
-    try:
-        hits0 = server.store.stats("alpha").get_hits
-        raw.send(b"AUTH " + TOKEN_A.encode() + b"\r\n")
-        assert raw.recv_until(b"\r\n") == b"+OK\r\n"
-        raw.send(b"*2\r\n$3\r\nGET\r\n$2\r\nwp\r\n" * n)
-        eventually(  # the socket buffers filled up: the server waits for us
-            lambda: any(p._write_paused_since is not None for p in server.protocols),
-            what="writing paused",
-        )
-        served = server.store.stats("alpha").get_hits - hits0
-        assert served < n / 2, served  # paused after the socket buffers filled up
-        reply = b"$%d\r\n" % size + b"w" * size + b"\r\n"
-        assert raw.recv_exactly(len(reply) * n) == reply * n
-        assert server.store.stats("alpha").get_hits - hits0 == n
-    finally:
-        server.store.delete("alpha", "wp")
-
-
 @pytest.mark.parametrize("backend", ["memory", "durable"])
 def test_set_and_mset_hand_their_receive_buffers_to_the_store(backend: str, tmp_path: Any) -> None:
     """The zero-copy path of the wire, explicit (`Handover`): a large SET's or MSET's

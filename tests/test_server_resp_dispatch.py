@@ -179,13 +179,19 @@ def test_quit_answers_ok_and_closes() -> None:
     run(scenario)
 
 
-def test_a_peer_that_does_not_read_is_not_served_until_it_does() -> None:
+HIGH_WATER = FakeTransport().high_water
+
+
+def test_a_peer_that_does_not_read_is_not_served_once_its_tenant_budget_is_spent() -> None:
+    """The tenant's share of buffered bytes (`max_tenant_inflight_bytes`) is held by
+    replies the peer has not read: nothing more is run for it until it reads."""
+
     async def scenario(ctx: ServerContext) -> None:
         c = Conn(ctx)
         await c.login()
         c.send(cmd("SET", "k", "v"))
         await c.reply(b"+OK\r\n")
-        c.transport.fill(c.transport.high_water + 1)  # pause_writing
+        c.transport.fill(HIGH_WATER + 1)  # pause_writing, and the share is spent
         # Neither the inline fast path (GET) nor the task (PING, ECHO) answers while
         # the peer does not read.
         c.send(cmd("GET", "k") + cmd("PING") + cmd("ECHO", "x"))
@@ -195,20 +201,39 @@ def test_a_peer_that_does_not_read_is_not_served_until_it_does() -> None:
         c.transport.drain()  # resume_writing
         await c.reply(b"$1\r\nv\r\n+PONG\r\n$1\r\nx\r\n")
 
-    run(scenario)
+    run(scenario, max_tenant_inflight_bytes=HIGH_WATER)
 
 
-@pytest.mark.parametrize("read_size", [None, 5])
-def test_the_inline_commands_wait_while_the_peer_does_not_read(read_size: int | None) -> None:
-    """GET/SET/EXISTS/STRLEN, which the read callback answers inline when it can, are
-    not answered (nor SETs applied) while writing is paused; all are once it resumes."""
+def test_a_peer_that_does_not_read_yet_is_served_while_its_replies_fit_the_budget() -> None:
+    """As Redis does: a client may write a whole pipeline before it reads its replies
+    (redis-py's pipeline does); while the replies fit its tenant's share they are
+    produced, paused writing or not."""
 
     async def scenario(ctx: ServerContext) -> None:
         c = Conn(ctx)
         await c.login()
         c.send(cmd("SET", "k", "v"))
         await c.reply(b"+OK\r\n")
-        c.transport.fill(c.transport.high_water + 1)  # pause_writing
+        c.transport.fill(HIGH_WATER + 1)  # pause_writing
+        c.send(cmd("GET", "k") + cmd("PING") + cmd("SET", "k2", "v2") + cmd("ECHO", "x"))
+        await c.reply(b"$1\r\nv\r\n+PONG\r\n+OK\r\n$1\r\nx\r\n")
+        assert ctx.store.get_nowait("alpha", "k2") == b"v2"
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("read_size", [None, 5])
+def test_the_inline_commands_wait_while_the_peer_does_not_read(read_size: int | None) -> None:
+    """GET/SET/EXISTS/STRLEN, which the read callback answers inline when it can, are
+    not answered (nor SETs applied) while writing is paused with the tenant's budget
+    spent; all are once it resumes."""
+
+    async def scenario(ctx: ServerContext) -> None:
+        c = Conn(ctx)
+        await c.login()
+        c.send(cmd("SET", "k", "v"))
+        await c.reply(b"+OK\r\n")
+        c.transport.fill(HIGH_WATER + 1)  # pause_writing, the share spent
         c.send(
             cmd("GET", "k")
             + cmd("SET", "k2", "v2")
@@ -223,7 +248,7 @@ def test_the_inline_commands_wait_while_the_peer_does_not_read(read_size: int | 
         c.transport.drain()  # resume_writing
         await c.reply(b"$1\r\nv\r\n+OK\r\n:2\r\n:1\r\n")
 
-    run(scenario)
+    run(scenario, max_tenant_inflight_bytes=HIGH_WATER)
 
 
 def test_connection_lost_releases_the_slot_and_the_live_set() -> None:

@@ -159,6 +159,8 @@ class ServerConfig:
     event_loops: int = 0
     """Event loops (threads) serving both wires; 0: one per usable core, at most
     `MAX_AUTO_EVENT_LOOPS` (`resolved_event_loops`)."""
+    drain_delay_s: float = 0.0
+    """On SIGTERM: serve (not ready) this long before closing the listeners."""
     shutdown_timeout_s: float = 10.0
     log_level: str = "INFO"
     log_format: str = "text"

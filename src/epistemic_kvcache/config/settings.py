@@ -446,10 +446,21 @@ SETTINGS: tuple[Setting, ...] = (
         "N",
     ),
     Setting(
+        "drain_delay_s",
+        nonneg_seconds,
+        _D.drain_delay_s,
+        "on SIGTERM, how long to keep serving (and accepting) while /readyz already "
+        "answers 503, so load balancers stop sending new connections first; 0: stop "
+        "accepting at once",
+        "SECONDS",
+    ),
+    Setting(
         "shutdown_timeout_s",
         pos_seconds,
         _D.shutdown_timeout_s,
-        "on SIGTERM, how long in-flight requests may take to finish",
+        "on SIGTERM, after drain_delay_s: the hard bound on finishing the requests in "
+        "flight (each connection closes at its next boundary between requests; what is "
+        "left then is cut)",
         "SECONDS",
     ),
     Setting("log_level", parse_log_level, _D.log_level, "debug, info, warning, error", "LEVEL"),

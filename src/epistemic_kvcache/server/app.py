@@ -10,13 +10,21 @@ How it works:
   logged as one parseable line, `listening http=127.0.0.1:40123` /
   `listening resp=127.0.0.1:40124` (port 0 shows the real port), followed by one
   `started epistemic-kvcache <version> ...` line.
-- Every connection records its transport and counts reads; the store thread pool
-  counts calls in flight. On SIGTERM/SIGINT (or
-  `ServerHandle.stop()`) the listeners stop accepting, then the runner waits — at most
-  `shutdown_timeout_s` — until no store call is in flight, no connection received bytes
-  during the last quarter second and every write buffer is empty (requests in progress finish,
-  idle keep-alive connections do not hold the exit up). Then it closes the remaining
-  connections, drains the thread pool and closes the store.
+- The graceful stop (a rolling restart cuts no client). On SIGTERM/SIGINT (or
+  `ServerHandle.stop()`) the server is not ready at once (`/readyz` 503 "shutting down"
+  on every loop) and, for `drain_delay_s`, keeps serving and accepting, so a load
+  balancer that polls readiness sends new connections elsewhere first (the signal
+  again ends the delay). Then the listeners stop accepting and every connection
+  closes at its next boundary between requests (server/loops.py `drain`): an idle
+  one at once, an HTTP one after answering what it received, the last answer with
+  `Connection: close`, a RESP one after its reply when no command is half-received
+  and no MULTI is open. The write side is shut first (the peer reads its replies,
+  then EOF, and reconnects before it sends again). The runner exits as soon as no
+  connection has anything in flight, every answer is sent and no store call runs;
+  `shutdown_timeout_s` bounds that wait, and cuts what is left. Then it drains the
+  thread pool and closes the store.
+- A listener whose protocol factory fails (server/loops.py `LateFactory`) keeps
+  accepting and closes those connections; readiness fails and the error is logged.
 - SIGHUP (or `ServerHandle.reload()`) re-reads the token file, the generated token, the
   JWT secret/public key/JWKS and the TLS certificate, key and client CA, without
   dropping a connection: new credentials and certificates apply to new authentications
@@ -292,7 +300,7 @@ async def serve(
         backlog = max(128, min(config.limits.max_connections, 4096))
         balancer = Balancer() if shared_port else None  # each connection to the lightest loop
         seat = balancer.seat(loop) if balancer is not None else None
-        http_factory, resp_factory = LateFactory(), LateFactory()
+        http_factory, resp_factory = LateFactory("http"), LateFactory("resp")
         http_server, http_addrs = await listen(
             loop,
             "--addr",
@@ -321,7 +329,7 @@ async def serve(
             servers.append(resp_server)
         late: list[tuple[LateFactory, LateFactory]] = []
         for index in range(1, n_loops):
-            factories = (LateFactory(), LateFactory())
+            factories = (LateFactory("http"), LateFactory("resp"))
             binds = [("--addr", a, factories[0]) for a in http_addrs]
             binds += [("--resp-addr", a, factories[1]) for a in resp_addrs]
             workers.append(LoopWorker(index, binds, tls, backlog, balancer))
@@ -361,19 +369,20 @@ async def serve(
             loop.call_soon_threadsafe(ctx.notify_epoch, tenant, scope, epoch)
 
         store.set_epoch_listener(on_epoch)
-        http_factory.factory = make_http_factory(ctx)
+        http_factory.set(make_http_factory(ctx), ctx.lifecycle)
         first_resp = None
         if config.resp_addr is not None:
-            resp_factory.factory = first_resp = make_resp_factory(ctx)
+            first_resp = make_resp_factory(ctx)
+            resp_factory.set(first_resp, ctx.lifecycle)
         else:
             log.info("RESP listener off")
         loop_contexts = [ctx]
         for worker, (http_late, resp_late) in zip(workers, late, strict=True):
             sibling = ctx.sibling(worker.index)
             loop_contexts.append(sibling)
-            http_late.factory = make_http_factory(sibling)
+            http_late.set(make_http_factory(sibling), ctx.lifecycle)
             if config.resp_addr is not None:
-                resp_late.factory = make_resp_factory(sibling, first_resp)
+                resp_late.set(make_resp_factory(sibling, first_resp), ctx.lifecycle)
 
         def reload() -> None:
             _reload(config, ctx, tls)
@@ -449,7 +458,17 @@ async def serve(
         if ready is not None:
             ready(handle)
         await stop.wait()
-        log.info("shutting down: no new connections, waiting for requests in flight")
+        ctx.lifecycle.draining = True  # /readyz: 503 on every loop from now on
+        if config.drain_delay_s > 0:
+            log.info(
+                "shutting down: not ready; serving %gs more before closing the listeners "
+                "(drain_delay_s; the signal again skips the rest)",
+                config.drain_delay_s,
+            )
+            stop.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), config.drain_delay_s)
+        log.info("shutting down: no new connections, finishing the requests in flight")
         for server in servers:
             server.close()
         # every loop drains its own connections at once, within the one timeout
@@ -499,6 +518,7 @@ def _install_signals(
     if threading.current_thread() is not threading.main_thread():
         return []
     installed: list[int] = []
+    stopping: list[signal.Signals] = []
     try:
         loop.add_signal_handler(signal.SIGHUP, reload)
     except (NotImplementedError, RuntimeError, ValueError, AttributeError):
@@ -508,10 +528,11 @@ def _install_signals(
     for sig in (signal.SIGTERM, signal.SIGINT):
 
         def on_signal(sig: signal.Signals = sig) -> None:
-            if stop.is_set():
+            if stopping:
                 log.warning("%s again: already shutting down", sig.name)
             else:
                 log.info("%s received", sig.name)
+                stopping.append(sig)
             stop.set()
 
         try:

@@ -164,6 +164,10 @@ class Account:
     def holding(self, purpose: str) -> int:
         return self._held.get(purpose, 0)
 
+    def headroom(self) -> int:
+        """Bytes this account's tenant could still take now (`MemoryBudget.headroom`)."""
+        return self._budget.headroom(self.tenant)
+
     def take(self, purpose: str, nbytes: int) -> Limit | None:
         """Hold `nbytes` more for `purpose`; None on success, else the refusing limit."""
         with self._lock:

@@ -227,13 +227,32 @@ class Readiness:
 
 
 class LiveConnection(Protocol):
-    """What the graceful stop needs of a connection (server/app.py `_drain`)."""
-
-    reads: int
-    """Reads so far: a connection whose count moves is still receiving a request."""
+    """What the graceful stop needs of a connection (server/loops.py `drain`)."""
 
     @property
     def transport(self) -> asyncio.Transport | None: ...
+
+    def begin_drain(self) -> None:
+        """The server is stopping: finish the request in progress (and what the peer
+        pipelined with it), then close at the next boundary between requests: HTTP with
+        `Connection: close` on the last answer, RESP after a reply and outside MULTI."""
+
+    @property
+    def drained(self) -> bool:
+        """Nothing of this connection is in flight any more: closed, or its write side
+        shut after its last answer (the peer is reading it)."""
+
+
+class Lifecycle:
+    """What every event loop's context shares about the server's own state: draining
+    (a stop began: not ready), and listeners that failed while serving (not ready)."""
+
+    __slots__ = ("draining", "listener_faults")
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.listener_faults: dict[str, str] = {}
+        """Listener name ("http", "resp") -> what broke it (readiness fails while any)."""
 
 
 @dataclass(slots=True)
@@ -275,6 +294,8 @@ class ServerContext:
     """This event loop's index and busy fraction (one context per loop: `sibling`)."""
     peers: list[ServerContext] = field(default_factory=list)
     """Every event loop's context, this one included (one list shared by all)."""
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
+    """Draining and listener faults (one object shared by every loop's context)."""
 
     def __post_init__(self) -> None:
         lim = self.limits
@@ -343,7 +364,10 @@ class ServerContext:
         return slots
 
     def readiness(self) -> Readiness:
-        """The store's readiness (`store.health()`); a failing check is "not ready"."""
+        """Whether to send traffic here: not while the server drains for a stop or a
+        listener has failed; else the store's readiness (`store.health()`), where a
+        failing check is "not ready"."""
+        life = self.lifecycle
         try:
             h = self.store.health()
         except Exception as exc:  # a failing health check is "not ready", never a crash
@@ -353,7 +377,14 @@ class ServerContext:
             "committer_alive": h.committer_alive,
             "disk_full": h.disk_full,
             "recovering": h.recovering,
+            "draining": life.draining,
         }
+        if life.draining:
+            return Readiness(False, "shutting down", detail)
+        faults = dict(life.listener_faults)
+        if faults:
+            why = "; ".join(f"{name} listener failed: {what}" for name, what in faults.items())
+            return Readiness(False, why, detail)
         return Readiness(h.ready, h.reason, detail)
 
     def get_nowait(self, ns: str, key: str) -> Buffer | WouldBlock | None:

@@ -45,16 +45,15 @@ from epistemic_kvcache.server.balance import (
     LoopSeat,
     bind_sockets,
 )
-from epistemic_kvcache.server.context import LiveConnection, ServerContext
+from epistemic_kvcache.server.context import Lifecycle, LiveConnection, ServerContext
 
 log = logging.getLogger("epistemic_kvcache.server")
 
 P = ParamSpec("P")
 T = TypeVar("T")
 
-POLL_S = 0.05
-QUIET_S = 0.25
-"""A connection that received nothing for this long is not in the middle of a request."""
+POLL_S = 0.02
+"""How often the drain looks whether every connection has reached its boundary."""
 
 
 class ListenerError(KvCacheError):
@@ -104,15 +103,47 @@ class CountingExecutor(concurrent.futures.ThreadPoolExecutor):
 
 
 class LateFactory:
-    """A protocol factory bound before the context exists (nothing is accepted before)."""
+    """A protocol factory bound before the context exists (nothing is accepted before).
 
-    def __init__(self) -> None:
+    A protocol that cannot be made (a bug, or a limit the build cannot hold) must not
+    stop the listener or go unnoticed: the connection is closed at once, the listener
+    keeps accepting, and the fault is recorded in `lifecycle` (readiness fails) and
+    logged once per listener.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        """The listener: "http" or "resp"."""
         self.factory: Callable[[], asyncio.BaseProtocol] | None = None
+        self.lifecycle: Lifecycle | None = None
+
+    def set(self, factory: Callable[[], asyncio.BaseProtocol], lifecycle: Lifecycle) -> None:
+        self.factory, self.lifecycle = factory, lifecycle
 
     def __call__(self) -> asyncio.BaseProtocol:
         if self.factory is None:  # start_serving() is called only after it is set
             raise RuntimeError("listener accepted before the server was ready")
-        return self.factory()
+        try:
+            return self.factory()
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            faults = self.lifecycle.listener_faults if self.lifecycle is not None else {}
+            if self.name not in faults:
+                faults[self.name] = why
+                log.error(
+                    "%s listener cannot serve connections (%s): closing them; not ready",
+                    self.name,
+                    why,
+                    exc_info=True,
+                )
+            return _Refused()
+
+
+class _Refused(asyncio.Protocol):
+    """A connection its listener cannot serve (see `LateFactory`): closed at once."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.close()
 
 
 # -- binding ---------------------------------------------------------------------------
@@ -282,36 +313,30 @@ def _write_buffer_size(transport: asyncio.BaseTransport | None) -> int:
 async def drain(
     live: Collection[LiveConnection], executor: CountingExecutor, timeout_s: float
 ) -> None:
-    """Wait (bounded) until requests in flight finished, then close every connection of
-    `live` (one loop's: each loop drains its own, all at once).
-
-    Busy means: a store call is running, a connection received bytes during the last
-    `QUIET_S` seconds (a body still arriving), or a response is still being sent.
+    """Let every connection of `live` (one loop's: each loop drains its own, all at
+    once) finish what is in flight and close at its next boundary between requests
+    (`LiveConnection.begin_drain`); return once none is in flight, every answer is
+    sent and no store call runs, or after `timeout_s` (the hard bound: what is left is
+    closed then).
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    # id(connection) -> (read count, when it last changed); a new entry counts as active now.
-    seen: dict[int, tuple[int, float]] = {}
-    while loop.time() < deadline:
-        await asyncio.sleep(POLL_S)
-        now = loop.time()
-        recently_active = False
-        for conn in live:
-            reads, changed = seen.get(id(conn), (-1, now))
-            if conn.reads != reads:
-                changed = now
-            seen[id(conn)] = (conn.reads, changed)
-            if now - changed < QUIET_S or _write_buffer_size(conn.transport):
-                recently_active = True
-        if executor.pending == 0 and not recently_active:
+    for conn in list(live):
+        conn.begin_drain()
+    while True:
+        busy = [c for c in list(live) if not c.drained or _write_buffer_size(c.transport)]
+        if not busy and executor.pending == 0:
             break
-    else:
-        log.warning(
-            "shutdown_timeout_s=%s elapsed: closing %d connection(s), %d store call(s) in flight",
-            timeout_s,
-            len(live),
-            executor.pending,
-        )
+        if loop.time() >= deadline:
+            log.warning(
+                "shutdown_timeout_s=%s elapsed: closing %d connection(s) with requests in "
+                "flight, %d store call(s) running",
+                timeout_s,
+                len(busy),
+                executor.pending,
+            )
+            break
+        await asyncio.sleep(POLL_S)
     for conn in list(live):
         if conn.transport is not None and not conn.transport.is_closing():
             conn.transport.close()

@@ -79,6 +79,9 @@ MAX_QUEUED: Final = 32
 """Complete requests waiting to be answered before parsing stops for this read."""
 SLICE_S: Final = 0.001
 """The answering task yields to the event loop after working this long."""
+DRAIN_IDLE_S: Final = 0.25
+"""Graceful stop: a keep-alive connection idle this long since the stop began is closed
+(one that sends a request first gets its answer with `Connection: close`)."""
 LINGER_S: Final = 2.0
 """After a final answer with input still coming, keep reading (and dropping) this long."""
 LINGER_MAX_BYTES: Final = 16 * 1024 * 1024
@@ -140,8 +143,8 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._auth_timer: asyncio.TimerHandle | None = None
         self._lingering = False
         self._linger_bytes = 0
-        self.reads = 0
-        """Reads so far (graceful shutdown waits while they keep coming)."""
+        self._draining = False
+        """The server is stopping: the next answer with nothing after it closes."""
         self._lent_body = False
         """The last `get_buffer` lent the current body's own buffer (not the scratch)."""
 
@@ -192,7 +195,6 @@ class HttpConnection(asyncio.BufferedProtocol):
         return self._scratch
 
     def buffer_updated(self, nbytes: int) -> None:
-        self.reads += 1
         try:
             if self._stopped:
                 self._discard(nbytes)
@@ -568,7 +570,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         resp = await self._respond(req)
         req.body = None
         self._release(req)
-        close = not req.keep_alive
+        close = not req.keep_alive or (self._draining and self._nothing_follows())
         self._send(resp, head_only=req.method == "HEAD", close=close, http10=req.http10)
         self._account.give_back("reply")
         elapsed = time.perf_counter() - req.t_start
@@ -653,6 +655,27 @@ class HttpConnection(asyncio.BufferedProtocol):
 
     # -- flow control, timers, closing ----------------------------------------------------
 
+    def begin_drain(self) -> None:
+        """`LiveConnection.begin_drain`: a busy connection answers what it has received,
+        the last answer with `Connection: close`; an idle one is closed once it sent
+        nothing for `DRAIN_IDLE_S` (a request that comes first is answered so)."""
+        self._draining = True
+        if self._closed or self._stopped:
+            return
+        if self._task is None and self._nothing_follows():
+            self._arm_idle()  # the drain's short idle time from now
+
+    @property
+    def drained(self) -> bool:
+        """`LiveConnection.drained`: closed, or shut after its last answer."""
+        if self._closed or self._lingering:
+            return True
+        return self._stopped and self._task is None and not self._queue
+
+    def _nothing_follows(self) -> bool:
+        """No request of this connection is queued, being received or left unparsed."""
+        return not self._queue and self._cur is None and not self._backlog
+
     def _write_continue(self, req: PendingRequest) -> None:
         req.continue_sent = True
         if self._transport is not None and not self._transport.is_closing():
@@ -679,7 +702,8 @@ class HttpConnection(asyncio.BufferedProtocol):
 
     def _arm_idle(self) -> None:
         self._cancel_idle()
-        self._idle = self._loop.call_later(self._limits.idle_timeout_s, self._on_idle)
+        timeout = DRAIN_IDLE_S if self._draining else self._limits.idle_timeout_s
+        self._idle = self._loop.call_later(timeout, self._on_idle)
 
     def _cancel_idle(self) -> None:
         if self._idle is not None:

@@ -39,8 +39,15 @@ disconnected, as Redis does.
 Back-pressure: reading pauses while a complete command waits and more than
 `READ_HIGH_WATER` bytes are buffered (before AUTH: more than
 `resp_unauthenticated_max_buffer_bytes`), and resumes when the task drains it or needs
-data. `pause_writing` stops the task before its next command, so a client that does not
-read is not served (and then not read).
+data. While the peer does not read its replies (`pause_writing`) the task goes on
+running commands as long as its tenant and the server have budget left for the replies,
+as Redis does: a client may write a whole pipeline before it reads (redis-py's pipeline
+does). Over `client_output_buffer_limit_bytes` the client is disconnected (Redis's
+rule); with the budget spent the task waits until the peer reads, and reading pauses.
+
+The graceful stop (`begin_drain`): the task runs what is buffered and, once it waits
+for input with no command half-received and no MULTI open, shuts the write side after
+its last reply and lingers, reading and dropping input, until the peer closes.
 
 Slots (server/budget.py `ConnectionSlots`): a connection takes an unauthenticated slot
 when it opens and moves to its tenant's share on AUTH; a tenant at its share is refused
@@ -53,6 +60,8 @@ first byte arrived more than `request_timeout_s` ago and is still incomplete -> 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import time
 from typing import Final, cast
 
@@ -85,6 +94,13 @@ SLICE_S: Final = 0.001
 READ_SLICE_S: Final = 0.001
 """A read whose parsing (and fast-path answers) took longer than this makes the
 connection skip reading until the event loop has served everyone else once."""
+DRAIN_IDLE_S: Final = 0.25
+"""Graceful stop: a connection that sent no command for this long since the stop began
+is closed (one that did is closed right after its reply)."""
+LINGER_S: Final = 2.0
+"""After closing at a boundary (graceful stop), read and drop input this long at most."""
+LINGER_MAX_BYTES: Final = 16 * 1024 * 1024
+"""... and drop at most this much before cutting the connection."""
 PUBSUB_OUTPUT_LIMIT: Final = 8 * 1024 * 1024
 """A subscriber whose unread messages exceed this is disconnected (Redis' soft pubsub
 client-output-buffer-limit is 8 MiB)."""
@@ -174,8 +190,13 @@ class RespConnection(asyncio.BufferedProtocol):
         self._counted_tenant: str | None = None
         self._account_holds_input = False
         """Whether "input" may be non-zero in the account (so the fast path can skip it)."""
-        self.reads = 0
-        """Reads so far (graceful shutdown waits while they keep coming)."""
+        self._draining = False
+        """The server is stopping (`begin_drain`)."""
+        self._drain_close = False
+        """... and this connection closes at its next boundary between commands."""
+        self._lingering = False
+        """Closed at a boundary: the write side is shut, input is read and dropped."""
+        self._linger_bytes = 0
 
     @property
     def transport(self) -> asyncio.Transport | None:
@@ -212,8 +233,10 @@ class RespConnection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         started = time.perf_counter()
-        self.reads += 1
         parser = self._parser
+        if self._lingering:
+            self._discard(nbytes)
+            return
         parser.buffer_updated(nbytes)
         dispatcher = self._dispatcher
         s = self.session
@@ -224,6 +247,7 @@ class RespConnection(asyncio.BufferedProtocol):
             and not s.channels
             and not dispatcher.started
             and not self._closing
+            and not self._draining
         ):
             # The fast path: the task is parked (nothing of this connection runs), the
             # peer reads its replies, no SET started here waits for its reply. What the
@@ -292,6 +316,7 @@ class RespConnection(asyncio.BufferedProtocol):
         self._parser.close()  # buffered commands go now, not at the next full GC
         self._dispatcher.abandon()
         self._account.close()
+        self.session.unwatch()
         self.session.channels.clear()
         self.on_subscriptions()
         if self._slot is not None:
@@ -341,6 +366,9 @@ class RespConnection(asyncio.BufferedProtocol):
                     return
                 if event is NEED_DATA:
                     self._settle()
+                    if self._drain_close and self._at_boundary():
+                        self._close_at_boundary()
+                        return
                     self._resume_reading(force=True)
                     if self._eof:
                         self._close()
@@ -354,7 +382,7 @@ class RespConnection(asyncio.BufferedProtocol):
                     slice_start = loop_time()
                     continue
                 self._resume_reading(force=False)
-                if not self._writable:
+                if not self._writable and not self._may_run_ahead():
                     await self._can_write.wait()
                     if self._closing:
                         return
@@ -385,6 +413,8 @@ class RespConnection(asyncio.BufferedProtocol):
         self._account.give_back("reply")
         if self.session.quit_requested:
             self._close()
+        elif self._draining:
+            self._drain_close = True
 
     # -- accounting ---------------------------------------------------------------------------
     def _reserve(self, nbytes: int) -> bool | str:
@@ -437,6 +467,18 @@ class RespConnection(asyncio.BufferedProtocol):
             )
             self._close(abort=True)
 
+    def _may_run_ahead(self) -> bool:
+        """Writing is paused (the peer has not read its replies yet): whether to run the
+        next command anyway. Yes while this tenant and the server have room for more
+        replies, as Redis does: a client may send a whole pipeline before it reads. Past
+        `client_output_buffer_limit_bytes` the client is disconnected (`_account_output`,
+        Redis's rule); with the tenant's or the server's budget spent, the task waits
+        for the peer to read (and reading pauses once `READ_HIGH_WATER` is buffered)."""
+        self._account_output()
+        if self._closing or self.session.identity is None:
+            return False
+        return self._account.headroom() > 0
+
     def _settle(self) -> None:
         """Release what this connection holds beyond what its parser still buffers.
 
@@ -474,6 +516,80 @@ class RespConnection(asyncio.BufferedProtocol):
                 transport.abort()
             else:
                 transport.close()
+
+    # -- the graceful stop ------------------------------------------------------------------
+    def begin_drain(self) -> None:
+        """`LiveConnection.begin_drain`: the task runs what is buffered and, once it
+        waits for input between commands outside MULTI (`_at_boundary`), closes: right
+        after a reply, or when no command came for `DRAIN_IDLE_S`. Replies are corked
+        from now on (TCP_CORK), so the last one and the end of the stream leave in one
+        segment: a client that reads a reply sees the EOF with it, before it sends again."""
+        if self._draining or self._closing:
+            return
+        self._draining = True
+        transport = self._transport
+        if transport is not None and transport.get_extra_info("sslcontext") is None:
+            sock = transport.get_extra_info("socket")
+            with contextlib.suppress(OSError, AttributeError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_later(DRAIN_IDLE_S, self._drain_idle)
+        self._wakeup.set()
+
+    def _drain_idle(self) -> None:
+        """`DRAIN_IDLE_S` after `begin_drain`: close at the next boundary even if no
+        command comes (an idle connection)."""
+        self._timer = None
+        if not self._closing:
+            self._drain_close = True
+            self._wakeup.set()
+
+    @property
+    def drained(self) -> bool:
+        """`LiveConnection.drained`: closed, or shut after its last reply."""
+        return self._closing
+
+    def _at_boundary(self) -> bool:
+        """No command is half-received and no transaction is open."""
+        return not self._parser.has_partial and self.session.multi is None
+
+    def _close_at_boundary(self) -> None:
+        """Shut the write side after the replies written so far (the peer reads them,
+        then EOF, and reconnects before it sends again), then keep reading and dropping
+        input until the peer closes, `LINGER_S` passes or the drain ends: closing with
+        unread input would reset the connection and could lose replies in flight."""
+        transport = self._transport
+        self._closing = True
+        if transport is None or transport.is_closing():
+            return
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        try:
+            transport.write_eof()
+        except (OSError, RuntimeError):
+            transport.close()
+            return
+        self._lingering = True
+        self._parser.close()
+        self._parser.reserve = _refuse_all
+        self._reading_paused = self._read_yield = False
+        self._apply_reading()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_later(LINGER_S, transport.close)
+
+    def _discard(self, nbytes: int) -> None:
+        """Input after `_close_at_boundary`: framed (so large bulks are skipped, never
+        stored) and dropped; a peer that sends more than `LINGER_MAX_BYTES` is cut."""
+        parser = self._parser
+        parser.buffer_updated(nbytes)
+        parser.close()
+        parser.reserve = _refuse_all
+        self._linger_bytes += nbytes
+        if self._linger_bytes > LINGER_MAX_BYTES and self._transport is not None:
+            self._transport.close()
 
     def revoke(self) -> None:
         """The session's credential no longer verifies (credentials reloaded): close."""
@@ -641,6 +757,11 @@ class RespConnection(asyncio.BufferedProtocol):
             return
         payload = f"{scope} {epoch}".encode()
         self._write(push([b"message", EPOCH_CHANNEL, payload], self.session.protocol_version))
+
+
+def _refuse_all(nbytes: int) -> str:
+    """The parser's `reserve` hook while lingering: no large bulk is allocated."""
+    return "closing"
 
 
 def _host_port(name: object) -> str:
