@@ -153,7 +153,8 @@ def running_server(dir: Path, **kw: Any) -> Iterator[RunningServer]:
 
 class ServeProcess:
     """`python -m epistemic_kvcache serve` on free loopback ports (memory backend, TOKEN,
-    RESP unless `resp=False`); `extra` flags go last."""
+    RESP unless `resp=False`); `extra` flags go last. `program`: what runs instead of
+    `-m epistemic_kvcache` (a script that takes the same arguments)."""
 
     def __init__(
         self,
@@ -162,12 +163,12 @@ class ServeProcess:
         backend: str = "memory",
         token: str = TOKEN,
         resp: bool = True,
+        program: tuple[str, ...] = ("-m", "epistemic_kvcache"),
     ) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("EPISTEMIC_GRAPH_")}
         cmd = [
             sys.executable,
-            "-m",
-            "epistemic_kvcache",
+            *program,
             "serve",
             "--addr",
             "127.0.0.1:0",

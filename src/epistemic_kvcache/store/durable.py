@@ -711,6 +711,13 @@ class SharedKvStoreBackend(TieredEngine):
         self._tier_event.set()
         self._ckpt.stop(self._shutdown_timeout_s)
         if done:
-            self.checkpoint()  # the index is current: the next open replays nothing
+            # the log's files end where its last batch does (no zeroed space after it:
+            # the next open has nothing to drop), and the index is current (it replays
+            # nothing)
+            try:
+                self._writer.cut_zeroed_tail()
+            except OSError as exc:
+                log.warning("cutting the zeroed space after the log's end failed: %s", exc)
+            self.checkpoint()
         self._tier_thread.join(5.0)
         self._release_files()

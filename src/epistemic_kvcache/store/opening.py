@@ -56,7 +56,7 @@ from epistemic_kvcache.store.recovery import (
     salvage,
     valid_ends,
 )
-from epistemic_kvcache.store.segments import LogWriter, open_segments
+from epistemic_kvcache.store.segments import LogWriter, only_zeros, open_segments
 from epistemic_kvcache.store.space import SegmentSpace
 
 log = logging.getLogger(__name__)
@@ -254,20 +254,30 @@ class Opener:
         crash), and replay groups records into batches by the end-of-batch flag alone:
         left in the log, the next batch written after them would be read as their end,
         and they would be applied with it at the next open. A torn batch may have rolled
-        into new segments, so the last segment is not the only one to cut."""
+        into new segments, so the last segment is not the only one to cut.
+
+        Zeros alone are no torn write: the space the writer zeroed ahead of the log's end
+        (a clean close cuts it; a process killed between writes leaves it). They are cut
+        without the crash message, which stays for bytes a write really left there."""
         for sid in sorted(self.space.segs):
             if sid < end[0]:
                 continue
             seg = self.space.segs[sid]
             keep = end[1] if sid == end[0] else 0
-            if seg.size() <= keep:
+            size = seg.size()
+            if size <= keep:
                 continue
-            log.info(
-                "segment %08d: dropping %d bytes after the last complete batch (a write "
-                "torn by a crash, never acknowledged)",
-                sid,
-                seg.size() - keep,
-            )
+            if only_zeros(seg, keep, size):
+                log.debug(
+                    "segment %08d: cutting %d zeroed bytes after the log's end", sid, size - keep
+                )
+            else:
+                log.info(
+                    "segment %08d: dropping %d bytes after the last complete batch (a "
+                    "write torn by a crash, never acknowledged)",
+                    sid,
+                    size - keep,
+                )
             with open(seg.path, "r+b") as f:
                 f.truncate(keep)
                 os.fsync(f.fileno())

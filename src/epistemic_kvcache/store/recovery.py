@@ -35,7 +35,7 @@ from typing import Any
 from epistemic_kvcache.store import records
 from epistemic_kvcache.store.index import Changes, Index, KeyState, pack_loc
 from epistemic_kvcache.store.records import Op
-from epistemic_kvcache.store.segments import Damage, Scanned, Segment, scan
+from epistemic_kvcache.store.segments import Damage, Scanned, Segment, only_zeros, scan
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,6 @@ META_KINDS = {1: "snap", 2: "branch"}
 META_CODES = {"snap": 1, "branch": 2}
 
 Progress = Callable[[str], None]
-_ZERO_CHECK_BYTES = 1 << 20
 
 
 class StoreMismatchError(ValueError):
@@ -196,17 +195,9 @@ def _zeroed_tail(seg: Segment, off: int, end: int) -> bool:
     off once it is durable. A crash between the two leaves it in the middle of that
     batch: not damage."""
     try:
-        if end != seg.size():
-            return False
-        pos = off
-        while pos < end:
-            n = min(_ZERO_CHECK_BYTES, end - pos)
-            if bytes(seg.read(pos, n)).count(0) != n:
-                return False
-            pos += n
+        return end == seg.size() and only_zeros(seg, off, end)
     except OSError:
         return False
-    return True
 
 
 def _apply(st: LogState, sid: int, item: Scanned) -> None:

@@ -180,6 +180,22 @@ class Segment:
             os.close(self.fd)
 
 
+def only_zeros(seg: Segment, off: int, end: int) -> bool:
+    """Whether bytes `off..end` of `seg` are all zero (a hole reads as zeros; False when
+    the file is shorter or cannot be read)."""
+    try:
+        pos = off
+        while pos < end:
+            n = min(_SCAN_WINDOW, end - pos)
+            chunk = os.pread(seg.fd, n, pos)
+            if len(chunk) != n or chunk.count(0) != n:
+                return False
+            pos += n
+    except OSError:
+        return False
+    return True
+
+
 def fsync_dir(path: Path) -> None:
     dfd = os.open(path, os.O_RDONLY)
     try:
@@ -355,14 +371,22 @@ class LogWriter:
     def seal(self) -> None:
         """Seal the active segment now (between batches): cut its zeroed tail, make that
         durable, and let the next batch open a new segment (so compaction may take it)."""
-        seg = self.active
-        if seg is None:
+        if self.active is None:
             return
-        if self.zeroed_to > self.pos:
-            os.ftruncate(seg.fd, self.pos)
-            self.io.fdatasync(seg.fd)
-            self.fsyncs += 1
+        self.cut_zeroed_tail()
         self.seal_active()
+
+    def cut_zeroed_tail(self) -> None:
+        """Cut the zeroed, allocated space after the active segment's last batch (between
+        batches; a clean close does it last): the file then ends where the log does, and
+        the next open finds nothing to drop after the last complete batch."""
+        seg = self.active
+        if seg is None or self.zeroed_to <= self.pos:
+            return
+        os.ftruncate(seg.fd, self.pos)
+        self.io.fdatasync(seg.fd)
+        self.fsyncs += 1
+        self.zeroed_to = self.pos
 
     def seal_active(self, prev_id: int | None = None) -> None:
         """Stop appending to the active segment (the next batch opens a new one)."""
