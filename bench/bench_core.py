@@ -9,7 +9,7 @@ tree is `NAME=SRC_DIR`, optionally `:TWINS`, the twins that tree runs pure
 compare with an older commit, check it out (`git worktree add /tmp/before <commit>`) and,
 for its compiled RESP framer, build it there or copy the `.so` when the framer's source is
 the same. Each round starts redis-server (no persistence) and one memory-backend server
-per tree (`bench_twins.OUR_OPTIONS`, one event loop), then runs every command against
+per tree (`OUR_OPTIONS`, one event loop), then runs every command against
 each, rotating who goes first; a cell is the median over rounds of requests per second
 (its ratio to redis-server's median) and of the server's CPU (user + system) per request.
 
@@ -21,16 +21,51 @@ keys not yet held (the engine's general path).
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import os
 import statistics
+import subprocess
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
+from bench.bench_cpu import cpu_split, pid_listening
 from bench.bench_server import TOKEN, our_server, redis_server
-from bench.bench_twins import OUR_OPTIONS, run_benchmark_split
+from epistemic_kvcache.config.loading import load_config
+from epistemic_kvcache.config.settings import add_arguments
+from epistemic_kvcache.options import StoreOptions
 
 PURE_ENV = "EPISTEMIC_GRAPH_KVCACHE_PURE_PYTHON"
+OUR_OPTIONS = ["--hot-capacity-bytes", "6GiB", "--warm-capacity-bytes", "0",
+               "--max-block-bytes", "64MiB"]  # fmt: skip
+"""Our server's flags beside redis-server (memory backend): every block fits in hot."""
+
+
+def our_store_options() -> StoreOptions:
+    """The store options ours runs with here: `OUR_OPTIONS` read as the server reads its
+    flags (everything else at its default, no environment), for benchmarks that drive
+    the store in process."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return load_config(vars(parser.parse_args(OUR_OPTIONS)), env={}).store
+
+
+def run_benchmark_split(
+    port: int, auth: str | None, args: list[str], n: int
+) -> tuple[float, float, float]:
+    """(requests/s, server user and system CPU microseconds per request) of one
+    redis-benchmark command."""
+    pid = pid_listening(port)
+    cmd = ["redis-benchmark", "-p", str(port), "-n", str(n), "--csv", *args]
+    if auth is not None:
+        cmd[1:1] = ["-a", auth]
+    u0, s0 = cpu_split(pid)
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600).stdout
+    u1, s1 = cpu_split(pid)
+    rows = [r for r in csv.reader(io.StringIO(out)) if r and r[0] != "test"]
+    return float(rows[-1][1]), (u1 - u0) / n * 1e6, (s1 - s0) / n * 1e6
+
 
 # (label, redis-benchmark arguments, requests at --scale 1)
 COMMANDS: list[tuple[str, list[str], int]] = [

@@ -3,6 +3,7 @@
     PYTHONPATH=src .venv/bin/python -m bench.bench_fastpath [--n 40000]
     PYTHONPATH=/path/to/old/src .venv/bin/python -m bench.bench_fastpath   # a before
     .venv/bin/python -m bench.bench_fastpath --twins [--pipeline 32]      # issue 27
+    .venv/bin/python -m bench.bench_fastpath --framer   # the RESP framer's two twins alone
 
 One connection (`make_resp_factory`) over the recording transport of the tests
 (tests/helpers.py `FakeTransport`), a real `SharedKvIndex` behind it (tests/servers.py
@@ -10,11 +11,16 @@ One connection (`make_resp_factory`) over the recording transport of the tests
 4 KiB SET), or `--pipeline K` of them, copied into `get_buffer` and handed over by
 `buffer_updated`, as uvloop does. Prints the thread CPU time per read, best of 5: the
 read callback, the framer, the dispatcher, the store and the metrics, without the socket
-and the event loop (those are the rest of a server's CPU per request: `bench_twins`).
+and the event loop (those are the rest of a server's CPU per request: `bench_floor`).
 The machine's load hardly moves it, so two source trees compare well one after the
 other. `--twins` times both twins of `run_fast` (server/resp/fast.py) on the same
 connection, alternately round by round (which goes first alternates too), and prints
 per command; many short rounds (`--n 2000 --rounds 40`) resist a noisy host best.
+
+`--framer` times the RESP framer's two twins alone instead (`RespParser`, pure and
+compiled; thread CPU time, best of 5), driven as a connection drives them: `get_buffer`,
+copy a read in, `buffer_updated`, take every command, read `has_error` and
+`pending_bytes`; one command per read and 16 pipelined, for a 4 KiB SET and an EXISTS.
 """
 
 from __future__ import annotations
@@ -66,13 +72,54 @@ def _twins() -> list[tuple[str, Callable[..., int] | None]]:
     return [("pure", fastpath.run_fast), ("compiled", _fastpath_c.run_fast)]
 
 
+def framer_alone() -> dict[str, float]:
+    """µs per command of each framer twin: "<command> <per read> <twin>" -> µs."""
+    from epistemic_kvcache.proto import resp_parser
+    from epistemic_kvcache.proto.resp import NEED_DATA
+
+    try:
+        from epistemic_kvcache.proto import _resp_parser_c as compiled
+    except ImportError as exc:
+        raise SystemExit(f"--framer: the compiled twin is not built ({exc})") from None
+    key = b"key:000000000001"
+    cases = {"4 KiB SET": cmd("SET", key, b"x" * 4096), "EXISTS": cmd("EXISTS", key)}
+
+    def per_command(cls: type, payload: bytes, per_read: int, n: int = 64_000) -> float:
+        p = cls(authenticated=True)
+        data = payload * per_read
+        t0 = time.thread_time()
+        for _ in range(n // per_read):
+            buf = p.get_buffer(-1)
+            buf[: len(data)] = data
+            p.buffer_updated(len(data))
+            while p.next_command() is not NEED_DATA:
+                pass
+            _ = p.has_error, p.pending_bytes
+        return (time.thread_time() - t0) / n * 1e6
+
+    results: dict[str, float] = {}
+    print("| command | commands per read | pure µs/command | compiled µs/command | speedup |")
+    print("|---|---|---|---|---|")
+    for label, payload in cases.items():
+        for per_read in (1, 16):
+            pure = min(per_command(resp_parser.RespParser, payload, per_read) for _ in range(5))
+            comp = min(per_command(compiled.RespParser, payload, per_read) for _ in range(5))
+            results[f"{label} {per_read} pure"] = pure
+            results[f"{label} {per_read} compiled"] = comp
+            print(f"| {label} | {per_read} | {pure:.2f} | {comp:.2f} | {pure / comp:.1f}x |")
+    return results
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=40_000, help="reads per timing")
     ap.add_argument("--pipeline", type=int, default=1, help="commands per read (at most 64)")
     ap.add_argument("--twins", action="store_true", help="time both twins of run_fast")
     ap.add_argument("--rounds", type=int, default=5, help="timings per figure (the best)")
+    ap.add_argument("--framer", action="store_true", help="the RESP framer's twins alone")
     args = ap.parse_args(argv)
+    if args.framer:
+        return framer_alone()
     n, k = args.n, args.pipeline
     if not 1 <= k <= INLINE_MAX_COMMANDS:
         raise SystemExit(f"--pipeline: 1 to {INLINE_MAX_COMMANDS} (what one read answers inline)")

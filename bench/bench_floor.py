@@ -17,12 +17,12 @@ Python (dispatch, store, BLAKE3, metrics), which is all a compiled twin can reac
 whatever the floor spends above redis-server stays while the server runs on uvloop.
 
 All three run at once; each round drives each with the same `redis-benchmark` commands
-as `bench_twins`, one server after the other (the order rotates per round), and the
+(`COMMANDS`), one server after the other (the order rotates per round), and the
 medians are printed. CPU is the server process's utime and stime per request, from
 /proc before and after each command (the load generator is another process).
 
 `--floors dict,blake3,store` adds variants of the floor beside it, to split ours minus
-the floor into its parts (ninth session):
+the floor into its parts:
 - `blake3`: the floor that also takes the BLAKE3 digest of every SET's value (the hash
   our content addressing needs), and nothing else;
 - `store`: the floor with our real store (`SharedKvIndex`, the memory backend with ours'
@@ -52,8 +52,21 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import cast
 
+from bench.bench_core import OUR_OPTIONS, our_store_options, run_benchmark_split
 from bench.bench_server import TOKEN, our_server, redis_server
-from bench.bench_twins import COMMANDS, OUR_OPTIONS, our_store_options, run_benchmark_split
+
+# (label, redis-benchmark arguments, requests): keys are fixed (no -r), so GET and
+# EXISTS find the key the SET before them wrote.
+COMMANDS: list[tuple[str, list[str], int]] = [
+    ("4 KiB SET -c 8", ["-t", "set", "-d", "4096", "-c", "8"], 40_000),
+    ("4 KiB GET -c 8", ["-t", "get", "-d", "4096", "-c", "8"], 40_000),
+    ("4 KiB SET -c 8 -P 16", ["-t", "set", "-d", "4096", "-c", "8", "-P", "16"], 160_000),
+    ("4 KiB GET -c 8 -P 16", ["-t", "get", "-d", "4096", "-c", "8", "-P", "16"], 160_000),
+    ("EXISTS -c 1", ["-c", "1", "EXISTS", "key:__rand_int__"], 20_000),
+    ("EXISTS -c 8", ["-c", "8", "EXISTS", "key:__rand_int__"], 40_000),
+    ("256 KiB SET -c 8", ["-t", "set", "-d", "262144", "-c", "8"], 3_000),
+    ("256 KiB GET -c 8", ["-t", "get", "-d", "262144", "-c", "8"], 3_000),
+]
 
 FLOORS = {"dict": "floor", "blake3": "floor+blake3", "store": "floor+store", "spin": "floor+spin"}
 """The floor's variants (`--floor`) and their names in the tables."""

@@ -52,9 +52,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench import loadgen
+from bench.bench_core import OUR_OPTIONS
 from bench.bench_cpu import parse_size, pid_listening, thread_cpu
 from bench.bench_server import TOKEN, human, our_server, workload
-from bench.bench_twins import OUR_OPTIONS
 
 MiB = 1024 * 1024
 PYSPY_RATE = 200

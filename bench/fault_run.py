@@ -9,7 +9,11 @@ left to the log tail by SIGKILL), applies one kind of damage, and records:
 - rebuild: `store rebuild-index`, then a start: keys served exactly, keys lost, keys
            served wrong (must be 0), keys the rebuild reported as lost.
 
-Usage: python bench/fault_run.py [--keys N] [--out results.md]
+Usage: python -m bench.fault_run [--keys N] [--out results.md] [--only CASE ...]
+
+Prints one markdown row per case: what is expected, what the two starts did (with what
+the first one served), what `store check` said, how many keys the rebuild named as lost,
+and what a start after the rebuild served (exact / missing / wrong / deleted keys back).
 """
 
 from __future__ import annotations
@@ -109,6 +113,20 @@ def outcome(p: subprocess.CompletedProcess[str]) -> str:
     if "rebuild-index" in last:
         return "refused (rebuild hint)"
     return "error: " + last[-80:]
+
+
+def served_summary(d: dict[str, int]) -> str:
+    """What a start served, from the reader's JSON line: exact keys, then what was not."""
+    others = {"missing": "missing", "wrong": "wrong", "lost_keys": "named lost",
+              "quarantined": "quarantined", "repairs": "repaired"}  # fmt: skip
+    return ", ".join([f"{d['ok']} exact", *(f"{d[k]} {w}" for k, w in others.items() if d[k])])
+
+
+HEAD = (
+    "| case | expected | start (both) | `store check` | lost keys the rebuild names "
+    "| after the rebuild: exact / missing / wrong / deleted keys back |\n"
+    "|---|---|---|---|---|---|"
+)
 
 
 def segs(path: Path) -> list[Path]:
@@ -273,6 +291,7 @@ def main() -> None:
     ap.add_argument("--keys", type=int, default=600)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--only", action="append", choices=[c[0] for c in CASES], help="this case")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="fault-run-"))
     base = work / "base"
@@ -281,8 +300,10 @@ def main() -> None:
     assert "written" in w.stdout, w.stderr
     live = [f"k{i}" for i in range(args.keys) if i % 10]
     deleted = [f"k{i}" for i in range(0, args.keys, 10)]
-    rows = []
+    rows: list[str] = []
     for name, damage, expected in CASES:
+        if args.only and name not in args.only:
+            continue
         d = work / "case"
         if d.exists():
             shutil.rmtree(d)
@@ -293,7 +314,9 @@ def main() -> None:
             for _ in range(2)
         ]
         first = run([sys.executable, "-c", READER, str(d), ",".join(live), str(HERE)])
-        served = first.stdout.strip().splitlines()[-1] if first.returncode == 0 else ""
+        start = starts[0] if starts[0] == starts[1] else f"{starts[0]}, then {starts[1]}"
+        if first.returncode == 0:
+            start += ": " + served_summary(json.loads(first.stdout.strip().splitlines()[-1]))
         chk = run([*CLI, "store", "check", "--persist-dir", str(d)])
         check = (
             outcome(chk)
@@ -309,18 +332,16 @@ def main() -> None:
         dead = run([sys.executable, "-c", READER, str(d), ",".join(deleted), str(HERE)])
         a = json.loads(after.stdout.strip().splitlines()[-1]) if after.returncode == 0 else {}
         z = json.loads(dead.stdout.strip().splitlines()[-1]) if dead.returncode == 0 else {}
-        observed = (
-            f"start: {starts[0]} / {starts[1]}"
-            + (f" {served}" if served else "")
-            + f"; check: {check}; rebuild: {outcome(rb)}, reported lost {reported}; "
-            + f"after: {a.get('ok', '?')} exact, {a.get('missing', '?')} missing, "
-            + f"{a.get('wrong', '?')} wrong, {z.get('ok', 0) + z.get('wrong', 0)} deleted keys back"
+        if outcome(rb) != "ok":
+            reported = f"{reported} (rebuild: {outcome(rb)})"
+        after = (
+            f"{a.get('ok', '?')} / {a.get('missing', '?')} / {a.get('wrong', '?')} / "
+            f"{z.get('ok', 0) + z.get('wrong', 0)}"
         )
-        rows.append((name, expected, observed))
-        print(f"| {name} | {expected} | {observed} |", flush=True)
-    table = ["| case | expected | observed |", "|---|---|---|"]
-    table += [f"| {n} | {e} | {o} |" for n, e, o in rows]
-    text = "\n".join(table)
+        row = f"| {name} | {expected} | {start} | {check} | {reported} | {after} |"
+        rows.append(row)
+        print(row, flush=True)
+    text = "\n".join([HEAD, *rows])
     if args.out:
         args.out.write_text(text + "\n")
     print()
