@@ -210,7 +210,7 @@ class BundleItem:
     tokens: int
     supported_by: tuple[str, ...] = ()
     withheld_support: int = 0
-    """Named supporters this session cannot see (filtered by policy or absent): a count,
+    """Named supporters the session cannot see (filtered by policy or absent): a count,
     never their ids."""
 
 

@@ -5,8 +5,8 @@ How it works
 uvloop's `transport.write` first tries `write(2)` itself (`UVStream._try_write`) while
 holding the GIL, so the kernel copy of a 4 MiB GET reply (most of that request's CPU)
 holds the GIL: the event-loop thread's GIL-held share of its CPU was 0.94-0.95 for 4 MiB
-GETs, which caps what several loops in one process can gain (docs/benchmarks.md, "Every
-core serves"). `os.write`/`os.writev` release the GIL around the system call.
+GETs, which caps what several loops in one process can gain (docs/benchmarks.md,
+"Event-loop scaling"). `os.write`/`os.writev` release the GIL around the system call.
 
 `ReplyWriter.write(transport, buffers)` therefore writes a reply of at least
 `DIRECT_MIN_BYTES` straight to the socket's fd when that is safe, and hands whatever the
