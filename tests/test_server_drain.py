@@ -21,27 +21,30 @@ does) serves every request of every loop: none fails.
 from __future__ import annotations
 
 import contextlib
-import errno
-import hashlib
 import http.client
 import json
-import logging
-import select
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
-from epistemic_kvcache.integrations.lmcache.l2_native_connector import EpistemicGraphL2Connector
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # (bench/ is beside src/)
+from bench.bench_drain import (
+    Loop,
+    connector_loop,
+    http_loop,
+    join_loops,
+    redis_loop,
+    start_loops,
+    value_of,
+)
+
 from helpers import eventually
 from servers import TOKEN, ServeProcess
 
@@ -50,158 +53,11 @@ TIMEOUT_S = 60
 """The server's `--shutdown-timeout-s`: the hard bound a regression would wait out."""
 
 
-def value_of(key: str, size: int = 4096) -> bytes:
-    """The bytes written under `key` (derived from it: checkable after a restart)."""
-    seed = hashlib.sha256(key.encode()).digest()
-    return (seed * (size // len(seed) + 1))[:size]
+def test_bench_drain_smoke() -> None:
+    """The benchmark's own run (one round): it reports no torn request."""
+    from bench import bench_drain
 
-
-@dataclass
-class Loop:
-    """One client loop's record: acknowledged keys, the key in flight when it ended, and
-    how it ended."""
-
-    name: str
-    acked: list[str] = field(default_factory=list)
-    last_ack_at: float = 0.0
-    unacked: str | None = None
-    ended: str = ""
-    """"refused" (the clean end), or what broke the loop (a failure)."""
-    thread: threading.Thread | None = None
-    go: threading.Event = field(default_factory=threading.Event)
-
-    def ack(self, key: str) -> None:
-        self.acked.append(key)
-        self.last_ack_at = time.monotonic()
-        self.unacked = None
-
-
-def _refused(exc: BaseException) -> bool:
-    """A connection that could not be opened: nothing was sent on it."""
-    while exc is not None:
-        if isinstance(exc, ConnectionRefusedError):
-            return True
-        if isinstance(exc, OSError) and exc.errno == errno.ECONNREFUSED:
-            return True
-        if "Connection refused" in str(exc) or "Error 111 connecting" in str(exc):
-            return True
-        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
-    return False
-
-
-def _run(loop: Loop, step: Callable[[int], None], close: Callable[[], None]) -> None:
-    """Call `step(0)`, `step(1)`, ... until one raises; record how it ended."""
-    i = 0
-    try:
-        while True:
-            try:
-                step(i)
-            except Exception as exc:
-                loop.ended = "refused" if _refused(exc) else f"{type(exc).__name__}: {exc}"
-                return
-            i += 1
-            if i == 20:
-                loop.go.set()
-    finally:
-        close()
-
-
-def redis_loop(port_of: Callable[[], int], prefix: str = "r") -> Loop:
-    """redis-py SETs, no retries (every error shows), a new connection when the server
-    closed the last one (redis-py's own check before it reuses a connection)."""
-    loop = Loop("redis-py")
-    client = redis.Redis(
-        port=port_of(), password=TOKEN, socket_timeout=30, retry=Retry(NoBackoff(), 0)
-    )
-
-    def step(i: int) -> None:
-        key = f"{prefix}{i}"
-        loop.unacked = key
-        assert client.set(key, value_of(key)) is True
-        loop.ack(key)
-
-    loop.thread = threading.Thread(target=_run, args=(loop, step, client.close), daemon=True)
-    return loop
-
-
-def http_loop(port_of: Callable[[], int], prefix: str = "h") -> Loop:
-    """http.client PUTs on one keep-alive connection, reopened when an answer says
-    `Connection: close` (http.client does that itself)."""
-    loop = Loop("http.client")
-    conn = http.client.HTTPConnection("127.0.0.1", port_of(), timeout=30)
-
-    def step(i: int) -> None:
-        key = f"{prefix}{i}"
-        loop.unacked = key
-        conn.request("PUT", f"/kv/{key}", body=value_of(key), headers=AUTH)
-        resp = conn.getresponse()
-        resp.read()
-        assert resp.status in (200, 201), resp.status
-        loop.ack(key)
-
-    loop.thread = threading.Thread(target=_run, args=(loop, step, conn.close), daemon=True)
-    return loop
-
-
-def connector_loop(url_of: Callable[[], str], prefix: str = "m") -> Loop:
-    """LMCache's MP path: batches of 4 blocks through `EpistemicGraphL2Connector`, each
-    completion awaited as LMCache's demux thread does (poll the eventfd, drain)."""
-    loop = Loop("lmcache-mp")
-    conn = EpistemicGraphL2Connector(base_url=url_of(), token=TOKEN, num_workers=2)
-    poller = select.poll()
-    poller.register(conn.event_fd(), select.POLLIN)
-    # The connector reports a failed batch without its cause; the client logs the cause.
-    causes = _LogRecords()
-    logging.getLogger("epistemic_kvcache.client").addHandler(causes)
-
-    def step(i: int) -> None:
-        keys = [f"org/model@00000000@0@{prefix}{i}-{j}" for j in range(4)]
-        loop.unacked = keys[0]
-        fid = conn.submit_batch_set(keys, [memoryview(value_of(k)) for k in keys])
-        while True:
-            poller.poll(200)
-            done = [c for c in conn.drain_completions() if c[0] == fid]
-            if done:
-                break
-        _fid, ok, err, _res = done[0]
-        if not ok:
-            why = "; ".join(causes.messages) or err
-            if all("Connection refused" in m for m in causes.messages):
-                raise ConnectionRefusedError(why)
-            raise ConnectionError(why)
-        for k in keys:
-            loop.ack(k)
-
-    def close() -> None:
-        conn.close()
-        logging.getLogger("epistemic_kvcache.client").removeHandler(causes)
-
-    loop.thread = threading.Thread(target=_run, args=(loop, step, close), daemon=True)
-    return loop
-
-
-class _LogRecords(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-def _start(loops: list[Loop]) -> None:
-    for loop in loops:
-        assert loop.thread is not None
-        loop.thread.start()
-    for loop in loops:
-        assert loop.go.wait(60), f"{loop.name} did not get going: {loop.ended}"
-
-
-def _join(loops: list[Loop]) -> None:
-    for loop in loops:
-        assert loop.thread is not None
-        loop.thread.join(TIMEOUT_S)
-        assert not loop.thread.is_alive(), f"{loop.name} still running"
+    assert bench_drain.main(["--rounds", "1"]) == 0
 
 
 def _readyz(port: int) -> int:
@@ -263,16 +119,16 @@ def test_sigterm_mid_traffic_tears_no_request(
 ) -> None:
     srv = serve("--event-loops", loops)
     clients = [
-        redis_loop(lambda: srv.ports["resp"]),
-        http_loop(lambda: srv.http_port),
-        connector_loop(srv.url),
+        redis_loop(lambda: srv.ports["resp"], token=TOKEN),
+        http_loop(lambda: srv.http_port, token=TOKEN),
+        connector_loop(srv.url, token=TOKEN),
     ]
-    _start(clients)
+    start_loops(clients)
     signalled = time.monotonic()
     srv.proc.send_signal(signal.SIGTERM)
     assert srv.proc.wait(TIMEOUT_S) == 0
     exited = time.monotonic()
-    _join(clients)
+    join_loops(clients)
     _assert_clean_ends(clients)
     log = "".join(srv.output)
     assert "shutdown_timeout_s" not in log, log[-3000:]  # nothing was cut at the bound
@@ -290,8 +146,11 @@ def test_drain_delay_keeps_serving_while_not_ready(serve: Callable[..., ServePro
     served (new connections included) until the delay ends; a second SIGTERM ends it."""
     srv = serve("--drain-delay-s", str(TIMEOUT_S))
     assert _readyz(srv.http_port) == 200
-    clients = [redis_loop(lambda: srv.ports["resp"]), http_loop(lambda: srv.http_port)]
-    _start(clients)
+    clients = [
+        redis_loop(lambda: srv.ports["resp"], token=TOKEN),
+        http_loop(lambda: srv.http_port, token=TOKEN),
+    ]
+    start_loops(clients)
     srv.proc.send_signal(signal.SIGTERM)
     eventually(lambda: _readyz(srv.http_port) == 503, what="/readyz 503")
     # Served after the server said it is not ready (each loop acknowledges 50 more).
@@ -311,7 +170,7 @@ def test_drain_delay_keeps_serving_while_not_ready(serve: Callable[..., ServePro
     assert (resp.status, doc["reason"], doc["draining"]) == (503, "shutting down", True)
     srv.proc.send_signal(signal.SIGTERM)  # the delay's rest is skipped
     assert srv.proc.wait(TIMEOUT_S) == 0
-    _join(clients)
+    join_loops(clients)
     _assert_clean_ends(clients)
     log = "".join(srv.output)
     assert "SIGTERM again" in log
@@ -445,10 +304,10 @@ def test_rolling_restart_of_two_servers_behind_one_port_fails_no_request(
     resp_front, http_front = Forwarder("resp", backends), Forwarder("http", backends)
     try:
         clients = [
-            redis_loop(lambda: resp_front.port),
-            http_loop(lambda: http_front.port),
+            redis_loop(lambda: resp_front.port, token=TOKEN),
+            http_loop(lambda: http_front.port, token=TOKEN),
         ]
-        _start(clients)
+        start_loops(clients)
         for i, data in enumerate((tmp_path / "a", tmp_path / "b")):
             old = backends[i]
             marks = {c.name: len(c.acked) for c in clients}
@@ -469,7 +328,7 @@ def test_rolling_restart_of_two_servers_behind_one_port_fails_no_request(
             srv.proc.send_signal(signal.SIGTERM)
         for srv in backends:
             assert srv.proc.wait(TIMEOUT_S) == 0
-        _join(clients)
+        join_loops(clients)
         _assert_clean_ends(clients)
     finally:
         resp_front.close()
