@@ -1,58 +1,88 @@
-"""LMCache-shaped load through each LMCache path into our server and into redis-server.
+"""LMCache-shaped load through each LMCache path into our server, redis-server and Mooncake.
 
     .venv/bin/python -m bench.bench_lmcache [--quick] [--rounds 5] [--backend durable]
-                                            [--paths mp-native,mp-resp,v1-redis,v1-resp,path-a]
+        [--paths mp-native,mp-resp,v1-redis,v1-resp,path-a,mooncake] [--json OUT.json]
 
-Each path is driven the way LMCache drives it, side by side in one run, and compared
-with the same LMCache path into a real redis-server (no persistence):
+Each path is driven the way LMCache drives it (the drivers are
+`epistemic_kvcache.integrations.lmcache.does_it_pay_paths`, shared with `epistemic-kvcache
+does-it-pay`), side by side in one run, and compared with the same LMCache path into a
+real redis-server (no persistence):
 
-  mp-native  MP native plugin: our `EpistemicGraphL2Connector` -> our HTTP (native
-             protocol: submit, poll the eventfd, drain). No Redis form exists; its
-             reference is mp-resp into redis-server, LMCache's fastest path into Redis.
+  mp-native  MP native plugin: our `EpistemicGraphL2Connector` -> our HTTP. No Redis form
+             exists; its reference is mp-resp into redis-server.
   mp-resp    MP RESP adapter: LMCache's C++ `LMCacheRedisClient` -> RESP.
-  v1-redis   v1 `remote_url: redis://`: LMCache's redis-py `RedisConnector`
-             (`batched_put`; loads are one `get` per chunk, gathered, as LMCache's
-             RemoteBackend does), two keys per chunk.
+  v1-redis   v1 `remote_url: redis://`: LMCache's redis-py `RedisConnector`.
   v1-resp    v1 `remote_url: resp://`: LMCache's `RESPConnector` (the C++ client).
-  path-a     v1 storage plugin: our `EpistemicGraphExternalBackend`
-             (`batched_submit_put_task`, `batched_get_blocking`) -> our HTTP. Its
-             reference is v1-redis into redis-server (the other v1 path of that kind).
+  path-a     v1 storage plugin: our `EpistemicGraphExternalBackend` -> our HTTP; its
+             reference is v1-redis into redis-server.
+  mooncake   the third store: Mooncake Store (`pip install '.[bench-mooncake]'` and
+             `apt-get install libibverbs1 ibverbs-providers`) through LMCache's v1 `mooncakestore://`
+             connector: a `mooncake_master` (HTTP metadata server inside it) and one storage
+             process holding the memory (`global_segment_size`), the engine mounting none,
+             TCP transport bound to loopback (`MC_TCP_BIND_ADDRESS`). Compared with ours
+             and redis-server through LMCache's v1 `resp://` connector. LMCache 0.5.6 passes
+             `master_server_address`, Mooncake 0.3.13 reads `master_server_addr`: the
+             setting is given as `mooncake_master_server_addr`. Its `transfer_timeout` is
+             raised from LMCache's 1 s, after which a put is reported done while the copy
+             goes on.
 
 Workloads: batches of 16 x 4 MiB and 4 x 32 MiB chunks; each round stores a batch of new
-chunks (distinct bytes, so nothing deduplicates) and loads it back. The v1 paths use
-LMCache `MemoryObj`s from a `LocalCPUBackend` (allocation of loaded chunks included, as
-in LMCache). 8 I/O workers per client (LMCache's RESP default). Servers bind free loopback
-ports. Prints GB/s, ratios against each path's reference, and a markdown table.
+chunks (distinct bytes, so nothing deduplicates) and loads it back (the first round is
+verified byte for byte and not timed). 8 I/O workers per client. Servers bind free
+loopback ports. Prints GB/s, ratios against each path's reference, a markdown table.
+
+Then, with `mooncake` in the paths, what each of the three stores promises, checked
+(bench/store_promises.py): does a stored chunk survive the store's processes being
+SIGKILLed and restarted, are identical chunks under two keys held once, does a client
+without credentials get in. `--json` writes every figure for scripts/gen_does_it_pay.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import datetime
+import importlib.util
+import json
 import os
-import select
 import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bench import bench_server
 from bench.bench_server import redis_server
+from epistemic_kvcache.integrations.lmcache import does_it_pay_paths as dp
+from epistemic_kvcache.integrations.lmcache.does_it_pay_paths import (
+    WORKERS,
+    NativeDriver,
+    PathADriver,
+    V1ConnectorDriver,
+    path_a_config,
+    resp_connector_config,
+    v1_config,
+)
 from epistemic_kvcache.integrations.lmcache.l2_native_connector import EpistemicGraphL2Connector
 
 MiB = 1024 * 1024
 TOKEN = "bench-lmcache-token-0123456789abcdef"
-WORKERS = 8
 WORKLOADS = [(16, 4 * MiB), (4, 32 * MiB)]
 EXISTS_KEYS = 64
 HEADS, HEAD_SIZE, TOKENS = 8, 128, 256  # fp16: 4 MiB per layer-pair of 2 x 256 tokens
+MOONCAKE_TRANSFER_TIMEOUT_S = 120
+
+__all__ = ["V1ConnectorDriver", "V1Engine", "v1_config"]  # bench/bench_lookup.py uses them
+
+
+def V1Engine(config: Any, size: int, count: int = 16) -> dp.V1Engine:
+    """An LMCache v1 engine whose chunks are `size` bytes (8 KV heads of 128, 256 tokens)."""
+    layers = max(1, size // (2 * TOKENS * HEADS * HEAD_SIZE * 2))
+    return dp.V1Engine(config, (layers, 2, TOKENS, HEADS, HEAD_SIZE), "bench/lmcache", count)
 
 
 def our_server(tmp: Path, backend: str) -> AbstractContextManager[tuple[int, int]]:
@@ -63,205 +93,6 @@ def our_server(tmp: Path, backend: str) -> AbstractContextManager[tuple[int, int
         token=TOKEN,
         options=("--hot-capacity-bytes", "4GiB", "--max-block-bytes", "64MiB"),
     )
-
-
-def call(client: Any, fid: int, timeout_s: float = 120.0) -> tuple[bool, str, list[bool] | None]:
-    """Wait for one completion, the way LMCache's demux thread does."""
-    poller = select.poll()
-    poller.register(client.event_fd(), select.POLLIN)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        poller.poll(100)
-        for cfid, ok, err, res in client.drain_completions():
-            if int(cfid) == fid:
-                return bool(ok), str(err), None if res is None else list(res)
-    raise TimeoutError(f"future {fid} did not complete")
-
-
-# -- drivers: one per LMCache path -----------------------------------------------------
-class NativeDriver:
-    """A native connector (ours or LMCache's C++ client): bytearrays in, bytearrays out."""
-
-    def __init__(self, client: Any, count: int, size: int) -> None:
-        self.client = client
-        base = os.urandom(size)
-        self.sources = [bytearray(base) for _ in range(count)]
-        self.dests = [bytearray(size) for _ in range(count)]
-
-    def fill(self, tag: str) -> None:
-        for i, src in enumerate(self.sources):
-            src[:16] = f"{tag}{i:06x}".encode()[-16:].rjust(16, b"0")
-
-    def store(self, keys: list[str]) -> bool:
-        ok, _, res = call(
-            self.client, self.client.submit_batch_set(keys, [memoryview(s) for s in self.sources])
-        )
-        return ok and (res is None or all(res))
-
-    def load(self, keys: list[str]) -> bool:
-        ok, _, res = call(
-            self.client, self.client.submit_batch_get(keys, [memoryview(d) for d in self.dests])
-        )
-        return ok and (res is None or all(res))
-
-    def verify(self) -> bool:
-        return self.dests == self.sources
-
-    def exists(self, keys: list[str]) -> None:
-        call(self.client, self.client.submit_batch_exists(keys))
-
-    def close(self) -> None:
-        self.client.close()
-
-
-class V1Engine:
-    """What an LMCache v1 engine has: metadata, a LocalCPUBackend, an event loop thread."""
-
-    def __init__(self, config: Any, size: int) -> None:
-        from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
-
-        from epistemic_kvcache.integrations.lmcache.checks import cpu_metadata
-
-        layers = size // (2 * TOKENS * HEADS * HEAD_SIZE * 2)
-        self.shape = (layers, 2, TOKENS, HEADS, HEAD_SIZE)
-        config.chunk_size = TOKENS
-        config.max_local_cpu_size = 1.0
-        self.config = config
-        self.metadata = cpu_metadata("bench/lmcache", self.shape)
-        self.local_cpu = LocalCPUBackend(config, self.metadata, dst_device="cpu")
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(300)
-
-    def objects(self, count: int) -> list[Any]:
-        import torch
-        from lmcache.v1.memory_management import MemoryFormat
-
-        layers, two, tokens, heads, head = self.shape
-        shape = torch.Size([two, layers, tokens, heads * head])
-        out = []
-        for _ in range(count):
-            obj = self.local_cpu.allocate(shape, torch.float16, MemoryFormat.KV_2LTD)
-            if obj is None:
-                raise RuntimeError("LocalCPUBackend is full")
-            obj.tensor.copy_(torch.randn(shape).to(torch.float16))
-            out.append(obj)
-        return out
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        self.loop.close()
-        self.local_cpu.close()
-
-
-class V1Driver:
-    """LMCache v1 keys and MemoryObjs; subclasses store and load."""
-
-    def __init__(self, engine: V1Engine, count: int) -> None:
-        self.engine = engine
-        self.objs = engine.objects(count)
-        self.loaded: list[Any] = []
-        self.salt = 0
-
-    def cache_keys(self, keys: list[str]) -> list[Any]:
-        import torch
-        from lmcache.utils import CacheEngineKey
-
-        return [
-            CacheEngineKey("bench/lmcache", 1, 0, hash(k) & ((1 << 62) - 1), torch.float16)
-            for k in keys
-        ]
-
-    def fill(self, tag: str) -> None:
-        for i, obj in enumerate(self.objs):
-            obj.byte_array.cast("B")[:16] = f"{tag}{i:06x}".encode()[-16:].rjust(16, b"0")
-
-    def verify(self) -> bool:
-        ok = len(self.loaded) == len(self.objs) and all(
-            a is not None and bytes(a.byte_array) == bytes(b.byte_array)
-            for a, b in zip(self.loaded, self.objs, strict=True)
-        )
-        return ok
-
-    def release(self, sources: bool = False) -> None:
-        for obj in self.loaded + (self.objs if sources else []):
-            if obj is not None:
-                obj.ref_count_down()
-        self.loaded = []
-
-
-class V1ConnectorDriver(V1Driver):
-    """LMCache's remote connector (redis-py `RedisConnector` or `RESPConnector`)."""
-
-    def __init__(self, engine: V1Engine, count: int, url: str) -> None:
-        from lmcache.v1.storage_backend.connector import CreateConnector
-
-        super().__init__(engine, count)
-        self.conn = CreateConnector(url, engine.loop, engine.local_cpu, engine.config)
-
-    def store(self, keys: list[str]) -> bool:
-        for obj in self.objs:
-            obj.ref_count_up()  # the connector's put releases one reference
-        self.engine.run(self.conn.batched_put(self.cache_keys(keys), self.objs))
-        return True
-
-    def load(self, keys: list[str]) -> bool:
-        self.release()
-        ck = self.cache_keys(keys)
-        if self.conn.support_batched_get():
-            self.loaded = self.engine.run(self.conn.batched_get(ck))
-        else:
-
-            async def each() -> list[Any]:
-                return list(await asyncio.gather(*(self.conn.get(k) for k in ck)))
-
-            self.loaded = self.engine.run(each())
-        return all(o is not None for o in self.loaded)
-
-    def exists(self, keys: list[str]) -> None:
-        self.engine.run(self.conn.batched_async_contains("bench", self.cache_keys(keys)))
-
-    def close(self) -> None:
-        from epistemic_kvcache.integrations.lmcache.checks import close_remote_connector
-
-        self.release(sources=True)
-        close_remote_connector(self.conn, self.engine.run)
-        self.engine.close()
-
-
-class PathADriver(V1Driver):
-    """Our storage plugin, loaded by LMCache's `storage_plugin_launcher`."""
-
-    def __init__(self, engine: V1Engine, count: int) -> None:
-        from lmcache.v1.storage_backend import storage_plugin_launcher
-
-        super().__init__(engine, count)
-        backends: dict[str, Any] = {}
-        storage_plugin_launcher(
-            engine.config, engine.metadata, engine.loop, engine.local_cpu, "cpu", backends
-        )
-        self.backend = backends["epistemic_graph"]
-
-    def store(self, keys: list[str]) -> bool:
-        futures = self.backend.batched_submit_put_task(self.cache_keys(keys), self.objs) or []
-        return all(all(f.result(300)) for f in futures)
-
-    def load(self, keys: list[str]) -> bool:
-        self.release()
-        self.loaded = self.backend.batched_get_blocking(self.cache_keys(keys))
-        return all(o is not None for o in self.loaded)
-
-    def exists(self, keys: list[str]) -> None:
-        self.backend.batched_contains(self.cache_keys(keys))
-
-    def close(self) -> None:
-        self.release(sources=True)
-        self.backend.close()
-        self.engine.close()
 
 
 @dataclass
@@ -295,7 +126,7 @@ def run_path(name: str, make: Callable[[], Any], count: int, rounds: int, salt: 
                 print(f"  {name}: round {r} failed (stored={stored}, loaded={loaded})")
                 continue
             if r == 0:
-                if not driver.verify():
+                if not driver.verify(count):
                     raise AssertionError(f"{name}: loaded bytes differ from stored bytes")
                 continue
             result.store_s.append(t1 - t0)
@@ -313,10 +144,45 @@ def run_path(name: str, make: Callable[[], Any], count: int, rounds: int, salt: 
     return result
 
 
-def v1_config(**extra: Any) -> Any:
-    from lmcache.v1.config import LMCacheEngineConfig
+def mooncake_missing() -> str | None:
+    """Why Mooncake Store cannot run here (None: it can)."""
+    try:
+        if importlib.util.find_spec("mooncake") is None:
+            return ("mooncake-transfer-engine-non-cuda is not installed (pip install "
+                    "'.[bench-mooncake]', and Debian's libibverbs1 and ibverbs-providers)")  # fmt: skip
+        from mooncake.store import MooncakeDistributedStore  # noqa: F401
+    except ImportError as exc:
+        return f"mooncake does not import: {exc}"
+    return None
 
-    return LMCacheEngineConfig.from_defaults(remote_serde="naive", **extra)
+
+def mooncake_config(stack: Any) -> Any:
+    """LMCache v1 settings for LMCache's `mooncakestore://` connector to `stack`."""
+    return v1_config(
+        save_unfull_chunk=False,
+        extra_config={
+            "save_chunk_meta": False,
+            "mooncake_local_hostname": "127.0.0.1",
+            "mooncake_metadata_server": stack.metadata_url,
+            "mooncake_master_server_addr": f"127.0.0.1:{stack.rpc_port}",
+            "mooncake_protocol": "tcp",
+            "mooncake_global_segment_size": 0,  # the storage process holds the memory
+            "mooncake_local_buffer_size": 512 * MiB,
+            "transfer_timeout": MOONCAKE_TRANSFER_TIMEOUT_S,
+        },
+    )
+
+
+@contextmanager
+def mooncake_store(tmp: Path) -> Iterator[Any]:
+    from bench.store_promises import MooncakeStack
+
+    stack = MooncakeStack(tmp, segment_bytes=4096 * MiB)
+    try:
+        stack.start()
+        yield stack
+    finally:
+        stack.stop()
 
 
 def main() -> None:
@@ -324,120 +190,141 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 rounds instead of 5")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--backend", default="durable", choices=["durable", "memory"])
-    parser.add_argument("--paths", default="mp-native,mp-resp,v1-redis,v1-resp,path-a")
+    parser.add_argument("--paths", default="mp-native,mp-resp,v1-redis,v1-resp,path-a,mooncake")
+    parser.add_argument("--json", default=None, help="write every figure here")
     args = parser.parse_args()
     rounds = 2 if args.quick else args.rounds
     if shutil.which("redis-server") is None:
         sys.exit("redis-server is not installed (make sysdeps)")
-    import logging
-
-    logging.disable(logging.INFO)
-    os.environ["LMCACHE_TRACK_USAGE"] = "false"
+    dp.lmcache_quiet()
     from lmcache.lmcache_redis import LMCacheRedisClient
 
     wanted = args.paths.split(",")
-    with tempfile.TemporaryDirectory(prefix="bench-lmcache-") as d:
+    not_measured: list[str] = []
+    if "mooncake" in wanted and (why := mooncake_missing()):
+        wanted.remove("mooncake")
+        not_measured.append(f"Mooncake Store: {why}")
+        print(f"mooncake: not measured: {why}")
+    load_start = os.getloadavg()
+    started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    rows: list[str] = []
+    records: list[dict[str, Any]] = []
+    promises: dict[str, dict[str, str]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-lmcache-") as d, ExitStack() as stack:
         tmp = Path(d)
-        with (
-            our_server(tmp, args.backend) as (http_port, resp_port),
-            redis_server(tmp, fsync_always=False) as redis_port,
-        ):
-            http = f"http://127.0.0.1:{http_port}"
-            os.environ["EPISTEMIC_GRAPH_KVCACHE_TOKEN"] = TOKEN
+        http_port, resp_port = stack.enter_context(our_server(tmp, args.backend))
+        redis_port = stack.enter_context(redis_server(tmp, fsync_always=False))
+        moon = stack.enter_context(mooncake_store(tmp)) if "mooncake" in wanted else None
+        http = f"http://127.0.0.1:{http_port}"
+        os.environ["EPISTEMIC_GRAPH_KVCACHE_TOKEN"] = TOKEN
 
-            def native(client: Callable[[], Any]) -> Callable[[int, int], Any]:
-                return lambda count, size: NativeDriver(client(), count, size)
+        def native(client: Callable[[], Any]) -> Callable[[int, int], Any]:
+            return lambda count, size: NativeDriver(client(), count, size)
 
-            def connector(url: str, password: str) -> Callable[[int, int], Any]:
-                def make(count: int, size: int) -> Any:
-                    os.environ["LMCACHE_RESP_PASSWORD"] = password
-                    extra = {"save_unfull_chunk": False,
-                             "extra_config": {"save_chunk_meta": False, "resp_num_threads": WORKERS}}  # fmt: skip
-                    config = v1_config(**(extra if url.startswith("resp") else {}))
-                    return V1ConnectorDriver(V1Engine(config, size), count, url)
+        def connector(url: str, password: str, config: Callable[[], Any] = v1_config) -> Callable[[int, int], Any]:  # fmt: skip
+            def make(count: int, size: int) -> Any:
+                os.environ["LMCACHE_RESP_PASSWORD"] = password
+                config_ = resp_connector_config() if url.startswith("resp") else config()
+                return V1ConnectorDriver(V1Engine(config_, size, count), count, url)
 
-                return make
+            return make
 
-            def path_a(count: int, size: int) -> Any:
-                p = "storage_plugin.epistemic_graph."
-                config = v1_config(
-                    storage_plugins=["epistemic_graph"],
-                    extra_config={
-                        p
-                        + "module_path": "epistemic_kvcache.integrations.lmcache.external_backend",
-                        p + "class_name": "EpistemicGraphExternalBackend",
-                        p + "base_url": http,
-                        p + "num_workers": WORKERS,
-                    },
+        def path_a(count: int, size: int) -> Any:
+            return PathADriver(V1Engine(path_a_config(http, TOKEN), size, count), count)
+
+        # (path, ours, reference) -- each row's ratio is ours / reference.
+        redis_py_ref = ("v1-redis: redis-py -> redis-server",
+                        connector(f"redis://127.0.0.1:{redis_port}", ""))  # fmt: skip
+        c_ref = ("mp-resp: LMCacheRedisClient -> redis-server",
+                 native(lambda: LMCacheRedisClient("127.0.0.1", redis_port, WORKERS, "", "")))  # fmt: skip
+        resp_ours = ("v1-resp: RESPConnector -> our RESP", connector(f"resp://127.0.0.1:{resp_port}", TOKEN))  # fmt: skip
+        pairs = {
+            "mp-native": (
+                ("mp-native: L2 connector -> our HTTP",
+                 native(lambda: EpistemicGraphL2Connector(base_url=http, token=TOKEN, num_workers=WORKERS))),
+                c_ref,
+            ),
+            "mp-resp": (
+                ("mp-resp: LMCacheRedisClient -> our RESP",
+                 native(lambda: LMCacheRedisClient("127.0.0.1", resp_port, WORKERS, "", TOKEN))),
+                c_ref,
+            ),
+            "v1-redis": (
+                ("v1-redis: redis-py -> our RESP", connector(f"redis://:{TOKEN}@127.0.0.1:{resp_port}", TOKEN)),
+                redis_py_ref,
+            ),
+            "v1-resp": (
+                resp_ours,
+                ("v1-resp: RESPConnector -> redis-server", connector(f"resp://127.0.0.1:{redis_port}", "")),
+            ),
+            "path-a": (("path-a: storage plugin -> our HTTP", path_a), redis_py_ref),
+        }  # fmt: skip
+        if moon is not None:
+            pairs["mooncake"] = (
+                ("v1-mooncake: MooncakestoreConnector -> Mooncake Store",
+                 connector(f"mooncakestore://127.0.0.1:{moon.rpc_port}", "", lambda: mooncake_config(moon))),
+                resp_ours,
+            )  # fmt: skip
+        print(f"backend={args.backend} rounds={rounds} workers={WORKERS} (median of rounds); "
+              f"load average {load_start[0]:.2f}")  # fmt: skip
+        for count, size in WORKLOADS:
+            nbytes = count * size
+            label = f"{count} x {size // MiB} MiB"
+            done: dict[str, PathResult] = {}
+            for key in wanted:
+                for name, make in pairs[key]:
+                    if name not in done:
+                        done[name] = run_path(name, lambda m=make: m(count, size), count, rounds, size // MiB)  # fmt: skip
+                        res = done[name]
+                        records.append({"batch": label, "name": name,
+                                        "store_gbps": res.gbps("store", nbytes), "load_gbps": res.gbps("load", nbytes),
+                                        "exists_ms": statistics.median(res.exists_s) * 1e3 if res.exists_s else 0.0,
+                                        "failures": res.failures})  # fmt: skip
+                (ours, _), (ref_name, _) = pairs[key]
+                res, ref = done[ours], done[ref_name]
+                store, load = res.gbps("store", nbytes), res.gbps("load", nbytes)
+                rstore, rload = ref.gbps("store", nbytes), ref.gbps("load", nbytes)
+                rs = store / rstore if rstore else 0.0
+                rl = load / rload if rload else 0.0
+                ex = statistics.median(res.exists_s) * 1e3 if res.exists_s else 0.0
+                print(
+                    f"{label:>12} {ours:<52} store {store:6.2f} GB/s ({rs:4.2f}x of "
+                    f"{rstore:5.2f})  load {load:6.2f} GB/s ({rl:4.2f}x of {rload:5.2f})  "
+                    f"exists(64) p50 {ex:6.2f} ms  failures {res.failures}"
                 )
-                return PathADriver(V1Engine(config, size), count)
+                rows.append(
+                    f"| {label} | {ours} | {ref_name} | {store:.2f} | {rstore:.2f} | "
+                    f"{rs:.2f}x | {load:.2f} | {rload:.2f} | {rl:.2f}x | {ex:.2f} |"
+                )
+                sys.stdout.flush()
+    if "mooncake" in wanted:
+        from bench.store_promises import PROMISES, check_all
 
-            # (path, ours, reference) -- each row's ratio is ours / reference.
-            redis_py_ref = ("v1-redis: redis-py -> redis-server",
-                            connector(f"redis://127.0.0.1:{redis_port}", ""))  # fmt: skip
-            c_ref = ("mp-resp: LMCacheRedisClient -> redis-server",
-                     native(lambda: LMCacheRedisClient("127.0.0.1", redis_port, WORKERS, "", "")))  # fmt: skip
-            pairs = {
-                "mp-native": (
-                    ("mp-native: L2 connector -> our HTTP",
-                     native(lambda: EpistemicGraphL2Connector(base_url=http, token=TOKEN,
-                                                              num_workers=WORKERS))),
-                    c_ref,
-                ),
-                "mp-resp": (
-                    ("mp-resp: LMCacheRedisClient -> our RESP",
-                     native(lambda: LMCacheRedisClient("127.0.0.1", resp_port, WORKERS, "", TOKEN))),
-                    c_ref,
-                ),
-                "v1-redis": (
-                    ("v1-redis: redis-py -> our RESP",
-                     connector(f"redis://:{TOKEN}@127.0.0.1:{resp_port}", TOKEN)),
-                    redis_py_ref,
-                ),
-                "v1-resp": (
-                    ("v1-resp: RESPConnector -> our RESP",
-                     connector(f"resp://127.0.0.1:{resp_port}", TOKEN)),
-                    ("v1-resp: RESPConnector -> redis-server",
-                     connector(f"resp://127.0.0.1:{redis_port}", "")),
-                ),
-                "path-a": (("path-a: storage plugin -> our HTTP", path_a), redis_py_ref),
-            }  # fmt: skip
-            print(f"backend={args.backend} rounds={rounds} workers={WORKERS} (median of rounds)")
-            rows: list[str] = []
-            for count, size in WORKLOADS:
-                nbytes = count * size
-                label = f"{count} x {size // MiB} MiB"
-                done: dict[str, PathResult] = {}
-                for key in wanted:
-                    for name, make in pairs[key]:
-                        if name not in done:
-                            done[name] = run_path(
-                                name, lambda m=make: m(count, size), count, rounds, size // MiB
-                            )
-                    (ours, _), (ref_name, _) = pairs[key]
-                    res, ref = done[ours], done[ref_name]
-                    store, load = res.gbps("store", nbytes), res.gbps("load", nbytes)
-                    rstore, rload = ref.gbps("store", nbytes), ref.gbps("load", nbytes)
-                    rs = store / rstore if rstore else 0.0
-                    rl = load / rload if rload else 0.0
-                    ex = statistics.median(res.exists_s) * 1e3 if res.exists_s else 0.0
-                    print(
-                        f"{label:>12} {ours:<40} store {store:6.2f} GB/s ({rs:4.2f}x of "
-                        f"{rstore:5.2f})  load {load:6.2f} GB/s ({rl:4.2f}x of {rload:5.2f})  "
-                        f"exists(64) p50 {ex:6.2f} ms  failures {res.failures}"
-                    )
-                    rows.append(
-                        f"| {label} | {ours} | {ref_name} | {store:.2f} | {rstore:.2f} | "
-                        f"{rs:.2f}x | {load:.2f} | {rload:.2f} | {rl:.2f}x | {ex:.2f} |"
-                    )
-                    sys.stdout.flush()
-            print()
-            print(
-                "| batch | path (ours) | reference (redis-server) | store GB/s | ref | ratio "
-                "| load GB/s | ref | ratio | exists(64) p50 ms |"
-            )
-            print("|---|---|---|---|---|---|---|---|---|---|")
-            print("\n".join(rows))
+        with tempfile.TemporaryDirectory(prefix="bench-promises-") as d:
+            promises = check_all(Path(d))
+        print("\n| store | " + " | ".join(PROMISES) + " |")
+        print("|---|" + "---|" * len(PROMISES))
+        for store, cells in promises.items():
+            print(f"| {store} | " + " | ".join(cells.get(k, "not checked") for k in PROMISES) + " |")  # fmt: skip
+    print()
+    print(
+        "| batch | path (ours) | reference | store GB/s | ref | ratio "
+        "| load GB/s | ref | ratio | exists(64) p50 ms |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    load_end = os.getloadavg()
+    print(f"\nload average {load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end")
+    if args.json:
+        from bench.store_promises import PROMISES
+
+        doc = {"command": "python -m bench.bench_lmcache " + " ".join(sys.argv[1:]),
+               "started_utc": started, "cpus": os.cpu_count(), "backend": args.backend, "rounds": rounds,
+               "load_average_start": list(load_start), "load_average_end": list(load_end),
+               "rows": records, "not_measured": not_measured,
+               "promise_names": list(PROMISES), "promises": promises}  # fmt: skip
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -23,20 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
-from epistemic_kvcache.integrations.lmcache.does_it_pay_models import ModelShape
 from epistemic_kvcache.integrations.lmcache.does_it_pay_report import (
     H100_BF16_DENSE_FLOPS,
-    computed_break_even,
+    computed_rows,
     fmt_tokens,
-    prefill_rate,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-MFUS = (0.3, 0.5, 0.7)
 E2E_ROWS = [  # (label, process-1 record, process-2 record)
     ("plain vLLM (no connector)", "plain", None),
     ("MP native plugin (server SIGKILLed and restarted between the two)", "native-p1", "native-p2"),
@@ -183,21 +179,6 @@ def run_section(run: dict[str, Any], name: str) -> list[str]:
     return out
 
 
-def _shape(m: dict[str, Any]) -> ModelShape:
-    return ModelShape(**m["rank_shape"])
-
-
-def _rates(v: dict[str, Any]) -> tuple[float, float, float, float]:
-    """(lookup median s, load rate min, median, max in B/s): load = load + copy to device."""
-    rates = [q["bytes"] / (q["load_s"] + q["to_device_s"]) for q in v["points"]]
-    return (
-        statistics.median(q["lookup_s"] for q in v["points"]),
-        min(rates),
-        statistics.median(rates),
-        max(rates),
-    )
-
-
 def computed_section(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
     peak = H100_BF16_DENSE_FLOPS
     out = [
@@ -221,33 +202,19 @@ def computed_section(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
     ]
     rows, sens = [], []
     for name, run in runs:
-        for m in run["models"]:
-            shape = _shape(m)
-            if shape.kv_bytes_per_token() < 4096:  # the CI model: no GPU question to answer
-                continue
-            for p, v in m["paths"].items():
-                if v.get("skipped"):
-                    continue
-                lookup, lo, mid, hi = _rates(v)
-                be = {
-                    (mfu, r): computed_break_even(shape, r, lookup, peak, mfu)
-                    for mfu in MFUS
-                    for r in (lo, mid, hi)
-                }
-                rows.append(
-                    f"| {m['label']} | {p} | {_ms(lookup)} "
-                    f"| {lo / 1e9:.2f} / {mid / 1e9:.2f} / {hi / 1e9:.2f} "
-                    f"| {prefill_rate(shape, 1024, peak, 0.5) / 1e3:.1f}k / "
-                    f"{prefill_rate(shape, 32768, peak, 0.5) / 1e3:.1f}k "
-                    f"| **{fmt_tokens(be[(0.5, mid)])}** | `{name}` |"
-                )
-                sens.append(
-                    f"| {m['label']} | {p} | "
-                    + " | ".join(
-                        f"{fmt_tokens(be[(mfu, lo)])} - {fmt_tokens(be[(mfu, hi)])}" for mfu in MFUS
-                    )
-                    + " |"
-                )
+        for r in computed_rows(run, peak):
+            rates, be = r["rates"], r["break_even"]
+            rows.append(
+                f"| {r['label']} | {r['path']} | {_ms(r['lookup_s'])} "
+                f"| {rates['slowest'] / 1e9:.2f} / {rates['median'] / 1e9:.2f} / "
+                f"{rates['fastest'] / 1e9:.2f} | {r['recompute_1k'] / 1e3:.1f}k / "
+                f"{r['recompute_32k'] / 1e3:.1f}k | **{fmt_tokens(be['50/median'])}** | `{name}` |"
+            )
+            cells = [
+                f"{fmt_tokens(be[f'{m}/slowest'])} - {fmt_tokens(be[f'{m}/fastest'])}"
+                for m in (30, 50, 70)
+            ]
+            sens.append(f"| {r['label']} | {r['path']} | " + " | ".join(cells) + " |")
     if not rows:
         return [
             *out,
@@ -261,8 +228,8 @@ def computed_section(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
         "|---|---|---|---|---|---|---|",
         *rows,
         "",
-        "**Sensitivity**: the break-even across the measured load rates (fastest - slowest "
-        "rate: a faster rate pays sooner) at three MFUs (a higher MFU recomputes faster, so "
+        "**Sensitivity**: the break-even at the slowest - the fastest load rate measured (a "
+        "faster rate pays sooner), at three MFUs (a higher MFU recomputes faster, so "
         "fetching pays later):",
         "",
         "| model | path | MFU 30 % | MFU 50 % | MFU 70 % |",

@@ -101,6 +101,49 @@ def computed_break_even(
     return n if n < NEVER_TOKENS else math.inf
 
 
+MFUS = (0.3, 0.5, 0.7)
+
+
+def path_rates(points: list[dict[str, Any]]) -> tuple[float, float, float, float]:
+    """(median lookup s, slowest, median, fastest load rate in B/s) of a path's measured
+    points; the load rate is bytes / (load + copy to the device)."""
+    rates = [q["bytes"] / (q["load_s"] + q["to_device_s"]) for q in points]
+    lookup = statistics.median(q["lookup_s"] for q in points)
+    return lookup, min(rates), statistics.median(rates), max(rates)
+
+
+def computed_rows(run: dict[str, Any], peak: float = H100_BF16_DENSE_FLOPS) -> list[dict[str, Any]]:
+    """For each real model (not the CI one) and measured path of a `does-it-pay` run: the
+    measured lookup and load rates, and `computed_break_even` at each MFU of `MFUS` for the
+    slowest, median and fastest rate (keys "30/slowest", ...)."""
+    rows = []
+    for m in run["models"]:
+        shape = ModelShape(**m["rank_shape"])
+        if shape.kv_bytes_per_token() < 4096:  # the CI model: no GPU question to answer
+            continue
+        for path, v in m["paths"].items():
+            if v.get("skipped"):
+                continue
+            lookup, lo, mid, hi = path_rates(v["points"])
+            rates = {"slowest": lo, "median": mid, "fastest": hi}
+            rows.append(
+                {
+                    "label": m["label"],
+                    "path": path,
+                    "lookup_s": lookup,
+                    "rates": rates,
+                    "recompute_1k": prefill_rate(shape, 1024, peak, 0.5),
+                    "recompute_32k": prefill_rate(shape, 32768, peak, 0.5),
+                    "break_even": {
+                        f"{round(mfu * 100)}/{k}": computed_break_even(shape, r, lookup, peak, mfu)
+                        for mfu in MFUS
+                        for k, r in rates.items()
+                    },
+                }
+            )
+    return rows
+
+
 def prefill_rate(shape: ModelShape, n: int, peak: float, mfu: float) -> float:
     """Tokens per second an n-token prefill reaches at `peak x mfu` FLOP/s."""
     return n / (shape.prefill_flops(n) / (peak * mfu))
