@@ -48,9 +48,9 @@ from epistemic_kvcache.store.recovery import (
     LogState,
     Salvage,
     StoreMismatchError,
+    absent_segments,
     finish,
     load_index,
-    missing_segments,
     replay,
     reverify_quarantine,
     salvage,
@@ -294,9 +294,7 @@ class Opener:
         ckpt = self.ix.checkpoint() or (0, 0)
         last = max(self.space.segs, default=0)
         valid = valid_ends(st, self.space.segs, ckpt)  # where each segment's trusted bytes end
-        if ckpt[0] > 0:
-            later = sorted(sid for sid in self.space.segs if sid >= ckpt[0])
-            self.missing_segments = missing_segments(later, st.segdel, ckpt[0] - 1)
+        self.missing_segments = absent_segments(st, self.space.segs, ckpt)
         for sid in list(self.space.segs):
             if sid in st.segdel:  # deleted on purpose; the unlink did not happen before a crash
                 with contextlib.suppress(OSError):

@@ -380,6 +380,21 @@ def missing_segments(ids: list[int], deleted: set[int], first: int | None = None
     return out
 
 
+def absent_segments(st: LogState, segments: dict[int, Segment], ckpt: tuple[int, int]) -> list[int]:
+    """Segment files the store expects and does not find (not deleted on purpose), after
+    loading the index checkpoint into `st` and replaying the log from `ckpt`: those the
+    index lists (its segment rows), and gaps in the sequence after the checkpoint.
+
+    Below the checkpoint a gap in the ids is no evidence: compaction deletes segments
+    there (a SEGDEL record, then the unlink) and drops the SEGDEL record once the index
+    covers it, so the index's rows alone say which of those segments exist."""
+    gone = {sid for sid in st.seg_rows if sid not in segments and sid not in st.segdel}
+    if ckpt[0] > 0:
+        later = sorted(sid for sid in segments if sid >= ckpt[0])
+        gone.update(missing_segments(later, st.segdel, ckpt[0] - 1))
+    return sorted(gone)
+
+
 def valid_ends(st: LogState, segments: dict[int, Segment], ckpt: tuple[int, int]) -> dict[int, int]:
     """Where each segment's trusted bytes end, after replaying from `ckpt`.
 

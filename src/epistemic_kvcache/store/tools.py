@@ -3,9 +3,10 @@
 `check` replays the whole log (verifying every block against its digest when `deep`),
 reads the index checkpoint plus the log after it (what a server would open), and
 compares the two: damaged log regions, blocks that fail verification, keys whose bytes
-are gone, segments missing from the sequence, and any difference between the index and
-the log are reported. It changes nothing; it takes the persist dir's lock, so it refuses
-to run beside a server.
+are gone, segments the store expects and does not find (those the index lists, gaps
+after its checkpoint: `recovery.absent_segments`, what a server reports at open), and
+any difference between the index and the log are reported. It changes nothing; it
+takes the persist dir's lock, so it refuses to run beside a server.
 
 `rebuild-index` moves the current index aside (never deletes it) and builds a new one
 from the log, exactly as a server started with `--rebuild-index` does.
@@ -27,9 +28,9 @@ from epistemic_kvcache.store import records
 from epistemic_kvcache.store.index import Index, IndexError_, open_index
 from epistemic_kvcache.store.recovery import (
     LogState,
+    absent_segments,
     finish,
     load_index,
-    missing_segments,
     replay,
     reverify_quarantine,
     valid_ends,
@@ -135,7 +136,6 @@ def check(
         out.damaged = [f"segment {s:08d} at {a}..{b}: {why}" for s, a, b, why in full.damage]
         out.bad_blocks = [f"{d} (segment {s:08d} at {o})" for s, o, d in full.bad_blobs]
         out.lost_keys = [f"{ns}/{key} ({d.hex()})" for ns, key, d in full.lost_keys]
-        out.missing_segments = missing_segments(sorted(segs), full.segdel)
         # the index, as a server would open it
         try:
             ix = open_index(path / "index", map_size_bytes)
@@ -164,6 +164,9 @@ def _check_index(out: CheckSummary, ix: Index, segs: dict[int, Segment], full: L
     st = load_index(ix)
     replay(segs, st, start, verify=False)
     finish(st, segs, valid_ends(st, segs, start))
+    # what a server opening the store reports missing (gaps below the checkpoint are
+    # segments compaction deleted: the index's rows say which segments exist there)
+    out.missing_segments = absent_segments(st, segs, start)
     if st.replayed_bytes:
         out.index = f"ok ({st.replayed_bytes} bytes of log after its checkpoint)"
     found = out.index_mismatches
