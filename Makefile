@@ -161,18 +161,51 @@ CRASH_CYCLES ?= 200
 crash-test: setup-dev
 	KVCACHE_CRASH_CYCLES=$(CRASH_CYCLES) $(BIN)/python tests/server_crash.py build/crash-test
 
-bench: setup-dev sysdeps
+# Every command docs/benchmarks.md quotes, with the arguments it quotes, in the page's
+# order (tests/test_bench_suite.py holds the page, this list and bench/ to each other).
+# Hours: the soaks alone take 80 minutes, the crash test about 40. The perf-based cells
+# (bench_cpu --perf-stat, bench_scaling_inputs) want root and perf; LMCache's paths the
+# lmcache extra that setup-dev installs. Each prints its own tables; bench_server redraws
+# docs/bench-ratios-vs-redis.png and the first two soaks rewrite docs/soak30*/.
+bench: setup-dev sysdeps compiled
 	@command -v iperf3 >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iperf3
-	$(BIN)/python -m bench.bench_store
+	$(BIN)/python -m bench.bench_floor --event-loops 1 --floors dict,store --rounds 3
+	$(BIN)/python -m bench.bench_core --trees now=src --rounds 5
+	$(BIN)/python -m bench.bench_ab --trees now=src --repeat 5
+	$(BIN)/python -m bench.bench_ab --trees now=src --sizes 4KiB,256KiB,4MiB --repeat 3 --cap-mib 64
 	$(BIN)/python -m bench.bench_server
+	$(BIN)/python -m bench.bench_cpu --perf-stat --sizes 4KiB,256KiB,4MiB --repeat 3
+	$(BIN)/python -m bench.bench_ab --trees now=src --sizes 256KiB,4MiB,32MiB --repeat 3 --http
 	$(BIN)/python -m bench.bench_durable
-	$(BIN)/python -m bench.bench_cpu
+	$(BIN)/python -m bench.bench_store
+	$(BIN)/python -m bench.bench_owned --repeat 5
+	$(BIN)/python -m bench.bench_lmcache --backend durable
+	$(BIN)/python -m bench.bench_lmcache --rounds 5 --backend memory --paths mp-native,mp-resp
+	$(BIN)/python -m bench.bench_failures
+	$(BIN)/python -m bench.does_it_pay
+	$(BIN)/python -m bench.bench_lookup --backends memory --rounds 3 --requests 20000 --lookups 100 --loops 0,1 --paths mp-resp,v1-resp --floor
+	$(BIN)/python -m bench.bench_cpu --sizes 4KiB,256KiB --op set --repeat 3
+	$(BIN)/python -m bench.bench_cpu --sizes 4KiB,256KiB --op get --repeat 3
 	$(BIN)/python -m bench.bench_cpu --gil
-	$(BIN)/python -m bench.bench_lmcache
-	$(BIN)/python -m bench.bench_lookup
+	$(BIN)/python -m bench.bench_fastpath --twins --pipeline 1 --n 2000 --rounds 40
+	$(BIN)/python -m bench.bench_fastpath --twins --pipeline 32 --n 100 --rounds 40
+	$(BIN)/python -m bench.bench_fastpath --framer
+	$(BIN)/python -m bench.bench_stall
+	$(BIN)/python -m bench.bench_stall --scenario warm
+	$(BIN)/python -m bench.bench_abuse --option "--event-loops 1"
+	$(BIN)/python -m bench.bench_scaling_inputs --sizes 4KiB,256KiB,4MiB,32MiB
+	$(BIN)/python -m bench.bench_loops --sizes 4MiB --loops 1,2 --procs 2 --conns 4 --repeat 3
+	$(BIN)/python -m bench.bench_accept
+	$(BIN)/python -m bench.bench_gil_twins --seconds 1
+	$(BIN)/python -m bench.bench_soak --wire http --out docs/soak30
+	$(BIN)/python -m bench.bench_soak --wire resp --out docs/soak30-resp
+	$(BIN)/python -m bench.bench_soak --wire resp --clients 4 --duration-s 1200 --option "--event-loops 2" --out bench/out/soak-4-clients
 	$(BIN)/python -m bench.bench_engine
 	$(BIN)/python -m bench.bench_context
-	$(BIN)/python -m bench.bench_abuse
+	$(BIN)/python -m bench.bench_cluster
+	$(BIN)/python -m bench.bench_cluster_clients
+	$(MAKE) crash-test
+	$(BIN)/python -m bench.fault_run --keys 600
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis build dist

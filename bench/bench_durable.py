@@ -192,7 +192,8 @@ def main() -> None:
                 print(set_ratio(tmp, size, budget, args.clients, rounds), flush=True)
         if "reopen" not in skip:
             print("\n## Reopen and rebuild\n")
-            print("\n".join(reopen_times(tmp, 20_000 if args.quick else args.blocks)), flush=True)
+            blocks = min(args.blocks, 20_000) if args.quick else args.blocks
+            print("\n".join(reopen_times(tmp, blocks)), flush=True)
         if "churn" not in skip:
             print("\n## Disk use under churn with restarts\n")
             print("\n".join(churn(tmp, 4 if args.quick else 10)), flush=True)

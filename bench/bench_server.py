@@ -285,8 +285,14 @@ def main() -> None:
         default=Path(__file__).resolve().parent.parent / "docs" / "bench-ratios-vs-redis.png",
         help="write the ratios against redis-server as a PNG here",
     )
+    ap.add_argument("--sizes", default="4KiB,256KiB,4MiB,32MiB", help="of these four")
+    ap.add_argument("--budget-mib", type=int, help="bytes per pass (default 256; --quick 96)")
     args = ap.parse_args()
-    budget = (96 if args.quick else 256) * MiB
+    by_name = {human(s).replace(" ", ""): s for s in SIZES}
+    if not set(args.sizes.split(",")) <= set(by_name):
+        ap.error(f"--sizes: a comma-separated subset of {','.join(by_name)}")
+    sizes = [by_name[name] for name in args.sizes.split(",")]
+    budget = (args.budget_mib or (96 if args.quick else 256)) * MiB
     tmp = Path(tempfile.mkdtemp(prefix="kvbench-srv-"))
     c = args.clients
     results: dict[tuple[str, int], tuple[loadgen.Result, loadgen.Result]] = {}
@@ -298,7 +304,7 @@ def main() -> None:
             f"Loopback single-stream TCP, same run: iperf3 **{bw}**; "
             f"Python sendall/recv_into **{pybw}**\n"
         )
-        for size in SIZES:
+        for size in sizes:
             with redis_server(tmp, fsync_always=False) as port:
                 results[("redis", size)] = measure_resp(port, None, size, budget, c)
             with our_server(tmp, "memory") as (hport, rport):
@@ -315,7 +321,7 @@ def main() -> None:
             "| block | op | redis GB/s | ops/s | p50/p99 ms | ours GB/s | ops/s | p50/p99 ms | ratio |"
         )
         print("|---|---|---|---|---|---|---|---|---|")
-        for size in SIZES:
+        for size in sizes:
             for i, op in enumerate(("SET", "GET")):
                 r, o = results[("redis", size)][i], results[("ours-mem", size)][i]
                 print(
@@ -328,11 +334,11 @@ def main() -> None:
             "| block | redis-aof GB/s | ops/s | p50/p99 ms | ours GB/s | ops/s | p50/p99 ms | ratio |"
         )
         print("|---|---|---|---|---|---|---|---|")
-        for size in SIZES:
+        for size in sizes:
             r, o = results[("redis-aof", size)][0], results[("ours-dur", size)][0]
             print(f"| {human(size)} | {fmt(r)} | {fmt(o)} | **{o.gbps / r.gbps:.2f}x** |")
         ratio = {
-            name: [results[(ours, s)][i].gbps / results[(peer, s)][i].gbps for s in SIZES]
+            name: [results[(ours, s)][i].gbps / results[(peer, s)][i].gbps for s in sizes]
             for name, ours, peer, i in (
                 ("SET, memory vs redis", "ours-mem", "redis", 0),
                 ("GET, memory vs redis", "ours-mem", "redis", 1),
@@ -341,7 +347,7 @@ def main() -> None:
         }
         png = plot_ratios(
             ratio,
-            [human(s) for s in SIZES],
+            [human(s) for s in sizes],
             args.plot,
             title=f"RESP wire, {c} clients: throughput ratio to redis-server in the same run",
         )
@@ -352,7 +358,7 @@ def main() -> None:
         )
         print("|---|---|---|---|---|---|---|")
         lb = float(bw.split()[0]) if bw.endswith("GB/s") else 0.0
-        for size in SIZES:
+        for size in sizes:
             for i, op in enumerate(("PUT", "GET")):
                 rr, hh = results[("ours-mem", size)][i], results[("ours-mem-http", size)][i]
                 vs_lb = f"{hh.gbps / lb:.2f}" if lb and op == "GET" else ""

@@ -232,8 +232,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller volumes")
     ap.add_argument("--dir", default=None, help="scratch directory on the disk to measure")
     ap.add_argument("--index-blocks", type=int, default=100_000)
+    ap.add_argument("--budget-mib", type=int, help="bytes per size (default 512; --quick 128)")
     args = ap.parse_args()
-    budget = 128 * MiB if args.quick else 512 * MiB
+    budget = (args.budget_mib or (128 if args.quick else 512)) * MiB
     # the server process runs with this (server/app.py); measure the store the same way
     tune_allocator()
     d = Path(tempfile.mkdtemp(prefix="kvbench-", dir=args.dir))
