@@ -14,12 +14,21 @@ of the `.pxd` beside it) into an extension module:
 The extensions are optional: without Cython or without a C compiler, or with
 `EPISTEMIC_GRAPH_KVCACHE_PURE_BUILD=1`, the package builds without them (one line says
 so) and runs the pure-Python twins.
+
+Each extension is stamped with the sources it was built from: Cython compiles a copy of
+the pure module (under build/twin-src/, named as the extension, with its `.pxd`) that
+ends in `__twin_stamp__ = "<sha256 of the .py and the .pxd>"`. At import
+(`epistemic_kvcache.twins.select`) a compiled twin whose stamp is not the hash of the
+sources beside it is stale and is not used; the tests fail on it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import sys
+from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
@@ -34,6 +43,34 @@ TWINS = [
         "src/epistemic_kvcache/server/resp/fastpath.py",
     ),
 ]
+
+
+TWIN_SRC = Path("build/twin-src")
+
+
+def source_stamp(source: bytes, pxd: bytes) -> str:
+    """The stamp of a twin's sources (`epistemic_kvcache.twins.source_stamp`, the same)."""
+    return hashlib.sha256(source + b"\0" + pxd).hexdigest()
+
+
+def _stamped_copy(module: str, source: str) -> str:
+    """A copy of `source` named as the extension `module`, beside a copy of its `.pxd`
+    and under the package's `__init__.py` files (so Cython gives it its full name),
+    ending in its stamp. Returns the copy's path."""
+    parts = module.split(".")
+    src, pxd = Path(source), Path(source).with_name(parts[-1] + ".pxd")
+    folder = TWIN_SRC.joinpath(*parts[:-1])
+    folder.mkdir(parents=True, exist_ok=True)
+    for depth in range(1, len(parts)):
+        TWIN_SRC.joinpath(*parts[:depth], "__init__.py").touch()
+    code, types = src.read_bytes(), pxd.read_bytes()
+    stamp = f'\n__twin_stamp__ = "{source_stamp(code, types)}"\n'.encode()
+    copy = folder / (parts[-1] + ".py")
+    if not copy.exists() or copy.read_bytes() != code + stamp:  # (unchanged: no rebuild)
+        copy.write_bytes(code + stamp)
+    if not (folder / pxd.name).exists() or (folder / pxd.name).read_bytes() != types:
+        shutil.copyfile(pxd, folder / pxd.name)
+    return str(copy)
 
 
 _said: set[str] = set()
@@ -78,7 +115,10 @@ def _extensions() -> list[object]:
         _say("Cython is not installed: building the pure-Python package")
         return []
     # -g0: no debug info (the .so shrinks from 1.8 MB to a few hundred KB)
-    exts = [Extension(m, sources=[src], extra_compile_args=["-g0"]) for m, src in TWINS]
+    exts = [
+        Extension(m, sources=[_stamped_copy(m, src)], extra_compile_args=["-g0"])
+        for m, src in TWINS
+    ]
     try:
         return list(
             cythonize(

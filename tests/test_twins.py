@@ -22,7 +22,7 @@ from types import ModuleType
 
 import pytest
 
-from epistemic_kvcache.twins import PURE_PYTHON_ENV, TWIN_NAMES
+from epistemic_kvcache.twins import PURE_PYTHON_ENV, TWIN_NAMES, source_stamp, stale
 
 REQUIRED = os.environ.get("KVCACHE_REQUIRE_COMPILED", "") == "1"
 
@@ -120,19 +120,35 @@ def test_the_environment_forces_the_pure_twin(
 
 
 @each_twin
-def test_the_compiled_twin_is_built_from_the_current_source(
+def test_the_compiled_twin_is_stamped_with_the_current_sources(
     selector: str, name: str, pure: str, compiled: str, pxd: str
 ) -> None:
-    """In a source checkout the extension sits beside its source: built before the source
-    (or its .pxd) last changed means it runs old code."""
+    """An extension carries the SHA-256 of the `.py` and `.pxd` it was built from
+    (setup.py); it must be that of the sources installed beside it, else it runs old code
+    (and `select` does not use it)."""
     mod = _compiled(compiled)
     if mod is None:
         pytest.skip("the compiled twin is not built (setup.py build_ext --inplace)")
-    so = Path(str(mod.__file__))
     source = Path(str(importlib.import_module(pure).__file__))
-    if so.parent != source.parent:
-        pytest.skip("installed elsewhere than the source")
-    for dep in (source, source.with_name(pxd)):
-        assert so.stat().st_mtime >= dep.stat().st_mtime, (
-            f"{so.name} is older than {dep.name}: rebuild it (python setup.py build_ext --inplace)"
-        )
+    want = source_stamp(source.read_bytes(), source.with_name(pxd).read_bytes())
+    assert getattr(mod, "__twin_stamp__", None) == want, (
+        f"{compiled} was built from other sources: rebuild it (make compiled)"
+    )
+    assert stale(mod, pure) == ""
+
+
+@each_twin
+def test_a_stale_compiled_twin_is_not_used(
+    selector: str, name: str, pure: str, compiled: str, pxd: str
+) -> None:
+    """An extension stamped with other sources' hash (built before its source or its
+    `.pxd` changed), or with none (built before stamps), is stale: `stale` says so and
+    names the rebuild. (A timestamp would not do: a stale build copied or checked out
+    after its source has the newer mtime.)"""
+    for stamp in ("0" * 64, None):
+        old = ModuleType(compiled)
+        if stamp is not None:
+            old.__twin_stamp__ = stamp  # type: ignore[attr-defined]
+        why = stale(old, pure)
+        assert "the compiled twin is stale" in why
+        assert "make compiled" in why

@@ -22,7 +22,7 @@ __all__ = ["IMPLEMENTATION", "PURE_PYTHON_ENV", "WHY_PURE", "RespParser", "pure"
 
 
 def _select() -> tuple[type[pure.RespParser], str, str]:
-    compiled, why = select("resp_framer", "epistemic_kvcache.proto._resp_parser_c")
+    compiled, why = select("resp_framer", "epistemic_kvcache.proto._resp_parser_c", pure.__name__)
     if compiled is None:
         return pure.RespParser, "pure", why
     return compiled.RespParser, "compiled", ""

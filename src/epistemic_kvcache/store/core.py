@@ -21,7 +21,7 @@ from epistemic_kvcache.twins import select
 
 __all__ = ["DECLINED", "IMPLEMENTATION", "WHY_PURE", "HotCore", "_Blob", "_Counters", "pure"]
 
-_compiled, WHY_PURE = select("store_core", "epistemic_kvcache.store._hotcore_c")
+_compiled, WHY_PURE = select("store_core", "epistemic_kvcache.store._hotcore_c", pure.__name__)
 IMPLEMENTATION = "pure" if _compiled is None else "compiled"
 DECLINED = pure.DECLINED
 

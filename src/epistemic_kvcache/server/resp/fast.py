@@ -20,6 +20,8 @@ from epistemic_kvcache.twins import select
 
 __all__ = ["IMPLEMENTATION", "WHY_PURE", "pure", "run_fast"]
 
-_compiled, WHY_PURE = select("fast_path", "epistemic_kvcache.server.resp._fastpath_c")
+_compiled, WHY_PURE = select(
+    "fast_path", "epistemic_kvcache.server.resp._fastpath_c", pure.__name__
+)
 IMPLEMENTATION = "pure" if _compiled is None else "compiled"
 run_fast = pure.run_fast if _compiled is None else _compiled.run_fast
