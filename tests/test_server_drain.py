@@ -139,6 +139,7 @@ def test_sigterm_mid_traffic_tears_no_request(
     srv.stop()
     again = serve()
     _check_store(again.http_port, clients)
+    assert "torn by a crash" not in "".join(again.output)  # a clean stop, a clean log
 
 
 def test_drain_delay_keeps_serving_while_not_ready(serve: Callable[..., ServeProcess]) -> None:
