@@ -23,6 +23,7 @@ how the server scales. Ratios are to our 1-loop server and to plain redis-server
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing as mp
 import os
 import statistics
@@ -166,7 +167,7 @@ def main() -> None:
                 vs_redis = f"{g.gbps / plain['get'].gbps:.2f}x" if plain else "-"
                 print(f"| {human(size)} | {name} | {s.gbps:.3f} | {s.cpu_per_gb:.3f} | "
                       f"{s.cores:.2f} | {g.gbps:.3f} | {g.cpu_per_gb:.3f} | {g.cores:.2f} | "
-                      f"{1 / g.cpu_per_gb:.2f} | {g.gbps / base['get'].gbps:.2f}x | {vs_redis} | "
+                      f"{1 / g.cpu_per_gb if g.cpu_per_gb else math.inf:.2f} | {g.gbps / base['get'].gbps:.2f}x | {vs_redis} | "
                       f"{s.gbps / base['set'].gbps:.2f}x |", flush=True)  # fmt: skip
     load = os.getloadavg()
     print(f"\n# load average {load[0]:.2f} at the end")

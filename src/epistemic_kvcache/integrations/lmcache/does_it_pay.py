@@ -446,9 +446,10 @@ def run(args: argparse.Namespace) -> int:
             if entry["prefill"] and entry["prefill"]["points"]:
                 entry["break_even"][path] = report.crossing(entry["prefill"]["points"], points)
         result["models"].append(entry)
-    result["host"]["load_average_end"] = list(os.getloadavg())
-    result["finished_utc"] = _now()
-    (out_dir / "does-it-pay.json").write_text(json.dumps(result, indent=1) + "\n")
+        # after each model: a run stopped later still leaves what it measured
+        result["host"]["load_average_end"] = list(os.getloadavg())
+        result["finished_utc"] = _now()
+        (out_dir / "does-it-pay.json").write_text(json.dumps(result, indent=1) + "\n")
     why_no_plot = report.plot(result, out_dir / "does-it-pay.png")
     print()
     print("\n".join(report.text_table(result)))
