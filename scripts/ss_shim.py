@@ -13,13 +13,14 @@ from __future__ import annotations
 import os
 import re
 import sys
+from pathlib import Path
 
 
 def listening_inodes(port: int) -> set[str]:
     found = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
-            lines = open(table).read().splitlines()[1:]
+            lines = Path(table).read_text().splitlines()[1:]
         except OSError:
             continue
         for line in lines:
@@ -47,7 +48,7 @@ def main() -> int:
             except OSError:
                 continue
             if target.startswith("socket:[") and target[8:-1] in inodes:
-                name = open(f"/proc/{pid}/comm").read().strip()
+                name = Path(f"/proc/{pid}/comm").read_text().strip()
                 print(f'LISTEN 0 0 127.0.0.1:{port} 0.0.0.0:* users:(("{name}",pid={pid},fd={fd}))')
                 return 0
     return 0
