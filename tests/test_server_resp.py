@@ -832,7 +832,7 @@ def test_reading_pauses_while_a_slow_command_runs() -> None:
         sender.start()
         assert store.entered.wait(10)
         (proto,) = [p for p in srv.protocols if p._transport is not None]
-        eventually(lambda: proto._reading_paused, what="reading paused")
+        eventually(lambda: proto._st.backpressure, what="reading paused")
         # At most the high-water mark, one command and one read chunk are held.
         assert proto._parser.buffered_bytes <= 4 * MiB + size + 512 * 1024
         assert sender.is_alive()  # the client is blocked: the server stopped reading

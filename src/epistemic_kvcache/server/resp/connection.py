@@ -49,6 +49,11 @@ The graceful stop (`begin_drain`): the task runs what is buffered and, once it w
 for input with no command half-received and no MULTI open, shuts the write side after
 its last reply and lingers, reading and dropping input, until the peer closes.
 
+State: the connection's phase of life (open, draining, close due, lingering, closed),
+what its task does (running, parked, waiting for the peer) and why it does not read
+(back-pressure, a yield) are named in one `ConnState` (server/resp/state.py, sans-IO,
+with its transition table); this class does the I/O they call for.
+
 Slots (server/budget.py `ConnectionSlots`): a connection takes an unauthenticated slot
 when it opens and moves to its tenant's share on AUTH; a tenant at its share is refused
 there. Timers: not authenticated within `auth_timeout_s` -> closed; no traffic for
@@ -82,6 +87,7 @@ from epistemic_kvcache.server.resp.common import WIRE, log, push
 from epistemic_kvcache.server.resp.dispatch import Dispatcher
 from epistemic_kvcache.server.resp.fastpath import INLINE_MAX_COMMANDS
 from epistemic_kvcache.server.resp.session import Session, Shared
+from epistemic_kvcache.server.resp.state import ConnState, Event, Phase, Task
 from epistemic_kvcache.server.sendfast import ReplyWriter
 from epistemic_kvcache.shared import MAX_KEY_BYTES
 
@@ -167,20 +173,11 @@ class RespConnection(asyncio.BufferedProtocol):
         self._wakeup = asyncio.Event()
         self._can_write = asyncio.Event()
         self._can_write.set()
-        self._writable = True
-        """`_can_write` is set: the transport has not paused writing."""
+        self._st = ConnState()
+        """Phase, task and reading, named (server/resp/state.py)."""
         self._output_held = False
         """Whether "output" may be non-zero in the account (so `_write` can skip it)."""
         self._write_paused_since: float | None = None
-        self._closing = False
-        self._eof = False
-        self._reading_paused = False
-        """Back-pressure: too much is buffered."""
-        self._read_yield = False
-        """Fairness: the last read cost a time slice; reading resumes next loop turn."""
-        self._transport_paused = False
-        self._parked = False
-        """The command task waits for input with nothing queued: the fast path may run."""
         self._last_activity = self._loop.time()
         self._partial_since: float | None = None
         self._seen_parsed = 0
@@ -190,12 +187,6 @@ class RespConnection(asyncio.BufferedProtocol):
         self._counted_tenant: str | None = None
         self._account_holds_input = False
         """Whether "input" may be non-zero in the account (so the fast path can skip it)."""
-        self._draining = False
-        """The server is stopping (`begin_drain`)."""
-        self._drain_close = False
-        """... and this connection closes at its next boundary between commands."""
-        self._lingering = False
-        """Closed at a boundary: the write side is shut, input is read and dropped."""
         self._linger_bytes = 0
 
     @property
@@ -214,7 +205,7 @@ class RespConnection(asyncio.BufferedProtocol):
         admitted = self._slots.admit(self.peer, self._evicted)
         self._ctx.open_connections[WIRE] = self._slots.open
         if isinstance(admitted, str):
-            self._closing = True
+            self._st.on(Event.CLOSE)
             self._ctx.refusals.note(WIRE, self.peer, admitted)
             transport.write(f"-ERR {admitted}\r\n".encode())
             transport.close()
@@ -234,21 +225,14 @@ class RespConnection(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         started = time.perf_counter()
         parser = self._parser
-        if self._lingering:
+        st = self._st
+        if st.closing:  # lingering (else no read comes)
             self._discard(nbytes)
             return
         parser.buffer_updated(nbytes)
         dispatcher = self._dispatcher
         s = self.session
-        if (
-            self._parked
-            and self._writable
-            and s.identity is not None
-            and not s.channels
-            and not dispatcher.started
-            and not self._closing
-            and not self._draining
-        ):
+        if st.fast and s.identity is not None and not s.channels and not dispatcher.started:
             # The fast path: the task is parked (nothing of this connection runs), the
             # peer reads its replies, no SET started here waits for its reply. What the
             # store answers at once is answered here, with the task left parked;
@@ -286,14 +270,14 @@ class RespConnection(asyncio.BufferedProtocol):
             return
         s = self.session
         self._wakeup.set()
-        if self._reading_paused or self._transport is None:
+        if self._st.backpressure or self._transport is None:
             return
         if s.identity is None:
             over = parser.buffered_bytes > self._limits.resp_unauthenticated_max_buffer_bytes
         else:
             over = parser.peek() is not None and parser.buffered_bytes > READ_HIGH_WATER
         if over:
-            self._reading_paused = True
+            self._st.backpressure = True
             self._apply_reading()
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
@@ -304,13 +288,13 @@ class RespConnection(asyncio.BufferedProtocol):
             self._task = None
 
     def eof_received(self) -> bool:
-        self._eof = True
+        self._st.eof = True
         self._wakeup.set()
         # keep the write side open until the queued replies are sent (the task closes)
         return self._task is not None and not self._task.done()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._closing = True
+        self._st.on(Event.CLOSE)
         self._ctx.live.discard(self)
         self._shared.live.discard(self)  # CLIENT LIST shows open connections only
         self._parser.close()  # buffered commands go now, not at the next full GC
@@ -330,11 +314,11 @@ class RespConnection(asyncio.BufferedProtocol):
         if self._task is not None and not self._task.done():
             self._task.cancel()
         self._can_write.set()
-        self._writable = True
+        self._st.set_writable(True)
         self._wakeup.set()
 
     def pause_writing(self) -> None:
-        self._writable = False
+        self._st.set_writable(False)
         self._can_write.clear()
         self._write_paused_since = self._loop.time()
 
@@ -342,18 +326,19 @@ class RespConnection(asyncio.BufferedProtocol):
         self._last_activity = self._loop.time()
         self._write_paused_since = None
         self._account_output()
-        self._writable = True
+        self._st.set_writable(True)
         self._can_write.set()
 
     # -- the command loop -------------------------------------------------------------------
     async def _serve(self) -> None:
         loop_time = time.perf_counter
         slice_start = loop_time()
+        st = self._st
         try:
-            while not self._closing:
+            while not st.closing:
                 if self._dispatcher.started:  # SETs the read callback started
                     self._reply(await self._dispatcher.finish_started())
-                    if self._closing:
+                    if st.closing:
                         return
                     continue
                 try:
@@ -366,29 +351,33 @@ class RespConnection(asyncio.BufferedProtocol):
                     return
                 if event is NEED_DATA:
                     self._settle()
-                    if self._drain_close and self._at_boundary():
+                    if st.phase is Phase.CLOSE_DUE and self._at_boundary():
                         self._close_at_boundary()
                         return
                     self._resume_reading(force=True)
-                    if self._eof:
+                    if st.eof:
                         self._close()
                         return
                     self._wakeup.clear()
-                    self._parked = True
+                    st.set_task(Task.PARKED)
                     try:
                         await self._wakeup.wait()
                     finally:
-                        self._parked = False
+                        st.set_task(Task.RUNNING)
                     slice_start = loop_time()
                     continue
                 self._resume_reading(force=False)
-                if not self._writable and not self._may_run_ahead():
-                    await self._can_write.wait()
-                    if self._closing:
+                if not st.writable and not self._may_run_ahead():
+                    st.set_task(Task.WAITING_PEER)
+                    try:
+                        await self._can_write.wait()
+                    finally:
+                        st.set_task(Task.RUNNING)
+                    if st.closing:
                         return
                     slice_start = loop_time()
                 self._reply(await self._dispatcher.execute(event))
-                if self._closing:
+                if st.closing:
                     return
                 self._last_activity = self._loop.time()
                 if loop_time() - slice_start > SLICE_S:
@@ -403,7 +392,8 @@ class RespConnection(asyncio.BufferedProtocol):
 
     def _reply(self, replies: list[object]) -> None:
         """Send the replies of commands the task ran (closing after QUIT)."""
-        if self._closing:
+        st = self._st
+        if st.closing:
             return
         self._settle()
         buffers: list[Buffer] = []
@@ -413,8 +403,8 @@ class RespConnection(asyncio.BufferedProtocol):
         self._account.give_back("reply")
         if self.session.quit_requested:
             self._close()
-        elif self._draining:
-            self._drain_close = True
+        elif st.phase is not Phase.OPEN:
+            st.on(Event.REPLIED)
 
     # -- accounting ---------------------------------------------------------------------------
     def _reserve(self, nbytes: int) -> bool | str:
@@ -459,7 +449,7 @@ class RespConnection(asyncio.BufferedProtocol):
         limit = self._limits.client_output_buffer_limit_bytes
         queued = self._account.track_output(self._transport, limit)
         self._output_held = self._account.holding("output") > 0
-        if queued is not None and not self._closing:
+        if queued is not None and not self._st.closing:
             self._ctx.refusals.note(
                 WIRE,
                 self.peer,
@@ -475,7 +465,7 @@ class RespConnection(asyncio.BufferedProtocol):
         Redis's rule); with the tenant's or the server's budget spent, the task waits
         for the peer to read (and reading pauses once `READ_HIGH_WATER` is buffered)."""
         self._account_output()
-        if self._closing or self.session.identity is None:
+        if self._st.closing or self.session.identity is None:
             return False
         return self._account.headroom() > 0
 
@@ -506,10 +496,11 @@ class RespConnection(asyncio.BufferedProtocol):
             # "output" counts what the transport holds back (most writes: nothing)
             if self._output_held or transport.get_write_buffer_size():
                 self._account_output()
-        return self._writable and not self._closing
+        st = self._st
+        return st.writable and not st.closing
 
     def _close(self, *, abort: bool = False) -> None:
-        self._closing = True
+        self._st.on(Event.CLOSE)
         transport = self._transport
         if transport is not None and not transport.is_closing():
             if abort:
@@ -524,9 +515,9 @@ class RespConnection(asyncio.BufferedProtocol):
         after a reply, or when no command came for `DRAIN_IDLE_S`. Replies are corked
         from now on (TCP_CORK), so the last one and the end of the stream leave in one
         segment: a client that reads a reply sees the EOF with it, before it sends again."""
-        if self._draining or self._closing:
+        if self._st.phase is not Phase.OPEN:
             return
-        self._draining = True
+        self._st.on(Event.DRAIN)
         transport = self._transport
         if transport is not None and transport.get_extra_info("sslcontext") is None:
             sock = transport.get_extra_info("socket")
@@ -541,14 +532,13 @@ class RespConnection(asyncio.BufferedProtocol):
         """`DRAIN_IDLE_S` after `begin_drain`: close at the next boundary even if no
         command comes (an idle connection)."""
         self._timer = None
-        if not self._closing:
-            self._drain_close = True
-            self._wakeup.set()
+        self._st.on(Event.DRAIN_IDLE)
+        self._wakeup.set()
 
     @property
     def drained(self) -> bool:
         """`LiveConnection.drained`: closed, or shut after its last reply."""
-        return self._closing
+        return self._st.closing
 
     def _at_boundary(self) -> bool:
         """No command is half-received and no transaction is open."""
@@ -560,21 +550,19 @@ class RespConnection(asyncio.BufferedProtocol):
         input until the peer closes, `LINGER_S` passes or the drain ends: closing with
         unread input would reset the connection and could lose replies in flight."""
         transport = self._transport
-        self._closing = True
-        if transport is None or transport.is_closing():
-            return
-        if not transport.can_write_eof():
-            transport.close()
+        if transport is None or transport.is_closing() or not transport.can_write_eof():
+            self._close()
             return
         try:
             transport.write_eof()
         except (OSError, RuntimeError):
-            transport.close()
+            self._close()
             return
-        self._lingering = True
+        st = self._st
+        st.on(Event.SHUT)
         self._parser.close()
         self._parser.reserve = _refuse_all
-        self._reading_paused = self._read_yield = False
+        st.backpressure = st.yielding = False
         self._apply_reading()
         if self._timer is not None:
             self._timer.cancel()
@@ -619,14 +607,15 @@ class RespConnection(asyncio.BufferedProtocol):
     def _yield_reading(self) -> None:
         """This read cost more than `READ_SLICE_S`: stop reading until the event loop
         has run everything else once (libuv would otherwise read again at once)."""
-        if self._read_yield or self._closing:
+        st = self._st
+        if st.yielding or st.closing:
             return
-        self._read_yield = True
+        st.yielding = True
         self._apply_reading()
         self._loop.call_soon(self._end_read_yield)
 
     def _end_read_yield(self) -> None:
-        self._read_yield = False
+        self._st.yielding = False
         self._apply_reading()
 
     def _apply_reading(self) -> None:
@@ -634,16 +623,14 @@ class RespConnection(asyncio.BufferedProtocol):
         transport = self._transport
         if transport is None or transport.is_closing():
             return
-        want_paused = self._reading_paused or self._read_yield
-        if want_paused != self._transport_paused:
-            self._transport_paused = want_paused
-            if want_paused:
-                transport.pause_reading()
-            else:
-                transport.resume_reading()
+        pause = self._st.apply()
+        if pause is True:
+            transport.pause_reading()
+        elif pause is False:
+            transport.resume_reading()
 
     def _resume_reading(self, *, force: bool) -> None:
-        if not self._reading_paused or self._transport is None:
+        if not self._st.backpressure or self._transport is None:
             return
         parser = self._parser
         if self.session.identity is None:
@@ -651,7 +638,7 @@ class RespConnection(asyncio.BufferedProtocol):
         else:
             low = READ_HIGH_WATER // 2
         if force or parser.buffered_bytes <= low:
-            self._reading_paused = False
+            self._st.backpressure = False
             self._partial_since = None  # the wait was ours, not the client's
             self._apply_reading()
 
@@ -663,7 +650,7 @@ class RespConnection(asyncio.BufferedProtocol):
 
     def _on_auth_timeout(self) -> None:
         self._auth_timer = None
-        if self._closing or self.session.identity is not None:
+        if self._st.closing or self.session.identity is not None:
             return
         log.debug("RESP connection from %s not authenticated in time, closing", self.peer)
         self._close(abort=True)
@@ -677,7 +664,7 @@ class RespConnection(asyncio.BufferedProtocol):
 
     def _on_timer(self) -> None:
         self._timer = None
-        if self._closing:
+        if self._st.closing:
             return
         limits = self._limits
         now = self._loop.time()
@@ -686,7 +673,7 @@ class RespConnection(asyncio.BufferedProtocol):
         idle = limits.subscriber_idle_timeout_s if self.session.channels else limits.idle_timeout_s
         deadline = self._last_activity + idle
         why = "idle"
-        if self._partial_since is not None and not self._reading_paused:
+        if self._partial_since is not None and not self._st.backpressure:
             partial_deadline = self._partial_since + limits.request_timeout_s
             if partial_deadline < deadline:
                 deadline, why = partial_deadline, "command not completed in time"
@@ -749,7 +736,7 @@ class RespConnection(asyncio.BufferedProtocol):
     def deliver_epoch(self, scope: str, epoch: int) -> None:
         """Send one `message` frame on EPOCH_CHANNEL (on the event loop)."""
         transport = self._transport
-        if transport is None or transport.is_closing() or self._closing:
+        if transport is None or transport.is_closing() or self._st.closing:
             return
         if transport.get_write_buffer_size() > PUBSUB_OUTPUT_LIMIT:
             self._ctx.refusals.note(WIRE, self.peer, "subscriber does not read its messages")
