@@ -127,6 +127,12 @@ _STORE_INTERNAL: dict[str, tuple[str, str]] = {
         "gauge",
         "Segment files missing from the log's sequence at start-up (their keys are lost).",
     ),
+    # the persist dir's file system (statvfs at scrape time), whatever the cold capacity
+    "fs_free_bytes": (
+        "gauge",
+        "Free bytes of the persist dir's file system (what the server may write: f_bavail).",
+    ),
+    "fs_total_bytes": ("gauge", "Size of the persist dir's file system in bytes."),
 }
 """`StoreStats.extra` keys -> (type, help): exported as `kvcache_store_<key>` (counters with
 `_total`). Keys not listed here are exported as `kvcache_store_internal{name=...}`: today
@@ -137,7 +143,10 @@ _HEALTH_GAUGES: tuple[tuple[str, str], ...] = (
     ("ready", "1 when the store serves reads and writes (what /readyz reports)."),
     ("writable", "0 when the store refuses writes (disk full, fault, recovering)."),
     ("committer_alive", "0 when the durable store's group committer has died (store fault)."),
-    ("disk_full", "1 while the persist dir's file system is full."),
+    (
+        "disk_full",
+        "1 from a write refused for want of space until the space it needed is free.",
+    ),
     ("recovering", "1 while the store rebuilds its index at start-up."),
 )
 _NAME_OK = re.compile(r"[^a-zA-Z0-9_]")

@@ -171,8 +171,8 @@ class Compactor:
             cap_room = sp.cold_capacity_bytes - sp.disk_bytes() - w.delete_reserve
             room = cap_room
             if w.disk_full:
-                w.recheck_free()  # look again
-                room = min(room, w.free_bytes() - w.delete_reserve)
+                w.room.recheck()  # look again
+                room = min(room, w.room.free_bytes() - w.delete_reserve)
             if incoming <= room:
                 return
             sid = self.candidate(room=max(0, room))

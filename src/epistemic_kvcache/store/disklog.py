@@ -146,8 +146,9 @@ class DiskLogTier:
             damaged_log_regions=len(s._opened.damage),
             missing_segments=len(s._opened.missing_segments),
             store_fault=int(s._committer.fault is not None),
-            disk_full=int(w.disk_full),
+            disk_full=int(w.room.refresh()),
         )
+        out["fs_free_bytes"], out["fs_total_bytes"] = w.room.fs_space()
         return out
 
     def read(self, b: _Blob, loc: tuple[int, int]) -> Buffer | None:

@@ -376,7 +376,7 @@ class SharedKvStoreBackend(TieredEngine):
             )
         if self._closed:
             return StoreHealth(ready=False, writable=False, reason="the store is closed")
-        if self._writer.refresh_disk_full():
+        if self._writer.room.refresh():
             return StoreHealth(
                 ready=False, writable=False, disk_full=True, reason=f"disk full under {self.path}"
             )

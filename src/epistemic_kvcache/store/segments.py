@@ -43,7 +43,6 @@ import contextlib
 import ctypes
 import errno
 import os
-import time
 from collections.abc import Iterator
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
@@ -52,6 +51,7 @@ from typing import Any
 from epistemic_kvcache.buffers import read_buffer
 from epistemic_kvcache.store import records
 from epistemic_kvcache.store.api import Buffer
+from epistemic_kvcache.store.freespace import FreeSpace
 from epistemic_kvcache.store.records import Op, Record, RecordError
 
 PREZERO_BYTES = 4 << 20
@@ -349,10 +349,7 @@ class LogWriter:
         self.pos = 0  # the active segment's valid end (where the next batch goes)
         self.zeroed_to = 0  # allocated and zeroed up to here in the active segment
         self.fsyncs = 0
-        self.disk_full = False
-        self._free_checked = 0.0
-        self._free = 1 << 62
-        self._fs_bytes: int | None = None
+        self.room = FreeSpace(self.io, self.dir)  # the free space, the disk-full state
         self._batch: list[_Pending] = []
         self._batch_start: tuple[Segment | None, int, int, int, int] = (None, 0, 0, 1, 0)
         self._prev_id = 0  # the segment before the active one (SEGH of the next)
@@ -436,7 +433,7 @@ class LogWriter:
         possible: deletes must still find room)."""
         if self.active is None:
             return True
-        if self.disk_full and nbytes <= 4096 and self.pos + nbytes <= self.zeroed_to:
+        if self.room.full and nbytes <= 4096 and self.pos + nbytes <= self.zeroed_to:
             return False
         return self.pos > 0 and self.pos + nbytes > self.segment_bytes
 
@@ -485,18 +482,20 @@ class LogWriter:
         if not reserve_ok:
             # new blocks never take the delete reserve: they need the file system's free
             # space for themselves and for the reserve after them
-            if self.disk_full or self.free_bytes() < LOW_SPACE_BYTES:
-                self._free_checked = 0.0  # look again: space may have come back
-            if self.free_bytes() < self.batch_bytes + self.delete_reserve:
-                self.disk_full = True
+            if self.room.full or self.room.free_bytes() < LOW_SPACE_BYTES:
+                self.room.recheck()  # look again: space may have come back
+            if self.room.free_bytes() < self.batch_bytes + self.delete_reserve:
+                self.room.set_full(self.batch_bytes + self.delete_reserve)
                 raise OSError(errno.ENOSPC, "disk full (the space left is kept for deletes)")
         try:
             for p in self._batch:
                 self._pwritev(p.seg.fd, p.pieces, p.start)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
-                self.disk_full = True
+                self.room.set_full(self.batch_bytes + self.delete_reserve)
             raise
+        if not reserve_ok:
+            self.room.cleared_by_write()
         if self.active is not None and self._batch[-1].seg is self.active:
             self._prezero(self.batch_bytes)
         synced = []
@@ -513,8 +512,6 @@ class LogWriter:
             with contextlib.suppress(OSError):  # a sealed segment keeps no zeroed tail
                 os.ftruncate(self._trim[0].fd, self._trim[1])
             self._trim = None
-        if self.disk_full and self.free_bytes() > self._room_to_breathe():
-            self.disk_full = False
         self.pending_seals.clear()
         self._batch = []
         return synced
@@ -547,38 +544,11 @@ class LogWriter:
                     views[i] = views[i][n:]
                     n = 0
 
-    def recheck_free(self) -> None:
-        """The next `free_bytes` asks the file system again (not its cached answer)."""
-        self._free_checked = 0.0
-
-    def free_bytes(self) -> int:
-        now = time.monotonic()
-        if now - self._free_checked > 0.5:
-            try:
-                self._free = self.io.free_bytes(self.dir)
-            except OSError:
-                self._free = 0
-            self._free_checked = now
-        return self._free
-
-    def refresh_disk_full(self) -> bool:
-        """Look at the free space again; clear `disk_full` when there is room to breathe."""
-        if self.disk_full:
-            self._free_checked = 0.0
-            if self.free_bytes() > self._room_to_breathe():
-                self.disk_full = False
-        return self.disk_full
-
-    def _room_to_breathe(self) -> int:
-        """Free space at which a full disk counts as not full any more (bounded by a
-        sixteenth of the file system: a small one never has a segment's worth free)."""
-        if self._fs_bytes is None:
-            try:
-                self._fs_bytes = self.io.total_bytes(self.dir)
-            except OSError:
-                self._fs_bytes = 1 << 62
-        room = min(LOW_SPACE_BYTES, 2 * self.segment_bytes + self.delete_reserve)
-        return min(room, max(2 * self.delete_reserve, self._fs_bytes // 16))
+    @property
+    def disk_full(self) -> bool:
+        """Whether a write was refused for want of space and no room came since (as
+        last seen; `room.refresh()` asks the file system again)."""
+        return self.room.full
 
     def _prezero(self, batch_bytes: int) -> None:
         """Keep zeroed, allocated space after the active segment's end: the delete reserve
@@ -590,7 +560,7 @@ class LogWriter:
             span = low = self.delete_reserve
         else:
             span = min(PREZERO_BYTES, max(self.delete_reserve, self.segment_bytes // 4))
-            free = self.free_bytes()
+            free = self.room.free_bytes()
             if free < LOW_SPACE_BYTES:
                 span = max(self.delete_reserve, min(span, free // 16))
             low = max(self.delete_reserve, span // 2)
@@ -607,8 +577,8 @@ class LogWriter:
                 if n <= 0:
                     break
                 done += n
-        if done < stop:
-            self.disk_full = True
+        if done < stop:  # the file system is out of space: the next write will be refused
+            self.room.set_full(self.delete_reserve + (stop - done))
         self.zeroed_to = done
 
     def rollback(self) -> None:
