@@ -101,11 +101,14 @@ def test_failed_logins_are_logged_with_peer_and_reason(
         redis.Redis(
             host=server.resp.host, port=server.resp.port, password="wrong-0123", retry=NO_RETRY
         ).ping()
+    # the peer with its port: one connection among many from the same host
     server.wait_for(
-        r"authentication failed wire=http peer=127\.0\.0\.1 reason=invalid token: expired"
+        r"authentication failed wire=http peer=127\.0\.0\.1:\d+ reason=invalid token: expired"
     )
-    server.wait_for(r"authentication failed wire=http peer=127\.0\.0\.1 reason=no credentials")
-    server.wait_for(r"authentication failed wire=resp peer=127\.0\.0\.1 reason=invalid credentials")
+    server.wait_for(r"authentication failed wire=http peer=127\.0\.0\.1:\d+ reason=no credentials")
+    server.wait_for(
+        r"authentication failed wire=resp peer=127\.0\.0\.1:\d+ reason=invalid credentials"
+    )
     assert expired not in server.log()
     assert "wrong-0123" not in server.log()
     assert server.stop() == 0
@@ -219,7 +222,7 @@ def test_a_tenant_claim_with_line_breaks_forges_no_log_line(
     token = jwt.encode(claims, "s" * 40, algorithm="HS256")
     assert _get(server.http, "/kv/stats", token=token)[0] == 401
     server.wait_for(
-        r"authentication failed wire=http peer=127\.0\.0\.1 reason=invalid token: claim "
+        r"authentication failed wire=http peer=127\.0\.0\.1:\d+ reason=invalid token: claim "
         r"'tenant' is not a valid tenant name: control character U\+000D at index 1"
     )
     server.wait_for(r"epistemic_kvcache\.access: http 127\.0\.0\.1 - 'GET /kv/stats' 401")

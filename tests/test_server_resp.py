@@ -452,15 +452,14 @@ def test_noauth_before_auth(server: ServerThread, raw: Raw) -> None:
     raw.send(b"PING\r\n*2\r\n$3\r\nGET\r\n$1\r\nk\r\nHSET a b c\r\nHELLO 3\r\nAUTH bad\r\n")
     raw.send(b"AUTH " + TOKEN_A.encode() + b"\r\nDBSIZE\r\n")
     data = raw.recv_match(rb"\r\n:\d+\r\n$")
-    pong, _, data = data.partition(b"\r\n")
-    assert pong == b"+PONG"  # PING is allowed before AUTH
     lines = data.split(b"\r\n")
-    assert lines[0] == b"-NOAUTH Authentication required."
+    assert lines[0] == b"-NOAUTH Authentication required."  # PING too, as redis-server
     assert lines[1] == b"-NOAUTH Authentication required."
-    assert lines[2].startswith(b"-NOAUTH HELLO must be called")
-    assert lines[3] == b"-WRONGPASS invalid username-password pair or user is disabled."
-    assert lines[4] == b"+OK"
-    assert lines[5].startswith(b":")
+    assert lines[2] == b"-NOAUTH Authentication required."
+    assert lines[3].startswith(b"-NOAUTH HELLO must be called")
+    assert lines[4] == b"-WRONGPASS invalid username-password pair or user is disabled."
+    assert lines[5] == b"+OK"
+    assert lines[6].startswith(b":")
 
 
 def test_reset_and_quit(raw: Raw) -> None:
@@ -493,12 +492,15 @@ def test_unauthenticated_argument_limits(server: ServerThread) -> None:
         finally:
             conn.close()
         assert reply == b"-ERR Protocol error: " + message + b"\r\n"
-    # Inside the limits, before AUTH: fine.
+    # Inside the limits, before AUTH: read and answered (a wrong credential here).
     conn = Raw(server.port)
     try:
-        conn.send(b"*2\r\n$4\r\nPING\r\n$%d\r\n" % lim.resp_unauthenticated_max_bulk_bytes)
+        conn.send(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n" % lim.resp_unauthenticated_max_bulk_bytes)
         conn.send(b"x" * lim.resp_unauthenticated_max_bulk_bytes + b"\r\n")
-        assert conn.recv_until(b"x\r\n").endswith(b"x\r\n")
+        assert (
+            conn.recv_until(b"\r\n")
+            == b"-WRONGPASS invalid username-password pair or user is disabled.\r\n"
+        )
     finally:
         conn.close()
 
@@ -568,8 +570,8 @@ def test_commands_before_the_bad_bytes_are_answered(raw: Raw) -> None:
 
 
 def test_empty_multibulk_is_ignored(raw: Raw) -> None:
-    raw.send(b"*0\r\n*-1\r\nPING\r\n")
-    assert raw.recv_until(b"\r\n") == b"+PONG\r\n"
+    raw.send(b"*0\r\n*-1\r\nAUTH " + TOKEN_A.encode() + b"\r\n*0\r\nPING\r\n")
+    assert raw.recv_until(b"+PONG\r\n") == b"+OK\r\n+PONG\r\n"
 
 
 # -- RESP3 --------------------------------------------------------------------------------
@@ -695,8 +697,8 @@ def test_connection_cap_and_idle_timeout() -> None:
         a.close()
         b.close()
         d = Raw(srv.port)
-        d.send(b"PING\r\n")
-        assert d.recv_until(b"\r\n") == b"+PONG\r\n"
+        d.send(b"AUTH " + TOKEN_A.encode() + b"\r\n")
+        assert d.recv_until(b"\r\n") == b"+OK\r\n"
         d.close()
     finally:
         srv.close()

@@ -195,7 +195,7 @@ def test_flushdb_is_per_tenant_and_flushall_is_refused(srv: Srv) -> None:
     with srv.redis("tok-a") as a, srv.redis("tok-b") as b:
         a.mset({"fa1": b"1", "fa2": b"2"})
         b.mset({"fb1": b"1"})
-        with pytest.raises(redis.ResponseError, match="FLUSHALL is not supported"):
+        with pytest.raises(redis.ResponseError, match="unsupported command 'FLUSHALL': it would"):
             a.flushall()
         assert a.exists("fa1", "fa2") == 2
         assert a.flushdb() is True

@@ -32,6 +32,7 @@ from epistemic_kvcache.server.budget import (
     SlotLimits,
 )
 from epistemic_kvcache.server.oplog import AccessLog, AuthFailureLog, RefusalLog
+from epistemic_kvcache.server.writes import Writes
 from epistemic_kvcache.shared import ServerLimits
 from epistemic_kvcache.store.api import (
     WOULD_BLOCK,
@@ -283,6 +284,9 @@ class ServerContext:
     auth_failures: AuthFailureLog = field(default_factory=AuthFailureLog)
     refusals: RefusalLog = field(default_factory=RefusalLog)
     """Connections refused or closed at a limit (rate-limited WARNING lines)."""
+    writes: Writes = field(default_factory=Writes)
+    """The tenant gates every write enters and the WATCHed keys it marks changed
+    (server/writes.py; one object shared by every event loop's context)."""
     access_log: AccessLog = field(default_factory=AccessLog)
     reload_hooks: list[Callable[[], None]] = field(default_factory=list)
     """Called after the credentials were reloaded (SIGHUP): RESP re-checks its sessions."""
@@ -305,6 +309,7 @@ class ServerContext:
         )
         if not self.peers:
             self.peers.append(self)
+        self.metrics.watch_auth_failures(self.auth_failures.by_wire)
 
     def sibling(self, index: int) -> ServerContext:
         """The context of another event loop of this server (`event_loops`).

@@ -171,6 +171,7 @@ class _StoreCollector(Collector):
     def __init__(self, store: SharedKvBackend) -> None:
         self._store = store
         self.connections: Mapping[str, int] | None = None
+        self.auth_failures: Mapping[str, int] | None = None
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("kvcache_store_up", "1 when the store answered its stats.")
@@ -243,12 +244,24 @@ class _StoreCollector(Collector):
 
     def _connection_metrics(self) -> Iterator[Metric]:
         conns = self.connections
-        if conns is None:
-            return
-        fam = GaugeMetricFamily("kvcache_open_connections", "Open connections.", labels=["wire"])
-        for wire, n in sorted(dict(conns).items()):
-            fam.add_metric([wire], n)
-        yield fam
+        if conns is not None:
+            fam = GaugeMetricFamily(
+                "kvcache_open_connections", "Open connections.", labels=["wire"]
+            )
+            for wire, n in sorted(dict(conns).items()):
+                fam.add_metric([wire], n)
+            yield fam
+        if self.auth_failures is not None:
+            failed = dict(self.auth_failures)
+            fails = CounterMetricFamily(
+                "kvcache_auth_failures",
+                "Failed authentications: a bad or missing credential, a RESP command "
+                "refused with NOAUTH.",
+                labels=["wire"],
+            )
+            for wire in sorted({"http", "resp", *failed}):
+                fails.add_metric([wire], failed.get(wire, 0))
+            yield fails
 
     @staticmethod
     def _prefault_metrics() -> Iterator[Metric]:
@@ -456,6 +469,10 @@ class Metrics:
     def watch_connections(self, connections: Mapping[str, int]) -> None:
         """Export `connections` (live connections per wire) as `kvcache_open_connections`."""
         self._store_collector.connections = connections
+
+    def watch_auth_failures(self, by_wire: Mapping[str, int]) -> None:
+        """Export `by_wire` (`AuthFailureLog.by_wire`) as `kvcache_auth_failures_total`."""
+        self._store_collector.auth_failures = by_wire
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type. Calls the store: blocking."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Final
@@ -65,7 +66,8 @@ def _field(value: str | None) -> str:
 class RateLimitedLog:
     """WARNING lines about what clients do wrong, at most `burst` per `window_s`; the
     rest are counted and summarised in one line when the window ends, so a flood of
-    bad clients cannot flood the log (event loop only)."""
+    bad clients cannot flood the log. Thread-safe: every event loop of a server shares
+    one (a lock around the count)."""
 
     def __init__(
         self,
@@ -88,9 +90,14 @@ class RateLimitedLog:
         self._window_start = 0.0
         self._in_window = 0
         self._suppressed = 0
+        self._lock = threading.Lock()
 
     def note(self, wire: str, peer: str, reason: str) -> None:
-        """Log (or count) one occurrence."""
+        """Log (or count) one occurrence. `peer`: the client's `host:port`."""
+        with self._lock:
+            self._note(wire, peer, reason)
+
+    def _note(self, wire: str, peer: str, reason: str) -> None:
         self.total += 1
         now = self._clock()
         if now - self._window_start >= self.window_s:
@@ -120,7 +127,10 @@ class RateLimitedLog:
 
 
 class AuthFailureLog(RateLimitedLog):
-    """Failed authentications: wire, peer address and reason (never the credential)."""
+    """Failed authentications: wire, peer address and port, and reason (never the
+    credential). Counted per wire in `by_wire` (`kvcache_auth_failures_total`): a bad
+    credential on either wire, an HTTP request without one, and a RESP command refused
+    with NOAUTH."""
 
     def __init__(
         self,
@@ -137,9 +147,23 @@ class AuthFailureLog(RateLimitedLog):
             window_s,
             clock,
         )
+        self.by_wire: dict[str, int] = {}
+        """Failures per wire since start (never reset)."""
 
     def failed(self, wire: str, peer: str, reason: str) -> None:
-        self.note(wire, peer, reason)
+        with self._lock:
+            self.by_wire[wire] = self.by_wire.get(wire, 0) + 1
+            self._note(wire, peer, reason)
+
+
+def peer_address(transport: object) -> str:
+    """`host:port` of a transport's peer, as the auth-failure lines name it (`?` when
+    unknown, e.g. a unix socket)."""
+    get = getattr(transport, "get_extra_info", None)
+    name = get("peername") if get is not None else None
+    if isinstance(name, tuple) and len(name) >= 2:
+        return f"{name[0]}:{name[1]}"
+    return "?"
 
 
 class RefusalLog(RateLimitedLog):
@@ -251,4 +275,5 @@ __all__ = [
     "RefusalLog",
     "TextFormatter",
     "escape_text",
+    "peer_address",
 ]

@@ -64,6 +64,7 @@ from epistemic_kvcache.server.http.admission import (
 )
 from epistemic_kvcache.server.http.api import HttpError, Request, Response
 from epistemic_kvcache.server.http.routes import ROUTES
+from epistemic_kvcache.server.oplog import peer_address
 from epistemic_kvcache.server.sendfast import ReplyWriter
 
 log = logging.getLogger("epistemic_kvcache.server.http")
@@ -446,7 +447,9 @@ class HttpConnection(asyncio.BufferedProtocol):
         return None, has_body
 
     def _authenticate(self, req: PendingRequest) -> HttpError | None:
-        found = check_credentials(self._ctx, self.peer, req.headers.get(b"authorization"))
+        found = check_credentials(
+            self._ctx, peer_address(self._transport), req.headers.get(b"authorization")
+        )
         if isinstance(found, HttpError):
             return found
         identity = found

@@ -109,7 +109,9 @@ async def batch_put(req: Request) -> Response:
     # raises the body's RemoteProtocolError, if any; each block's own receive buffer is
     # handed over to the store
     items = [(key, received_block(block)) for key, block in req.batch.items()]
-    results = await req.ctx.run(_batch_put, req, items)
+    ctx = req.ctx  # (the gate and the watched keys: server/writes.py)
+    keys = [key for key, _ in items]
+    results = await ctx.writes.guard(req.ns, keys, ctx.run(_batch_put, req, items))
     return await large_json(req.ctx, 200, batch_put_doc(results))
 
 
@@ -175,8 +177,10 @@ async def key_get(req: Request) -> Response:
 
 
 async def key_delete(req: Request) -> Response:
-    assert req.key is not None
-    if await req.ctx.run(req.ctx.store.delete, req.ns, req.key):
+    ctx, key = req.ctx, req.key
+    assert key is not None
+    deleted = await ctx.writes.guard(req.ns, (key,), ctx.run(ctx.store.delete, req.ns, key), bool)
+    if deleted:
         return Response.empty(204)
     return not_found()
 
@@ -186,5 +190,8 @@ async def key_put(req: Request) -> Response:
         return await scoped_put(req)
     assert req.key is not None
     cond = put_condition(req)
-    result = await req.ctx.put(req.ns, req.key, req.block, cond)
+    ctx, ns, key = req.ctx, req.ns, req.key
+    # a refused conditional (or first-write-wins) PUT wrote nothing: its watchers stay
+    put = ctx.put(ns, key, req.block, cond)
+    result = await ctx.writes.guard(ns, (key,), put, lambda r: r.applied)
     return put_answer(result, conditional=cond is not None)

@@ -195,7 +195,8 @@ async def epoch(req: Request) -> Response:
 async def epoch_bump(req: Request) -> Response:
     ctx, ns = req.ctx, req.ns
     scope = _scope(_id(req))
-    bumped = await ctx.run(ctx.store.epoch_bump, ns, scope)
+    # entries of the scope's older epochs read as absent from now on: any key may change
+    bumped = await ctx.writes.guard(ns, None, ctx.run(ctx.store.epoch_bump, ns, scope))
     ctx.notify_epoch(ns, scope, bumped)  # RESP pub/sub `kvcache:epochs`
     return Response.json(200, {"scope": scope, "epoch": bumped})
 
@@ -211,7 +212,7 @@ async def scoped_put(req: Request) -> Response:
     assert req.key is not None
     cond = put_condition(req)
     put = functools.partial(ctx.store.put, req.ns, req.key, req.block, epoch_scope=scope, cond=cond)
-    result = await ctx.run(put)
+    result = await ctx.writes.guard(req.ns, (req.key,), ctx.run(put), lambda r: r.applied)
     ctx.watch_epoch(req.ns, scope)  # publish bumps other processes make to this scope
     return put_answer(result, {"epoch_scope": scope}, conditional=cond is not None)
 

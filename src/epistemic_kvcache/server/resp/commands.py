@@ -31,6 +31,7 @@ from epistemic_kvcache.server.context import ServerContext
 from epistemic_kvcache.server.resp import fast
 from epistemic_kvcache.server.resp.commands_admin import info_sections
 from epistemic_kvcache.server.resp.common import (
+    HELLO_NOAUTH,
     OK,
     REDIS_COMPAT_VERSION,
     SYNTAX_ERROR,
@@ -67,11 +68,6 @@ _TTL_UNSUPPORTED: Final = ErrorReply(
     "ERR SET with EX/PX/EXAT/PXAT is not supported: entries never expire, they are "
     "evicted by the cache tiers or removed with DEL"
 )
-_HELLO_NOAUTH: Final = ErrorReply(
-    "NOAUTH HELLO must be called with the client already authenticated, otherwise the "
-    "HELLO <proto> AUTH <user> <pass> option can be used to authenticate the client and "
-    "select the RESP protocol version at the same time"
-)
 
 
 def hello_map(s: Session) -> dict[str, object]:
@@ -89,7 +85,7 @@ def hello_map(s: Session) -> dict[str, object]:
 # -- connection commands --------------------------------------------------------------------
 
 
-@command("ping", -1, ("fast", "stale"), (0, 0, 0), "connection", "Ping the server.", no_auth=True)
+@command("ping", -1, ("fast", "stale"), (0, 0, 0), "connection", "Ping the server.")
 async def _ping(s: Session, cmd: Command) -> object:
     if len(cmd) > 2:
         return wrong_args("ping")
@@ -143,6 +139,8 @@ async def _hello(s: Session, cmd: Command) -> object:
         version = to_int(
             cmd[1], ErrorReply("ERR Protocol version is not an integer or out of range")
         )
+        if version not in (2, 3):
+            return ErrorReply("NOPROTO unsupported protocol version")
         i = 2
         while i < len(cmd):
             opt = bytes(cmd[i]).upper()
@@ -154,14 +152,12 @@ async def _hello(s: Session, cmd: Command) -> object:
                 i += 2
             else:
                 return ErrorReply(f"ERR Syntax error in HELLO option '{text(cmd[i])}'")
-        if version not in (2, 3):
-            return ErrorReply("NOPROTO unsupported protocol version")
     if password is not None:
         failed = s.authenticate(password)
         if failed is not None:
             return failed
     if s.identity is None:
-        return _HELLO_NOAUTH
+        return HELLO_NOAUTH
     if setname is not None:
         s.name = setname or None
     s.protocol_version = version
@@ -234,52 +230,6 @@ async def _unsubscribe(s: Session, cmd: Command) -> object:
 async def _reset(s: Session, cmd: Command) -> object:
     s.reset()
     return SimpleString("RESET")
-
-
-# -- transactions (the dispatcher queues commands after MULTI and runs EXEC) ---------------
-
-
-@command(
-    "multi",
-    1,
-    ("noscript", "loading", "stale", "fast", "allow_busy"),
-    (0, 0, 0),
-    "transactions",
-    "Start a transaction: the commands that follow are queued until EXEC or DISCARD.",
-)
-async def _multi(s: Session, cmd: Command) -> object:
-    if s.multi is not None:
-        return ErrorReply("ERR MULTI calls can not be nested")
-    s.begin_multi()
-    return OK
-
-
-@command(
-    "exec",
-    1,
-    ("noscript", "loading", "stale", "skip_slowlog"),
-    (0, 0, 0),
-    "transactions",
-    "Run the commands queued since MULTI, with no other command of the tenant between.",
-)
-async def _exec(s: Session, cmd: Command) -> object:
-    # Inside MULTI the dispatcher runs EXEC itself (Dispatcher.exec_transaction).
-    return ErrorReply("ERR EXEC without MULTI")
-
-
-@command(
-    "discard",
-    1,
-    ("noscript", "loading", "stale", "fast", "allow_busy"),
-    (0, 0, 0),
-    "transactions",
-    "Drop the commands queued since MULTI.",
-)
-async def _discard(s: Session, cmd: Command) -> object:
-    if s.multi is None:
-        return ErrorReply("ERR DISCARD without MULTI")
-    s.end_multi()
-    return OK
 
 
 # -- key commands ---------------------------------------------------------------------------
@@ -437,21 +387,6 @@ def _flushdb(s: Session, cmd: Command) -> object:
         return SYNTAX_ERROR
     s.call(s.store.flush, s.namespace)
     return OK
-
-
-@command(
-    "flushall",
-    -1,
-    ("write",),
-    (0, 0, 0),
-    "server",
-    "Refused: it would delete every tenant's keys (FLUSHDB deletes the caller's).",
-)
-async def _flushall(s: Session, cmd: Command) -> object:
-    return ErrorReply(
-        "ERR FLUSHALL is not supported: it would delete every tenant's keys; "
-        "FLUSHDB deletes this tenant's keys"
-    )
 
 
 @blocking_command(

@@ -1,4 +1,4 @@
-"""Introspection commands (docs/resp.md): CLIENT, OBJECT, COMMAND, the INFO sections
+"""Introspection commands (docs/resp.md): CLIENT, TIME, OBJECT, COMMAND, the INFO sections
 `cpu`, `replication` and `commandstats`, and `<command> HELP` for every command with
 subcommands. A tenant sees and kills only its own connections; counters are its own.
 """
@@ -22,6 +22,7 @@ from epistemic_kvcache.server.resp.common import (
     unknown_subcommand,
     valid_client_name,
 )
+from epistemic_kvcache.server.resp.refusals import REFUSED_ROUTES, ProbeAnswer
 from epistemic_kvcache.server.resp.registry import (
     COMMANDS,
     BlockingHandler,
@@ -198,11 +199,26 @@ async def _client(s: Session, cmd: Command) -> object:
         else:
             return ErrorReply(f"ERR Unrecognized option '{text(cmd[2])}'")
         return OK
+    if sub == b"MAINT_NOTIFICATIONS":  # redis-py 8's probe on connect (RESP3)
+        return ProbeAnswer(unknown_subcommand(cmd[1], "CLIENT"))
     if sub in (b"SETNAME", b"GETNAME", b"ID", b"SETINFO", b"INFO", b"KILL"):
         return ErrorReply(
             f"ERR wrong number of arguments for 'client|{sub.decode().lower()}' command"
         )
     return unknown_subcommand(cmd[1], "CLIENT")
+
+
+@command(
+    "time",
+    1,
+    ("random", "loading", "stale", "fast"),
+    (0, 0, 0),
+    "server",
+    "The server's clock: Unix seconds and microseconds.",
+)
+async def _time(s: Session, cmd: Command) -> object:
+    micros = time.time_ns() // 1000
+    return [b"%d" % (micros // 1_000_000), b"%d" % (micros % 1_000_000)]
 
 
 # -- OBJECT ---------------------------------------------------------------------------------
@@ -302,7 +318,7 @@ def info_sections(s: Session) -> list[tuple[str, list[tuple[str, object]]]]:
     if s.identity is not None:
         per_command = dict(s.shared.activity_total(s.identity.tenant).per_command)
         for route in sorted(per_command):
-            if route in ("unknown", "busy"):
+            if route in REFUSED_ROUTES or route == "busy":
                 continue
             st = per_command[route]
             usec = int(st.usec)

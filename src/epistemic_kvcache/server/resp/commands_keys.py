@@ -1,6 +1,6 @@
 """Key commands a cache user reaches for beyond GET/SET (docs/resp.md): TTL/PTTL and the
 other expiry questions answered truthfully (entries never expire), SETNX, GETSET, GETDEL,
-a bounded KEYS; and the table of commands refused on purpose, each with why.
+a bounded KEYS. (The commands refused on purpose, each with why: server/resp/refusals.py.)
 
 GETSET and GETDEL read a key and then write it: the dispatcher runs them holding the
 tenant alone (`dispatch._HOLDS_TENANT`, as EXEC does), so no other RESP command of the
@@ -16,7 +16,7 @@ from epistemic_kvcache.buffers import received_block
 from epistemic_kvcache.proto.resp import Command, ErrorReply
 from epistemic_kvcache.server.budget import Busy
 from epistemic_kvcache.server.resp.common import SYNTAX_ERROR, Reply, busy_reply, to_glob, to_key
-from epistemic_kvcache.server.resp.registry import UNSUPPORTED, blocking_command
+from epistemic_kvcache.server.resp.registry import blocking_command
 from epistemic_kvcache.server.resp.session import Session
 
 KEYS_MAX: Final = 10_000
@@ -98,6 +98,12 @@ def _getdel(s: Session, cmd: Command) -> object:
     return old
 
 
+_NO_EXPIRY: Final = ErrorReply(
+    "ERR GETEX with EX/PX/EXAT/PXAT is not supported: entries never expire here; the "
+    "cache tiers evict them and DEL removes them"
+)
+
+
 @blocking_command(
     "getex",
     -2,
@@ -110,7 +116,7 @@ def _getex(s: Session, cmd: Command) -> object:
     if len(cmd) > 2:
         opt = bytes(cmd[2]).upper()
         if opt in (b"EX", b"PX", b"EXAT", b"PXAT") and len(cmd) == 4:
-            return NO_EXPIRY["getex"]
+            return _NO_EXPIRY
         if opt != b"PERSIST" or len(cmd) != 3:
             return SYNTAX_ERROR
     return _read(s, to_key(cmd[1]))
@@ -147,50 +153,3 @@ def _keys_refused(why: str) -> ErrorReply:
         f"ERR KEYS refused: {why} (KEYS answers at most {KEYS_MAX} keys in one call); "
         "use SCAN cursor MATCH pattern COUNT n, which pages through any number"
     )
-
-
-# -- refused on purpose ---------------------------------------------------------------------
-
-_EXPIRY_WHY: Final = (
-    "is not supported: entries never expire here; they are evicted by the cache tiers "
-    "or removed with DEL"
-)
-NO_EXPIRY: Final = {
-    name: ErrorReply(f"ERR {name.upper()} {_EXPIRY_WHY}")
-    for name in ("expire", "pexpire", "expireat", "pexpireat", "setex", "psetex", "getex")
-}
-_TYPES: Final = {
-    "hashes": "hset hsetnx hget hmset hmget hgetall hdel hlen hkeys hvals hexists hincrby "
-    "hincrbyfloat hscan hstrlen hrandfield",
-    "lists": "lpush rpush lpushx rpushx lpop rpop lrange llen lindex lset lrem ltrim linsert "
-    "lpos lmove blmove rpoplpush brpoplpush blpop brpop lmpop blmpop",
-    "sets": "sadd srem smembers sismember smismember scard spop srandmember sinter sinterstore "
-    "sintercard sunion sunionstore sdiff sdiffstore smove sscan",
-    "sorted sets": "zadd zrem zrange zrangestore zrangebyscore zrevrangebyscore zrangebylex "
-    "zrevrangebylex zrevrange zscore zmscore zcard zcount zlexcount zincrby zrank zrevrank "
-    "zpopmin zpopmax bzpopmin bzpopmax zmpop bzmpop zscan zunion zunionstore zinter "
-    "zinterstore zintercard zdiff zdiffstore zrandmember zremrangebyscore zremrangebyrank "
-    "zremrangebylex",
-    "streams": "xadd xread xreadgroup xrange xrevrange xlen xdel xtrim xgroup xack xpending "
-    "xclaim xautoclaim xinfo xsetid",
-    "HyperLogLogs": "pfadd pfcount pfmerge",
-    "geo indexes": "geoadd geodist geohash geopos georadius georadiusbymember geosearch "
-    "geosearchstore",
-    "bitmaps": "setbit getbit bitcount bitpos bitop bitfield bitfield_ro",
-}
-_IMMUTABLE: Final = "incr decr incrby decrby incrbyfloat append setrange getrange substr lcs"
-
-for _kind, _names in _TYPES.items():
-    for _name in _names.split():
-        UNSUPPORTED[_name.encode()] = ErrorReply(
-            f"ERR {_name.upper()} is not supported: this server stores strings only "
-            f"(GET/SET values, KV-cache blocks); {_kind} are not available"
-        )
-for _name in _IMMUTABLE.split():
-    UNSUPPORTED[_name.encode()] = ErrorReply(
-        f"ERR {_name.upper()} is not supported: values are immutable blocks "
-        "(content-addressed, deduplicated); SET replaces a value whole"
-    )
-for _name, _error in NO_EXPIRY.items():
-    if _name != "getex":
-        UNSUPPORTED[_name.encode()] = _error

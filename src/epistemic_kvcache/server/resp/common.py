@@ -20,6 +20,13 @@ REDIS_COMPAT_VERSION: Final = "7.0.0"
 
 OK: Final = SimpleString("OK")
 NOAUTH: Final = ErrorReply("NOAUTH Authentication required.")
+HELLO_NOAUTH: Final = ErrorReply(
+    "NOAUTH HELLO must be called with the client already authenticated, otherwise the "
+    "HELLO AUTH <user> <pass> option can be used to authenticate the client and select "
+    "the RESP protocol version at the same time"
+)
+"""HELLO without AUTH before authentication: Redis 7.0's words (7.2 writes `HELLO <proto>
+AUTH`)."""
 WRONGPASS: Final = ErrorReply("WRONGPASS invalid username-password pair or user is disabled.")
 NOT_AN_INTEGER: Final = ErrorReply("ERR value is not an integer or out of range")
 SYNTAX_ERROR: Final = ErrorReply("ERR syntax error")

@@ -18,7 +18,8 @@ parser (`peek` / `next_command` / `unread`). Two entry points:
   blocking command in one thread-pool job together with the blocking commands framed
   right behind it (at most `MAX_BATCH_COMMANDS`, arguments under `MAX_BATCH_ARG_BYTES`;
   the job stops early once its replies reach `MAX_BATCH_REPLY_BYTES` and the rest is
-  `unread`); anything else by awaiting its loop handler; MULTI/EXEC as transactions.
+  `unread`); anything else by awaiting its loop handler; MULTI/EXEC as transactions
+  (with WATCH: `observe` marks the watchers of the keys each write wrote changed).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Final
 from epistemic_kvcache.buffers import received_block
 from epistemic_kvcache.errors import StoreError
 from epistemic_kvcache.proto.resp import (
+    NULL_ARRAY,
     Buffer,
     Command,
     ErrorReply,
@@ -42,7 +44,9 @@ from epistemic_kvcache.proto.resp import (
     command_size,
     serialize,
 )
+from epistemic_kvcache.server.resp.commands_txn import EVERY_KEY, WRITES, written
 from epistemic_kvcache.server.resp.common import (
+    HELLO_NOAUTH,
     INTERNAL_ERROR,
     NOAUTH,
     OK,
@@ -51,7 +55,6 @@ from epistemic_kvcache.server.resp.common import (
     Reply,
     busy_reply,
     store_error_reply,
-    text,
     to_key,
     wrong_args,
 )
@@ -63,9 +66,14 @@ from epistemic_kvcache.server.resp.fastpath import (
     CommandQueue,
     FastLane,
 )
+from epistemic_kvcache.server.resp.refusals import (
+    REFUSED_ROUTES,
+    ProbeAnswer,
+    logged_name,
+    refusal,
+)
 from epistemic_kvcache.server.resp.registry import (
     COMMANDS,
-    UNSUPPORTED,
     BlockingHandler,
     CommandSpec,
 )
@@ -82,8 +90,8 @@ MAX_BATCH_ARG_BYTES: Final = 1024 * 1024
 """...while their arguments total less than this..."""
 MAX_BATCH_REPLY_BYTES: Final = 4 * 1024 * 1024
 """...and the job stops early once its replies reach this (the rest runs next)."""
-_RUN_INSIDE_MULTI: Final = frozenset({"exec", "discard", "multi", "quit", "reset"})
-"""Commands that run at once inside MULTI (Redis also runs WATCH, which we do not have)."""
+_RUN_INSIDE_MULTI: Final = frozenset({"exec", "discard", "multi", "quit", "reset", "watch"})
+"""Commands that run at once inside MULTI (WATCH to refuse itself, as Redis does)."""
 _NOT_IN_MULTI: Final = frozenset(
     {"subscribe", "unsubscribe", "psubscribe", "punsubscribe", "auth", "hello"}
 )
@@ -123,15 +131,6 @@ def _set_with_get(cmd: Command) -> bool:
     return any(len(a) == 3 and bytes(a).upper() == b"GET" for a in cmd[3:])
 
 
-def unknown_command(cmd: Command) -> ErrorReply:
-    args = ""
-    for arg in cmd[1:]:
-        if len(args) >= 128:
-            break
-        args += f"'{text(arg, 128 - len(args))}' "
-    return ErrorReply(f"ERR unknown command '{text(cmd[0])}', with args beginning with: {args}")
-
-
 class Dispatcher:
     """Runs one connection's commands (see the module docstring)."""
 
@@ -144,6 +143,7 @@ class Dispatcher:
         self.store = self.ctx.store
         metrics = self.ctx.metrics
         self._series = {route: metrics.series(WIRE, route, "ok") for route in FAST_ROUTES}
+        self._watches = self.ctx.writes.watches
         self.started: list[tuple[object, float, Command]] = []
         """Plain SETs begun inline whose replies are not sent yet (a durable one's is a
         future): `finish_started` awaits them, in order, on the connection's task."""
@@ -154,7 +154,7 @@ class Dispatcher:
         shared = session.shared
         self.lane = FastLane(
             self.store, queue.next_command, self._series, shared.gates, shared.activity,
-            self.ctx.access_log,
+            self.ctx.access_log, self._watches,
         )  # fmt: skip
 
     # -- checks and metrics ---------------------------------------------------------------
@@ -164,15 +164,13 @@ class Dispatcher:
         if isinstance(cmd, RefusedCommand):
             return "busy", None, busy_reply(cmd.reason)
         spec = COMMANDS.get(bytes(cmd[0]).lower())
-        if spec is None:
-            if s.identity is None:
-                return "unknown", None, NOAUTH
-            why = UNSUPPORTED.get(bytes(cmd[0]).lower())
-            return "unknown", None, unknown_command(cmd) if why is None else why
-        if s.identity is None and not spec.no_auth:
-            return spec.name, spec, NOAUTH
+        if spec is None:  # (looked up, then arity, then AUTH: redis-server's order)
+            route, refused = refusal(cmd, s.identity is not None)
+            return route, None, NOAUTH if refused is None else refused
         if (spec.arity > 0 and len(cmd) != spec.arity) or len(cmd) < -spec.arity:
             return spec.name, spec, wrong_args(spec.name)
+        if s.identity is None and not spec.no_auth:
+            return spec.name, spec, NOAUTH
         if s.channels and s.protocol_version == 2 and spec.name not in _SUBSCRIBED_MODE_COMMANDS:
             return (
                 spec.name,
@@ -195,9 +193,22 @@ class Dispatcher:
     ) -> None:
         """Count one answered command; with the access log on, log it with the bytes it
         took on the wire: `cmd` as a RESP array (`command_size`; 0 when unknown) and the
-        reply as this connection's protocol encodes it."""
-        status = "error" if isinstance(reply, ErrorReply) else "ok"
+        reply as this connection's protocol encodes it. A write marks the watchers of
+        the keys it wrote changed (the tenant's gate is still held); a command refused
+        with NOAUTH is an authentication failure (logged, counted)."""
+        status = "ok"
         s = self.session
+        if isinstance(reply, ErrorReply):
+            if type(reply) is not ProbeAnswer:
+                status = "error"
+            if reply is NOAUTH or reply is HELLO_NOAUTH:
+                self._unauthenticated(route, cmd)
+        elif route in WRITES and self._watches.count and cmd is not None and reply is not QUEUED:
+            keys = written(route, cmd, reply)
+            if keys is EVERY_KEY:
+                self._watches.touch_all(s.namespace)
+            elif keys:
+                self._watches.touch(s.namespace, [to_key(k) for k in keys])
         s.last_command = time.monotonic()
         s.last_route = route
         if count_activity and s.identity is not None:
@@ -210,7 +221,7 @@ class Dispatcher:
                 WIRE,
                 s.peer,
                 s.identity.tenant if s.identity is not None else None,
-                route,
+                logged_name(route, cmd[0]) if route in REFUSED_ROUTES and cmd else route,
                 status,
                 command_size(cmd) if cmd is not None else 0,
                 sum(memoryview(b).nbytes for b in self.encode(reply)),
@@ -220,6 +231,14 @@ class Dispatcher:
             self.ctx.metrics.observe_request(wire=WIRE, route=route, status=status, seconds=seconds)
         except Exception:  # metrics must never break serving
             log.exception("metrics.observe_request failed")
+
+    def _unauthenticated(self, route: str, cmd: Command | None) -> None:
+        """A command refused with NOAUTH: an authentication failure (rate-limited log
+        line with the peer's address and port, `kvcache_auth_failures_total`)."""
+        name = route
+        if route in REFUSED_ROUTES and cmd:  # (only a command of the refusals table)
+            name = bytes(cmd[0]).decode("ascii", "replace").lower()
+        self.ctx.auth_failures.failed(WIRE, self.session.addr, f"{name.upper()} before AUTH")
 
     # -- execution ------------------------------------------------------------------------
     async def execute(self, cmd: Command) -> list[object]:
@@ -349,7 +368,8 @@ class Dispatcher:
         return refused if refused is not None else QUEUED
 
     async def exec_transaction(self, started: float) -> object:
-        """EXEC: the queued commands' replies as one array, or EXECABORT.
+        """EXEC: the queued commands' replies as one array, EXECABORT, or nil (a null
+        array, nothing run) when a WATCHed key was written since WATCH.
 
         The tenant's gate is held throughout (no other RESP command of the tenant runs
         in between); store commands run on the thread pool in as few jobs as the queue
@@ -359,6 +379,7 @@ class Dispatcher:
         s = self.session
         queued, aborted = s.end_multi()
         if aborted:
+            s.unwatch()
             self.observe("exec", EXECABORT, time.perf_counter() - started)
             return EXECABORT
         tenant = s.namespace
@@ -366,7 +387,14 @@ class Dispatcher:
         self.busy = True
         await gates.hold(tenant)
         replies: list[object] = []
+        result: object = replies
         try:
+            # held: every write of the tenant before this point has marked its watchers,
+            # and none lands between this answer and the transaction's own writes
+            changed = s.watch_changed()
+            s.unwatch()
+            if changed:
+                result, queued = NULL_ARRAY, []
             i = 0
             while i < len(queued):
                 spec = COMMANDS[bytes(queued[i][0]).lower()]
@@ -387,8 +415,8 @@ class Dispatcher:
         finally:
             gates.release(tenant)
             self.busy = False
-        self.observe("exec", replies, time.perf_counter() - started)
-        return replies
+        self.observe("exec", result, time.perf_counter() - started)
+        return result
 
     async def _run_loop_handler(
         self, spec: CommandSpec, cmd: Command, started: float | None = None

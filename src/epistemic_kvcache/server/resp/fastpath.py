@@ -40,7 +40,8 @@ _perf_counter: Final = time.perf_counter
 if TYPE_CHECKING:
     from epistemic_kvcache.server.metrics import RequestSeries
     from epistemic_kvcache.server.oplog import AccessLog
-    from epistemic_kvcache.server.resp.session import Activity, Session, TenantGates
+    from epistemic_kvcache.server.resp.session import Activity, Session
+    from epistemic_kvcache.server.writes import KeyWatches, TenantGates
 
 MAX_PIPELINED_SETS: Final = 64
 """Plain SETs queued for one group commit before their replies are awaited."""
@@ -85,6 +86,8 @@ class FastLane(NamedTuple):
     activity: Callable[[str], Activity]
     """The listener's `Shared.activity`."""
     access_log: AccessLog
+    watches: KeyWatches
+    """WATCHed keys (server/writes.py): a SET answered here marks its watchers changed."""
 
 
 class InlineDispatcher(Protocol):
@@ -148,7 +151,7 @@ def run_fast(
     if identity is None or s.multi is not None:
         return 0  # (a transaction queues its commands: the task)
     ns = identity.tenant
-    store, take, series, gates, activity_of, access_log = self.lane
+    store, take, series, gates, activity_of, access_log, watches = self.lane
     if ns in gates.held:
         return 0  # a transaction of the tenant runs: the task waits for it
     started = self.started
@@ -224,6 +227,8 @@ def run_fast(
             continue
         if type(reply) is PutResult:
             reply = OK if reply.applied else None
+            if reply is OK and watches.count:  # applied: the key's watchers see it
+                watches.touch(ns, (str(cmd[1], "utf-8"),))
         failed = False  # (the common replies first, encoded as `encode` does)
         if reply is OK:
             out.append(b"+OK\r\n")

@@ -2,7 +2,8 @@
 
 The handlers register themselves (server/resp/commands*.py) with `command` (runs on the
 event loop) or `blocking_command` (runs on the store's thread pool); the dispatcher
-(server/resp/dispatch.py) looks commands up here.
+(server/resp/dispatch.py) looks commands up here. The commands refused on purpose are not
+in it (COMMAND lists what works): server/resp/refusals.py.
 """
 
 from __future__ import annotations
@@ -11,15 +12,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from epistemic_kvcache.proto.resp import Command, ErrorReply
+from epistemic_kvcache.proto.resp import Command
 
 if TYPE_CHECKING:
     from epistemic_kvcache.server.resp.session import Session
-
-UNSUPPORTED: dict[bytes, ErrorReply] = {}
-"""Commands we know and refuse on purpose (name -> the error saying why); filled by
-server/resp/commands_keys.py. They are not in COMMANDS (COMMAND lists what works)."""
-
 
 Handler = Callable[["Session", Command], Awaitable[object]]
 """Runs on the event loop (session state, no store access)."""

@@ -10,8 +10,6 @@ per-tenant SCAN cursor tables, the start time and version.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import secrets
 import threading
 import time
@@ -35,6 +33,7 @@ from epistemic_kvcache.server.resp.common import (
     Reply,
     store_error_reply,
 )
+from epistemic_kvcache.server.writes import TenantGates, Watcher
 from epistemic_kvcache.shared import ServerLimits
 from epistemic_kvcache.store.api import SharedKvBackend
 
@@ -128,149 +127,6 @@ MULTI_COMMAND_OVERHEAD: Final = 64
 """Bytes a queued command is counted for beyond its arguments (the list and its items)."""
 
 
-class _Gate:
-    __slots__ = ("active", "held", "waiters")
-
-    def __init__(self) -> None:
-        self.active = 0
-        """Plain commands of the tenant running now."""
-        self.held = False
-        """An EXEC holds (or is draining) the tenant."""
-        self.waiters: list[asyncio.Future[None]] = []
-
-
-class TenantGates:
-    """Per tenant, across event loops: plain commands share the tenant, EXEC holds it alone.
-
-    A RESP command of a tenant enters its gate while it runs (`enter_nowait`/`enter`,
-    then `leave`); `EXEC` takes it exclusively (`hold`): new commands of the tenant wait,
-    the running ones finish, then the transaction's commands run with no other RESP
-    command of that tenant in between. `held` is the set the fast path checks (a hint:
-    `enter_nowait` decides under the lock).
-
-    One table serves every event loop of the server (`event_loops`), so a transaction
-    is isolated from the tenant's commands on the other loops too: the table is guarded
-    by a lock, and a waiter parked on one loop is woken from another through its own
-    loop's `call_soon_threadsafe` (on the same loop, at once)."""
-
-    def __init__(self) -> None:
-        self._gates: dict[str, _Gate] = {}
-        self.held: set[str] = set()
-        self._lock = threading.Lock()
-
-    def _gate(self, tenant: str) -> _Gate:
-        gate = self._gates.get(tenant)
-        if gate is None:
-            gate = self._gates[tenant] = _Gate()
-        return gate
-
-    def enter_nowait(self, tenant: str) -> bool:
-        """Enter as a plain command; False while an EXEC holds the tenant."""
-        with self._lock:
-            gate = self._gate(tenant)
-            if gate.held:
-                return False
-            gate.active += 1
-            return True
-
-    async def enter(self, tenant: str) -> None:
-        """Enter as a plain command, waiting for an EXEC that holds the tenant."""
-        while True:
-            with self._lock:
-                gate = self._gate(tenant)
-                if not gate.held:
-                    gate.active += 1
-                    return
-                fut = self._park(gate)
-            await self._wait(gate, fut)
-
-    def leave(self, tenant: str) -> None:
-        waiters: list[asyncio.Future[None]] = []
-        with self._lock:
-            gate = self._gates[tenant]
-            gate.active -= 1
-            if gate.active == 0:
-                if gate.held:
-                    waiters, gate.waiters = gate.waiters, []
-                elif not gate.waiters:
-                    del self._gates[tenant]
-        _wake(waiters)
-
-    async def hold(self, tenant: str) -> None:
-        """Take the tenant alone: wait for another EXEC, then for running commands."""
-        while True:
-            # fetched again after each wait: `release` drops a gate nobody is using, and
-            # the waiters it wakes must take the tenant's current gate, not the dropped one
-            with self._lock:
-                gate = self._gate(tenant)
-                if not gate.held:
-                    gate.held = True
-                    self.held.add(tenant)
-                    break
-                fut = self._park(gate)
-            await self._wait(gate, fut)
-        try:
-            while True:
-                with self._lock:
-                    if not gate.active:
-                        return
-                    fut = self._park(gate)
-                await self._wait(gate, fut)
-        except BaseException:
-            self.release(tenant)
-            raise
-
-    def release(self, tenant: str) -> None:
-        with self._lock:
-            gate = self._gates[tenant]
-            gate.held = False
-            self.held.discard(tenant)
-            waiters, gate.waiters = gate.waiters, []
-            if gate.active == 0:
-                del self._gates[tenant]
-        _wake(waiters)
-
-    @staticmethod
-    def _park(gate: _Gate) -> asyncio.Future[None]:
-        """A future for the running loop, queued on `gate` (call under the lock)."""
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        gate.waiters.append(fut)
-        return fut
-
-    async def _wait(self, gate: _Gate, fut: asyncio.Future[None]) -> None:
-        try:
-            await fut
-        finally:
-            with self._lock:
-                if fut in gate.waiters:
-                    gate.waiters.remove(fut)
-
-    def __len__(self) -> int:
-        return len(self._gates)
-
-
-def _set_done(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-def _wake(waiters: list[asyncio.Future[None]]) -> None:
-    """Wake each waiter on its own loop (at once when that is the running loop)."""
-    if not waiters:
-        return
-    try:
-        here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-    except RuntimeError:
-        here = None
-    for fut in waiters:
-        loop = fut.get_loop()
-        if loop is here:
-            _set_done(fut)
-        else:
-            with contextlib.suppress(RuntimeError):  # that loop has stopped
-                loop.call_soon_threadsafe(_set_done, fut)
-
-
 MAX_ACTIVITY_TENANTS: Final = 10_000
 """Tenants whose activity counters are kept (the least recently active dropped first)."""
 
@@ -299,8 +155,8 @@ class Shared:
         """Whether acknowledged writes are on disk (drives CONFIG GET appendonly/INFO)."""
         self._activity: OrderedDict[str, Activity] = OrderedDict()
         self.live: weakref.WeakSet[LiveConnection] = weakref.WeakSet()
-        self.gates: TenantGates = TenantGates() if first is None else first.gates
-        """MULTI/EXEC isolation per tenant (see `TenantGates`), across loops."""
+        self.gates: TenantGates = ctx.writes.gates
+        """MULTI/EXEC isolation per tenant (server/writes.py), across loops and wires."""
         self.peers: list[Shared] = [self] if first is None else first.peers
         """Every event loop's `Shared`, this one included."""
         if first is not None:
@@ -406,6 +262,8 @@ class Session:
         """Commands queued since MULTI (None: no transaction open)."""
         self.multi_aborted = False
         """A command was refused while queuing: EXEC answers EXECABORT."""
+        self.watcher: Watcher | None = None
+        """The keys WATCHed (server/writes.py), made at the first WATCH."""
         self.peer = "?"
         """The client's address (for the log)."""
         self.addr = "?:0"
@@ -446,10 +304,10 @@ class Session:
             credential = bytes(password).decode("utf-8")
             identity = self.ctx.auth.authenticate(credential)
         except UnicodeDecodeError:
-            self.ctx.auth_failures.failed(WIRE, self.peer, "credential is not UTF-8")
+            self.ctx.auth_failures.failed(WIRE, self.addr, "credential is not UTF-8")
             return WRONGPASS
         except AuthError as exc:
-            self.ctx.auth_failures.failed(WIRE, self.peer, str(exc) or "invalid credentials")
+            self.ctx.auth_failures.failed(WIRE, self.addr, str(exc) or "invalid credentials")
             return WRONGPASS
         refused = self.hooks.on_login(identity)
         if refused is not None:
@@ -502,9 +360,29 @@ class Session:
         self.account.give_back("multi")
         return queued, aborted
 
+    # -- WATCH ------------------------------------------------------------------------------
+    def watch(self, keys: list[str]) -> ErrorReply | None:
+        """WATCH `keys` of the session's tenant; an error when over the connection's share."""
+        ns = self.namespace
+        if self.watcher is None:
+            self.watcher = Watcher()
+        refused = self.ctx.writes.watches.watch(self.watcher, [(ns, k) for k in keys])
+        return None if refused is None else ErrorReply(f"ERR WATCH refused: {refused}")
+
+    def unwatch(self) -> None:
+        """UNWATCH (and EXEC, DISCARD, RESET, close): forget every watched key."""
+        if self.watcher is not None:
+            self.ctx.writes.watches.forget(self.watcher)
+
+    def watch_changed(self) -> bool:
+        """Whether a watched key was written since WATCH (EXEC then answers nil)."""
+        return self.watcher is not None and self.watcher.changed
+
     def reset(self) -> None:
-        """RESET: RESP2, no name, unauthenticated, no subscriptions, no transaction."""
+        """RESET: RESP2, no name, unauthenticated, no subscriptions, no transaction, no
+        watched keys."""
         self.end_multi()
+        self.unwatch()
         self.channels.clear()
         self.hooks.on_subscriptions()
         self.protocol_version = 2
