@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,10 @@ from epistemic_kvcache.integrations.lmcache.does_it_pay_report import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
+GENERATED_ARGS: list[str] = []
+"""This run's arguments (repository-relative), quoted at the top of the page."""
+PLOTS: dict[str, str] = {}
+"""Run name -> its PNG (the command writes it beside the JSON), relative to the page."""
 E2E_ROWS = [  # (label, process-1 record, process-2 record)
     ("plain vLLM (no connector)", "plain", None),
     ("MP native plugin (server SIGKILLed and restarted between the two)", "native-p1", "native-p2"),
@@ -128,6 +133,8 @@ def run_section(run: dict[str, Any], name: str) -> list[str]:
         f"{run['repeats']} timed runs after a verified warm-up.",
         "",
     ]
+    if plot := PLOTS.get(name):
+        out += [f"![the two curves of `{name}`]({plot})", ""]
     for m in run["models"]:
         rank_kv = m["rank_kv_bytes_per_token"]
         out += [
@@ -147,7 +154,7 @@ def run_section(run: dict[str, Any], name: str) -> list[str]:
                 + (f" {pre['stopped']}." if pre.get("stopped") else ""),
                 "",
             ]
-        paths = {p: v for p, v in m["paths"].items() if not v.get("skipped")}
+        paths = {p: v for p, v in m["paths"].items() if v.get("points")}
         head = (
             "| tokens | KV bytes |"
             + (" prefill ms |" if pre else "")
@@ -167,6 +174,8 @@ def run_section(run: dict[str, Any], name: str) -> list[str]:
         for p, v in m["paths"].items():
             if v.get("skipped"):
                 out.append(f"- {p}: not measured: {v['skipped']}")
+            elif v.get("stopped"):
+                out.append(f"- {p}: stopped: {v['stopped']}; longer prompts not tried")
         if m["break_even"]:
             out += [
                 "",
@@ -323,7 +332,20 @@ def render(
         "on, for a model's shape, through each LMCache path: it times a prefill with a "
         "random-weight model of that shape on the best device present, and the lookup, "
         "load and copy to the device of the same tokens' KV through each path, and writes "
-        'the JSON this page is generated from (docs/lmcache.md, "does-it-pay").',
+        "the JSON this page is generated from, with a plot of the two curves.",
+        "",
+        "```text",
+        "pip install '.[does-it-pay]'   # torch (the lmcache extra) and matplotlib",
+        "epistemic-kvcache does-it-pay --model llama-3-8b --url http://HOST:9130 \\",
+        "    --resp-addr HOST:6379 --token $TOKEN --out does-it-pay",
+        "python scripts/gen_does_it_pay.py --run does-it-pay/does-it-pay.json [--run ...] \\",
+        "    [--stores STORES.json] [--loops LOOPS.md]",
+        "```",
+        "",
+        "`--model` takes a built-in shape (llama-3-8b, llama-3-70b, qwen2.5-7b, tiny) or a "
+        "Hugging Face `config.json`; `--paths` the paths to drive (default: every one that "
+        "can run there); `--prefill skip` measures the fetch alone. This page was generated "
+        "by `python scripts/gen_does_it_pay.py " + " ".join(GENERATED_ARGS) + "`.",
         "",
     ]
     lines += e2e_section(e2e)
@@ -337,6 +359,14 @@ def render(
     return text.replace("\n\n\n", "\n\n")
 
 
+def _rel(arg: str) -> str:
+    """`arg`, repository-relative when it is a path inside the repository."""
+    path = Path(arg)
+    if path.exists() and path.resolve().is_relative_to(ROOT):
+        return str(path.resolve().relative_to(ROOT))
+    return arg
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", action="append", required=True, help="does-it-pay JSON (repeatable)")
@@ -345,9 +375,16 @@ def main() -> None:
     ap.add_argument("--loops", default=None, help="bench.bench_loops markdown output")
     ap.add_argument("--out", default=str(ROOT / "docs" / "does-it-pay.md"))
     args = ap.parse_args()
+    out_dir = Path(args.out).resolve().parent
+    GENERATED_ARGS.extend(_rel(a) for a in sys.argv[1:])
     runs = []
     for r in args.run:
         path = Path(r).resolve()
+        png = path.with_suffix(".png")
+        if png.exists() and png.is_relative_to(out_dir):
+            PLOTS[str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name] = str(
+                png.relative_to(out_dir)
+            )
         runs.append(
             (
                 str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name,

@@ -177,6 +177,45 @@ def test_a_layer_subset_is_scaled_and_says_so(server: ServeProcess, tmp_path: Pa
     assert "(scaled from 1 of 2 layers)" in done.stdout
 
 
+def test_a_path_whose_store_is_refused_stops_and_the_rest_is_written(tmp_path: Path) -> None:
+    """A server refusing the chunks (blocks over --max-block-bytes): each path stops at its
+    first length, says why, the command exits 1 and still writes its JSON and page."""
+    pytest.importorskip("torch")
+    small = ServeProcess(tmp_path / "kv", "--max-block-bytes", "64KiB")
+    try:
+        done = does_it_pay(
+            "--model",
+            "tiny",
+            "--url",
+            small.url(),
+            "--token",
+            TOKEN,
+            "--paths",
+            "mp-native,client",
+            "--lengths",
+            "256,512",
+            "--repeats",
+            "1",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path / "out"),
+        )
+    finally:
+        small.stop()
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    doc = json.loads((tmp_path / "out" / "does-it-pay.json").read_text())
+    (m,) = doc["models"]
+    for path in ("mp-native", "client"):
+        entry = m["paths"][path]
+        assert entry["points"] == [], entry
+        assert entry["stopped"].startswith("256 tokens: storing chunks 0-0 failed"), entry
+        assert f"| tiny | {path} | not measured: failed: 256 tokens" in done.stdout
+    page = generate(tmp_path, "--run", str(tmp_path / "out" / "does-it-pay.json"))
+    assert "- client: stopped: 256 tokens: storing chunks 0-0 failed" in page
+
+
 def test_usage_errors_are_one_line(server: ServeProcess, tmp_path: Path) -> None:
     pytest.importorskip("torch")
     cases = [

@@ -50,6 +50,10 @@ from epistemic_kvcache.integrations.lmcache.does_it_pay_paths import (
 SCHEMA = "epistemic-kvcache/does-it-pay/1"
 CUDA_LENGTHS = "256,512,1024,2048,4096,8192,16384,32768"
 CPU_LENGTHS = "256,512,1024,2048,4096"
+STORE_BATCH = 4
+"""Chunks stored per call before a measurement: a 4k-token Llama-3-8B prompt in one batch
+is 512 MiB, a server's whole default in-flight share of one tenant (max_tenant_inflight_bytes),
+and was refused with 429 tenant_busy."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -192,7 +196,7 @@ def measure_fetch(
     repeats: int,
     run_id: str,
     log: Callable[[str], None],
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], str | None]:
     """Lookup + load + copy to `device` of each length's chunks through `path` (see the
     module docstring); `shape` is what one GPU fetches (a rank's share)."""
     import torch
@@ -219,15 +223,19 @@ def measure_fetch(
     )
     dev = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(count)]
     points: list[dict[str, Any]] = []
+    stopped = None
     try:
         for n in lengths:
             k = n // chunk_tokens
             keys = [f"{prefix}{path}/{n}/{i:04x}" for i in range(k)]
             driver.fill(f"{run_id[:6]}{n:07x}")
-            if not driver.store(keys):
-                raise RuntimeError(f"{path}: storing {k} chunks of {size} bytes failed")
             lookup, load, copy = [], [], []
             try:
+                for at in range(0, k, STORE_BATCH):  # not timed: what the lookups will find
+                    if not driver.store(keys[at : at + STORE_BATCH], at):
+                        raise _Stopped(
+                            f"{n} tokens: storing chunks {at}-{min(k, at + STORE_BATCH) - 1} failed"
+                        )
                 for r in range(repeats + 1):
                     t0 = time.perf_counter()
                     found = driver.exists(keys)
@@ -241,9 +249,8 @@ def measure_fetch(
                     t3 = time.perf_counter()
                     hits = found if isinstance(found, int) else sum(bool(x) for x in found or [])
                     if hits != k or not loaded:
-                        raise RuntimeError(
-                            f"{path}: {n} tokens: the lookup found {hits} of {k} chunks, "
-                            f"load ok={loaded}"
+                        raise _Stopped(
+                            f"{n} tokens: the lookup found {hits} of {k} chunks, load ok={loaded}"
                         )
                     if r == 0:
                         if not driver.verify(k):
@@ -272,12 +279,19 @@ def measure_fetch(
                 f"{point['to_device_s'] * 1e3:8.2f} ms  = {point['total_s'] * 1e3:9.2f} ms "
                 f"({k * size / point['total_s'] / 1e9:.2f} GB/s)"
             )
+    except _Stopped as exc:
+        stopped = str(exc)
+        log(f"  {path}: stopped: {stopped}; longer prompts not tried")
     finally:
         driver.close()
         sweeper.close()
         del dev
         torch.set_num_threads(threads)
-    return points
+    return points, stopped
+
+
+class _Stopped(RuntimeError):
+    """A store or load of one length failed: longer lengths of that path are not tried."""
 
 
 def _dtype(wanted: str, device: Any) -> str:
@@ -293,7 +307,8 @@ def _dtype(wanted: str, device: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Measure, print, write; 0 when every wanted path was measured."""
+    """Measure, print, write; 0 when every path that could run was measured at every
+    length, 1 when one stopped early or failed (what it measured is still written)."""
     import torch
 
     from epistemic_kvcache.integrations.lmcache.checks import lmcache_missing
@@ -370,6 +385,7 @@ def run(args: argparse.Namespace) -> int:
         f"does-it-pay on {result['device']['name']} ({dtype}), server {target.url}, "
         f"load average {os.getloadavg()[0]:.2f}"
     )
+    failed = 0
     for shape in models:
         rank = shape.rank()
         entry: dict[str, Any] = {
@@ -425,25 +441,31 @@ def run(args: argparse.Namespace) -> int:
                 entry["paths"][path] = {"label": LABELS[path], "skipped": why}
                 print(f"  {path}: skipped ({why})")
                 continue
-            points = measure_fetch(
-                path,
-                target,
-                rank,
-                lengths,
-                chunk_tokens=args.chunk_tokens,
-                device=device,
-                repeats=args.repeats,
-                run_id=run_id,
-                log=print,
-            )
+            try:
+                points, stopped = measure_fetch(
+                    path,
+                    target,
+                    rank,
+                    lengths,
+                    chunk_tokens=args.chunk_tokens,
+                    device=device,
+                    repeats=args.repeats,
+                    run_id=run_id,
+                    log=print,
+                )
+            except Exception as exc:  # one broken path is reported; the others still run
+                points, stopped = [], f"{type(exc).__name__}: {exc}"
+                print(f"  {path}: failed: {stopped}")
+            failed += stopped is not None
             entry["paths"][path] = {
                 "label": LABELS[path],
                 "skipped": None,
+                "stopped": stopped,
                 "points": points,
-                "fit": report.fetch_fit(points),
+                "fit": report.fetch_fit(points) if points else None,
                 "what": "measured",
             }
-            if entry["prefill"] and entry["prefill"]["points"]:
+            if points and entry["prefill"] and entry["prefill"]["points"]:
                 entry["break_even"][path] = report.crossing(entry["prefill"]["points"], points)
         result["models"].append(entry)
         # after each model: a run stopped later still leaves what it measured
@@ -465,7 +487,9 @@ def run(args: argparse.Namespace) -> int:
         f"load average {result['host']['load_average_start'][0]:.2f} at the start, "
         f"{result['host']['load_average_end'][0]:.2f} at the end"
     )
-    return 0
+    if failed:
+        print(f"{failed} path(s) stopped before the longest length: see 'stopped' in the JSON")
+    return 1 if failed else 0
 
 
 def _command_line() -> str:

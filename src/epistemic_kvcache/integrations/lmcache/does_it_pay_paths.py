@@ -2,9 +2,9 @@
 
 A driver holds `count` source chunks of `size` bytes (distinct bytes: a 16-byte tag
 each, so nothing deduplicates) and `count` destinations, and offers `fill(tag)`,
-`store(keys)`, `exists(keys)` (the lookup), `load(keys)`, `verify(n)`, `host(n)` (the
-loaded chunks as CPU torch tensors, for the copy to the device) and `close()`; `keys`
-may be fewer than `count` (the first chunks are used).
+`store(keys, at)` (the sources from index `at` on), `exists(keys)` (the lookup),
+`load(keys)`, `verify(n)`, `host(n)` (the loaded chunks as CPU torch tensors, for the
+copy to the device) and `close()`; `keys` may be fewer than `count` (the first chunks).
 
   mp-native  MP native plugin: our `EpistemicGraphL2Connector`, driven as LMCache's
              `NativeConnectorL2Adapter` drives it (submit, poll the eventfd, drain),
@@ -101,8 +101,8 @@ class NativeDriver(_Buffers):
         super().__init__(count, size, pin)
         self.client = client
 
-    def store(self, keys: list[str]) -> bool:
-        srcs = [memoryview(s) for s in self.sources[: len(keys)]]
+    def store(self, keys: list[str], at: int = 0) -> bool:
+        srcs = [memoryview(s) for s in self.sources[at : at + len(keys)]]
         ok, _, res = call(self.client, self.client.submit_batch_set(keys, srcs))
         return ok and (res is None or all(res))
 
@@ -124,9 +124,9 @@ class ClientDriver(_Buffers):
         super().__init__(count, size, pin)
         self.backend = backend
 
-    def store(self, keys: list[str]) -> bool:
-        outcomes = self.backend.put_many(zip(keys, self.sources, strict=False))
-        return len(outcomes) == len(keys)
+    def store(self, keys: list[str], at: int = 0) -> bool:
+        outcomes = self.backend.put_many(zip(keys, self.sources[at:], strict=False))
+        return len(outcomes) == len(keys) and all(outcomes)
 
     def load(self, keys: list[str]) -> bool:
         sizes = self.backend.get_many_into(keys, self.views[: len(keys)])
@@ -235,8 +235,8 @@ class V1ConnectorDriver(V1Driver):
         super().__init__(engine, count)
         self.conn = CreateConnector(url, engine.loop, engine.local_cpu, engine.config)
 
-    def store(self, keys: list[str]) -> bool:
-        objs = self.objs[: len(keys)]
+    def store(self, keys: list[str], at: int = 0) -> bool:
+        objs = self.objs[at : at + len(keys)]
         for obj in objs:
             obj.ref_count_up()  # the connector's put releases one reference
         self.engine.run(self.conn.batched_put(self.cache_keys(keys), objs))
@@ -279,11 +279,9 @@ class PathADriver(V1Driver):
         )
         self.backend = backends["epistemic_graph"]
 
-    def store(self, keys: list[str]) -> bool:
-        futures = (
-            self.backend.batched_submit_put_task(self.cache_keys(keys), self.objs[: len(keys)])
-            or []
-        )
+    def store(self, keys: list[str], at: int = 0) -> bool:
+        objs = self.objs[at : at + len(keys)]
+        futures = self.backend.batched_submit_put_task(self.cache_keys(keys), objs) or []
         return all(all(f.result(600)) for f in futures)
 
     def load(self, keys: list[str]) -> bool:

@@ -122,7 +122,7 @@ def computed_rows(run: dict[str, Any], peak: float = H100_BF16_DENSE_FLOPS) -> l
         if shape.kv_bytes_per_token() < 4096:  # the CI model: no GPU question to answer
             continue
         for path, v in m["paths"].items():
-            if v.get("skipped"):
+            if v.get("skipped") or not v.get("points"):
                 continue
             lookup, lo, mid, hi = path_rates(v["points"])
             rates = {"slowest": lo, "median": mid, "fastest": hi}
@@ -173,11 +173,14 @@ def text_table(result: dict[str, Any]) -> list[str]:
                 else (f"scaled from {pre['measured_layers']} of {pre['layers']} layers")
             )
         for path, p in m["paths"].items():
-            if p.get("skipped"):
-                lines.append(f"| {m['label']} | {path} | skipped: {p['skipped']} | | | |")
+            if p.get("skipped") or not p.get("points"):
+                why = p.get("skipped") or f"failed: {p.get('stopped')}"
+                lines.append(f"| {m['label']} | {path} | not measured: {why} | | | |")
                 continue
             fit = p["fit"]
             be = m["break_even"].get(path, {}).get("text", "-")
+            if p.get("stopped"):
+                be += f" (stopped: {p['stopped']})"
             lines.append(
                 f"| {m['label']} | {path} | {be} | {fit['lookup_min_s'] * 1e3:.2f}-"
                 f"{fit['lookup_max_s'] * 1e3:.2f} | {fit['rate_min_Bps'] / 1e9:.2f}-"
