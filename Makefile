@@ -182,7 +182,6 @@ bench: setup-dev sysdeps compiled
 	$(BIN)/python -m bench.bench_lmcache --backend durable
 	$(BIN)/python -m bench.bench_lmcache --rounds 5 --backend memory --paths mp-native,mp-resp
 	$(BIN)/python -m bench.bench_failures
-	$(BIN)/python -m bench.does_it_pay
 	$(BIN)/python -m bench.bench_lookup --backends memory --rounds 3 --requests 20000 --lookups 100 --loops 0,1 --paths mp-resp,v1-resp --floor
 	$(BIN)/python -m bench.bench_cpu --sizes 4KiB,256KiB --op set --repeat 3
 	$(BIN)/python -m bench.bench_cpu --sizes 4KiB,256KiB --op get --repeat 3
@@ -204,6 +203,7 @@ bench: setup-dev sysdeps compiled
 	$(BIN)/python -m bench.bench_context
 	$(BIN)/python -m bench.bench_cluster
 	$(BIN)/python -m bench.bench_cluster_clients
+	$(BIN)/python -m bench.bench_drain --rounds 5
 	$(MAKE) crash-test
 	$(BIN)/python -m bench.fault_run --keys 600
 
