@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.bench_cpu import parse_size
 from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.server.app import tune_allocator
 from epistemic_kvcache.store import SharedKvIndex, SharedKvStoreBackend, WarmCodec
@@ -81,12 +82,12 @@ def disk_write_fsync_bw(
     return total / dt
 
 
-def bench_hot(budget: int) -> list[str]:
+def bench_hot(budget: int, sizes: list[int]) -> list[str]:
     rows = [
         "| block | PUT GB/s | PUT ops/s | dup PUT GB/s | dup PUT ops/s | GET GB/s | GET ops/s |",
         "|---|---|---|---|---|---|---|",
     ]
-    for size in SIZES:
+    for size in sizes:
         n = count_for(size, budget)
         base = os.urandom(size)
         blocks = [i.to_bytes(8, "little") + base[8:] for i in range(n)]
@@ -105,7 +106,7 @@ def bench_hot(budget: int) -> list[str]:
     return rows
 
 
-def bench_durable(d: Path, budget: int) -> list[str]:
+def bench_durable(d: Path, budget: int, sizes: list[int]) -> list[str]:
     disk_small = disk_write_fsync_bw(d, min(budget, 512 * MiB))
     disk_bw = disk_write_fsync_bw(d, min(budget, 512 * MiB), sync_every=64 * MiB)
     rows = [
@@ -116,7 +117,7 @@ def bench_durable(d: Path, budget: int) -> list[str]:
         "| block | writers | PUT GB/s | ratio to disk | PUT ops/s | fsyncs/PUT | cold GET GB/s (verified) |",
         "|---|---|---|---|---|---|---|",
     ]
-    for size in SIZES:
+    for size in sizes:
         n = max(64, count_for(size, budget))  # >= 4 PUTs per writer at 16 writers
         base = os.urandom(size)
         for writers in (1, 16):
@@ -233,7 +234,9 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="scratch directory on the disk to measure")
     ap.add_argument("--index-blocks", type=int, default=100_000)
     ap.add_argument("--budget-mib", type=int, help="bytes per size (default 512; --quick 128)")
+    ap.add_argument("--sizes", default=",".join(human(s).replace(" ", "") for s in SIZES))
     args = ap.parse_args()
+    sizes = [parse_size(x) for x in args.sizes.split(",")]
     budget = (args.budget_mib or (128 if args.quick else 512)) * MiB
     # the server process runs with this (server/app.py); measure the store the same way
     tune_allocator()
@@ -241,9 +244,9 @@ def main() -> None:
     try:
         print(f"# store benchmark ({os.cpu_count()} cores, scratch {d})\n")
         print("## Hot tier (memory backend, in-process, one thread)\n")
-        print("\n".join(bench_hot(budget)), "\n")
+        print("\n".join(bench_hot(budget, sizes)), "\n")
         print("## Durable PUT and cold GET\n")
-        print("\n".join(bench_durable(d, budget)), "\n")
+        print("\n".join(bench_durable(d, budget, sizes)), "\n")
         print("## Warm codec on bf16-shaped data\n")
         print("\n".join(bench_codec()), "\n")
         print("## Index memory and reopen\n")
