@@ -555,18 +555,6 @@ def test_event_loops_setting_spellings(tmp_path: Path) -> None:
         load_config({"event_loops": "-1"}, {})
 
 
-def test_usable_cores_reads_the_cgroup_quota(tmp_path: Path) -> None:
-    affinity = len(os.sched_getaffinity(0))
-    cpu_max = tmp_path / "cpu.max"
-    cpu_max.write_text("max 100000\n")
-    assert usable_cores(cpu_max) == affinity
-    cpu_max.write_text("150000 100000\n")  # 1.5 CPUs: 2 loops can use them
-    assert usable_cores(cpu_max) == min(affinity, 2)
-    cpu_max.write_text("50000 100000\n")
-    assert usable_cores(cpu_max) == 1
-    assert usable_cores(tmp_path / "missing") == affinity
-
-
 def test_several_loops_hand_the_gil_over_often() -> None:
     """With 2 loops a busy loop held the GIL for CPython's 5 ms at a time, and every
     callback of the other loop waited that long for it: a quiet tenant's RESP GET p99

@@ -136,6 +136,13 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
     show.add_argument(
         "--format", choices=["text", "json"], default="text", help="text (default) or json"
     )
+    show.add_argument(
+        "--no-file-checks",
+        action="store_true",
+        help="check nothing against this machine: not that the files the settings name "
+        "exist (token file, TLS pair, ...), nor its memory and disk; to preview a "
+        "configuration meant for another machine (a Kubernetes manifest's) anywhere",
+    )
     add_arguments(show)
 
 
@@ -144,9 +151,9 @@ def _config(args: argparse.Namespace) -> int:
 
     from epistemic_kvcache.config import effective_settings, load_config
 
-    skip = {"command", "config_action", "format"}
+    skip = {"command", "config_action", "format", "no_file_checks"}
     values = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in skip}
-    config = load_config(values, os.environ)
+    config = load_config(values, os.environ, file_checks=not args.no_file_checks)
     rows = effective_settings(config)
     if args.format == "json":
         doc = {name: {"value": value, "source": source} for name, value, source in rows}

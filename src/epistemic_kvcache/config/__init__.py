@@ -16,6 +16,7 @@ checks), `loading` (`load_config`, the effective settings). Each imports only th
 before it in this list.
 """
 
+from epistemic_kvcache.config.cgroup import usable_cores
 from epistemic_kvcache.config.checks import (
     check_bind,
     check_hmac_secret,
@@ -50,7 +51,6 @@ from epistemic_kvcache.config.schema import (
     PERSIST_DIR_ENV_ALIAS,
     Address,
     ServerConfig,
-    usable_cores,
 )
 from epistemic_kvcache.config.settings import SETTINGS, SETTINGS_BY_NAME, Setting, add_arguments
 from epistemic_kvcache.shared import is_loopback_host

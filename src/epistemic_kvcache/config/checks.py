@@ -24,8 +24,11 @@ from epistemic_kvcache.proto.resp_types import MAX_LIMIT
 from epistemic_kvcache.shared import ServerLimits
 
 
-def validate(c: ServerConfig) -> None:
-    """Cross-setting checks; each names the settings involved."""
+def validate(c: ServerConfig, *, file_checks: bool = True) -> None:
+    """Cross-setting checks; each names the settings involved. `file_checks=False`
+    leaves out what looks at this machine's files (the named files exist and are
+    readable, the TLS pair loads, the persist dir is a directory): a configuration
+    meant for another machine (a manifest's) is checked for everything else."""
 
     def fail(name: str, message: str) -> None:
         raise ConfigurationError(f"invalid {name}: {message}")
@@ -34,7 +37,7 @@ def validate(c: ServerConfig) -> None:
         fail("resp_addr", f"same address as addr (got '{c.resp_addr}')")
     for name in ("persist_dir", "epoch_dir"):
         path = getattr(c, name)
-        if path is not None and path.exists() and not path.is_dir():
+        if file_checks and path is not None and path.exists() and not path.is_dir():
             fail(name, f"not a directory (got '{path}')")
 
     # TLS
@@ -50,26 +53,44 @@ def validate(c: ServerConfig) -> None:
                 fail(name, "only used in cluster mode (set --cluster-url)")
     elif c.cluster_tls_ca is not None and not c.cluster_url.startswith("rediss://"):
         fail("cluster_tls_ca", "the cluster URL is redis:// (use rediss:// for TLS)")
-    for name in (
-        "cluster_tls_ca",
-        "cluster_password_file",
-        "token_file",
-        "jwt_secret_file",
-        "jwt_public_key",
-        "jwt_jwks",
-        "tls_cert",
-        "tls_key",
-        "tls_client_ca",
-    ):
+    if file_checks:
+        _check_files(c)
+
+    _check_jwt(c)
+    _check_limits(c)
+
+
+_FILE_SETTINGS = (
+    "cluster_tls_ca",
+    "cluster_password_file",
+    "token_file",
+    "jwt_secret_file",
+    "jwt_public_key",
+    "jwt_jwks",
+    "tls_cert",
+    "tls_key",
+    "tls_client_ca",
+)
+
+
+def _check_files(c: ServerConfig) -> None:
+    """Every file a setting names exists and is readable here; the TLS pair loads."""
+    for name in _FILE_SETTINGS:
         path = getattr(c, name)
         if path is not None and not path.is_file():
-            fail(name, f"file not found (got '{path}')")
+            raise ConfigurationError(f"invalid {name}: file not found (got '{path}')")
         if path is not None and not os.access(path, os.R_OK):
-            fail(name, f"file not readable by this user (got '{path}')")
+            raise ConfigurationError(
+                f"invalid {name}: file not readable by this user (got '{path}')"
+            )
     if c.tls_cert is not None and c.tls_key is not None:
         _check_tls_files(c.tls_cert, c.tls_key, c.tls_client_ca)
 
-    # JWT
+
+def _check_jwt(c: ServerConfig) -> None:
+    def fail(name: str, message: str) -> None:
+        raise ConfigurationError(f"invalid {name}: {message}")
+
     if c.jwt_secret is not None and c.jwt_secret_file is not None:
         fail("jwt_secret", "give --jwt-secret or --jwt-secret-file, not both")
     has_hmac_key = c.jwt_secret is not None or c.jwt_secret_file is not None
@@ -92,6 +113,11 @@ def validate(c: ServerConfig) -> None:
         fail("jwt_algorithms", "no asymmetric algorithm for --jwt-public-key / --jwt-jwks")
     if c.jwt_secret is not None:
         check_hmac_secret(c.jwt_secret.encode("utf-8"), c.jwt_algorithms or ("HS256",))
+
+
+def _check_limits(c: ServerConfig) -> None:
+    def fail(name: str, message: str) -> None:
+        raise ConfigurationError(f"invalid {name}: {message}")
 
     lim = c.limits
     check_limit_range(lim)
@@ -248,8 +274,9 @@ def _disk_size_bytes(path: Path) -> int | None:
         return None
 
 
-def resource_warnings(c: ServerConfig, explicit: set[str]) -> list[str]:
-    """Settings that are valid but cannot work as written on this machine."""
+def resource_warnings(c: ServerConfig, explicit: set[str], *, machine: bool = True) -> list[str]:
+    """Settings that are valid but cannot work as written (`machine`: on this machine,
+    its memory and disk; left out for a configuration meant for another machine)."""
     out: list[str] = []
     lim = c.limits
     if lim.tenant_connection_cap < lim.max_connections_per_tenant:
@@ -259,7 +286,7 @@ def resource_warnings(c: ServerConfig, explicit: set[str]) -> list[str]:
             "one tenant may hold at most half of a listener's connections (raise "
             "max_connections to let a tenant hold more)"
         )
-    ram = _memory_limit_bytes()
+    ram = _memory_limit_bytes() if machine else None
     tiers = c.store.hot_capacity_bytes + c.store.warm_capacity_bytes
     if ram is not None and tiers > ram:
         out.append(
@@ -270,7 +297,7 @@ def resource_warnings(c: ServerConfig, explicit: set[str]) -> list[str]:
     if c.cluster_mode:
         pass  # the cluster holds the blocks: no disk tier here
     elif c.backend == "durable":
-        disk = _disk_size_bytes(c.persist_dir)
+        disk = _disk_size_bytes(c.persist_dir) if machine else None
         cold = c.store.cold_capacity_bytes
         if disk is not None and cold > disk:
             out.append(

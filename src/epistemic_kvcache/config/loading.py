@@ -56,12 +56,16 @@ def load_config(
     env: Mapping[str, str] | None = None,
     *,
     config_file: str | Path | None = None,
+    file_checks: bool = True,
 ) -> ServerConfig:
     """Resolve every setting: flag > environment > TOML file > default, then validate.
 
     `cli` maps setting names to raw flag values (`vars()` of a parser built with
     `add_arguments`; a `config` entry names the TOML file). `env` defaults to
     `os.environ`. Raises `ConfigurationError` naming the setting and the value.
+    `file_checks=False`: nothing is checked against this machine (files the settings
+    name, its memory and disk), for a configuration meant for another machine
+    (`config show --no-file-checks`); every value and cross-setting rule still is.
     """
     cli = dict(cli or {})
     env = os.environ if env is None else env
@@ -149,7 +153,7 @@ def load_config(
         sources=tuple(origins),
     )
     try:
-        validate(config)
+        validate(config, file_checks=file_checks)
     except ConfigurationError as exc:
         # "invalid token_file: file not found" names the setting; where a flag or the
         # environment overrode the config file's value, say so: that is the likely cause.
@@ -158,7 +162,7 @@ def load_config(
         if note is None:
             raise
         raise ConfigurationError(f"{exc} ({note})") from None
-    warnings.extend(resource_warnings(config, explicit))
+    warnings.extend(resource_warnings(config, explicit, machine=file_checks))
     return dataclasses.replace(config, warnings=tuple(warnings))
 
 

@@ -3,12 +3,11 @@ names the server and the client share (environment prefix, JWT algorithms)."""
 
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from epistemic_kvcache.config.cgroup import usable_cores
 from epistemic_kvcache.options import DEFAULT_STORE_OPTIONS, StoreOptions
 from epistemic_kvcache.shared import (
     DEFAULT_HOST,
@@ -86,25 +85,6 @@ MAX_AUTO_EVENT_LOOPS = 16
 """`event_loops = 0` uses one loop per usable core, at most this many."""
 MAX_EVENT_LOOPS = 256
 """The most event loops one server runs (each is a thread with its own listeners)."""
-CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
-
-
-def usable_cores(cpu_max: Path = CGROUP_CPU_MAX) -> int:
-    """The cores this process may use: its CPU affinity (`sched_getaffinity`), lowered to
-    the cgroup v2 CPU quota (`cpu.max`: `<quota> <period>`, rounded up) when one is set."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    try:
-        quota, period = cpu_max.read_text().split()[:2]
-        if quota != "max" and int(period) > 0:
-            cores = min(cores, math.ceil(int(quota) / int(period)))
-    except (OSError, ValueError):
-        pass
-    return max(1, cores)
-
-
 DEFAULT_ADDR = Address(DEFAULT_HOST, DEFAULT_HTTP_PORT)
 DEFAULT_RESP_ADDR = Address(DEFAULT_HOST, DEFAULT_RESP_PORT)
 
