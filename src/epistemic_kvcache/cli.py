@@ -273,8 +273,10 @@ def _store_arguments(parser: argparse.ArgumentParser) -> None:
         sub.add_argument(
             "--persist-dir",
             default=None,
-            help="the store (default: --persist-dir / GRAPH_SERVICE_PERSIST_DIR / "
-            "./kvcache-data, as for serve)",
+            help="the store (default: the server's persist_dir, found as serve finds it: "
+            "EPISTEMIC_GRAPH_KVCACHE_PERSIST_DIR, else the file named by "
+            "EPISTEMIC_GRAPH_KVCACHE_CONFIG, else ./kvcache-data; the legacy "
+            "GRAPH_SERVICE_PERSIST_DIR is still read)",
         )
     check.add_argument(
         "--quick", action="store_true", help="do not re-hash blocks (headers and index only)"

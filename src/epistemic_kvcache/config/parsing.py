@@ -31,29 +31,32 @@ class InvalidValue(Exception):
 
 _SIZE_RE = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 _SIZE_UNITS = {
+    # redis.conf's units: a bare letter is a power of 1000, the letter and `b` a power
+    # of 1024 (`4gb` is 4 GiB, `4g` 4 * 10**9); IEC names are powers of 1024 too
     "": 1,
     "b": 1,
     "k": 1000,
-    "kb": 1000,
-    "kib": KiB,
+    "kb": KiB,
     "ki": KiB,
+    "kib": KiB,
     "m": 1000**2,
-    "mb": 1000**2,
-    "mib": MiB,
+    "mb": MiB,
     "mi": MiB,
+    "mib": MiB,
     "g": 1000**3,
-    "gb": 1000**3,
-    "gib": GiB,
+    "gb": GiB,
     "gi": GiB,
+    "gib": GiB,
     "t": 1000**4,
-    "tb": 1000**4,
-    "tib": TiB,
+    "tb": TiB,
     "ti": TiB,
+    "tib": TiB,
 }
 
 
 def parse_size(raw: object) -> int:
-    """`4GiB`, `512MiB`, `1G` (SI: 10**9), `1.5GiB`, `1048576` -> bytes. Must be > 0."""
+    """`4GiB`, `512MiB`, `4gb` (= 4GiB, as in redis.conf), `1G` (10**9), `1.5GiB`,
+    `1048576` -> bytes; units are case-insensitive. Must be > 0."""
     expected = "a positive size like 4GiB"
     if isinstance(raw, bool):
         raise InvalidValue(expected)
