@@ -304,6 +304,9 @@ class SharedKvStoreBackend(TieredEngine):
         with self._lock:
             self._load(o.entries)
             self._apply(o.metas)
+        # RAM holds them now: the rows loaded at open are not kept for the store's life
+        # (they cost ~110 bytes per block: index RAM 566 -> 453 bytes per block)
+        o.entries, o.metas = [], []
         return opened.ix
 
     def _load(
