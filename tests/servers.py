@@ -10,8 +10,10 @@ Three shapes, all real (no mock of our own code), all on ports they bind themsel
   gives a `RunningServer` (its `ServerHandle`, tokens, the config, the thread).
   Settings are the server's setting names (`hot_capacity_bytes="64MiB"`, ...).
 - `ServeProcess(dir, *flags)`: `python -m epistemic_kvcache serve` as a child process
-  (memory backend, one token, both listeners) for tests that kill the server (SIGKILL)
-  or need it in another process; ports are read from its `listening` line.
+  (the package's `server/process.py` `ServerProcess` with memory backend, one token,
+  both listeners) for tests that kill the server (SIGKILL) or need it in another
+  process; ports are read from its `listening` lines. Any backend, token file, working
+  directory, environment: `ServeProcess(dir, backend=None, token=None, ...)`.
 - `running_listener(wire, store=..., limits=..., tokens=...)`: one listener alone ("http"
   or "resp") over a `ServerContext` the test holds, with the store the test passes
   (`SharedKvIndex`, durable, ...), for tests that look inside the store or the
@@ -29,13 +31,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.client
-import os
-import re
-import signal
 import socket
 import ssl as ssl_module
-import subprocess
-import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -51,12 +48,12 @@ from epistemic_kvcache.server.auth import CredentialAuthenticator, TokenTable
 from epistemic_kvcache.server.context import Authenticator, ServerContext, ServerLimits
 from epistemic_kvcache.server.http.connection import make_http_factory
 from epistemic_kvcache.server.metrics import Metrics
+from epistemic_kvcache.server.process import ServerProcess, write_token_file
 from epistemic_kvcache.server.resp.connection import make_resp_factory
 from epistemic_kvcache.store import SharedKvBackend, SharedKvIndex
 
 TOKEN = "client-test-token-0123456789"
 """The token `ServeProcess` serves (tenant "default")."""
-LISTEN_RE = re.compile(r"listening (http|resp)=(\S+):(\d+)")
 
 
 # -- the whole server, in-process ---------------------------------------------------------
@@ -119,10 +116,7 @@ def server_config(
     if set(tokens.values()) == {"default"}:
         values["token"] = list(tokens)
     else:
-        token_file = dir / "tokens"
-        token_file.write_text("".join(f"{t} {tenant}\n" for t, tenant in tokens.items()))
-        token_file.chmod(0o600)
-        values["token_file"] = str(token_file)
+        values["token_file"] = str(write_token_file(dir / "tokens", tokens))
     values.update(settings)
     return load_config(values, {})
 
@@ -151,84 +145,22 @@ def running_server(dir: Path, **kw: Any) -> Iterator[RunningServer]:
 # -- the whole server, as a child process -------------------------------------------------
 
 
-class ServeProcess:
-    """`python -m epistemic_kvcache serve` on free loopback ports (memory backend, TOKEN,
-    RESP unless `resp=False`); `extra` flags go last. `program`: what runs instead of
-    `-m epistemic_kvcache` (a script that takes the same arguments)."""
+class ServeProcess(ServerProcess):
+    """`python -m epistemic_kvcache serve` (the package's `ServerProcess`) with the tests'
+    defaults: persist dir `tmp`, memory backend, TOKEN, RESP on unless `resp=False`;
+    `extra` flags go last; `options` as for `ServerProcess` (`env`, `cwd`, `program`:
+    what runs instead of `-m epistemic_kvcache`, a script taking the same arguments...)."""
 
     def __init__(
         self,
         tmp: Path,
         *extra: str,
-        backend: str = "memory",
-        token: str = TOKEN,
-        resp: bool = True,
-        program: tuple[str, ...] = ("-m", "epistemic_kvcache"),
+        backend: str | None = "memory",
+        token: str | None = TOKEN,
+        resp: bool | str = True,
+        **options: Any,
     ) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("EPISTEMIC_GRAPH_")}
-        cmd = [
-            sys.executable,
-            *program,
-            "serve",
-            "--addr",
-            "127.0.0.1:0",
-            "--resp-addr",
-            "127.0.0.1:0" if resp else "off",
-            "--backend",
-            backend,
-            "--token",
-            token,
-            "--persist-dir",
-            str(tmp),
-            *extra,
-        ]
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        self.ports: dict[str, int] = {}
-        self.output: list[str] = []
-        ready = threading.Event()
-
-        def pump() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                self.output.append(line)
-                m = LISTEN_RE.search(line)
-                if m:
-                    self.ports[m.group(1)] = int(m.group(3))
-                    if len(self.ports) == wires:
-                        ready.set()
-            ready.set()
-
-        wires = 2 if resp else 1
-        self._pump = threading.Thread(target=pump, daemon=True)
-        self._pump.start()
-        if not ready.wait(30) or len(self.ports) != wires:
-            self.stop()
-            raise RuntimeError("server did not start:\n" + "".join(self.output))
-
-    @property
-    def http_port(self) -> int:
-        return self.ports["http"]
-
-    def url(self, scheme: str = "http", host: str = "127.0.0.1") -> str:
-        return f"{scheme}://{host}:{self.http_port}"
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._pump.join(10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        super().__init__(tmp, *extra, backend=backend, token=token, resp=resp, **options)
 
 
 # -- one listener over a context the test holds -------------------------------------------

@@ -13,7 +13,6 @@ an unknown variable and then honoured.
 from __future__ import annotations
 
 import dataclasses
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ from epistemic_kvcache.proto.resp_types import MAX_LIMIT
 from epistemic_kvcache.shared import ServerLimits
 from epistemic_kvcache.twins import PURE_PYTHON_ENV
 from helpers import compiled_twin
-from servers import running_listener
+from servers import ServeProcess, running_listener
 
 compiled, needs_compiled = compiled_twin("epistemic_kvcache.proto._resp_parser_c")
 
@@ -125,25 +124,8 @@ def test_a_twin_name_that_is_no_twins_is_warned_about() -> None:
 
 
 def test_serve_with_the_pure_python_variable_warns_of_nothing(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EPISTEMIC_GRAPH_")}
-    lines: list[str] = []
-    with subprocess.Popen(
-        [sys.executable, "-m", "epistemic_kvcache", "serve", "--backend", "memory",
-         "--persist-dir", str(tmp_path), "--addr", "127.0.0.1:0", "--resp-addr",
-         "127.0.0.1:0", "--token", "t" * 24],
-        env={**env, PURE_PYTHON_ENV: "1"}, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
-    ) as proc:  # fmt: skip
-        try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                lines.append(line)
-                if "listening" in line:
-                    break
-        finally:
-            proc.terminate()
-            proc.wait(30)
-    text = "".join(lines)
-    assert "listening" in text, text
+    srv = ServeProcess(tmp_path, token="t" * 24, env={PURE_PYTHON_ENV: "1"})
+    srv.stop()
+    text = srv.text
     assert "unknown environment variable" not in text
     assert "RESP framer: pure twin (EPISTEMIC_GRAPH_KVCACHE_PURE_PYTHON is set)" in text

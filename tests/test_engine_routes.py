@@ -8,11 +8,6 @@ from __future__ import annotations
 
 import http.server
 import json
-import os
-import re
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +21,7 @@ from epistemic_kvcache.client import EpistemicGraphKVBackend, KvCacheUnavailable
 from epistemic_kvcache.graph import pagerank, rank_order
 from epistemic_kvcache.proto.http import quote_key
 from epistemic_kvcache.server.app import ServerHandle, ServerThread
+from epistemic_kvcache.server.process import ServerProcess, write_token_file
 from helpers import eventually
 from servers import running_server, server_config
 
@@ -553,46 +549,6 @@ def test_epoch_scope_header_is_checked(raw: urllib3.HTTPConnectionPool) -> None:
     assert resp.status == 400
 
 
-def _serve_process(
-    tmp_path: Path, *args: str
-) -> tuple[subprocess.Popen[str], str, threading.Thread]:
-    """`epistemic-kvcache serve` in a child process: it, its HTTP URL, its output drain."""
-    tokens = tmp_path / "tokens"
-    tokens.write_text(f"{TOKEN_A} tenant-a\n")
-    tokens.chmod(0o600)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EPISTEMIC_GRAPH_KVCACHE_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    proc = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "epistemic_kvcache", "serve", "--addr", "127.0.0.1:0"),
-            *("--resp-addr", "off", "--backend", "durable", "--token-file", str(tokens)),
-            *("--stats-log-interval-s", "0", *args),
-        ],
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 30
-    lines = []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if m := re.search(r"listening http=(\S+):(\d+)", line):
-            # Keep draining its output so the child never blocks on a full pipe.
-            drain = threading.Thread(target=proc.stdout.read, daemon=True)
-            drain.start()
-            return proc, f"http://{m.group(1)}:{m.group(2)}", drain
-    proc.kill()
-    proc.wait(10)
-    proc.stdout.close()
-    raise AssertionError("server did not start:\n" + "".join(lines))
-
-
 def test_a_bump_in_one_server_process_is_seen_by_another_sharing_the_epoch_dir(
     tmp_path: Path,
 ) -> None:
@@ -600,9 +556,14 @@ def test_a_bump_in_one_server_process_is_seen_by_another_sharing_the_epoch_dir(
     (tmp_path / "one").mkdir()
     one = _thread(tmp_path / "one", backend="durable", epoch_dir=epochs)
     h1 = one.start()
-    proc, url2, drain = _serve_process(
-        tmp_path, "--persist-dir", str(tmp_path / "two"), "--epoch-dir", epochs
+    two = ServerProcess(
+        tmp_path / "two",
+        *("--epoch-dir", epochs, "--stats-log-interval-s", "0"),
+        backend="durable",
+        token_file=write_token_file(tmp_path / "tokens", {TOKEN_A: "tenant-a"}),
+        resp=False,
     )
+    url2 = two.url()
     try:
         with (
             EpistemicGraphKVBackend(base_url=_url(h1), token=TOKEN_A) as c1,
@@ -621,12 +582,7 @@ def test_a_bump_in_one_server_process_is_seen_by_another_sharing_the_epoch_dir(
             assert c1.get("bundle") is None
     finally:
         one.stop()
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(20)
-        drain.join(10)
-        assert proc.stdout is not None
-        proc.stdout.close()
-        assert code == 0
+        assert two.stop() == 0
 
 
 def test_an_http_bump_is_published_to_resp_subscribers_of_the_tenant(tmp_path: Path) -> None:

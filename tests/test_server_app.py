@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
-import signal
 import socket
 import ssl
 import stat
@@ -22,7 +20,6 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import jwt
@@ -36,6 +33,7 @@ from epistemic_kvcache.config import Address
 from epistemic_kvcache.errors import ConfigurationError
 from epistemic_kvcache.server.app import ServerHandle, ServerThread
 from epistemic_kvcache.server.background import format_stats
+from epistemic_kvcache.server.process import ServerProcess, child_env
 from epistemic_kvcache.store.api import StoreStats, TierStats
 from helpers import eventually
 from servers import server_config
@@ -43,115 +41,32 @@ from servers import server_config
 TOKEN = "test-token-0123456789"
 NO_RETRY = Retry(NoBackoff(), 0)
 """redis-py retries failed connections (and AUTH) with backoff by default; not here."""
-LISTEN_RE = re.compile(r"listening (http|resp)=(\S+):(\d+)")
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen[str]
-    lines: list[str] = field(default_factory=list)
-    http: Address | None = None
-    resp: Address | None = None
-    pump: threading.Thread | None = None
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-        if self.pump is not None:
-            self.pump.join(10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-
-    def log(self) -> str:
-        return "\n".join(self.lines)
-
-    def wait_for(self, pattern: str, timeout_s: float = 10.0) -> re.Match[str]:
-        deadline = time.monotonic() + timeout_s
-        regex = re.compile(pattern)
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                if m := regex.search(line):
-                    return m
-            time.sleep(0.02)
-        raise AssertionError(f"{pattern!r} not logged; log:\n{self.log()}")
-
-    def stop(self, timeout_s: float = 20.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout_s)
-
-
-def _env() -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("EPISTEMIC_GRAPH_KVCACHE_") and k != "GRAPH_SERVICE_PERSIST_DIR"
-    }
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-def _spawn(cwd: Path, *args: str) -> Server:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "epistemic_kvcache", "serve", *args],
-        cwd=cwd,
-        env=_env(),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    server = Server(proc)
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            server.lines.append(line.rstrip("\n"))
-
-    server.pump = threading.Thread(target=pump, daemon=True)
-    server.pump.start()
-    return server
 
 
 BASE_ARGS = ("--addr", "127.0.0.1:0", "--resp-addr", "127.0.0.1:0", "--persist-dir", "data")
 
 
 @pytest.fixture
-def servers() -> Iterator[list[Server]]:
-    started: list[Server] = []
+def servers() -> Iterator[list[ServerProcess]]:
+    started: list[ServerProcess] = []
     yield started
     for server in started:
-        server.close()
+        server.kill()
 
 
-def start(
-    servers: list[Server], cwd: Path, *args: str, base: tuple[str, ...] = BASE_ARGS
-) -> Server:
-    """Start the server and wait for its listening lines."""
-    server = _spawn(cwd, *base, *args)
+def start(servers: list[ServerProcess], cwd: Path, *args: str) -> ServerProcess:
+    """`serve` in `cwd` with `args` (persist dir `data`, both listeners on loopback port
+    0, no credentials unless `args` give some), once it has started."""
+    server = ServerProcess("data", *args, cwd=cwd)
     servers.append(server)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        for line in list(server.lines):
-            if m := LISTEN_RE.search(line):
-                addr = Address(m.group(2).strip("[]"), int(m.group(3)))
-                setattr(server, m.group(1), addr)
-        all_args = (*base, *args)
-        resp_off = all_args[all_args.index("--resp-addr") + 1] == "off"
-        if server.http and (server.resp or resp_off):
-            return server
-        if server.proc.poll() is not None:
-            raise AssertionError(f"server exited {server.proc.returncode}:\n{server.log()}")
-        time.sleep(0.02)
-    raise AssertionError(f"server did not start:\n{server.log()}")
+    return server
 
 
 def fail_to_start(cwd: Path, *args: str, base: tuple[str, ...] = BASE_ARGS) -> tuple[int, str]:
     proc = subprocess.run(
         [sys.executable, "-m", "epistemic_kvcache", "serve", *base, *args],
         cwd=cwd,
-        env=_env(),
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=60,
@@ -184,7 +99,9 @@ def _get(
 # -- plain ------------------------------------------------------------------------------
 
 
-def test_serve_healthz_auth_resp_stats_and_sigterm(tmp_path: Path, servers: list[Server]) -> None:
+def test_serve_healthz_auth_resp_stats_and_sigterm(
+    tmp_path: Path, servers: list[ServerProcess]
+) -> None:
     server = start(servers, tmp_path, "--token", TOKEN, "--stats-log-interval-s", "0.2")
     assert server.http is not None
     assert server.resp is not None
@@ -212,12 +129,12 @@ def test_serve_healthz_auth_resp_stats_and_sigterm(tmp_path: Path, servers: list
 
     server.wait_for(r"stats hit_rate=\S+ gets=\d+ .*dedup_rate=\S+ .*hot=\S+")
     assert server.stop() == 0
-    assert "stopped" in server.log()
-    assert TOKEN not in server.log()
+    assert "stopped" in server.text
+    assert TOKEN not in server.text
 
 
 def test_tenants_from_token_file_and_jwt_are_isolated(
-    tmp_path: Path, servers: list[Server]
+    tmp_path: Path, servers: list[ServerProcess]
 ) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text("token-team-a-0123456789 team-a\ntoken-team-b-0123456789 team-b\n")
@@ -242,7 +159,7 @@ def test_tenants_from_token_file_and_jwt_are_isolated(
     finally:
         r.close()
     assert server.stop() == 0
-    assert "token-team" not in server.log()
+    assert "token-team" not in server.text
 
 
 def test_busy_port_names_the_flag(tmp_path: Path) -> None:
@@ -277,13 +194,13 @@ def test_busy_port_names_the_flag(tmp_path: Path) -> None:
         assert "listening" not in out
 
 
-def test_first_run_token_generated_and_reused(tmp_path: Path, servers: list[Server]) -> None:
+def test_first_run_token_generated_and_reused(tmp_path: Path, servers: list[ServerProcess]) -> None:
     server = start(servers, tmp_path)
     token_path = tmp_path / "data" / "token"
     assert stat.S_IMODE(token_path.stat().st_mode) == 0o600
     token = token_path.read_text().strip()
-    assert str(token_path) in server.log()
-    assert token not in server.log()
+    assert str(token_path) in server.text
+    assert token not in server.text
     assert server.http is not None
     assert _get(server.http, "/kv/stats", token=token)[0] == 200
     assert server.stop() == 0
@@ -329,7 +246,7 @@ def test_help_lists_flags(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=60,
-        env=_env(),
+        env=child_env(),
         check=True,
     )
     for flag in ("--addr", "--resp-addr", "--token-file", "--jwt-jwks", "--tls-client-ca"):
@@ -371,7 +288,7 @@ def _client_ctx(files: dict[str, Path], *, with_cert: bool) -> ssl.SSLContext:
 
 
 def test_tls_on_both_listeners(
-    tmp_path: Path, servers: list[Server], tls_files: dict[str, Path]
+    tmp_path: Path, servers: list[ServerProcess], tls_files: dict[str, Path]
 ) -> None:
     server = start(
         servers,
@@ -385,7 +302,7 @@ def test_tls_on_both_listeners(
     )
     assert server.http is not None
     assert server.resp is not None
-    assert "tls=on" in server.log()
+    assert "tls=on" in server.text
     ctx = _client_ctx(tls_files, with_cert=False)
     assert _get(server.http, "/healthz", token=None, tls=ctx)[0] == 200
     assert _get(server.http, "/kv/stats", tls=ctx)[0] == 200
@@ -410,7 +327,7 @@ def test_tls_on_both_listeners(
 
 
 def test_mtls_on_both_listeners(
-    tmp_path: Path, servers: list[Server], tls_files: dict[str, Path]
+    tmp_path: Path, servers: list[ServerProcess], tls_files: dict[str, Path]
 ) -> None:
     server = start(
         servers,
@@ -426,7 +343,7 @@ def test_mtls_on_both_listeners(
     )
     assert server.http is not None
     assert server.resp is not None
-    assert "tls=mtls" in server.log()
+    assert "tls=mtls" in server.text
     good = _client_ctx(tls_files, with_cert=True)
     assert _get(server.http, "/kv/stats", tls=good)[0] == 200
     with pytest.raises((ssl.SSLError, ConnectionError, http.client.HTTPException)):

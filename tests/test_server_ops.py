@@ -12,6 +12,7 @@ import http.client
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import ssl
@@ -33,10 +34,10 @@ from epistemic_kvcache.server.oplog import (
     TextFormatter,
     escape_text,
 )
+from epistemic_kvcache.server.process import ServerProcess
 from test_server_app import (  # the subprocess harness of the runner's own tests
     NO_RETRY,
     TOKEN,
-    Server,
     _get,
     fail_to_start,
     servers,
@@ -54,26 +55,22 @@ def _replace(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def _hup(server: Server, marker: str) -> None:
-    before = sum(marker in line for line in server.lines)
-    server.proc.send_signal(signal.SIGHUP)
-    deadline = time.monotonic() + 10
-    while sum(marker in line for line in server.lines) <= before:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{marker!r} not logged after SIGHUP:\n{server.log()}")
-        time.sleep(0.02)
+def _hup(server: ServerProcess, marker: str) -> None:
+    since = server.lines_seen
+    server.signal(signal.SIGHUP)
+    server.wait_for(re.escape(marker), 10, since=since)
 
 
 # -- start-up and logs ---------------------------------------------------------------------
 
 
-def test_startup_line_and_json_log_format(tmp_path: Path, servers: list[Server]) -> None:
+def test_startup_line_and_json_log_format(tmp_path: Path, servers: list[ServerProcess]) -> None:
     server = start(servers, tmp_path, "--token", TOKEN, "--log-format", "json")
     assert server.http is not None
     assert server.resp is not None
-    # start() returns at the listening lines; the started line follows them
+    # start() returns once the started line is logged
     server.wait_for(r'"event":\s*"started"')
-    docs = [json.loads(line) for line in server.lines if line.strip()]
+    docs = [json.loads(line) for line in server.output if line.strip()]
     assert all({"ts", "level", "logger", "msg"} <= set(d) for d in docs)
     started = [d for d in docs if d.get("event") == "started"]
     assert len(started) == 1
@@ -85,7 +82,7 @@ def test_startup_line_and_json_log_format(tmp_path: Path, servers: list[Server])
 
 
 def test_failed_logins_are_logged_with_peer_and_reason(
-    tmp_path: Path, servers: list[Server]
+    tmp_path: Path, servers: list[ServerProcess]
 ) -> None:
     secret = tmp_path / "jwt.secret"
     secret.write_text("s" * 40)
@@ -109,8 +106,8 @@ def test_failed_logins_are_logged_with_peer_and_reason(
     server.wait_for(
         r"authentication failed wire=resp peer=127\.0\.0\.1:\d+ reason=invalid credentials"
     )
-    assert expired not in server.log()
-    assert "wrong-0123" not in server.log()
+    assert expired not in server.text
+    assert "wrong-0123" not in server.text
     assert server.stop() == 0
 
 
@@ -162,7 +159,7 @@ def _exchange(sock: socket.socket, request: bytes, answer_bytes: int) -> bytes:
     return got
 
 
-def test_access_log(tmp_path: Path, servers: list[Server]) -> None:
+def test_access_log(tmp_path: Path, servers: list[ServerProcess]) -> None:
     """One line per request or command with the bytes it took: HTTP bodies in and out;
     RESP the command and its reply as sent (issue 23: RESP logged in=0 out=0)."""
     server = start(servers, tmp_path, "--token", TOKEN, "--access-log")
@@ -207,7 +204,7 @@ FORGED = "2026-01-01 00:00:00,000 INFO epistemic_kvcache.access: http 10.9.9.9 r
 
 
 def test_a_tenant_claim_with_line_breaks_forges_no_log_line(
-    tmp_path: Path, servers: list[Server]
+    tmp_path: Path, servers: list[ServerProcess]
 ) -> None:
     """Issue 23: a JWT whose tenant claim held CR/LF wrote forged records into the text
     access log. Now the token is refused at verification, the reason says why, and no
@@ -226,7 +223,7 @@ def test_a_tenant_claim_with_line_breaks_forges_no_log_line(
         r"'tenant' is not a valid tenant name: control character U\+000D at index 1"
     )
     server.wait_for(r"epistemic_kvcache\.access: http 127\.0\.0\.1 - 'GET /kv/stats' 401")
-    assert not [line for line in server.lines if line.startswith(FORGED[:24])], server.log()
+    assert not [line for line in server.output if line.startswith(FORGED[:24])], server.text
     assert server.stop() == 0
 
 
@@ -287,7 +284,7 @@ def test_access_and_refusal_logs_escape_their_fields_with_any_formatter(
 
 
 def test_sighup_reloads_the_token_file_and_ends_revoked_sessions(
-    tmp_path: Path, servers: list[Server]
+    tmp_path: Path, servers: list[ServerProcess]
 ) -> None:
     old, new = "old-token-0123456789abcd", "new-token-0123456789abcd"
     tokens = tmp_path / "tokens"
@@ -335,7 +332,7 @@ def test_sighup_reloads_the_token_file_and_ends_revoked_sessions(
     assert server.stop() == 0
 
 
-def test_sighup_refuses_a_garbage_token_file(tmp_path: Path, servers: list[Server]) -> None:
+def test_sighup_refuses_a_garbage_token_file(tmp_path: Path, servers: list[ServerProcess]) -> None:
     """A token file replaced by garbage is not loaded: before, `"\\x00\\xff garbage"`
     loaded as one token for tenant 'garbage' and every real credential was revoked."""
     token = "kept-token-0123456789abcd"
@@ -361,7 +358,7 @@ def test_sighup_refuses_a_garbage_token_file(tmp_path: Path, servers: list[Serve
             tmp.chmod(0o600)
             tmp.replace(tokens)
             _hup(server, "credentials NOT reloaded")
-            line = [ln for ln in server.lines if "credentials NOT reloaded" in ln][-1]
+            line = [ln for ln in server.output if "credentials NOT reloaded" in ln][-1]
             assert "ERROR" in line
             assert reason in line, line
             # the credential in force still works on both wires, the session stays open
@@ -370,11 +367,11 @@ def test_sighup_refuses_a_garbage_token_file(tmp_path: Path, servers: list[Serve
             assert _get(server.http, "/kv/g1", token="garbage")[0] == 401
     finally:
         session.close()
-    assert "revoked" not in server.log()
+    assert "revoked" not in server.text
     assert server.stop() == 0
 
 
-def test_sighup_reloads_jwks(tmp_path: Path, servers: list[Server]) -> None:
+def test_sighup_reloads_jwks(tmp_path: Path, servers: list[ServerProcess]) -> None:
     keys = [ec.generate_private_key(ec.SECP256R1()) for _ in range(2)]
 
     def jwks(key: ec.EllipticCurvePrivateKey, kid: str) -> str:
@@ -398,7 +395,7 @@ def test_sighup_reloads_jwks(tmp_path: Path, servers: list[Server]) -> None:
     assert server.stop() == 0
 
 
-def test_sighup_reloads_the_tls_certificate(tmp_path: Path, servers: list[Server]) -> None:
+def test_sighup_reloads_the_tls_certificate(tmp_path: Path, servers: list[ServerProcess]) -> None:
     ca = trustme.CA()
     cert, key, ca_file = tmp_path / "server.pem", tmp_path / "server.key", tmp_path / "ca.pem"
     ca.cert_pem.write_to_path(str(ca_file))
@@ -456,7 +453,7 @@ def test_sighup_reloads_the_tls_certificate(tmp_path: Path, servers: list[Server
 # -- files -----------------------------------------------------------------------------------
 
 
-def test_persist_dir_and_token_modes(tmp_path: Path, servers: list[Server]) -> None:
+def test_persist_dir_and_token_modes(tmp_path: Path, servers: list[ServerProcess]) -> None:
     old_umask = os.umask(0o022)  # a typical umask: the server must not rely on it
     try:
         server = start(servers, tmp_path)
