@@ -212,7 +212,7 @@ class V1Driver:
 
     def verify(self, n: int) -> bool:
         return len(self.loaded) >= n and all(
-            a is not None and a.byte_array == b.byte_array
+            a is not None and bytes(a.byte_array) == bytes(b.byte_array)
             for a, b in zip(self.loaded[:n], self.objs[:n], strict=True)
         )
 
