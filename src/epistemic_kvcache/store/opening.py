@@ -51,6 +51,7 @@ from epistemic_kvcache.store.recovery import (
     absent_segments,
     finish,
     load_index,
+    newer_format,
     replay,
     reverify_quarantine,
     salvage,
@@ -71,6 +72,31 @@ def rebuild_hint(path: Path) -> str:
     return (
         f"run `epistemic-kvcache store rebuild-index --persist-dir {path}` "
         "(or start the server with --rebuild-index)"
+    )
+
+
+def index_format_refusal(path: Path, fmt: bytes | None) -> str:
+    """Why an index of format `fmt` (not this version's, not one it rebuilds) is refused."""
+    shown = (fmt or b"?").decode(errors="replace")
+    if shown.isdigit() and int(shown) > int(FORMAT_VERSION):
+        return (
+            f"invalid persist_dir: {path} was written by a newer release (index format "
+            f"{shown}; this release reads format {FORMAT_VERSION.decode()} and rebuilds "
+            f"{', '.join(f.decode() for f in OLD_FORMATS)} from the log): run that release "
+            "or a later one on it; nothing was changed"
+        )
+    return (
+        f"invalid persist_dir: {path} has an index of format {shown} (this release reads "
+        f"format {FORMAT_VERSION.decode()}): {rebuild_hint(path)}"
+    )
+
+
+def log_format_refusal(path: Path, sid: int, fmt: int) -> str:
+    """Why a log a newer release wrote (record format `fmt`) is refused."""
+    return (
+        f"invalid persist_dir: {path} was written by a newer release (segment {sid:08d} "
+        f"has record format {fmt}; this release reads record format {records.VERSION}): "
+        "run that release or a later one on it; nothing was changed"
     )
 
 
@@ -123,6 +149,9 @@ class Opener:
     def _run(self) -> Opened:
         map_size, rebuild = self.map_size, self.rebuild
         self.space.segs.update(open_segments(self.space.dir))
+        newer = newer_format(self.space.segs)
+        if newer is not None:
+            raise ConfigurationError(log_format_refusal(self.path, *newer))
         log_nonempty = any(seg.size() > 0 for seg in self.space.segs.values())
         why: str | None = None
         ix: Index | None = None
@@ -146,12 +175,8 @@ class Opener:
                         rebuild = True
                         why = f"index format {(fmt or b'?').decode()}"
                     elif fmt != FORMAT_VERSION:
-                        raise ConfigurationError(
-                            f"invalid persist_dir: {self.path} holds a store of format "
-                            f"{(fmt or b'?').decode()}; this version reads format "
-                            f"{FORMAT_VERSION.decode()} (move it aside or run "
-                            f"`epistemic-kvcache store upgrade --persist-dir {self.path}`)"
-                        )
+                        ix.close()
+                        raise ConfigurationError(index_format_refusal(self.path, fmt))
                     elif ix.checkpoint() is None:
                         why = "index has no checkpoint"
             except IndexError_ as exc:

@@ -364,6 +364,21 @@ def finish(st: LogState, segments: dict[int, Segment], valid_end: dict[int, int]
             st.lost_keys.append((ns, key, ks.sdig[-32:]))
 
 
+def newer_format(segments: dict[int, Segment]) -> tuple[int, int] | None:
+    """(segment id, record format) of the first segment whose first record a newer
+    release wrote (a record format above `records.VERSION`); None when there is none.
+    Such a log is refused, never replayed: this code would read its records as damage."""
+    for sid in sorted(segments):
+        try:
+            head = os.pread(segments[sid].fd, len(records.MAGIC) + 1, 0)
+        except OSError:
+            continue
+        magic, version = head[:-1], head[-1:]
+        if magic == records.MAGIC and version and version[0] > records.VERSION:
+            return sid, version[0]
+    return None
+
+
 def missing_segments(ids: list[int], deleted: set[int], first: int | None = None) -> list[int]:
     """Segment ids missing from the sequence `ids` (sorted), not deleted on purpose.
     Gaps are walked, not the whole id range (a stray file named 99999999.seg must not

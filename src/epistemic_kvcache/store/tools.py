@@ -26,11 +26,13 @@ from epistemic_kvcache.errors import ConfigurationError
 from epistemic_kvcache.options import DEFAULT_STORE_OPTIONS, StoreOptions
 from epistemic_kvcache.store import records
 from epistemic_kvcache.store.index import Index, IndexError_, open_index
+from epistemic_kvcache.store.opening import log_format_refusal
 from epistemic_kvcache.store.recovery import (
     LogState,
     absent_segments,
     finish,
     load_index,
+    newer_format,
     replay,
     reverify_quarantine,
     valid_ends,
@@ -117,6 +119,9 @@ def check(
     fd = _lock(path)
     try:
         segs = open_segments(path / "segments")
+        newer = newer_format(segs)
+        if newer is not None:  # its records would all read as damage here
+            raise ConfigurationError(log_format_refusal(path, *newer))
         out = CheckSummary(segments=len(segs), log_bytes=sum(s.size() for s in segs.values()))
         full = LogState()
         if progress is not None:
