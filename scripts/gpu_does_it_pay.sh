@@ -17,10 +17,10 @@
 #     4 GPUs: one rank's share, measured on this one GPU), every path that runs without
 #     lmcache (mp-native: our L2 connector driven as LMCache's adapter drives it; client:
 #     our Python client; the LMCache paths are recorded as skipped), prompt lengths
-#     256-32768 (at most 200 s);
+#     256-32768 (at most 190 s);
 #  3. bench.bench_loops: 1/2/4/8/16 event loops at 256 KiB and 4 MiB, against
 #     redis-server and redis-server --io-threads 4, 8 load-generator processes x 8
-#     connections (at most 150 s).
+#     connections (at most 130 s).
 # Outputs: $OUT/env.txt, $OUT/dip/does-it-pay.json and .png, $OUT/dip.log, $OUT/loops.md.
 # DIP_ARGS, LOOPS_ARGS and SKIP_COMPILE=1 change steps 1-3 for a smoke run on a CPU.
 # Back here: scripts/gen_does_it_pay.py --run <dip json> --loops <loops.md> regenerates
@@ -76,7 +76,7 @@ RESP=$(grep -o "listening resp=[^ ]*" "$OUT/server.log" | head -1 | cut -d= -f2)
 since "server http=$HTTP resp=$RESP; does-it-pay"
 DIP_ARGS=${DIP_ARGS:---model llama-3-8b --model llama-3-70b}
 # shellcheck disable=SC2086
-timeout 200 $PY -m epistemic_kvcache does-it-pay $DIP_ARGS \
+timeout 190 $PY -m epistemic_kvcache does-it-pay $DIP_ARGS \
   --url "http://$HTTP" --resp-addr "$RESP" --token "$TOKEN" --out "$OUT/dip" >"$OUT/dip.log" 2>&1 \
   || since "does-it-pay exited $? (a run stopped early keeps the models it finished)"
 kill "$SERVER" 2>/dev/null; wait "$SERVER" 2>/dev/null
@@ -85,6 +85,6 @@ kill "$SERVER" 2>/dev/null; wait "$SERVER" 2>/dev/null
 since "bench_loops"
 LOOPS_ARGS=${LOOPS_ARGS:---sizes 256KiB,4MiB --loops 1,2,4,8,16 --procs 8 --conns 8 --budget-mib 256 --redis-io-threads 4}
 # shellcheck disable=SC2086
-timeout 150 $PY -m bench.bench_loops $LOOPS_ARGS >"$OUT/loops.md" 2>"$OUT/loops.err" \
+timeout 130 $PY -m bench.bench_loops $LOOPS_ARGS >"$OUT/loops.md" 2>"$OUT/loops.err" \
   || since "bench_loops exited $? (rows printed so far are in loops.md)"
 since "done"
