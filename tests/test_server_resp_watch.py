@@ -183,6 +183,39 @@ HTTP_WRITES: dict[str, Callable[[RunningServer, str], tuple[int, bytes]]] = {
 }
 
 
+NOT_KEY_WRITES = {
+    ("/kv/batch/get", "POST"),  # reads
+    ("/kv/batch/exists", "POST"),
+    ("/kv/page-in", "POST"),  # promotes blocks to faster tiers: no value changes
+    ("/kv/snapshot", "POST"),  # snapshots and branches are not the live keys
+    ("/kv/snapshot/{id}", "DELETE"),
+    ("/kv/snapshot/{id}/fork", "POST"),
+    ("/kv/branch/{id}", "DELETE"),
+    ("/kv/branch/{id}/{key}", "PUT"),
+}
+"""HTTP routes that take PUT/POST/DELETE but write none of a tenant's live keys."""
+KEY_WRITES = {
+    ("/kv/{key}", "PUT"): ("PUT", "PUT same bytes", "PUT If-Match", "PUT with epoch scope"),
+    ("/kv/{key}", "DELETE"): ("DELETE",),
+    ("/kv/batch/put", "POST"): ("batch PUT",),
+    ("/kv/epoch/{scope}/bump", "POST"): ("epoch bump",),
+}
+"""The HTTP routes that write keys, and the cases below that show they invalidate."""
+
+
+def test_every_http_route_that_writes_is_covered() -> None:
+    from epistemic_kvcache.server.http.routes import ROUTES
+
+    writing = {
+        (template, method)
+        for template, route in ROUTES.items()
+        for method in route.methods
+        if method in ("PUT", "POST", "DELETE")
+    }
+    assert writing == set(KEY_WRITES) | NOT_KEY_WRITES  # a new write route: add it here
+    assert {c for cases in KEY_WRITES.values() for c in cases} == set(HTTP_WRITES)
+
+
 @pytest.mark.parametrize("case", sorted(HTTP_WRITES))
 def test_an_http_write_makes_exec_nil(case: str, server: RunningServer) -> None:
     key = "h-" + case.replace(" ", "-").lower()
