@@ -232,7 +232,7 @@ def measure_fetch(
             lookup, load, copy = [], [], []
             try:
                 for at in range(0, k, STORE_BATCH):  # not timed: what the lookups will find
-                    if not driver.store(keys[at : at + STORE_BATCH], at):
+                    if not _store(driver, keys[at : at + STORE_BATCH], at):
                         raise _Stopped(
                             f"{n} tokens: storing chunks {at}-{min(k, at + STORE_BATCH) - 1} failed"
                         )
@@ -288,6 +288,17 @@ def measure_fetch(
         del dev
         torch.set_num_threads(threads)
     return points, stopped
+
+
+def _store(driver: Any, keys: list[str], at: int, tries: int = 3) -> bool:
+    """Store before a measurement (not timed); a refused or timed-out batch is tried again
+    after a second (the client's breaker probes the server again meanwhile)."""
+    for attempt in range(tries):
+        if driver.store(keys, at):
+            return True
+        if attempt + 1 < tries:
+            time.sleep(1.0)
+    return False
 
 
 class _Stopped(RuntimeError):
