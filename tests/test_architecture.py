@@ -1,5 +1,7 @@
 """The shape of src/epistemic_kvcache, checked on every run: no import circles, no module
-over 800 lines (issue 25's measures).
+over 800 lines (issue 25's measures); the store's state has one owner: no store module
+reads another object's private members (but the hot core's selector), and durable.py
+stays under 500 lines (issue 42's measures).
 
 How it works: grimp builds the import graph of the installed package (every import,
 also those inside functions and under `if TYPE_CHECKING:`: a circle for the type checker
@@ -10,6 +12,7 @@ for each, the failure message names its modules and one shortest loop through th
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import grimp
@@ -18,6 +21,10 @@ import epistemic_kvcache
 
 PACKAGE = "epistemic_kvcache"
 MAX_MODULE_LINES = 800
+MAX_STORE_PRIVATE_READS = 9
+"""Reads of another object's private members in store/ (`x._y`, `x` not self or cls):
+the hot core's selector reads its twin's two module-level names; nothing else may."""
+MAX_DURABLE_LINES = 500
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -122,3 +129,39 @@ def test_no_module_over_800_lines() -> None:
     assert not over, f"{len(over)} module(s) over {MAX_MODULE_LINES} lines:\n" + "\n".join(
         f"{n:6d}  {p}" for n, p in over
     )
+
+
+def private_reads(source: str) -> list[tuple[int, str]]:
+    """(line, expression) of every read of another object's private member: an attribute
+    starting with one underscore, on anything but `self` or `cls`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+            continue
+        if node.attr.startswith("__"):
+            continue
+        if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            continue
+        found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_private_reads_are_counted() -> None:
+    src = "self._a; cls._b; other._c; self._d._e; mod.__f__; x.y"
+    assert [e for _n, e in private_reads(src)] == ["other._c", "self._d._e"]
+
+
+def test_the_store_reads_no_other_objects_private_members() -> None:
+    root = Path(epistemic_kvcache.__file__).parent / "store"
+    reads = [
+        f"{p.name}:{line}: {expr}"
+        for p in sorted(root.glob("*.py"))
+        for line, expr in private_reads(p.read_text(encoding="utf-8"))
+    ]
+    assert len(reads) <= MAX_STORE_PRIVATE_READS, "\n".join(reads)
+
+
+def test_the_durable_backend_is_a_facade() -> None:
+    path = Path(epistemic_kvcache.__file__).parent / "store" / "durable.py"
+    n = len(path.read_text(encoding="utf-8").splitlines())
+    assert n < MAX_DURABLE_LINES, f"store/durable.py has {n} lines"

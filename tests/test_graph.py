@@ -140,8 +140,8 @@ def _block(seed: int, size: int) -> bytes:
 
 
 def _in_hot(store: SharedKvIndex, key: str) -> bool:
-    b = store._lookup(NS, key)
-    return b is not None and b.sdig in store._hot
+    b = store.ram.lookup_locked(NS, key)
+    return b is not None and b.sdig in store.ram.tiers.hot
 
 
 def test_page_in_follows_pagerank_order_and_respects_the_budget(rand: random.Random) -> None:

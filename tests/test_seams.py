@@ -45,7 +45,7 @@ def composed(lower: LowerTier) -> SharedKvIndex:
     store = SharedKvIndex(
         StoreOptions(hot_capacity_bytes=4096, warm_capacity_bytes=0), codec=WarmCodec()
     )
-    store._compose(sequencer=ApplyNow(store), lower=lower)
+    store._compose(sequencer=ApplyNow(store.ram, store.catalog), lower=lower)
     return store
 
 
@@ -53,8 +53,8 @@ def test_the_parts_satisfy_their_protocols() -> None:
     store = SharedKvIndex()
     parts: tuple[LowerTier, Sequencer, EpochSource] = (
         NoLowerTier(),
-        ApplyNow(store),
-        store._epoch_src,
+        ApplyNow(store.ram, store.catalog),
+        store.ram.epochs,
     )
     assert all(p is not None for p in parts)
 
@@ -77,7 +77,7 @@ def test_a_bad_lower_copy_is_a_miss_and_the_blob_is_dropped() -> None:
     store = composed(lower)
     store.put("t", "a", os.urandom(3000))
     store.put("t", "b", os.urandom(3000))  # "a" left hot: only the lower tier has it
-    sdig = next(s for s in lower.blocks if store._blobs[s].hot is None)
+    sdig = next(s for s in lower.blocks if store.ram.blob(s).hot is None)
     lower.blocks[sdig] = bytes(3000)  # damaged below
     assert store.get("t", "a") is None
     assert lower.quarantined == [sdig]
@@ -88,9 +88,9 @@ def test_a_bad_lower_copy_is_a_miss_and_the_blob_is_dropped() -> None:
 
 def test_apply_now_answers_at_once_whether_or_not_the_caller_waits() -> None:
     store = SharedKvIndex()
-    seq = ApplyNow(store)
+    seq = ApplyNow(store.ram, store.catalog)
     data = b"x" * 100
-    raw = store._validate("t", "k")
+    raw = store.ram.validate("t", "k")
     first = seq.put("t", raw, "k", data, None, None, False)
     assert isinstance(first, PutResult)
     assert first.outcome is PutOutcome.NEW

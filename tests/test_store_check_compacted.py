@@ -106,7 +106,7 @@ def test_after_rebuild_index_it_still_checks_clean(
 def _segment_of(path: Path, key: str) -> Path:
     """The segment file holding `key`'s block."""
     with SharedKvStoreBackend(path, OPTIONS) as store:
-        sid = store._index["t"][key].seg
+        sid = store.ram.lookup_locked("t", key).seg
     return path / "segments" / f"{sid:08d}.seg"
 
 

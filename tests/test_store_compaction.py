@@ -1,6 +1,6 @@
 """The compactor (`store/compaction.py`) driven directly on a real store's segment space.
 
-The store's own idle compaction is switched off (`_compact = None`), so each test
+The store's own compaction is switched off (`_compact = None`), so each test
 decides when a step runs; the compactor gets the store's `SegmentSpace` and its RAM view
 (`LiveRam`), real segment files on tmp_path, and the results are checked on disk, in the
 space's accounting, by reading every key back, and after a reopen (also one that
@@ -37,8 +37,8 @@ def open_store(path: Path, **kw: object) -> SharedKvStoreBackend:
 
 def driven(store: SharedKvStoreBackend) -> Compactor:
     """A compactor of the store's space that only the test runs."""
-    store._compact = None
-    return Compactor(store._space, store._reader)
+    store._compact = store._batches.compactor = None
+    return Compactor(store.space, store.ram, store._batches)
 
 
 def seg_files(path: Path) -> set[str]:
@@ -74,9 +74,9 @@ def test_a_segment_with_nothing_live_is_deleted_without_a_copy(tmp_path: Path) -
     with open_store(tmp_path) as store:
         c = driven(store)
         data = fill(store, 40)  # ~2.5 MiB: three segments
-        sp = store._space
+        sp = store.space
         first = min(sp.segs)
-        doomed = [k for k in data if store._lookup(NS, k).seg == first]  # type: ignore[union-attr]
+        doomed = [k for k in data if store.ram.lookup_locked(NS, k).seg == first]  # type: ignore[union-attr]
         assert doomed
         for key in doomed:
             store.delete(NS, key)
@@ -100,9 +100,9 @@ def test_live_records_are_copied_forward_and_the_segment_goes(tmp_path: Path) ->
     with open_store(tmp_path) as store:
         c = driven(store)
         data = fill(store, 40)
-        sp = store._space
+        sp = store.space
         first = min(sp.segs)
-        mine = [k for k in data if store._lookup(NS, k).seg == first]  # type: ignore[union-attr]
+        mine = [k for k in data if store.ram.lookup_locked(NS, k).seg == first]  # type: ignore[union-attr]
         gone, kept = mine[: len(mine) * 2 // 3], mine[len(mine) * 2 // 3 :]
         assert kept
         store.pin(NS, kept[0])  # pins travel with the key record
@@ -116,7 +116,7 @@ def test_live_records_are_copied_forward_and_the_segment_goes(tmp_path: Path) ->
                 break
         assert first not in sp.segs
         assert sum(sp.seg_live.values()) == live_before  # moved, not lost or doubled
-        assert all(store._lookup(NS, k).seg != first for k in kept)  # type: ignore[union-attr]
+        assert all(store.ram.lookup_locked(NS, k).seg != first for k in kept)  # type: ignore[union-attr]
         assert sp.compactions == 1
         assert store.stats(None).extra["compacted_bytes"] >= len(kept) * BLOCK
         assert_reads(store, data)

@@ -334,7 +334,7 @@ def test_flipped_byte_in_warm_tier_is_detected(tmp_path: Path, backend: str, kin
     data = {f"k{i}": make(i) for i in range(3)}
     for key, value in data.items():
         store.put(NS, key, value)
-    warm = store._warm  # type: ignore[attr-defined]
+    warm = store.ram.tiers.warm  # type: ignore[attr-defined]
     assert len(warm) == 2, "two of the three blocks should have been demoted to warm"
     victim = next(iter(warm.values()))
     (victim_ns, victim_key) = victim.key_refs()[0]
@@ -468,10 +468,10 @@ def _queue_behind_a_stalled_commit(
         t.start()
         threads.append(t)
         for _ in range(3000):  # wait until it is queued
-            if store._committer.queued() >= n:
+            if store.log.committer.queued() >= n:
                 break
             time.sleep(0.001)
-        assert store._committer.queued() == n
+        assert store.log.committer.queued() == n
     io.release()
     for t in threads:
         t.join(timeout=30)
@@ -550,7 +550,7 @@ def test_an_unexpected_error_in_the_committer_is_a_loud_read_only_fault(
     """Never a hang: every waiting and every later write fails at once, reads go on,
     readiness says why, the log says it once."""
     from epistemic_kvcache.errors import StoreFaultError
-    from epistemic_kvcache.store import durable as durable_mod
+    from epistemic_kvcache.store import batches as durable_mod
 
     store = open_durable(tmp_path)
     store.put(NS, "before", block("before"))
@@ -571,7 +571,7 @@ def test_an_unexpected_error_in_the_committer_is_a_loud_read_only_fault(
             store.put(NS, key, block(key))
     with pytest.raises(StoreFaultError, match=faulted):
         store.delete(NS, "before")
-    assert store._committer.queued() == 0  # refused, not queued for a committer that is gone
+    assert store.log.committer.queued() == 0  # refused, not queued for a committer that is gone
     # At once (milliseconds), not after a timeout: these calls have none of their own, so
     # a broken store hangs them (until pytest's timeout) or makes them wait for another
     # one, such as the 30 s shutdown timeout.

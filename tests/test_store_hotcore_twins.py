@@ -346,9 +346,9 @@ def _books(store: TieredEngine) -> tuple[object, ...]:
     return (
         store.stats("t").to_dict(),
         {k: v for k, v in store.stats().to_dict().items() if k != "extra"},
-        list(store._blobs),
-        list(store._hot),
-        [(b.hits, b.refs) for b in store._blobs.values()],
+        [b.sdig for b in store.ram.blob_list_locked()],
+        list(store.ram.tiers.hot),
+        [(b.hits, b.refs) for b in store.ram.blob_list_locked()],
     )
 
 
@@ -468,13 +468,16 @@ def test_a_key_with_a_write_in_flight_is_left_to_the_committer(tmp_path: Path) -
     store._core = counting  # type: ignore[assignment]
     try:
         store.put("t", "k0", ENGINE_VALUES[0])
-        store._inflight[("t", "k0")] = 1  # as the committer's queue holds a write of k0
+        store.ram.enter_flight([("t", "k0")])  # as the committer's queue holds a write of k0
         started = store.put_nowait("t", "k0", ENGINE_VALUES[0])
         assert counting.answered == []
         assert not isinstance(started, tuple)  # queued: a future, not an answer from RAM
         assert started is not WOULD_BLOCK
         assert started.result(timeout=60).outcome.value == "duplicate"
-        assert store._inflight.pop(("t", "k0")) == 1  # (only the pretend write is left)
+        with store.ram.lock:  # (only the pretend write is left)
+            assert store.ram.in_flight_locked("t", "k0")
+            store.ram.leave_flight_locked([("t", "k0")])
+            assert not store.ram.in_flight_locked("t", "k0")
         assert isinstance(store.put_nowait("t", "k0", ENGINE_VALUES[0]), tuple)
         assert counting.answered == ["put"]
     finally:

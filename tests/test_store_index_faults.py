@@ -82,8 +82,8 @@ def write_blob_row(path: Path, sdig: bytes, row: tuple[int, int, int]) -> None:
 
 
 def digest_of_key(store: SharedKvStoreBackend, key: str) -> bytes:
-    with store._lock:
-        b = store._lookup(NS, key)
+    with store.ram.lock:
+        b = store.ram.lookup_locked(NS, key)
         assert b is not None
         return b.sdig
 
@@ -138,7 +138,7 @@ def test_compaction_keeps_a_block_whose_row_points_elsewhere(tmp_path: Path) -> 
             del data[f"k{i}"]
         assert store._compact is not None
         for _ in range(200):
-            with store._space.maint_lock:
+            with store.space.maint_lock:
                 pass
             if not store._compact.step():
                 break
@@ -150,10 +150,10 @@ def test_a_rebuild_lifts_a_quarantine_whose_block_verifies(tmp_path: Path) -> No
     data = fill(tmp_path, n=10)
     with open_store(tmp_path) as store:
         sdig = digest_of_key(store, "k5")
-        with store._lock:
-            b = store._lookup(NS, "k5")
+        with store.ram.lock:
+            b = store.ram.lookup_locked(NS, "k5")
             assert b is not None
-            seg_file, off = store._space.segs[b.seg].path, b.off
+            seg_file, off = store.space.segs[b.seg].path, b.off
     # a transient read fault: the bytes read back wrong once (then the medium is fine)
     raw = bytearray(seg_file.read_bytes())
     good = bytes(raw[off + 100 : off + 101])
@@ -372,10 +372,10 @@ def test_rebuild_never_reports_fewer_lost_keys_than_it_lost(tmp_path: Path) -> N
 
 def test_rebuild_and_check_name_keys_lost_to_a_quarantine(tmp_path: Path) -> None:
     fill(tmp_path, n=10)
-    with open_store(tmp_path) as store, store._lock:
-        b = store._lookup(NS, "k4")
+    with open_store(tmp_path) as store, store.ram.lock:
+        b = store.ram.lookup_locked(NS, "k4")
         assert b is not None
-        seg_file, off = store._space.segs[b.seg].path, b.off
+        seg_file, off = store.space.segs[b.seg].path, b.off
     with seg_file.open("r+b") as f:  # damaged for good
         f.seek(off + 10)
         f.write(b"\x00" * 64)

@@ -117,7 +117,7 @@ def test_branch_put_racing_branch_delete_leaves_no_orphan(tmp_path: Path, backen
     store.branch_delete("t", bid)
     th.join()
     assert store.branch_info("t", bid) is None
-    assert not store._index.get(branch_ns("t", bid)), "the overlay outlived its branch"
+    assert not store.ram.ns_len_locked(branch_ns("t", bid)), "the overlay outlived its branch"
     assert store.stats("t").unique_blocks == 1
     assert store.check(deep=True).ok
     with pytest.raises(NotFoundError):
@@ -328,7 +328,7 @@ def test_quotas_hold_under_concurrent_requests(tmp_path: Path, backend: str) -> 
     assert len(store.snapshot_list("t")) == 5
     for s in store.snapshot_list("t"):
         store.snapshot_delete("t", s.id)
-    limit = int(store._pin_capacity() * store.options.max_pinned_fraction)  # type: ignore[attr-defined]
+    limit = int(store.ram.pin_capacity() * store.options.max_pinned_fraction)  # type: ignore[attr-defined]
     barrier = threading.Barrier(40)
 
     def pin(i: int) -> bool:

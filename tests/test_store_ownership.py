@@ -186,12 +186,12 @@ def test_no_read_path_hands_out_writable_bytes(opener: Opener) -> None:
         assert data is not None, what
         assert_read_only(data)
     # the warm tier: demoted, decompressed (and promoted again) on a read
-    with store._lock:
-        b = store._lookup(NS, "comp")
+    with store.ram.lock:
+        b = store.ram.lookup_locked(NS, "comp")
         assert b is not None
         assert b.hot is not None
-    store._rebalance(hot_target=0)
-    with store._lock:
+    store.ram.tiers.rebalance(hot_target=0)
+    with store.ram.lock:
         assert b.hot is None
         assert b.warm is not None
         assert len(b.warm) < len(comp)

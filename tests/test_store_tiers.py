@@ -58,12 +58,12 @@ def recount(store: TieredEngine, ns: str | None) -> dict[str, int]:
         # a blob is per namespace unless dedup is global
         ident = digest if store.options.dedup_scope == "global" else rns.encode() + b"\0" + digest
         sizes[ident] = size
-    with store._lock:
+    with store.ram.lock:
         blobs = [
-            b for b in store._blobs.values() if ns is None or ns in {r[0] for r in b.key_refs()}
+            b for b in store.ram.blob_list_locked() if ns is None or ns in {r[0] for r in b.key_refs()}
         ]
-        hot = [b for b in store._hot.values() if b in blobs]
-        warm = [b for b in store._warm.values() if b in blobs]
+        hot = [b for b in store.ram.tiers.hot.values() if b in blobs]
+        warm = [b for b in store.ram.tiers.warm.values() if b in blobs]
         out = {
             "total_refs": refs,
             "logical_bytes": logical,
@@ -133,14 +133,14 @@ def test_memory_demotes_to_compressed_warm_and_promotes_on_get() -> None:
     assert_within_capacity(store)
     assert_exact(store, [NS])
 
-    cold_key = next(k for k in data if _in(store._warm, store, k))
+    cold_key = next(k for k in data if _in(store.ram.tiers.warm, store, k))
     got = store.get(NS, cold_key)
     assert got is not None
     assert bytes(got) == data[cold_key]
     s2 = store.stats(NS)
     assert s2.promotions == 1
     assert s2.demotions == 5  # promoting one pushed another hot block down
-    assert _in(store._hot, store, cold_key)
+    assert _in(store.ram.tiers.hot, store, cold_key)
     assert (s2.tiers["hot"].blocks, s2.tiers["warm"].blocks) == (4, 4)
     for key, value in data.items():  # everything still reads back bit-exact
         got = store.get(NS, key)
@@ -151,7 +151,7 @@ def test_memory_demotes_to_compressed_warm_and_promotes_on_get() -> None:
 
 
 def _in(tier: Any, store: TieredEngine, key: str) -> bool:
-    b = store._lookup(NS, key)
+    b = store.ram.lookup_locked(NS, key)
     return b is not None and b.sdig in tier
 
 
@@ -190,7 +190,7 @@ def test_memory_pinned_blocks_are_never_evicted_and_full_pins_refuse_puts() -> N
         got = store.get(NS, f"pin{i}")
         assert got is not None
         assert bytes(got) == rnd(100 + i)
-        assert _in(store._hot, store, f"pin{i}")  # pinned blocks are not even demoted
+        assert _in(store.ram.tiers.hot, store, f"pin{i}")  # pinned blocks are not even demoted
     assert not store.evict(NS, "pin0")
     assert store.stats(NS).pinned_blocks == 2
     assert_exact(store, [NS])
@@ -233,7 +233,7 @@ def test_durable_tiers_hot_warm_cold_and_promotion(tmp_path: Path) -> None:
     assert_exact(store, [NS])
     # a block that is only on disk comes back through the read path, verified
     disk_only = [
-        k for k in data if not _in(store._hot, store, k) and not _in(store._warm, store, k)
+        k for k in data if not _in(store.ram.tiers.hot, store, k) and not _in(store.ram.tiers.warm, store, k)
     ]
     assert disk_only
     before = store.stats(NS).promotions
@@ -241,7 +241,7 @@ def test_durable_tiers_hot_warm_cold_and_promotion(tmp_path: Path) -> None:
     assert got is not None
     assert bytes(got) == data[disk_only[0]]
     assert store.stats(NS).promotions == before + 1
-    assert _in(store._hot, store, disk_only[0])
+    assert _in(store.ram.tiers.hot, store, disk_only[0])
     assert_within_capacity(store)
     assert_exact(store, [NS])
     store.close()

@@ -88,8 +88,8 @@ def test_the_store_keeps_the_selected_twins_records() -> None:
     s = SharedKvIndex()
     s.put("t", "k", b"v")
     module = core.HotCore.__module__
-    assert type(next(iter(s._blobs.values()))).__module__ == module
-    assert type(s._total).__module__ == type(s._ns["t"]).__module__ == module
+    assert type(next(iter(s.ram.blob_list_locked()))).__module__ == module
+    assert type(s.ram.total).__module__ == type(s.ram.counters_of("t")).__module__ == module
 
 
 @each_twin

@@ -34,18 +34,19 @@ class BlockCache(SharedKvIndex):
     def admit(self, ns: str, digest: bytes, data: Buffer) -> None:
         """Cache a verified block that the store owns already (`owned_buffer`'s answer, or
         bytes read from the cluster); a block the tiers cannot hold is simply not cached."""
-        sdig = self._scoped(ns.encode(), digest)
-        if sdig not in self._blobs:  # unlocked look: new bytes will need room in hot
-            self._make_hot_room((len(data),))  # codec work outside the lock
-        with self._lock:
-            if self._lookup(ns, digest.hex()) is not None:
+        ram = self.ram
+        sdig = ram.scoped(ns.encode(), digest)
+        if not ram.has_blob(sdig):  # unlocked look: new bytes will need room in hot
+            ram.tiers.make_hot_room((len(data),))  # codec work outside the lock
+        with ram.lock:
+            if ram.lookup_locked(ns, digest.hex()) is not None:
                 return
             with contextlib.suppress(CapacityError):  # within the tiers' capacities, always
-                self._put_locked(ns, digest.hex(), sdig, digest, data)
+                self.put_locked(ns, digest.hex(), sdig, digest, data)
 
     def has(self, ns: str, digest: bytes) -> bool:
-        with self._lock:
-            return self._lookup(ns, digest.hex()) is not None
+        with self.ram.lock:
+            return self.ram.lookup_locked(ns, digest.hex()) is not None
 
     def block(self, ns: str, digest: bytes) -> Buffer | None:
         """The cached bytes of `digest`, or None."""

@@ -6,8 +6,9 @@ Records go dead when a later record supersedes them (a key replaced or deleted, 
 whose last key went, a snapshot dropped). Each segment's *live* bytes are known exactly
 (`SegmentSpace.seg_live`: the blobs, key records and snapshot/branch records RAM points
 at), tombstone bytes are counted apart (`seg_tomb`); the rest of a sealed segment is dead.
-The compactor works on the segment space (`store/space.py`) and asks RAM what is live
-through `LiveRam`, a handful of calls the store answers; it never reads the store.
+The compactor works on the segment space (`store/space.py`), asks RAM what is live
+through `LiveRam` (`RamState`'s public calls), and asks the store to evict, relocate or
+quarantine through `Maintenance`; it never reads the store.
 
 Between batches, on the committer thread, `Compactor.step` picks a sealed segment and
 copies its live records to the head of the log, in steps of `STEP_BYTES`, through the
@@ -59,7 +60,7 @@ _BACKOFF_S = 5.0
 
 
 class LiveRam(Protocol):
-    """What the compactor asks of RAM (the store answers; `*_locked`: lock held)."""
+    """What the compactor reads of RAM (`ram.RamState`; `*_locked`: lock held)."""
 
     def key(self, ns: str, key: str) -> KeyView | None: ...
 
@@ -72,11 +73,15 @@ class LiveRam(Protocol):
     def use_order(self) -> list[tuple[int, int, int]]:
         """(segment, size, pins) of every blob, least recently used first."""
 
-    def relocate(self, sdig: bytes, wrong: tuple[int, int], right: tuple[int, int]) -> None:
-        """Point RAM at a verified copy of a blob RAM places at `wrong`."""
-
     def move_locked(self, sdig: bytes, old: tuple[int, int], new: tuple[int, int]) -> int:
         """Point RAM at the copy at `new` if the blob is still at `old`: its size, or 0."""
+
+
+class Maintenance(Protocol):
+    """What the compactor asks the store to do (`batches.Batches`)."""
+
+    def relocate(self, sdig: bytes, wrong: tuple[int, int], right: tuple[int, int]) -> None:
+        """Point RAM at a verified copy of a blob RAM places at `wrong`."""
 
     def quarantine_async(self, sdig: bytes, loc: tuple[int, int]) -> None: ...
 
@@ -89,9 +94,10 @@ class LiveRam(Protocol):
 class Compactor:
     """Compaction of one store's segment space (runs on its committer thread)."""
 
-    def __init__(self, space: SegmentSpace, ram: LiveRam) -> None:
+    def __init__(self, space: SegmentSpace, ram: LiveRam, maint: Maintenance) -> None:
         self.space = space
         self.ram = ram
+        self.maint = maint
         self.cursor: tuple[int, int] | None = None
         self.backoff_until = 0.0
         self._bad: set[bytes] = set()
@@ -185,7 +191,7 @@ class Compactor:
             # nothing can be copied into the room left: empty a segment by evicting its
             # blocks (the cache gives up some blocks; it never needs room to do so)
             sid = self._eviction_victim(max(0, room))
-            if sid is None or not self.ram.evict_segment(sid) or not self._work(sid):
+            if sid is None or not self.maint.evict_segment(sid) or not self._work(sid):
                 return
 
     def _eviction_victim(self, room: int) -> int | None:
@@ -275,7 +281,7 @@ class Compactor:
                     # (a damaged index row may have sent it astray; this copy verifies)
                     if sp.blob_placed(b.sdig, b.size, (b.seg, b.off)):
                         continue
-                    ram.relocate(b.sdig, (b.seg, b.off), (sid, item.data_off))
+                    self.maint.relocate(b.sdig, (b.seg, b.off), (sid, item.data_off))
                     if (b.seg, b.off) != (sid, item.data_off):
                         continue
                 if not item.ok or item.payload is None:
@@ -339,7 +345,7 @@ class Compactor:
                 self._bad.add(sdig)
                 log.error("integrity failure during compaction: %s", sdig[-32:].hex())
                 with contextlib.suppress(StoreError):
-                    ram.quarantine_async(sdig, loc)
+                    self.maint.quarantine_async(sdig, loc)
         self.cursor = (sid, pos) if pos < end else None
         if pos >= end:
             sp.compactions += 1
@@ -388,7 +394,7 @@ class Compactor:
                 sp.written(written)
         sp.compacted_bytes += moved
         if written:
-            ram.checkpoint_due(sp.writer.last_batch_bytes)
+            self.maint.checkpoint_due(sp.writer.last_batch_bytes)
 
     def _cut_sealed(self, target: int, trusted_end: int) -> None:
         """Cut an abandoned segment to its trusted end, so its SEAL is needed no more."""
@@ -422,5 +428,5 @@ class Compactor:
         sp.segments_deleted += 1
         if self.cursor is not None and self.cursor[0] == sid:
             self.cursor = None
-        self.ram.checkpoint_due(w.last_batch_bytes)
+        self.maint.checkpoint_due(w.last_batch_bytes)
         return True

@@ -10,12 +10,13 @@ How a write becomes durable
    against RAM as the earlier operations of the same batch left it, giving the log
    records (`store/records.py`) to write (a BLOB record for new bytes, a KEY record with
    the key's whole new state, DEL tombstones, snapshot/branch records), the effects to
-   apply to RAM, and each operation's answer. RAM is read through `store/ramview.py`.
+   apply to RAM, and each operation's answer. RAM is read through `RamState`'s public
+   API (`store/ram.py`).
 3. The plan's records are placed and written to the active segment and `fdatasync`ed
-   once (`store/segments.py`): then, and only then, its effects are applied to RAM, the
-   segment space's accounting updated (`store/space.py`) and the callers answered. An
-   acknowledged write is in the log; an unacknowledged one is invisible. One sync per
-   batch.
+   once (`store/segments.py`, driven by `store/batches.py`): then, and only then, its
+   effects are applied to RAM, the segment space applies its half of the batch
+   (`store/space.py`) and the callers are answered. An acknowledged write is in the log;
+   an unacknowledged one is invisible. One sync per batch.
 4. The rows the batch changed are marked dirty for the checkpointer thread
    (`store/checkpointer.py`), which writes them to the LMDB index (`store/index.py`) in
    the background, a few times a second, and moves the checkpoint position. Opening
@@ -50,26 +51,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import errno
 import fcntl
 import gc
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sortedcontainers import SortedList
-
-from epistemic_kvcache.errors import (
-    ConfigurationError,
-    DiskFullError,
-    StorageIOError,
-    StoreClosedError,
-    StoreError,
-)
+from epistemic_kvcache.errors import ConfigurationError
 from epistemic_kvcache.options import DEFAULT_SEGMENT_BYTES, DEFAULT_STORE_OPTIONS, StoreOptions
 from epistemic_kvcache.store import compaction
 from epistemic_kvcache.store.api import (
@@ -83,32 +75,18 @@ from epistemic_kvcache.store.api import (
     validate_cond,
     validate_namespace,
 )
+from epistemic_kvcache.store.batches import Batches
 from epistemic_kvcache.store.checkpointer import Checkpointer
 from epistemic_kvcache.store.codec import WarmCodec
-from epistemic_kvcache.store.committer import Committer, settle
-from epistemic_kvcache.store.disklog import DiskLogTier, GroupCommit, RegistryEpochs
-from epistemic_kvcache.store.engine import (
-    TieredEngine,
-    digest_of,
-)
+from epistemic_kvcache.store.committer import Committer
+from epistemic_kvcache.store.disklog import DiskLogTier, DurableLog, GroupCommit, RegistryEpochs
+from epistemic_kvcache.store.engine import TieredEngine, digest_of
 from epistemic_kvcache.store.epochs import EpochRegistry
-from epistemic_kvcache.store.index import (
-    Index,
-    pack_loc,
-    unpack_loc,
-)
-from epistemic_kvcache.store.model import Ledger, _Blob, tenant_of
+from epistemic_kvcache.store.index import Index
 from epistemic_kvcache.store.opening import Opener
 from epistemic_kvcache.store.plan import BatchOp as _Op
-from epistemic_kvcache.store.plan import Plan, decide_batch, plan_evictions, plan_room
-from epistemic_kvcache.store.ramview import RamView
-from epistemic_kvcache.store.recovery import (
-    Salvage,
-)
-from epistemic_kvcache.store.segments import (
-    DiskIO,
-    SyncFailed,
-)
+from epistemic_kvcache.store.recovery import Salvage
+from epistemic_kvcache.store.segments import DiskIO
 from epistemic_kvcache.store.space import Dirty, SegmentSpace
 
 log = logging.getLogger(__name__)
@@ -149,80 +127,54 @@ class SharedKvStoreBackend(TieredEngine):
             segment_bytes = min(DEFAULT_SEGMENT_BYTES, max(1 << 20, cold_capacity_bytes // 16))
         self._io = io or DiskIO()
         self.path = Path(persist_dir)
-        self._seg_dir = self.path / "segments"
-        self._space = SegmentSpace(
-            self._seg_dir,
-            self._lock,
+        self.space = SegmentSpace(
+            self.path / "segments",
+            self.ram.lock,
             segment_bytes=segment_bytes,
             cold_capacity_bytes=cold_capacity_bytes,
             io=self._io,
         )
-        self.live_capacity_bytes = cold_capacity_bytes - self._space.reserve
+        """The log's segments and their accounting (store/space.py)."""
+        self.live_capacity_bytes = cold_capacity_bytes - self.space.reserve
         """Live block bytes the cold tier holds before it evicts: the capacity less the
         reserve that compaction and deletes work in."""
+        self.ram.live_capacity_bytes = self.live_capacity_bytes
         self._shutdown_timeout_s = shutdown_timeout_s
         self._progress = progress
-        self._index_dir = self.path / "index"
-        if self.path.exists() and not self.path.is_dir():
-            raise ConfigurationError(f"invalid persist_dir: {str(self.path)!r} is not a directory")
-        try:
-            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-            self._seg_dir.mkdir(mode=0o700, exist_ok=True)
-        except OSError as exc:
-            raise ConfigurationError(
-                f"invalid persist_dir: cannot create {str(self.path)!r} ({exc.strerror})"
-            ) from exc
-        self._lock_fd = os.open(self.path / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(self._lock_fd)
-            raise ConfigurationError(
-                f"invalid persist_dir: {str(self.path)!r} is in use by another process"
-            ) from exc
-        # what opening finds (lost keys, damage, keys to restate, ...): filled by _open
-        self._opened = Opener(
+        self._lock_fd = self._lock_dir()
+        # what opening finds (lost keys, damage, keys to restate, ...)
+        opener = Opener(
             self.path,
-            self._space,
+            self.space,
             map_size=options.map_size_bytes,
             rebuild=options.rebuild_index,
             say=self._say,
         )
-        self._quarantined = self._opened.quarantined  # and every quarantine since
-        self._inflight: dict[tuple[str, str], int] = {}
-        self._core.inflight = self._inflight  # the committer decides those keys' PUTs
-        self._batches = 0
-        self._committed_ops = 0
-        self._write_failures = 0
-        self._index_repairs = 0
-        self._recover_lock = threading.Lock()
-        self._unfound: dict[bytes, tuple[int, int]] = {}
-        self._recovering = True
-        self._compact: compaction.Compactor | None = None
-        epoch_path = Path(epoch_dir) if epoch_dir is not None else self.path / "epochs"
-        self.epoch_dir = epoch_path
+        self.log = DurableLog(self.ram, self.space, opener, self.path)
+        """The log side: what opening found, the committer, the checkpointer, counters."""
+        self.recovering = True
         self._ix: Index | None = None
         self._epochs: EpochRegistry | None = None
+        epoch_path = Path(epoch_dir) if epoch_dir is not None else self.path / "epochs"
+        self.epoch_dir = epoch_path
         try:
-            private = self.path / "epochs"
             self._epochs = EpochRegistry(
                 epoch_path,
-                shared=epoch_path.resolve() != private.resolve(),
+                shared=epoch_path.resolve() != (self.path / "epochs").resolve(),
                 max_scopes_per_tenant=options.max_epoch_scopes_per_tenant,
             )
-            self._disk = DiskLogTier(self)
-            self._relocate = self._disk.relocate  # for the compactor
-            self._quarantine_async = self._disk.quarantine_async
+            disk = DiskLogTier(self.ram, self.log)
+            self._batches = Batches(self.ram, self.log, disk)
             self._compose(
-                sequencer=GroupCommit(self),
-                lower=self._disk,
-                epochs=RegistryEpochs(self._epochs, self._disk.live_tagged),
+                sequencer=GroupCommit(self.ram, self.log, self.catalog),
+                lower=disk,
+                epochs=RegistryEpochs(self._epochs, self.ram.tagged),
             )
             t0 = time.perf_counter()
             gc_was_enabled = gc.isenabled()
             gc.disable()  # loading N rows makes ~3N long-lived objects: no GC rescans
             try:
-                ix = self._open()
+                ix = self._open(opener)
             finally:
                 if gc_was_enabled:
                     gc.enable()
@@ -230,59 +182,75 @@ class SharedKvStoreBackend(TieredEngine):
         except BaseException:
             self._release_files()
             raise
-        self._recovering = False
-        self._reader = RamView(
-            self,
-            live_capacity_bytes=self.live_capacity_bytes,
-            relocate_blob=self._relocate,
-            quarantine_async=self._quarantine_async,
-            evict_segment=self._evict_segment,
-            checkpoint_due=self._checkpoint_due,
+        self.recovering = False
+        self._compact: compaction.Compactor | None
+        self._batches.compactor = self._compact = compaction.Compactor(
+            self.space, self.ram, self._batches
         )
-        self._compact = compaction.Compactor(self._space, self._reader)
-        self._ckpt = Checkpointer(
-            self._space,
+        self.log.ckpt = self._ckpt = Checkpointer(
+            self.space,
             ix,
-            self._reader,
+            self.ram,
             interval_s=options.checkpoint_interval_s,
             max_lag_bytes=options.max_checkpoint_lag_bytes,
             counters=self._persisted_counters,
         )
-        self._tier_event = threading.Event()
         self._tier_stop = False
         self._tier_thread = threading.Thread(
             target=self._tier_loop, name="kvcache-tiers", daemon=True
         )
-        self._committer = Committer(
-            commit=self._commit,
+        self.log.committer = self._committer = Committer(
+            commit=self._batches.commit,
             idle=self._idle,
-            release=self._release,
+            release=self.log.release,
             max_batch_bytes=options.commit_batch_bytes,
         )
         self._ckpt.start()
         self._tier_thread.start()
         self._committer.start()
-        if self._opened.rewrite:
+        if opener.rewrite:
             # restored keys: their state goes into the log again (their record there is
             # damaged or followed by a quarantine's DEL), so no later rebuild needs the index
-            ops = [_Op("rewrite", ns, key) for ns, key in self._opened.rewrite]
-            self._submit_many(ops)
+            ops = [_Op("rewrite", ns, key) for ns, key in opener.rewrite]
+            self.log.submit_many(ops)
             concurrent.futures.wait([op.future for op in ops])
+        blobs, keys = self.ram.summary()
         log.info(
             "opened %d blocks, %d keys, %d segments in %.2f s (%s)",
-            len(self._blobs),
-            sum(len(v) for v in self._index.values()),
-            len(self._space.segs),
+            blobs,
+            keys,
+            len(self.space.segs),
             self.open_seconds,
             self.path,
         )
+
+    def _lock_dir(self) -> int:
+        """Create the persist dir if needed and lock it for this process (its fd)."""
+        if self.path.exists() and not self.path.is_dir():
+            raise ConfigurationError(f"invalid persist_dir: {str(self.path)!r} is not a directory")
+        try:
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.space.dir.mkdir(mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise ConfigurationError(
+                f"invalid persist_dir: cannot create {str(self.path)!r} ({exc.strerror})"
+            ) from exc
+        fd = os.open(self.path / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            raise ConfigurationError(
+                f"invalid persist_dir: {str(self.path)!r} is in use by another process"
+            ) from exc
+        return fd
 
     def _release_files(self) -> None:
         for res in (self._ix, self._epochs):
             if res is not None:
                 with contextlib.suppress(Exception):
                     res.close()
-        self._space.segs.clear()
+        self.space.segs.clear()
         with contextlib.suppress(OSError):
             os.close(self._lock_fd)
 
@@ -292,81 +260,30 @@ class SharedKvStoreBackend(TieredEngine):
         if self._progress is not None:
             self._progress(msg)
 
-    def _open(self) -> Index:
+    def _open(self, o: Opener) -> Index:
         """Open the log and index (`store/opening.py`), then load RAM from them."""
-        o = self._opened
         opened = o.run()
         self._ix = opened.ix
         self._store_id = opened.store_id
-        self._writer = self._space.writer
-        self._quarantined = o.quarantined
-        self._total.integrity_failures = int(o.integrity_failures)
-        with self._lock:
-            self._load(o.entries)
-            self._apply(o.metas)
+        self.log.quarantined = o.quarantined
+        self.ram.total.integrity_failures = int(o.integrity_failures)
+        with self.ram.lock:
+            self.ram.load_locked(o.entries)
+            self.ram.apply_locked(o.metas)
         # RAM holds them now: the rows loaded at open are not kept for the store's life
         # (they cost ~110 bytes per block: index RAM 566 -> 453 bytes per block)
         o.entries, o.metas = [], []
         return opened.ix
 
-    def _load(
-        self,
-        entries: Iterable[tuple[str, str, bytes, int, int, int, tuple[str, int] | None, int]],
-    ) -> None:
-        """Fill an empty engine in bulk (opening a store): the same state as applying
-        `AddKey` (+ `PinDelta`) per entry, built in a few passes (lock held).
-
-        `entries`: (ns, key, scoped digest, size, segment, offset, epoch tag, pins)."""
-        blobs = self._blobs
-        glob = self.options.dedup_scope == "global"
-        pins_of = self._pins
-        by_ns: dict[str, dict[str, _Blob]] = {}
-        for ns, key, sdig, size, seg, off, tag, pins in entries:
-            b = blobs.get(sdig)
-            if b is None:
-                b = blobs[sdig] = _Blob(sdig, size)
-                b.seg, b.off = seg, off
-                b.owner = {} if glob else tenant_of(ns)
-            b.refs += 1
-            b.add_keyref((ns, key))
-            if isinstance(b.owner, dict):
-                t = tenant_of(ns)
-                b.owner[t] = b.owner.get(t, 0) + 1
-            idx = by_ns.get(ns)
-            if idx is None:
-                idx = by_ns[ns] = self._index.setdefault(ns, {})
-            idx[key] = b
-            if tag is not None:
-                self._tags[(ns, key)] = tag
-            if pins:
-                pins_of[(ns, key)] = pins
-                b.pins += pins
-            c = self._counters(ns)
-            c.total_refs += 1
-            c.logical_bytes += b.size
-        total = self._total
-        for ns in by_ns:
-            c = self._counters(ns)
-            total.total_refs += c.total_refs
-            total.logical_bytes += c.logical_bytes
-            self._sorted[ns] = SortedList(self._index[ns])
-        for b in blobs.values():
-            Ledger.footprint(b, total, +1)
-            for o in b.owners():
-                Ledger.footprint(b, self._counters(o), +1)
-            if b.pins:
-                self._pinned_bytes += b.size
-            self._lower.blob_created(b)
-
     @property
     def salvaged(self) -> Salvage | None:
         """What a rebuild took from the old index, and what it could not restore."""
-        return self._opened.salvaged
+        return self.log.opened.salvaged
 
     def disk_bytes(self) -> int:
         """Bytes of the segment files on disk (what the cold capacity bounds): their
         lengths less the dead payloads punched out, plus the zeroed space ahead."""
-        return self._space.disk_bytes()
+        return self.space.disk_bytes()
 
     def health(self) -> StoreHealth:
         fault = self._committer.fault
@@ -379,7 +296,7 @@ class SharedKvStoreBackend(TieredEngine):
             )
         if self._closed:
             return StoreHealth(ready=False, writable=False, reason="the store is closed")
-        if self._writer.room.refresh():
+        if self.log.disk_full():
             return StoreHealth(
                 ready=False, writable=False, disk_full=True, reason=f"disk full under {self.path}"
             )
@@ -394,275 +311,77 @@ class SharedKvStoreBackend(TieredEngine):
         Every item is settled (stored or failed) before this returns or raises the first
         failure; items after a failed one may have been stored.
         """
+        ram = self.ram
         ns_raw = validate_namespace(ns)
         validate_cond(cond)
         for key, data in items:
-            self._validate(ns, key)
+            ram.validate(ns, key)
             check_block_size(data, self.max_block_bytes)
-        self._check_open()
+        self.check_open()
         ops = []
         for key, given in items:  # hash everything first: then the committer sees them all
             data = owned_buffer(given)  # the hot tier keeps it (copied when mutable)
             digest = digest_of(data)
-            sdig = self._scoped(ns_raw, digest)
+            sdig = ram.scoped(ns_raw, digest)
             ops.append(_Op("put", ns, key, sdig=sdig, digest=digest, data=data, cond=cond))
-        new = {op.sdig: op.nbytes for op in ops if op.sdig not in self._blobs}  # a hint
-        self._make_hot_room(new.values())
-        self._submit_many(ops)
+        new = {op.sdig: op.nbytes for op in ops if not ram.has_blob(op.sdig)}  # a hint
+        ram.tiers.make_hot_room(new.values())
+        self.log.submit_many(ops)
         concurrent.futures.wait([op.future for op in ops])
         return [op.future.result() for op in ops]
 
     def delete(self, ns: str, key: str) -> bool:
-        self._validate(ns, key)
-        self._check_open()
-        return bool(self._call(_Op("delete", ns, key)))
+        self.ram.validate(ns, key)
+        self.check_open()
+        return bool(self.log.call(_Op("delete", ns, key)))
 
     def delete_many(self, ns: str, keys: Sequence[str]) -> list[bool]:
         for key in keys:
-            self._validate(ns, key)
-        self._check_open()
+            self.ram.validate(ns, key)
+        self.check_open()
         ops = [_Op("delete", ns, key) for key in keys]
-        self._submit_many(ops)
+        self.log.submit_many(ops)
         concurrent.futures.wait([op.future for op in ops])
         return [bool(op.future.result()) for op in ops]
 
     def flush(self, ns: str) -> int:
         validate_namespace(ns)
-        self._check_open()
-        return int(self._call(_Op("flush", ns, "")))
+        self.check_open()
+        return int(self.log.call(_Op("flush", ns, "")))
 
     def pin(self, ns: str, key: str) -> bool:
-        self._validate(ns, key)
-        self._check_open()
-        return bool(self._call(_Op("pin", ns, key)))
+        self.ram.validate(ns, key)
+        self.check_open()
+        return bool(self.log.call(_Op("pin", ns, key)))
 
     def unpin(self, ns: str, key: str) -> bool:
-        self._validate(ns, key)
-        self._check_open()
-        return bool(self._call(_Op("unpin", ns, key)))
-
-    def _call(self, op: _Op) -> Any:
-        self._submit(op)
-        return op.future.result()
-
-    def _submit(self, op: _Op) -> None:
-        self._submit_many([op])
-
-    def _submit_many(self, ops: list[_Op]) -> None:
-        if self._closed:
-            raise StoreClosedError("the store is closed")
-        with self._lock:
-            for op in ops:
-                if op.key:
-                    ref = (op.ns, op.key)
-                    self._inflight[ref] = self._inflight.get(ref, 0) + 1
-        try:
-            self._committer.submit_many(ops)
-        except StoreError:
-            self._release(ops)
-            raise
-
-    def _release(self, ops: list[_Op]) -> None:
-        """Ops that will not be committed (dropped, failed): no longer in flight."""
-        with self._lock:
-            self._release_locked(ops)
-
-    def _release_locked(self, ops: list[_Op]) -> None:
-        for op in ops:
-            if op.key:
-                ref = (op.ns, op.key)
-                n = self._inflight.get(ref, 1) - 1
-                if n > 0:
-                    self._inflight[ref] = n
-                else:
-                    self._inflight.pop(ref, None)
-
-    # -- the committer -------------------------------------------------------------------
-    def _commit(self, batch: list[_Op]) -> None:
-        """Decide (`plan.decide_batch`), write + sync once, apply, answer (committer thread)."""
-        incoming = sum(op.nbytes for op in batch if op.kind == "put")
-        if incoming and self._compact is not None:
-            # Room first, so the files never outgrow the cold capacity: evict what the new
-            # blocks displace (a batch of its own), then compact the space it frees.
-            self._pre_evict(incoming)
-            self._compact.make_disk_room(incoming)
-        self._ckpt.wait_for_lag()
-        p = decide_batch(self._reader, batch)
-        res = self._write(p)
-        if isinstance(res, StoreError):
-            for op in batch:
-                settle(op.future, res)
-            self._release(batch)
-            return
-        self._finish(p, batch, *res)
-
-    def _pre_evict(self, incoming: int) -> None:
-        """Commit the evictions `incoming` new bytes will need, before their batch."""
-        with self._lock:
-            over = self._total.cold_bytes + incoming - self.live_capacity_bytes
-        if over <= 0:
-            return
-        p = plan_room(self._reader, incoming)
-        if p is None:
-            return
-        res = self._write(p)
-        if not isinstance(res, StoreError):
-            self._finish(p, [], *res)
-
-    def _evict_segment(self, sid: int) -> bool:
-        """Evict every unpinned block stored in segment `sid` (a batch of its own), so
-        the segment can be deleted without copying them (committer thread)."""
-        with self._lock:
-            victims = [b.sdig for b in self._blobs.values() if b.seg == sid and not b.pins]
-        if not victims:
-            return True
-        p = plan_evictions(self._reader, victims)
-        if not p.records:
-            return True
-        res = self._write(p)
-        if isinstance(res, StoreError):
-            return False
-        self._finish(p, [], *res)
-        return True
-
-    def _write(self, p: Plan) -> tuple[list[tuple[int, int]], list[tuple[int, int]]] | StoreError:
-        """Place the plan's records and write + sync them once: ((segment, offset) of each
-        record, (segment, new end) of each segment written), or the error to answer (the
-        batch undone)."""
-        w = self._writer
-        w.begin()
-        positions = [w.alloc(hdr, payload) for hdr, payload in p.records]
-        if not positions:
-            return positions, []
-        try:
-            return positions, w.write(reserve_ok=not p.new_data)
-        except SyncFailed as exc:
-            for sid, end in w.abandon():
-                self._space.seg_len[sid] = min(self._space.seg_len.get(sid, end), end)
-            return self._io_error(exc.cause, "sync")
-        except OSError as exc:
-            w.rollback()
-            return self._io_error(exc, "write")
-
-    def _io_error(self, exc: OSError, what: str) -> StoreError:
-        self._write_failures += 1
-        log.error("log %s under %s failed: %s", what, self.path, exc)
-        if exc.errno == errno.ENOSPC:
-            return DiskFullError(f"disk full under {self.path}: nothing was stored")
-        return StorageIOError(f"write to {self.path} failed: {exc}; nothing was stored")
-
-    def _finish(
-        self,
-        p: Plan,
-        batch: list[_Op],
-        positions: list[tuple[int, int]],
-        written: list[tuple[int, int]],
-    ) -> None:
-        """The batch is durable: apply it to RAM, answer, mark the rows for the checkpointer."""
-        p.resolve(positions)
-        key_recs = {
-            ref: (pack_loc(*positions[i]) if i is not None else None)
-            for ref, i in p.key_recs.items()
-        }
-        meta_recs = {
-            mk: ((pack_loc(*positions[r[0]]), r[1]) if r is not None else None)
-            for mk, r in p.meta_recs.items()
-        }
-        tomb: dict[int, int] = {}
-        for i in p.tombs:
-            sid = positions[i][0]
-            tomb[sid] = tomb.get(sid, 0) + len(p.records[i][0])
-        w = self._writer
-        with self._lock:
-            dirty = self._space.dirty  # (swapped by the checkpointer under this lock)
-            # where the blobs this batch may destroy are: their bytes go back to the disk
-            doomed = {}
-            for sdig in [*(d for d, n in p.ref_delta.items() if n < 0), *p.dropped]:
-                b = self._blobs.get(sdig)
-                if b is not None and b.seg >= 0 and sdig not in p.quarantine:
-                    doomed[sdig] = (b, b.seg, b.off, b.size)
-            for ns, key in key_recs:  # the old record of each rewritten key goes dead
-                old = self._space.kloc.get(ns, {}).get(key)
-                b = self._lookup(ns, key)
-                if old is not None and b is not None:
-                    self._space.count_key_rec(old, ns, key, b.sdig, self._tags.get((ns, key)), -1)
-            for mk in meta_recs:
-                om = self._space.mloc.pop(mk, None)
-                if om is not None:
-                    sid = unpack_loc(om[0])[0]
-                    self._space.seg_live[sid] = self._space.seg_live.get(sid, 0) - om[1]
-            self._apply(p.effects)
-            for (ns, key), rec in key_recs.items():
-                locs = self._space.kloc.get(ns)
-                b = self._lookup(ns, key)
-                if rec is None or b is None:
-                    if locs is not None:
-                        locs.pop(key, None)
-                        if not locs:
-                            del self._space.kloc[ns]
-                    continue
-                self._space.kloc.setdefault(ns, {})[key] = rec
-                tag = self._tags.get((ns, key))
-                self._space.count_key_rec(rec, ns, key, b.sdig, tag, +1)
-            dirty.keys.update(key_recs)
-            for mk, mrec in meta_recs.items():
-                if mrec is not None:
-                    self._space.mloc[mk] = mrec
-                    sid = unpack_loc(mrec[0])[0]
-                    self._space.seg_live[sid] = self._space.seg_live.get(sid, 0) + mrec[1]
-            dirty.metas.update(meta_recs)
-            dirty.blobs.update(p.placed, p.ref_delta, p.dropped)
-            for sid, n in tomb.items():
-                self._space.seg_tomb[sid] = self._space.seg_tomb.get(sid, 0) + n
-            for sid, end in written:
-                self._space.seg_len[sid] = end
-            dirty.segs.update(tomb, (sid for sid, _e in written))
-            self._quarantined.update(p.quarantine)
-            dirty.quarantine.update(p.quarantine)
-            for op, res, deduped in zip(batch, p.results, p.deduped, strict=True):
-                if op.kind == "put" and isinstance(res, PutResult):
-                    self._count_put(op.ns, res.outcome, deduped)
-            self._release_locked(batch)
-            self._batches += 1
-            self._committed_ops += len(batch)
-            if w.active is not None:
-                self._space.log_end = (w.active.id, w.pos)
-            dead = [
-                (sid, off, size)
-                for sdig, (b, sid, off, size) in doomed.items()
-                if self._blobs.get(sdig) is not b
-            ]
-        for op, res in zip(batch, p.results, strict=True):
-            settle(op.future, res)
-        if dead:
-            self._space.punch(dead)
-        self._checkpoint_due(w.last_batch_bytes)
+        self.ram.validate(ns, key)
+        self.check_open()
+        return bool(self.log.call(_Op("unpin", ns, key)))
 
     # -- background threads ----------------------------------------------------------------
     def _idle(self) -> bool:
         """Maintenance between batches (committer thread): compaction, in small steps."""
-        if self._compact is None or self._closed:
+        if self._closed or self._compact is None:
             return False
         return self._compact.step()
 
     def _tier_loop(self) -> None:
         """Keep room in the hot tier for new blocks (demotion runs off the committer)."""
+        event = self.log.tier_event
         while not self._tier_stop:
-            if not self._tier_event.wait(1.0):
+            if not event.wait(1.0):
                 continue
-            self._tier_event.clear()
+            event.clear()
             if self._tier_stop:
                 return
             try:
-                self._rebalance(int(_HOT_LOW_WATER * self.options.hot_capacity_bytes))
+                self.ram.tiers.rebalance(int(_HOT_LOW_WATER * self.options.hot_capacity_bytes))
             except Exception:  # a tier move never takes the store down
                 log.exception("tier rebalance failed")
 
     def _persisted_counters(self) -> dict[str, int]:
-        return {"integrity_failures": self._total.integrity_failures}
-
-    def _checkpoint_due(self, nbytes: int) -> None:
-        self._ckpt.due(nbytes)
+        return {"integrity_failures": self.ram.total.integrity_failures}
 
     def checkpoint(self) -> bool:
         """Write the dirty rows to the index now (True when it is up to date)."""
@@ -671,18 +390,19 @@ class SharedKvStoreBackend(TieredEngine):
     # -- checks and shutdown -------------------------------------------------------------
     def lost_keys(self) -> list[tuple[str, str, str]]:
         """Keys whose bytes were found missing at open: (namespace, key, digest hex)."""
-        return [(ns, key, d.hex()) for ns, key, d in self._opened.lost]
+        return [(ns, key, d.hex()) for ns, key, d in self.log.opened.lost]
 
     def check(self, *, deep: bool = False) -> ConsistencyReport:
         """RAM invariants, every block inside a segment's trusted bytes (`deep`: re-hash)."""
-        with self._space.maint_lock:
+        sp = self.space
+        with sp.maint_lock:
             report = ConsistencyReport()
-            with self._lock:
-                self._base_check(report)
-                blobs = [(b.sdig, b.size, b.seg, b.off) for b in self._blobs.values()]
-                segs = dict(self._space.segs)
-                ends = dict(self._space.seg_len)
-            report.lost_keys = [f"{ns}/{key}" for ns, key, _d in self._opened.lost]
+            with self.ram.lock:
+                self.ram.check_locked(report)
+                blobs = [(b.sdig, b.size, b.seg, b.off) for b in self.ram.blob_list_locked()]
+                segs = dict(sp.segs)
+                ends = dict(sp.seg_len)
+            report.lost_keys = [f"{ns}/{key}" for ns, key, _d in self.log.opened.lost]
             for sdig, size, sid, off in blobs:
                 name = sdig[-32:].hex()
                 seg = segs.get(sid)
@@ -697,9 +417,9 @@ class SharedKvStoreBackend(TieredEngine):
         """Stop as a crash right after the last acknowledged write would: every write is
         in the log, the index is left wherever its last checkpoint put it (tests)."""
         self._ckpt.stop(self._shutdown_timeout_s)
-        with self._lock:
-            self._space.dirty = Dirty()
-            self._space.log_end = self._space.ckpt_pos
+        with self.ram.lock:
+            self.space.dirty = Dirty()
+            self.space.log_end = self.space.ckpt_pos
         self.close()
 
     def close(self) -> None:
@@ -708,17 +428,17 @@ class SharedKvStoreBackend(TieredEngine):
         done = self._committer.stop(self._shutdown_timeout_s)
         if not done:
             log.error("the committer did not stop within %.0f s", self._shutdown_timeout_s)
-        with self._lock:
-            self._closed = True
+        with self.ram.lock:
+            self._closed = self.log.closed = True
         self._tier_stop = True
-        self._tier_event.set()
+        self.log.tier_event.set()
         self._ckpt.stop(self._shutdown_timeout_s)
         if done:
             # the log's files end where its last batch does (no zeroed space after it:
             # the next open has nothing to drop), and the index is current (it replays
             # nothing)
             try:
-                self._writer.cut_zeroed_tail()
+                self.space.writer.cut_zeroed_tail()
             except OSError as exc:
                 log.warning("cutting the zeroed space after the log's end failed: %s", exc)
             self.checkpoint()

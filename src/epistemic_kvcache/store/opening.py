@@ -34,7 +34,6 @@ from pathlib import Path
 
 from epistemic_kvcache.errors import ConfigurationError
 from epistemic_kvcache.store import records
-from epistemic_kvcache.store.engine import Effect, MetaPut
 from epistemic_kvcache.store.index import (
     FORMAT_VERSION,
     OLD_FORMATS,
@@ -44,6 +43,7 @@ from epistemic_kvcache.store.index import (
     open_index,
     unpack_loc,
 )
+from epistemic_kvcache.store.model import Effect, MetaPut
 from epistemic_kvcache.store.recovery import (
     LogState,
     Salvage,

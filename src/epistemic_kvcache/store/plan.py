@@ -41,7 +41,7 @@ from epistemic_kvcache.store.api import (
     PutResult,
     decide_put,
 )
-from epistemic_kvcache.store.engine import (
+from epistemic_kvcache.store.model import (
     AddKey,
     DelKey,
     Effect,

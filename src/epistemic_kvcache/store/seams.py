@@ -13,8 +13,8 @@ object the engine calls (no subclass overrides an engine hook):
   `memory.ApplyNow`: decide and apply under the engine lock, in the caller's thread)
   or group commit (`disklog.GroupCommit`: queue for the committer, which decides,
   writes and syncs a batch, then applies it).
-- `EpochSource`: the current epoch of a (tenant, scope): a dict in RAM
-  (`catalog.RamEpochs`) or the shared on-disk registry (`epochs.EpochRegistry`).
+- `EpochSource`: the current epoch of a (tenant, scope): a dict in RAM (`RamEpochs`,
+  here) or the shared on-disk registry (`epochs.EpochRegistry`).
 
 This module imports only `api` and `model`, so every store module may import it.
 """
@@ -22,10 +22,12 @@ This module imports only `api` and `model`, so every store module may import it.
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from typing import Any, Protocol
 
+from epistemic_kvcache.errors import QuotaExceededError
 from epistemic_kvcache.store.api import BlockData, Buffer, PutCond, PutResult
-from epistemic_kvcache.store.model import MetaPut, _Blob
+from epistemic_kvcache.store.model import MetaPut, _Blob, tenant_of
 
 Loc = tuple[int, int]
 """(segment, payload offset) of a block on disk; (-1, 0) when it has none."""
@@ -157,3 +159,49 @@ class EpochSource(Protocol):
         """Advance the scope's epoch; raises `QuotaExceededError` past the tenant's
         share of scopes."""
         ...
+
+
+class RamEpochs:
+    """`EpochSource` in RAM (memory backend): (tenant, scope) -> epoch."""
+
+    def __init__(
+        self,
+        lock: threading.Lock,
+        tags: dict[tuple[str, str], tuple[str, int]],
+        max_scopes_per_tenant: int,
+    ) -> None:
+        """`tags`: the engine's (ns, key) -> (scope, epoch) of tagged entries (read under
+        `lock`, to prune scopes nothing is tagged with)."""
+        self._lock = lock
+        self._tags = tags
+        self.max_scopes_per_tenant = max_scopes_per_tenant
+        self.epochs: dict[tuple[str, str], int] = {}
+
+    def current(self, tenant: str, scope: str) -> int:
+        return self.epochs.get((tenant, scope), 0)
+
+    def bump(self, tenant: str, scope: str) -> int:
+        with self._lock:
+            if (tenant, scope) not in self.epochs:
+                self._room(tenant)
+            n = self.epochs.get((tenant, scope), 0) + 1
+            self.epochs[(tenant, scope)] = n
+            return n
+
+    def _room(self, tenant: str) -> None:
+        """A tenant at its scope limit first loses the scopes no live entry is tagged
+        with (forgetting their epoch cannot make anything fresh). Lock held."""
+        mine = [s for (t, s) in self.epochs if t == tenant]
+        limit = self.max_scopes_per_tenant
+        if len(mine) < limit:
+            return
+        used = {tag[0] for (ns, _k), tag in self._tags.items() if tenant_of(ns) == tenant}
+        for scope in mine:
+            if scope not in used:
+                del self.epochs[(tenant, scope)]
+        if len(mine) - sum(1 for sc in mine if sc not in used) >= limit:
+            raise QuotaExceededError(
+                f"epoch scope quota exceeded: this tenant has {limit} scopes with live "
+                "entries (its limit)",
+                resource="epoch_scopes",
+            )

@@ -52,6 +52,7 @@ from epistemic_kvcache.buffers import read_buffer
 from epistemic_kvcache.store import records
 from epistemic_kvcache.store.api import Buffer
 from epistemic_kvcache.store.freespace import FreeSpace
+from epistemic_kvcache.store.model import digest_of
 from epistemic_kvcache.store.records import Op, Record, RecordError
 
 PREZERO_BYTES = 4 << 20
@@ -281,8 +282,6 @@ def scan(
     `payloads`: read BLOB payloads (always read for META). `verify`: check BLOB payloads
     against their digest (`Scanned.ok`). Damage is reported as `Damage` and skipped.
     """
-    from epistemic_kvcache.store.engine import digest_of
-
     end = seg.size() if stop is None else min(stop, seg.size())
     win = _Window(seg, end)
     pos = start

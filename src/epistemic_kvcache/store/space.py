@@ -26,13 +26,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from epistemic_kvcache.store import records
 from epistemic_kvcache.store.api import Buffer
-from epistemic_kvcache.store.engine import digest_of
 from epistemic_kvcache.store.index import unpack_loc
+from epistemic_kvcache.store.model import digest_of
 from epistemic_kvcache.store.records import Op
 from epistemic_kvcache.store.segments import (
     DELETE_RESERVE_BYTES,
@@ -157,6 +158,58 @@ class SegmentSpace:
         w = self.writer
         if w.active is not None:
             self.log_end = (w.active.id, w.pos)
+
+    def apply_batch_locked(
+        self,
+        *,
+        key_recs: dict[tuple[str, str], int | None],
+        before: dict[tuple[str, str], tuple[bytes, tuple[str, int] | None] | None],
+        after: dict[tuple[str, str], tuple[bytes, tuple[str, int] | None] | None],
+        meta_recs: dict[tuple[str, str, str], tuple[int, int] | None],
+        tombs: dict[int, int],
+        written: list[tuple[int, int]],
+        blobs: Iterable[Iterable[bytes]],
+        quarantine: dict[bytes, float],
+    ) -> None:
+        """The space's half of a durable batch, once RAM applied its effects (lock held):
+        each rewritten key's record moves (`key_recs`: ref -> its new record's location,
+        None when deleted; `before`/`after`: the key's (scoped digest, tag) in RAM on
+        either side of the batch), each snapshot/branch record too (`meta_recs`), the
+        tombstones and the segments' new ends are counted, and the index rows are marked
+        for the next checkpoint."""
+        kloc = self.kloc
+        for ref, rec in key_recs.items():
+            ns, key = ref
+            old = kloc.get(ns, {}).get(key)
+            was = before.get(ref)
+            if old is not None and was is not None:  # the old record goes dead
+                self.count_key_rec(old, ns, key, was[0], was[1], -1)
+            now = after.get(ref)
+            if rec is None or now is None:
+                locs = kloc.get(ns)
+                if locs is not None:
+                    locs.pop(key, None)
+                    if not locs:
+                        del kloc[ns]
+                continue
+            kloc.setdefault(ns, {})[key] = rec
+            self.count_key_rec(rec, ns, key, now[0], now[1], +1)
+        self.dirty.keys.update(key_recs)
+        for mk, mrec in meta_recs.items():
+            om = self.mloc.pop(mk, None)
+            if om is not None:
+                self.add_live(unpack_loc(om[0])[0], -om[1])
+            if mrec is not None:
+                self.mloc[mk] = mrec
+                self.add_live(unpack_loc(mrec[0])[0], mrec[1])
+        self.dirty.metas.update(meta_recs)
+        for sdigs in blobs:
+            self.dirty.blobs.update(sdigs)
+        for sid, n in tombs.items():
+            self.add_tomb(sid, n)
+        self.dirty.segs.update(tombs)
+        self.written(written)
+        self.dirty.quarantine.update(quarantine)
 
     def punch(self, dead: list[tuple[int, int, int]]) -> None:
         """Give the disk back the payload bytes of blocks that just died (their deleting

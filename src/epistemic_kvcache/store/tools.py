@@ -266,9 +266,10 @@ def rebuild_index(
         if sv is not None:
             lost += [f"{ns}/{key} ({why})" for ns, key, why in sv.unrestored]
             lost += [f"{ns}/{key} (probably: {what})" for ns, key, what in sv.suspects]
+        blocks, keys = store.ram.summary()
         return RebuildSummary(
-            blocks=len(store._blobs),
-            keys=sum(len(v) for v in store._index.values()),
+            blocks=blocks,
+            keys=keys,
             segments=int(extra["segments"]),
             log_bytes=int(extra["segment_bytes"]),
             damaged=int(extra["damaged_log_regions"]),
