@@ -5,11 +5,11 @@ and `tests/test_abuse.py` (the same scenarios, shorter, with generous assertions
 
 How it works
 ------------
-- `start_server` runs `python -m epistemic_kvcache serve` as its own process (from an
-  installed package, or from a source tree given as `src`, e.g. an export of `main` for a
-  before/after comparison), with three tenants in a token file: `tenant-a` (the
-  attacker), `tenant-b` (the well-behaved client) and `default` (operator). Its output is
-  drained by a thread for its whole life.
+- `start_server` runs `python -m epistemic_kvcache serve` as its own process (the
+  package's `ServerProcess`; from an installed package, or from a source tree given as
+  `src`, e.g. an export of `main` for a before/after comparison), with three tenants in
+  a token file: `tenant-a` (the attacker), `tenant-b` (the well-behaved client) and
+  `default` (operator). Its output is drained by a thread for its whole life.
 - `RssSampler` reads `VmRSS` of the server from `/proc/<pid>/status` every 20 ms.
 - `Probe` is the well-behaved client: on one thread, it alternates a RESP `GET` and an
   HTTP `GET /kv/<key>` of a 4 KiB block (persistent connections, or a fresh connection
@@ -28,12 +28,8 @@ import http.client
 import json
 import multiprocessing
 import os
-import re
 import selectors
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -41,6 +37,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from epistemic_kvcache.server.process import ServerProcess, write_token_file
 
 KiB, MiB = 1024, 1024 * 1024
 TOKEN_A = "abuse-token-tenant-a-0123456789abcdef"
@@ -57,73 +55,22 @@ PROBE_SOURCE = "127.0.0.2"
 # -- the server process -----------------------------------------------------------------
 
 
-@dataclass
-class ServerProc:
-    proc: subprocess.Popen[str]
-    http_port: int
-    resp_port: int
-    lines: list[str]
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-
 @contextlib.contextmanager
 def start_server(
     tmp: Path, *, src: Path | None = None, options: Sequence[str] = (), backend: str = "durable"
-) -> Iterator[ServerProc]:
-    """The server on free loopback ports, stopped (SIGTERM, then SIGKILL) on exit."""
-    tokens = tmp / "tokens"
-    tokens.write_text(f"{TOKEN_A} tenant-a\n{TOKEN_B} tenant-b\n{TOKEN_OPS} default\n")
-    tokens.chmod(0o600)
-    env = dict(os.environ)
-    for name in list(env):
-        if name.startswith("EPISTEMIC_GRAPH_KVCACHE_"):
-            del env[name]
-    if src is not None:
-        env["PYTHONPATH"] = str(src) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "epistemic_kvcache", "serve", "--backend", backend,
-           "--addr", "127.0.0.1:0", "--resp-addr", "127.0.0.1:0",
-           "--persist-dir", str(tmp / "data"), "--token-file", str(tokens),
-           "--stats-log-interval-s", "0", "--log-level", "info", *options]  # fmt: skip
-    p = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp
-    )
-    ports: dict[str, int] = {}
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert p.stdout is not None
-        for line in p.stdout:
-            lines.append(line.rstrip())
-            del lines[:-2000]
-            for wire, port in re.findall(r"listening (http|resp)=\S+:(\d+)", line):
-                ports[wire] = int(port)
-            if len(ports) == 2:
-                ready.set()
-        ready.set()
-
-    t = threading.Thread(target=pump, daemon=True)
-    t.start()
-    try:
-        if not ready.wait(60) or len(ports) != 2:
-            raise RuntimeError("server did not start:\n" + "\n".join(lines[-30:]))
-        yield ServerProc(p, ports["http"], ports["resp"], lines)
-    finally:
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
-        t.join(5)
-        if p.stdout is not None:
-            p.stdout.close()
+) -> Iterator[ServerProcess]:
+    """The server on free loopback ports, in `tmp`, stopped (SIGTERM, then SIGKILL) on exit."""
+    tokens = {TOKEN_A: "tenant-a", TOKEN_B: "tenant-b", TOKEN_OPS: "default"}
+    with ServerProcess(
+        tmp / "data",
+        *("--stats-log-interval-s", "0", "--log-level", "info", *options),
+        backend=backend,
+        token_file=write_token_file(tmp / "tokens", tokens),
+        cwd=tmp,
+        pythonpath=src,
+        keep_lines=2000,
+    ) as server:
+        yield server
 
 
 def rss_kib(pid: int) -> int:
@@ -286,7 +233,7 @@ class Probe(threading.Thread):
 
     def __init__(
         self,
-        server: ServerProc,
+        server: ServerProcess,
         *,
         fresh: bool = False,
         side: SideCheck | None = None,
@@ -725,7 +672,7 @@ ATTACKS: dict[str, Callable[..., None]] = {
 # -- set-ups -----------------------------------------------------------------------------------
 
 
-def setup_probe(server: ServerProc) -> None:
+def setup_probe(server: ServerProcess) -> None:
     c = RespClient(server.resp_port, TOKEN_B)
     try:
         assert c.call("SET", PROBE_KEY, PROBE_VALUE) == "OK"
@@ -735,7 +682,7 @@ def setup_probe(server: ServerProc) -> None:
         c.close()
 
 
-def setup_big(server: ServerProc) -> None:
+def setup_big(server: ServerProcess) -> None:
     c = RespClient(server.resp_port, TOKEN_A, timeout=60)
     try:
         reply = c.call("SET", BIG_KEY, os.urandom(32 * MiB))
@@ -744,7 +691,7 @@ def setup_big(server: ServerProc) -> None:
         c.close()
 
 
-def setup_keys(server: ServerProc, count: int, key_bytes: int = 7) -> None:
+def setup_keys(server: ServerProcess, count: int, key_bytes: int = 7) -> None:
     c = RespClient(server.resp_port, TOKEN_A, timeout=120)
     try:
         pad = "p" * max(0, key_bytes - 7)
@@ -762,7 +709,7 @@ def setup_keys(server: ServerProc, count: int, key_bytes: int = 7) -> None:
 class Scenario:
     name: str
     what: str
-    setup: Callable[[ServerProc], None] | None = None
+    setup: Callable[[ServerProcess], None] | None = None
     fresh: bool = False
     side: SideCheck | None = None
     options: tuple[str, ...] = ()
@@ -865,7 +812,7 @@ class Outcome:
 
 
 def run_scenario(
-    server: ServerProc,
+    server: ServerProcess,
     scenario: Scenario,
     *,
     unloaded_s: float = 2.0,
@@ -916,7 +863,7 @@ def run_scenario(
         side_ok=loaded.side_ok,
         baseline_rss_mib=baseline / 1024,
         peak_rss_mib=sampler.peak_kib / 1024,
-        server_alive=server.alive(),
+        server_alive=server.returncode is None,
         errors=loaded.errors,
     )
 

@@ -15,38 +15,22 @@ does not keep its connections.
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import socket
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
+
+from epistemic_kvcache.server.process import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "bench-accept-token-0123456789ab"
 
 
-def start(tree: Path, persist: Path, loops: int) -> tuple[subprocess.Popen[str], int]:
-    env = dict(os.environ, PYTHONPATH=str(tree / "src"))
-    cmd = [sys.executable, "-m", "epistemic_kvcache", "serve", "--backend", "memory",
-           "--addr", "127.0.0.1:0", "--resp-addr", "127.0.0.1:0", "--persist-dir", str(persist),
-           "--token", TOKEN, "--event-loops", str(loops)]  # fmt: skip
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    assert p.stdout is not None
-    ports: dict[str, int] = {}
-    for line in p.stdout:
-        for wire, port in re.findall(r"listening (http|resp)=\S+:(\d+)", line):
-            ports[wire] = int(port)
-        if len(ports) == 2:
-            break
-    else:
-        raise SystemExit(f"the server from {tree} did not start")
-    out = p.stdout
-    threading.Thread(target=lambda: [None for _ in out], daemon=True).start()  # drain
-    return p, ports["resp"]
+def start(tree: Path, persist: Path, loops: int) -> ServerProcess:
+    """Our server from `tree` (its `src/` first on PYTHONPATH), started."""
+    return ServerProcess(
+        persist, backend="memory", token=TOKEN, event_loops=loops, pythonpath=tree / "src"
+    )
 
 
 def rate(port: int, n: int) -> float:
@@ -72,12 +56,11 @@ def main() -> None:
         results: dict[Path, list[float]] = {t: [] for t in trees}
         try:
             for _ in range(args.rounds):
-                for tree, (_, port) in zip(trees, servers, strict=True):
-                    results[tree].append(rate(port, args.n))
+                for tree, server in zip(trees, servers, strict=True):
+                    results[tree].append(rate(server.resp_port, args.n))
         finally:
-            for p, _ in servers:
-                p.terminate()
-                p.wait(30)
+            for server in servers:
+                server.stop()
     print(f"connect + PING + close, {args.n} in a row, --event-loops {args.event_loops}")
     for tree in trees:
         print(f"{tree}: " + " / ".join(f"{r:,.0f}" for r in results[tree]) + " connections/s")

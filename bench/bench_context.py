@@ -17,13 +17,9 @@ from __future__ import annotations
 
 import argparse
 import random
-import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -39,6 +35,7 @@ from epistemic_kvcache.context import (
     TTLBundleCache,
 )
 from epistemic_kvcache.context.model import to_epoch_us
+from epistemic_kvcache.server.process import ServerProcess
 
 TOKEN = "bench-context-token"
 AS_OF = datetime(2024, 6, 1, tzinfo=UTC)
@@ -82,37 +79,11 @@ def median_s(fn: Callable[[], object], reps: int) -> float:
 
 @contextmanager
 def real_server() -> Iterator[str]:
-    with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "epistemic_kvcache", "serve", "--addr", "127.0.0.1:0",
-             "--resp-addr", "off", "--backend", "memory", "--token", TOKEN,
-             "--persist-dir", tmp],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        found: list[str] = []
-        ready = threading.Event()
-
-        def pump() -> None:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                m = re.search(r"listening http=(\S+)", line)
-                if m and not found:
-                    found.append(m.group(1))
-                    ready.set()
-            ready.set()
-
-        t = threading.Thread(target=pump, daemon=True)
-        t.start()
-        try:
-            if not ready.wait(30) or not found:
-                raise RuntimeError("server did not start")
-            yield f"http://{found[0]}"
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(10)
-            t.join(5)
-            if proc.stdout is not None:
-                proc.stdout.close()
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        ServerProcess(tmp, backend="memory", token=TOKEN, resp=False) as srv,
+    ):
+        yield srv.url()
 
 
 def bench_backend(name: str, backend: BundleCacheBackend, sizes: list[int], reps: int) -> None:

@@ -19,11 +19,9 @@ import hashlib
 import http.client
 import logging
 import os
-import re
 import select
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -37,11 +35,11 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from epistemic_kvcache.integrations.lmcache.l2_native_connector import EpistemicGraphL2Connector
+from epistemic_kvcache.server.process import ServerProcess
 
 TOKEN = "bench-drain-token-0123456789abcdef"
 JOIN_TIMEOUT_S = 60
 """How long a loop may take to end once its server is gone."""
-LISTEN_RE = re.compile(r"listening (http|resp)=(\S+):(\d+)")
 
 
 def value_of(key: str, size: int = 4096) -> bytes:
@@ -203,50 +201,12 @@ def join_loops(loops: list[Loop]) -> None:
         assert not loop.thread.is_alive(), f"{loop.name} still running"
 
 
-class Server:
-    """`epistemic-kvcache serve` (durable, loopback port 0, TOKEN) as a child process."""
-
-    def __init__(self, data: Path, *flags: str) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("EPISTEMIC_GRAPH_")}
-        cmd = [sys.executable, "-m", "epistemic_kvcache", "serve", "--addr", "127.0.0.1:0"]
-        cmd += ["--resp-addr", "127.0.0.1:0", "--persist-dir", str(data), "--token", TOKEN]
-        self.proc = subprocess.Popen(
-            [*cmd, *flags], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        self.ports: dict[str, int] = {}
-        self.output: list[str] = []
-        ready = threading.Event()
-
-        def pump() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                self.output.append(line)
-                m = LISTEN_RE.search(line)
-                if m:
-                    self.ports[m.group(1)] = int(m.group(3))
-                    if len(self.ports) == 2:
-                        ready.set()
-            ready.set()
-
-        self._pump = threading.Thread(target=pump, daemon=True)
-        self._pump.start()
-        if not ready.wait(60) or len(self.ports) != 2:
-            self.proc.kill()
-            raise RuntimeError("server did not start:\n" + "".join(self.output))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(30)
-        self._pump.join(30)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-
-
 def one_round(tmp: Path, event_loops: int) -> dict[str, object]:
-    srv = Server(tmp, "--shutdown-timeout-s", "60", "--event-loops", str(event_loops))
+    srv = ServerProcess(
+        tmp, "--shutdown-timeout-s", "60", backend="durable", token=TOKEN, event_loops=event_loops
+    )
     try:
-        url = f"http://127.0.0.1:{srv.ports['http']}"
+        url = srv.url()
         loops = [
             redis_loop(lambda: srv.ports["resp"]),
             http_loop(lambda: srv.ports["http"]),
@@ -254,8 +214,8 @@ def one_round(tmp: Path, event_loops: int) -> dict[str, object]:
         ]
         start_loops(loops, warm=200)
         signalled = time.monotonic()
-        srv.proc.send_signal(signal.SIGTERM)
-        rc = srv.proc.wait(120)
+        srv.signal(signal.SIGTERM)
+        rc = srv.wait(120)
         exited = time.monotonic()
         join_loops(loops)
         return {
@@ -267,7 +227,7 @@ def one_round(tmp: Path, event_loops: int) -> dict[str, object]:
             "cut_at_bound": any("shutdown_timeout_s" in line for line in srv.output),
         }
     finally:
-        srv.stop()
+        srv.kill()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,8 +3,9 @@
     .venv/bin/python -m bench.bench_failures [--paths a,redis,resp,mp-native,mp-resp]
                                              [--limit-s 45] [--deploy-dir deploy/lmcache]
 
-One real server process (durable backend, fixed free ports, so it can be restarted on
-the same ports with its data) and LMCache 0.5.6's real objects for each path:
+One real server process (durable backend, on the ports the kernel picks at its first
+start, so it can be restarted on the same ports with its data) and LMCache 0.5.6's
+real objects for each path:
 
   a          Path A: our storage plugin, loaded by LMCache's `storage_plugin_launcher`
              from `path-a-storage-plugin.yaml` (lookup = `batched_contains`, load =
@@ -36,10 +37,7 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -53,6 +51,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from epistemic_kvcache.server.process import ServerProcess
 from helpers import sigstop  # tests/helpers.py
 
 TOKEN = "bench-failures-token-0123456789abcdef"
@@ -62,74 +61,45 @@ CHUNK_TOKENS = 16
 KV_SHAPE = (2, 2, CHUNK_TOKENS, 2, 64)  # layers, k/v, tokens, heads, head size: 16 KiB/chunk
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class ServerProcess:
-    """Our server on fixed loopback ports, restartable on the same ports and data."""
+class Server:
+    """Our server (durable backend, TOKEN), restartable on the same ports and data: the
+    first start takes the ports the kernel picks, a restart asks for the same ones."""
 
     def __init__(self, data: Path) -> None:
         self.data = data
-        self.http_port = free_port()
-        self.resp_port = free_port()
-        self.proc: subprocess.Popen[str] | None = None
+        self.http_port = self.resp_port = 0
+        self.process: ServerProcess | None = None
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "epistemic_kvcache", "serve", "--backend", "durable",
-               "--addr", f"127.0.0.1:{self.http_port}",
-               "--resp-addr", f"127.0.0.1:{self.resp_port}",
-               "--persist-dir", str(self.data), "--token", TOKEN]  # fmt: skip
-        env = {k: v for k, v in os.environ.items() if not k.startswith("EPISTEMIC_GRAPH_")}
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        self.process = ServerProcess(
+            self.data,
+            backend="durable",
+            token=TOKEN,
+            addr=f"127.0.0.1:{self.http_port}",
+            resp=f"127.0.0.1:{self.resp_port}",
         )
-        seen: set[str] = set()
-        ready = threading.Event()
-        proc = self.proc
+        self.http_port, self.resp_port = self.process.http_port, self.process.resp_port
 
-        def pump() -> None:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                seen.update(re.findall(r"listening (http|resp)=", line))
-                if len(seen) == 2:
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        if not ready.wait(60) or len(seen) != 2:
-            raise RuntimeError("server did not start")
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.returncode is None
 
     @property
     def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
+        assert self.process is not None
+        return self.process.pid
 
     def signal(self, sig: int) -> None:
-        os.kill(self.pid, sig)
+        assert self.process is not None
+        self.process.signal(sig)
 
     def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait(30)
+        assert self.process is not None
+        self.process.kill()
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        with_cont = True
-        try:
-            os.kill(self.proc.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            with_cont = False
-        if with_cont:
-            self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        if self.process is not None:
+            self.process.stop()
 
 
 @dataclass
@@ -295,7 +265,7 @@ class _V1Driver(Driver):
 
 
 class PathADriver(_V1Driver):
-    def __init__(self, server: ServerProcess, deploy: Path) -> None:
+    def __init__(self, server: Server, deploy: Path) -> None:
         from lmcache.v1.config import LMCacheEngineConfig
         from lmcache.v1.storage_backend import storage_plugin_launcher
 
@@ -313,7 +283,7 @@ class PathADriver(_V1Driver):
 class RemoteDriver(_V1Driver):
     """LMCache's own RemoteBackend (redis-py or the C++ RESP client)."""
 
-    def __init__(self, server: ServerProcess, deploy: Path, scheme: str) -> None:
+    def __init__(self, server: Server, deploy: Path, scheme: str) -> None:
         from lmcache.v1.config import LMCacheEngineConfig
         from lmcache.v1.storage_backend.remote_backend import RemoteBackend
 
@@ -417,7 +387,7 @@ class MPDriver(Driver):
         pass
 
 
-def make_driver(path: str, server: ServerProcess, deploy: Path) -> Any:
+def make_driver(path: str, server: Server, deploy: Path) -> Any:
     if path == "a":
         return PathADriver(server, deploy)
     if path in ("redis", "resp"):
@@ -437,7 +407,7 @@ def make_driver(path: str, server: ServerProcess, deploy: Path) -> Any:
 
 # -- scenarios ---------------------------------------------------------------------------
 @contextmanager
-def fresh(path: str, server: ServerProcess, deploy: Path) -> Iterator[Any]:
+def fresh(path: str, server: Server, deploy: Path) -> Iterator[Any]:
     driver = make_driver(path, server, deploy)
     try:
         yield driver
@@ -445,7 +415,7 @@ def fresh(path: str, server: ServerProcess, deploy: Path) -> Iterator[Any]:
         driver.release()
 
 
-def stalled(path: str, server: ServerProcess, deploy: Path, limit: float) -> dict[str, Outcome]:
+def stalled(path: str, server: Server, deploy: Path, limit: float) -> dict[str, Outcome]:
     out: dict[str, Outcome] = {}
     with fresh(path, server, deploy) as d:
         d.store(1)
@@ -463,7 +433,7 @@ def stalled(path: str, server: ServerProcess, deploy: Path, limit: float) -> dic
     return out
 
 
-def restart(path: str, server: ServerProcess, deploy: Path, limit: float) -> dict[str, Outcome]:
+def restart(path: str, server: Server, deploy: Path, limit: float) -> dict[str, Outcome]:
     out: dict[str, Outcome] = {}
     with fresh(path, server, deploy) as d:
         d.store(2)
@@ -489,7 +459,7 @@ def restart(path: str, server: ServerProcess, deploy: Path, limit: float) -> dic
     return out
 
 
-def missing(path: str, server: ServerProcess, deploy: Path, limit: float) -> dict[str, Outcome]:
+def missing(path: str, server: Server, deploy: Path, limit: float) -> dict[str, Outcome]:
     out: dict[str, Outcome] = {}
     with fresh(path, server, deploy) as d:
         d.store(3)  # so loads know the chunk size
@@ -517,7 +487,7 @@ def main() -> None:
     logging.disable(logging.WARNING)  # LMCache and the client log every failed call
     rows: list[str] = []
     with tempfile.TemporaryDirectory(prefix="bench-failures-") as d:
-        server = ServerProcess(Path(d) / "data")
+        server = Server(Path(d) / "data")
         server.start()
         try:
             for path in args.paths.split(","):
@@ -531,7 +501,7 @@ def main() -> None:
                     print(f"{path:<9} {name:<8} {cells}  [{time.perf_counter() - t0:.0f} s]")
                     sys.stdout.flush()
                     rows.append(f"| {path} | {name} | {cells} |")
-                    if server.proc is None or server.proc.poll() is not None:
+                    if not server.running:
                         server.start()
         finally:
             server.stop()

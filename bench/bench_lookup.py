@@ -38,14 +38,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import select
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -54,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.bench_cpu import cpu_seconds, pid_listening
+from epistemic_kvcache.server.process import ServerProcess
 
 TOKEN = "bench-lookup-token-0123456789abcdef"
 WORKERS = 8
@@ -75,39 +74,17 @@ def our_server(
 ) -> Iterator[Server]:
     """Our server from tree `src` on free loopback ports, `loops` event loops (0: the
     default, one per core); its output drained by a thread."""
-    env = dict(os.environ, PYTHONPATH=f"{src / 'src'}")
-    cmd = [sys.executable, "-m", "epistemic_kvcache", "serve", "--backend", backend,
-           "--addr", "127.0.0.1:0", "--resp-addr", "127.0.0.1:0",
-           "--persist-dir", str(tmp / f"ours-{label}"), "--token", TOKEN,
-           "--log-level", "info", "--hot-capacity-bytes", "256MiB",
-           *(["--event-loops", loops] if loops != "0" else [])]  # fmt: skip
-    p = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp
-    )
-    ports: dict[str, int] = {}
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert p.stdout is not None
-        for line in p.stdout:
-            for wire, port in re.findall(r"listening (http|resp)=\S+:(\d+)", line):
-                ports[wire] = int(port)
-            if len(ports) == 2:
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    try:
-        if not ready.wait(90) or len(ports) != 2:
-            raise RuntimeError(f"our server ({label}) did not start")
-        yield Server(label, p.pid, ports["resp"], TOKEN, f"http://127.0.0.1:{ports['http']}")
-    finally:
-        p.terminate()
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    with ServerProcess(
+        tmp / f"ours-{label}",
+        *("--log-level", "info", "--hot-capacity-bytes", "256MiB"),
+        backend=backend,
+        token=TOKEN,
+        event_loops=None if loops == "0" else int(loops),
+        cwd=tmp,
+        pythonpath=src / "src",
+        start_timeout_s=90,
+    ) as p:
+        yield Server(label, p.pid, p.resp_port, TOKEN, p.url())
 
 
 @contextmanager

@@ -17,7 +17,6 @@ import argparse
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from pathlib import Path
 
 from bench import loadgen
 from bench.plots import plot_ratios
+from epistemic_kvcache.server.process import ServerProcess
 
 KiB, MiB = 1024, 1024 * 1024
 SIZES = [4 * KiB, 256 * KiB, 4 * MiB, 32 * MiB]
@@ -139,41 +139,17 @@ def our_server(
         "64MiB",
     ),
 ) -> Iterator[tuple[int, int]]:
-    """Our server on free loopback ports -> (http port, resp port).
-
-    Its output is drained by a thread for its whole life, so a chatty log can never fill
-    the pipe and stall the server mid-benchmark."""
-    cmd = [sys.executable, "-m", "epistemic_kvcache", "serve", "--backend", backend,
-           "--addr", "127.0.0.1:0", "--resp-addr", "127.0.0.1:0",
-           "--persist-dir", str(tmp / f"ours-{backend}"), "--token", token,
-           "--log-level", "info", *options]  # fmt: skip
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    ports: dict[str, int] = {}
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert p.stdout is not None
-        for line in p.stdout:
-            for wire, port in re.findall(r"listening (http|resp)=\S+:(\d+)", line):
-                ports[wire] = int(port)
-            if len(ports) == 2:
-                ready.set()
-        ready.set()
-
-    t = threading.Thread(target=pump, daemon=True)
-    t.start()
-    try:
-        if not ready.wait(60) or len(ports) != 2:
-            raise RuntimeError("our server did not start")
-        yield ports["http"], ports["resp"]
-    finally:
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
-        t.join(5)
+    """Our server on free loopback ports -> (http port, resp port) (the package's
+    `ServerProcess`: its output drained by a thread for its whole life, so a chatty log
+    can never fill the pipe and stall the server mid-benchmark)."""
+    with ServerProcess(
+        tmp / f"ours-{backend}",
+        *("--log-level", "info", *options),
+        backend=backend,
+        token=token,
+        keep_lines=2000,
+    ) as srv:
+        yield srv.http_port, srv.resp_port
 
 
 def workload(size: int, budget: int, clients: int) -> tuple[list[bytes], list[bytes]]:
@@ -238,8 +214,6 @@ def loopback_bw() -> str:
 
 def python_socket_bw(total: int = 2 << 30, chunk: int = 32 * MiB) -> str:
     """One loopback stream: sendall of 32 MiB buffers, recv_into a preallocated buffer."""
-    import threading
-
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)

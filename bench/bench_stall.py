@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import os
-import re
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from epistemic_kvcache.server.process import ServerProcess
 
 TOKEN = "bench-stall-token-0123456789abcdef"
 MiB = 1 << 20
@@ -44,49 +42,36 @@ def _bf16(size: int, seed: int) -> bytes:
     return bytes((vals.view(np.uint32) >> 16).astype(np.uint16).tobytes())
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Server:
+    """Our server (durable backend, HTTP only) on its data; each start takes a port the
+    kernel picks."""
+
     def __init__(self, data: Path, hot_mib: int, block_mib: int) -> None:
         self.data = data
-        self.port = free_port()
         self.hot_mib = hot_mib
         self.block_mib = block_mib
-        self.proc: subprocess.Popen[str] | None = None
+        self.process: ServerProcess | None = None
+
+    @property
+    def port(self) -> int:
+        assert self.process is not None
+        return self.process.http_port
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "epistemic_kvcache", "serve", "--backend", "durable",
-               "--addr", f"127.0.0.1:{self.port}", "--resp-addr", "off",
-               "--persist-dir", str(self.data), "--token", TOKEN,
-               "--hot-capacity-bytes", f"{self.hot_mib}MiB",
-               "--warm-capacity-bytes", f"{self.hot_mib}MiB",
-               "--max-block-bytes", f"{max(self.block_mib, 1)}MiB"]  # fmt: skip
-        env = {k: v for k, v in os.environ.items() if not k.startswith("EPISTEMIC_GRAPH_")}
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        self.process = ServerProcess(
+            self.data,
+            *("--hot-capacity-bytes", f"{self.hot_mib}MiB"),
+            *("--warm-capacity-bytes", f"{self.hot_mib}MiB"),
+            *("--max-block-bytes", f"{max(self.block_mib, 1)}MiB"),
+            backend="durable",
+            token=TOKEN,
+            resp=False,
+            start_timeout_s=120,
         )
-        ready = threading.Event()
-        proc = self.proc
-
-        def pump() -> None:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                if re.search(r"listening http=", line):
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        if not ready.wait(120) or proc.poll() is not None:
-            raise RuntimeError("server did not start")
 
     def stop(self) -> None:
-        assert self.proc is not None
-        self.proc.terminate()
-        self.proc.wait(60)
+        assert self.process is not None
+        self.process.stop(60)
 
 
 def request(

@@ -51,7 +51,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.abuse import TOKEN_B, TOKEN_OPS, ServerProc, rss_kib, start_server
+from bench.abuse import TOKEN_B, TOKEN_OPS, rss_kib, start_server
+from epistemic_kvcache.server.process import ServerProcess
 
 KiB, MiB = 1024, 1024 * 1024
 
@@ -210,7 +211,7 @@ class Wire:
 
 
 class HttpWire(Wire):
-    def __init__(self, server: ServerProc) -> None:
+    def __init__(self, server: ServerProcess) -> None:
         from epistemic_kvcache.client import EpistemicGraphKVBackend, KvCacheConfig
 
         self.client = EpistemicGraphKVBackend(
@@ -259,7 +260,7 @@ class HttpWire(Wire):
 
 
 class RespWire(Wire):
-    def __init__(self, server: ServerProc) -> None:
+    def __init__(self, server: ServerProcess) -> None:
         import redis
 
         self.r = redis.Redis(
@@ -283,7 +284,7 @@ class RespWire(Wire):
         self.r.close()
 
 
-WIRES: dict[str, Callable[[ServerProc], Wire]] = {"http": HttpWire, "resp": RespWire}
+WIRES: dict[str, Callable[[ServerProcess], Wire]] = {"http": HttpWire, "resp": RespWire}
 
 
 # -- the sampler -----------------------------------------------------------------------
@@ -308,7 +309,7 @@ def read_tiers(port: int) -> dict[str, dict[str, int]]:
 
 
 class Sampler(threading.Thread):
-    def __init__(self, server: ServerProc, interval_s: float, t0: float) -> None:
+    def __init__(self, server: ServerProcess, interval_s: float, t0: float) -> None:
         super().__init__(daemon=True, name="soak-sampler")
         self.server = server
         self.interval_s = interval_s
@@ -370,7 +371,7 @@ class Client(threading.Thread):
     """One LMCache instance: its own connection(s) and key space, the store / lookup /
     load rounds until the deadline. Its tallies go into its own `SoakResult`."""
 
-    def __init__(self, cfg: SoakConfig, index: int, server: ServerProc, t0: float) -> None:
+    def __init__(self, cfg: SoakConfig, index: int, server: ServerProcess, t0: float) -> None:
         super().__init__(daemon=True, name=f"soak-client-{index}")
         self.cfg = cfg
         self.index = index

@@ -22,9 +22,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -35,6 +32,8 @@ from pathlib import Path
 import blake3
 import redis
 import urllib3
+
+from epistemic_kvcache.server.process import ServerProcess
 
 TOKEN = "crash-harness-token-0123456789abcdef"
 
@@ -59,45 +58,20 @@ class Ledger:
     dels: int = 0
 
 
-class Server:
-    """One `epistemic-kvcache serve` process on free loopback ports."""
+class Server(ServerProcess):
+    """One `epistemic-kvcache serve` process (durable, TOKEN, both listeners on loopback
+    port 0, small tiers), its output appended to `log`."""
 
     def __init__(self, persist_dir: Path, log: Path) -> None:
-        cmd = [sys.executable, "-m", "epistemic_kvcache", "serve", "--backend", "durable",
-               "--persist-dir", str(persist_dir), "--token", TOKEN,
-               "--addr", "127.0.0.1:0", "--resp-addr", "127.0.0.1:0",
-               "--hot-capacity-bytes", "32MiB", "--warm-capacity-bytes", "16MiB",
-               "--cold-capacity-bytes", "2GiB", "--log-level", "info"]  # fmt: skip
-        self.log = log.open("a")
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        super().__init__(
+            persist_dir,
+            *("--hot-capacity-bytes", "32MiB", "--warm-capacity-bytes", "16MiB"),
+            *("--cold-capacity-bytes", "2GiB", "--log-level", "info"),
+            backend="durable",
+            token=TOKEN,
+            log_path=log,
+            start_timeout_s=120,
         )
-        self.ports: dict[str, int] = {}
-        ready = threading.Event()
-
-        def pump() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                self.log.write(line)
-                for wire, port in re.findall(r"listening (http|resp)=\S+:(\d+)", line):
-                    self.ports[wire] = int(port)
-                if len(self.ports) == 2:
-                    ready.set()
-            ready.set()
-
-        self._pump = threading.Thread(target=pump, daemon=True)
-        self._pump.start()
-        if not ready.wait(120) or len(self.ports) != 2:
-            self.kill()
-            raise RuntimeError(f"the server did not start (see {log})")
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-        self._pump.join(10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self.log.close()
 
 
 def _resp_worker(srv: Server, ledger: Ledger, stop: threading.Event, name: str, seed: int) -> None:

@@ -102,10 +102,10 @@ def test_attack_leaves_other_tenants_served(name: str, tmp_root: Path) -> None:
         outcome = abuse.run_scenario(
             server, scenario, unloaded_s=1.0, loaded_s=3.0, attack_params=params
         )
-        lines = list(server.lines)
+        lines = list(server.output)
     print(abuse.HEADER)
     print(outcome.row())
-    assert outcome.server_alive, "\n".join(lines[-30:])
+    assert outcome.server_alive, "".join(lines[-30:])
     assert outcome.samples >= 10, outcome
     assert outcome.probe_failures == 0, outcome.errors
     assert outcome.side_failures == 0, outcome.errors
