@@ -24,13 +24,13 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from bench.bench_server import free_port, spawn_redis, wait_port
+from epistemic_kvcache.server.process import ServerProcess
 
 MiB = 1024 * 1024
 TOKEN = "bench-promises-token-0123456789abcdef"
@@ -128,41 +128,27 @@ class MooncakeStack:
 
 
 class OurServer:
-    """`epistemic-kvcache serve` (durable backend, a token) as a child we can SIGKILL."""
+    """`epistemic-kvcache serve` (durable backend, a token) as a child we can SIGKILL;
+    each start takes the ports the kernel picks."""
 
     def __init__(self, data: Path) -> None:
         self.data = data
-        self.proc: subprocess.Popen[str] | None = None
-        self.ports: dict[str, int] = {}
+        self.process: ServerProcess | None = None
+
+    @property
+    def ports(self) -> dict[str, int]:
+        assert self.process is not None
+        return self.process.ports
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "epistemic_kvcache", "serve", "--backend", "durable",
-               "--addr", "127.0.0.1:0", "--resp-addr", "127.0.0.1:0", "--token", TOKEN,
-               "--persist-dir", str(self.data), "--max-block-bytes", "64MiB"]  # fmt: skip
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        self.process = ServerProcess(
+            self.data, "--max-block-bytes", "64MiB", backend="durable", token=TOKEN
         )
-        self.ports = {}
-        ready = threading.Event()
-
-        def pump() -> None:
-            assert self.proc is not None
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                for wire, port in re.findall(r"listening (http|resp)=\S+:(\d+)", line):
-                    self.ports[wire] = int(port)
-                if len(self.ports) == 2:
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        if not ready.wait(60) or len(self.ports) != 2:
-            raise RuntimeError("our server did not start")
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            self.proc.wait(30)
+        if self.process is not None:
+            self.process.signal(sig)
+            self.process.wait(30)
 
     def redis(self, password: str | None = TOKEN) -> Any:
         import redis
