@@ -12,7 +12,7 @@ the hot copy byte for byte (store/hotcore.py `HotCore.put`, blocks up to
 with Cython into a temporary folder (the same compiler the twins use) with both forms of
 each operation, `memcmp` / `memcpy` with the GIL held and with it released
 (`with nogil`), and calls them in a loop from 1 and from 2 threads, with the GIL switch
-interval the server sets for several event loops (server/app.py `SWITCH_INTERVAL_S`).
+interval the server sets for several event loops (server/runtime.py `SWITCH_INTERVAL_S`).
 Printed per size and form: calls per second on 1 and 2 threads, and the 2-thread
 speedup; above the table, the cost of one uncontended release-and-retake. A release
 pays only where 2 threads beat 1 by more than the held form's 2 threads do.
@@ -34,7 +34,7 @@ from types import ModuleType
 
 from bench.bench_cpu import parse_size
 from bench.bench_server import human
-from epistemic_kvcache.server.app import SWITCH_INTERVAL_S
+from epistemic_kvcache.server.runtime import SWITCH_INTERVAL_S
 
 PROBE = """\
 # cython: language_level=3

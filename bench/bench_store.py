@@ -25,7 +25,7 @@ import numpy as np
 
 from bench.bench_cpu import parse_size
 from epistemic_kvcache.options import StoreOptions
-from epistemic_kvcache.server.app import tune_allocator
+from epistemic_kvcache.server.runtime import tune_allocator
 from epistemic_kvcache.store import SharedKvIndex, SharedKvStoreBackend, WarmCodec
 
 KiB, MiB = 1024, 1024 * 1024

@@ -1,6 +1,6 @@
 """Requests leave no reference cycles behind.
 
-The server runs the cyclic garbage collector rarely (`server.app.tune_gc`), so memory a
+The server runs the cyclic garbage collector rarely (`server.runtime.tune_gc`), so memory a
 request held in a cycle stayed allocated until the next collection: a recursive closure
 in the chunked JSON encoder kept every large listing answer (~10 MB) alive, and an abuse
 scenario's peak RSS went from ~200 to ~500 MiB. Reference counting must free everything

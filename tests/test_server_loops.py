@@ -28,9 +28,10 @@ from epistemic_kvcache.client import EpistemicGraphKVBackend
 from epistemic_kvcache.config import Address, load_config, usable_cores
 from epistemic_kvcache.errors import ConfigurationError
 from epistemic_kvcache.server import loops
-from epistemic_kvcache.server.app import SWITCH_INTERVAL_S, ServerThread, tune_switch_interval
+from epistemic_kvcache.server.app import ServerThread
 from epistemic_kvcache.server.loops import ListenerError
 from epistemic_kvcache.server.resp.session import TenantGates
+from epistemic_kvcache.server.runtime import SWITCH_INTERVAL_S, tune_switch_interval
 from helpers import eventually
 from servers import TOKEN, ServeProcess, running_server, server_config, start_server
 
