@@ -24,6 +24,8 @@ import redis
 
 from epistemic_kvcache.proto.http import encode_batch_put_request
 from epistemic_kvcache.server.resp import COMMANDS
+from epistemic_kvcache.server.writes import TenantGates
+from epistemic_kvcache.store import SharedKvIndex
 from helpers import eventually
 from servers import RunningServer, running_listener, running_server
 
@@ -435,6 +437,37 @@ def test_an_http_write_waits_while_a_transaction_holds_the_tenant() -> None:
         t.join(30)
         assert done == [201]
         assert bytes(lst.store.get("default", "gated") or b"") == b"v"
+
+
+class GateRecordingStore(SharedKvIndex):
+    """The memory store, noting at each inline PUT whether the writer is inside the
+    tenant's gate (an EXEC taking the tenant must wait for it)."""
+
+    gates: TenantGates | None = None
+    inside: list[int]
+
+    def put_nowait(self, ns: str, key: str, data: Any, cond: Any = None) -> Any:
+        assert self.gates is not None
+        self.inside.append(self.gates.active(ns))
+        return super().put_nowait(ns, key, data, cond=cond)
+
+
+def test_an_inline_set_lands_inside_the_tenants_gate() -> None:
+    """A pipeline of plain SETs answered in the read callback (the fast path) used to
+    write outside the gate, checking only a hint first: a transaction taking the tenant
+    on another event loop meanwhile could have SETs land between its check of the
+    watched keys and its own writes."""
+    store = GateRecordingStore()
+    store.inside = []
+    with running_listener("resp", store=store, tokens={TOKEN: "default"}) as lst:
+        store.gates = lst.ctx.writes.gates
+        with redis.Redis(port=lst.port, password=TOKEN) as r, r.pipeline(False) as p:
+            for i in range(20):
+                p.set(f"inline{i}", b"v")
+            assert p.execute() == [True] * 20
+        assert len(store.inside) == 20
+        assert all(n >= 1 for n in store.inside), store.inside
+        assert lst.ctx.writes.gates.active("default") == 0  # left once they landed
 
 
 def test_a_closed_connection_forgets_its_watches() -> None:

@@ -148,7 +148,8 @@ class Dispatcher:
         """Plain SETs begun inline whose replies are not sent yet (a durable one's is a
         future): `finish_started` awaits them, in order, on the connection's task."""
         self._gate: str | None = None
-        """The tenant whose gate `run_fast` entered for `started` (left when finished)."""
+        """The tenant whose gate `run_fast` entered for its SETs: left at its end, or,
+        with SETs `started`, once they are acknowledged (server/writes.py)."""
         self.fast_ended = 0.0
         """`perf_counter` when `run_fast` last finished its last command (or began)."""
         shared = session.shared

@@ -11,7 +11,9 @@ durable PUT, or `WOULD_BLOCK`); the first one it cannot answer goes back (`unrea
 the task, in order. Replies are written together (one write per read, or per
 `FAST_FLUSH_BYTES`). A durable SET is started (its future goes to `started`, with the
 plain SETs pipelined right behind it, so they share one group commit) and the task
-awaits it (`Dispatcher.finish_started`). Per command it does only what an answer needs:
+awaits it (`Dispatcher.finish_started`). A read that SETs enters the tenant's gate
+first (server/writes.py), as every write does, and marks the watchers of the keys it
+wrote before leaving it. Per command it does only what an answer needs:
 one dict lookup for the route, the store call, the reply bytes, one clock reading and
 its latency bucket; the tenant's tallies (INFO) are summed in locals and added once.
 
@@ -195,6 +197,11 @@ def run_fast(
             if route == "get":
                 reply = store.get_nowait(ns, str(cmd[1], "utf-8"))
             elif route == "set":
+                if self._gate is None:  # a write holds the tenant's gate while it lands
+                    if not gates.enter_nowait(ns):  # a transaction took the tenant
+                        self.queue.unread([cmd])
+                        break
+                    self._gate = ns
                 value = cmd[2]
                 reply = store.put_nowait(
                     ns,
@@ -219,9 +226,7 @@ def run_fast(
             self.queue.unread([cmd])
             break
         taken += 1
-        if started or isinstance(reply, _Future):
-            if not started and gates.enter_nowait(ns):
-                self._gate = ns  # the tenant is in use until the SETs are acked
+        if started or isinstance(reply, _Future):  # (the gate is left once they are acked)
             started.append((reply, mark, cmd))
             mark = perf()
             continue
@@ -266,6 +271,9 @@ def run_fast(
         mark = t1
     if out:
         write(out)
+    if self._gate is not None and not started:
+        gates.leave(ns)  # every SET of this read is applied (and its watchers marked)
+        self._gate = None
     self.fast_ended = mark
     if calls:
         activity = activity_of(ns)
