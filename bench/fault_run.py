@@ -144,7 +144,8 @@ def flip(p: Path, at: int) -> None:
 def records_of(path: Path, op: str) -> list[tuple[Path, int, int]]:
     sys.path.insert(0, str(SRC))
     from epistemic_kvcache.store.records import Op
-    from epistemic_kvcache.store.segments import Scanned, Segment, scan
+    from epistemic_kvcache.store.scan import Scanned, scan
+    from epistemic_kvcache.store.segments import Segment
 
     out = []
     for p in segs(path):

@@ -27,7 +27,8 @@ from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.store import SharedKvStoreBackend, tools
 from epistemic_kvcache.store.index import _BLOB_ROW, seal_row
 from epistemic_kvcache.store.records import Op
-from epistemic_kvcache.store.segments import Scanned, Segment, scan
+from epistemic_kvcache.store.scan import Scanned, scan
+from epistemic_kvcache.store.segments import Segment
 
 NS = "tenant"
 OPTS = {"map_size_bytes": 64 << 20, "segment_bytes": 256 << 10}

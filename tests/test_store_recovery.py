@@ -27,7 +27,8 @@ from epistemic_kvcache.options import StoreOptions
 from epistemic_kvcache.store import SharedKvStoreBackend, records, tools
 from epistemic_kvcache.store.records import Op
 from epistemic_kvcache.store.recovery import LogState, finish, replay, valid_ends
-from epistemic_kvcache.store.segments import DiskIO, LogWriter, Segment, scan
+from epistemic_kvcache.store.scan import scan
+from epistemic_kvcache.store.segments import DiskIO, LogWriter, Segment
 
 NS = "tenant"
 OPTS = {"map_size_bytes": 64 << 20, "segment_bytes": 256 << 10}

@@ -49,7 +49,8 @@ from epistemic_kvcache.store.index import pack_loc, unpack_loc
 from epistemic_kvcache.store.plan import BlobView, KeyView
 from epistemic_kvcache.store.records import Op
 from epistemic_kvcache.store.recovery import META_CODES, META_KINDS
-from epistemic_kvcache.store.segments import Damage, SyncFailed, scan
+from epistemic_kvcache.store.scan import Damage, scan
+from epistemic_kvcache.store.segments import SyncFailed
 from epistemic_kvcache.store.space import SegmentSpace
 
 log = logging.getLogger(__name__)

@@ -57,7 +57,8 @@ from epistemic_kvcache.store.recovery import (
     salvage,
     valid_ends,
 )
-from epistemic_kvcache.store.segments import LogWriter, only_zeros, open_segments
+from epistemic_kvcache.store.scan import only_zeros
+from epistemic_kvcache.store.segments import LogWriter, open_segments
 from epistemic_kvcache.store.space import SegmentSpace
 
 log = logging.getLogger(__name__)

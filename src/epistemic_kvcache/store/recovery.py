@@ -35,7 +35,8 @@ from typing import Any
 from epistemic_kvcache.store import records
 from epistemic_kvcache.store.index import Changes, Index, KeyState, pack_loc
 from epistemic_kvcache.store.records import Op
-from epistemic_kvcache.store.segments import Damage, Scanned, Segment, only_zeros, scan
+from epistemic_kvcache.store.scan import Damage, Scanned, only_zeros, scan
+from epistemic_kvcache.store.segments import Segment
 
 log = logging.getLogger(__name__)
 

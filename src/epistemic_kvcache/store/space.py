@@ -35,14 +35,13 @@ from epistemic_kvcache.store.api import Buffer
 from epistemic_kvcache.store.index import unpack_loc
 from epistemic_kvcache.store.model import digest_of
 from epistemic_kvcache.store.records import Op
+from epistemic_kvcache.store.scan import Damage, scan
 from epistemic_kvcache.store.segments import (
     DELETE_RESERVE_BYTES,
     PUNCH_ALIGN,
-    Damage,
     DiskIO,
     LogWriter,
     Segment,
-    scan,
 )
 
 log = logging.getLogger(__name__)
