@@ -2,12 +2,14 @@
 
 - `connection`: the asyncio protocol: framing, back-pressure, accounting, timers.
 - `dispatch`: the command table, checks, batching on the thread pool, fast paths.
-- `commands`, `commands_keys`, `commands_admin`, `commands_txn`: the command handlers,
-  each given a narrow `Session`; `refusals`: the commands not served, each with why.
+- `commands`, `commands_keys`, `commands_admin`, `commands_info`, `commands_txn`: the
+  command handlers, each given a narrow `Session`; `refusals`: the commands not served,
+  each with why.
 - `session`: what a handler sees (the client's session, the listener's shared state).
 """
 
 from epistemic_kvcache.server.resp import (  # noqa: F401  (they register commands)
+    commands_info,
     commands_keys,
     commands_txn,
 )

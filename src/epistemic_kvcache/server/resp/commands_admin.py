@@ -1,13 +1,11 @@
-"""Introspection commands (docs/resp.md): CLIENT, TIME, OBJECT, COMMAND, the INFO sections
-`cpu`, `replication` and `commandstats`, and `<command> HELP` for every command with
-subcommands. A tenant sees and kills only its own connections; counters are its own.
+"""Introspection commands (docs/resp.md): CLIENT, TIME, OBJECT, COMMAND, and `<command>
+HELP` for every command with subcommands (INFO and CONFIG are commands_info.py's). A
+tenant sees and kills only its own connections; counters are its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import resource
-import secrets
 import time
 from collections.abc import Sequence
 from typing import Final
@@ -22,7 +20,7 @@ from epistemic_kvcache.server.resp.common import (
     unknown_subcommand,
     valid_client_name,
 )
-from epistemic_kvcache.server.resp.refusals import REFUSED_ROUTES, ProbeAnswer
+from epistemic_kvcache.server.resp.refusals import ProbeAnswer
 from epistemic_kvcache.server.resp.registry import (
     COMMANDS,
     BlockingHandler,
@@ -33,8 +31,6 @@ from epistemic_kvcache.server.resp.registry import (
 )
 from epistemic_kvcache.server.resp.session import LiveConnection, Session
 
-REPLID: Final = secrets.token_hex(20)
-"""This process's replication id (INFO replication): it has no replicas."""
 LFU_MAX: Final = 255
 """OBJECT FREQ's ceiling, as Redis' LFU counter."""
 
@@ -305,59 +301,6 @@ async def _command_cmd(s: Session, cmd: Command) -> object:
             f"ERR wrong number of arguments for 'command|{sub.decode().lower()}' command"
         )
     return unknown_subcommand(cmd[1], "COMMAND")
-
-
-# -- INFO sections --------------------------------------------------------------------------
-
-
-def info_sections(s: Session) -> list[tuple[str, list[tuple[str, object]]]]:
-    """INFO's `replication`, `cpu` and `commandstats` (the caller's tenant's commands)."""
-    me = resource.getrusage(resource.RUSAGE_SELF)
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    stats: list[tuple[str, object]] = []
-    if s.identity is not None:
-        per_command = dict(s.shared.activity_total(s.identity.tenant).per_command)
-        for route in sorted(per_command):
-            if route in REFUSED_ROUTES or route == "busy":
-                continue
-            st = per_command[route]
-            usec = int(st.usec)
-            per_call = st.usec / st.calls if st.calls else 0.0
-            stats.append(
-                (
-                    f"cmdstat_{route}",
-                    f"calls={st.calls},usec={usec},usec_per_call={per_call:.2f},"
-                    f"rejected_calls=0,failed_calls={st.failed}",
-                )
-            )
-    return [
-        (
-            "replication",
-            [
-                ("role", "master"),
-                ("connected_slaves", 0),
-                ("master_failover_state", "no-failover"),
-                ("master_replid", REPLID),
-                ("master_replid2", "0" * 40),
-                ("master_repl_offset", 0),
-                ("second_repl_offset", -1),
-                ("repl_backlog_active", 0),
-                ("repl_backlog_size", 0),
-                ("repl_backlog_first_byte_offset", 0),
-                ("repl_backlog_histlen", 0),
-            ],
-        ),
-        (
-            "cpu",
-            [
-                ("used_cpu_sys", f"{me.ru_stime:.6f}"),
-                ("used_cpu_user", f"{me.ru_utime:.6f}"),
-                ("used_cpu_sys_children", f"{children.ru_stime:.6f}"),
-                ("used_cpu_user_children", f"{children.ru_utime:.6f}"),
-            ],
-        ),
-        ("commandstats", stats),
-    ]
 
 
 # -- HELP -----------------------------------------------------------------------------------
