@@ -45,13 +45,13 @@ $(COMPILED_STAMP): setup.py $(PROTO)/resp_parser.py $(PROTO)/_resp_parser_c.pxd 
 compiled: $(COMPILED_STAMP)
 
 # Debian packages the test-suite talks to (real redis-server, redis-cli, redis-benchmark),
-# the daemonless image builder (buildah, podman, debootstrap: tests/test_image.py) and
-# systemd-analyze for the unit file.
-SYSDEPS := redis-server redis-tools buildah podman debootstrap crun systemd
+# the daemonless image builder (buildah, podman, debootstrap: tests/test_image.py),
+# systemd-analyze for the unit file and promtool (package prometheus) for the alert rules.
+SYSDEPS := redis-server redis-tools buildah podman debootstrap crun systemd prometheus
 sysdeps:
 	@command -v redis-server >/dev/null && command -v redis-benchmark >/dev/null && \
 	  command -v buildah >/dev/null && command -v debootstrap >/dev/null && \
-	  command -v systemd-analyze >/dev/null || \
+	  command -v systemd-analyze >/dev/null && command -v promtool >/dev/null || \
 	  { (apt-get update -qq || true) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SYSDEPS); }
 
 # Quick start: run the server on embedded defaults (loopback, durable store in ./kvcache-data).
@@ -135,10 +135,13 @@ dist-check: dist
 check:
 	$(MAKE) --keep-going lint types test dist-check
 
-# vLLM itself driving LMCache into this server, every LMCache path, across processes, a
-# server restart, two tenants and a server that is down (tests/e2e/). Its own virtualenv:
-# vLLM's CPU build pins its own torch and many more packages (about 3.9 GB, a few minutes
-# to install); built once per fresh checkout, separate from $(VENV).
+# vLLM itself driving LMCache into this server (tests/e2e/, docs/lmcache.md "vLLM end to
+# end"): every LMCache path through two fresh processes with a server restart between them,
+# a corrupted load, a server that is down and a second tenant; and a hybrid model
+# (attention plus Gated DeltaNet layers) through LMCache MP. Its own virtualenv: vLLM's CPU
+# build pins its own torch and many more packages (about 3.9 GB, a few minutes to
+# install); built once per fresh checkout, separate from $(VENV). Each process's logs stay
+# in build/e2e-tmp/ until the next run.
 E2E_VENV := build/e2e-venv
 E2E_STAMP := $(E2E_VENV)/.stamp
 E2E_CONSTRAINTS := constraints/e2e.txt
@@ -153,7 +156,8 @@ $(E2E_STAMP): pyproject.toml $(E2E_CONSTRAINTS)
 	touch $(E2E_STAMP)
 
 e2e: $(E2E_STAMP)
-	$(E2E_VENV)/bin/python -m pytest -p no:cacheprovider tests/e2e
+	$(E2E_VENV)/bin/python -m pytest -p no:cacheprovider --basetemp=build/e2e-tmp \
+	  --durations=0 tests/e2e
 
 # The crash harness at length: a real server SIGKILLed under load 200 times, every
 # acknowledged write checked byte for byte after each restart (tests/server_crash.py).
