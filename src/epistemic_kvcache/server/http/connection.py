@@ -9,17 +9,19 @@ How it works
   than a bounded amount of parsing.
 - When a head is complete the request is checked against the route table
   (server/http/routes.py) — authentication, route, method, key, Content-Length — before
-  one body byte is read. A refused request whose body is still to come is answered and
-  the connection closed (lingering: the write side is shut, unread input is discarded
-  for a moment so the peer sees the answer, not a reset).
+  one body byte is read (server/http/admission.py `admit`). A refused request whose body
+  is still to come is answered and the connection closed (lingering, server/linger.py:
+  the write side is shut, unread input is discarded for a moment so the peer sees the
+  answer, not a reset).
 - An accepted body gets one buffer of its Content-Length after its size is taken from
   the connection's memory account under the caller's tenant (server/budget.py): over
   the server's budget 503 `overloaded`, over the tenant's share 429 `tenant_busy`
   (both with `Retry-After`, connection closed). Body bytes that arrived with the head
   are copied in; the rest is read by the transport straight into the buffer.
-- Complete requests queue up and one task answers them in order (pipelining), yielding
-  to the event loop between time slices (`SLICE_S`; before authentication after every
-  request). Reading is paused while that task works. Answers are sent as separate
+- Complete requests queue up and one task answers them in order (pipelining: the
+  handler's answer or the error answer, admission.py `respond`), yielding to the event
+  loop between time slices (`SLICE_S`; before authentication after every request).
+  Reading is paused while that task works. Answers are sent as separate
   buffers (`writelines([head, payload])`); what the transport has not sent yet is
   counted under "output" and a connection over `client_output_buffer_limit_bytes` is
   dropped. Cold-read answers reserve their size under "reply" before they are read.
@@ -42,28 +44,20 @@ from typing import Any, Final, cast
 
 import httptools
 
-from epistemic_kvcache.errors import RemoteProtocolError, StoreError
-from epistemic_kvcache.proto.http import (
-    ROUTE_OTHER,
-    BatchPutReceiver,
-    decode_key_segment,
-    match_route,
-    request_path,
-    response_head,
-)
-from epistemic_kvcache.server.budget import Account, BatchTooLarge, Busy, Slot, peer_of
+from epistemic_kvcache.proto.http import ROUTE_OTHER, BatchPutReceiver, response_head
+from epistemic_kvcache.server.budget import Account, Slot, peer_of
 from epistemic_kvcache.server.context import ServerContext
 from epistemic_kvcache.server.http.admission import (
     WIRE,
     PendingRequest,
-    body_buffer,
-    busy_error,
+    admit,
     check_credentials,
-    store_error_response,
+    head_error,
+    respond,
     write_body,
 )
-from epistemic_kvcache.server.http.api import HttpError, Request, Response
-from epistemic_kvcache.server.http.routes import ROUTES
+from epistemic_kvcache.server.http.api import HttpError, Response
+from epistemic_kvcache.server.linger import DRAIN_IDLE_S, Linger
 from epistemic_kvcache.server.oplog import peer_address
 from epistemic_kvcache.server.sendfast import ReplyWriter
 
@@ -80,15 +74,7 @@ MAX_QUEUED: Final = 32
 """Complete requests waiting to be answered before parsing stops for this read."""
 SLICE_S: Final = 0.001
 """The answering task yields to the event loop after working this long."""
-DRAIN_IDLE_S: Final = 0.25
-"""Graceful stop: a keep-alive connection idle this long since the stop began is closed
-(one that sends a request first gets its answer with `Connection: close`)."""
-LINGER_S: Final = 2.0
-"""After a final answer with input still coming, keep reading (and dropping) this long."""
-LINGER_MAX_BYTES: Final = 16 * 1024 * 1024
-"""... but drop at most this much before cutting the connection."""
 _CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
-_STATUS_CODES: Final = {400: "bad_request", 413: "batch_too_large", 411: "length_required"}
 
 
 def make_http_factory(ctx: ServerContext) -> Callable[[], asyncio.BufferedProtocol]:
@@ -140,10 +126,9 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._deadline: asyncio.TimerHandle | None = None
         self._idle: asyncio.TimerHandle | None = None
         self._stall: asyncio.TimerHandle | None = None
-        self._linger: asyncio.TimerHandle | None = None
         self._auth_timer: asyncio.TimerHandle | None = None
-        self._lingering = False
-        self._linger_bytes = 0
+        self._linger = Linger()
+        """After a final answer: the write side shut, input dropped (server/linger.py)."""
         self._draining = False
         """The server is stopping: the next answer with nothing after it closes."""
         self._lent_body = False
@@ -198,7 +183,7 @@ class HttpConnection(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         try:
             if self._stopped:
-                self._discard(nbytes)
+                self._linger.drop(self._transport, nbytes)
                 return
             req = self._cur
             if self._lent_body and req is not None:
@@ -217,7 +202,7 @@ class HttpConnection(asyncio.BufferedProtocol):
 
     def eof_received(self) -> bool:
         self._eof = True
-        if self._lingering:
+        if self._linger.active:
             return False
         # Answer what is queued, then close (see _queue_drained).
         return self._task is not None or bool(self._queue) or bool(self._backlog)
@@ -225,9 +210,10 @@ class HttpConnection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self._ctx.live.discard(self)
-        for handle in (self._deadline, self._idle, self._stall, self._linger, self._auth_timer):
+        for handle in (self._deadline, self._idle, self._stall, self._auth_timer):
             if handle is not None:
                 handle.cancel()
+        self._linger.cancel()
         if self._slot is not None:
             self._slots.release(self._slot)
             self._slot = None
@@ -310,11 +296,6 @@ class HttpConnection(asyncio.BufferedProtocol):
         if self._task is not None or self._stopped or self._backlog:
             self._pause_reading()
 
-    def _discard(self, nbytes: int) -> None:
-        self._linger_bytes += nbytes
-        if self._linger_bytes > LINGER_MAX_BYTES and self._transport is not None:
-            self._transport.close()
-
     # -- parser callbacks (called by httptools inside feed_data) --------------------------
 
     def on_message_begin(self) -> None:
@@ -344,7 +325,7 @@ class HttpConnection(asyncio.BufferedProtocol):
     def on_headers_complete(self) -> None:
         req = self._cur
         assert req is not None
-        err, has_body = self._admit(req)
+        err, has_body = admit(req, self._parser, self._ctx, self._account, self._authenticate)
         if err is None:
             if req.expect_continue and not self._queue and self._task is None:
                 self._write_continue(req)
@@ -370,81 +351,12 @@ class HttpConnection(asyncio.BufferedProtocol):
             self._complete(req)
 
     def _check_head(self, req: PendingRequest) -> None:
-        lim = self._limits
-        if req.n_headers > lim.max_headers:
-            self._fail(HttpError(431, "headers_too_large", f"more than {lim.max_headers} headers"))
-            raise _Stop
-        if req.head_bytes > lim.max_header_bytes:
-            msg = f"request head exceeds {lim.max_header_bytes} bytes"
-            self._fail(HttpError(431, "headers_too_large", msg))
+        err = head_error(req, self._limits)
+        if err is not None:
+            self._fail(err)
             raise _Stop
 
-    # -- admission: everything decided from the head alone --------------------------------
-
-    def _admit(self, req: PendingRequest) -> tuple[HttpError | None, bool]:
-        """Check a complete head; allocate the body buffer. Returns (refusal, has_body)."""
-        p = self._parser
-        req.headers_done = True
-        req.method = p.get_method().decode("ascii", "replace")
-        req.http10 = p.get_http_version() == "1.0"
-        req.keep_alive = bool(p.should_keep_alive()) and not p.should_upgrade()
-        h = req.headers
-        chunked = b"transfer-encoding" in h
-        cl_raw = h.get(b"content-length")
-        try:
-            cl = int(cl_raw) if cl_raw is not None else None
-        except ValueError:
-            return HttpError(400, "bad_request", "invalid Content-Length"), True
-        has_body = chunked or bool(cl)
-        req.content_length = cl or 0
-        req.expect_continue = has_body and b"100-continue" in h.get(b"expect", b"").lower()
-
-        template, segment = match_route(request_path(bytes(req.url)))
-        route = ROUTES.get(template) if template is not None else None
-        req.route = template
-        if route is None or route.auth:
-            err = self._authenticate(req)
-            if err is not None:
-                return err, has_body
-        if route is None:
-            return HttpError(404, "not_found", "no such route"), has_body
-        if route.operators_only and (
-            req.identity is None or req.identity.tenant not in self._ctx.metrics_tenants
-        ):
-            msg = "/metrics shows server-wide totals: only operator tenants may read it"
-            return HttpError(403, "forbidden", msg), has_body
-        endpoint = route.endpoint(req.method)
-        if endpoint is None:
-            msg = f"{req.method} is not allowed on {route.template}"
-            return HttpError(405, "method_not_allowed", msg, (("Allow", route.allow),)), has_body
-        if segment is not None:
-            try:
-                req.key = decode_key_segment(segment)
-            except RemoteProtocolError as exc:
-                return HttpError(400, "bad_key", str(exc)), has_body
-        if chunked:
-            msg = "chunked request bodies are not accepted: send Content-Length"
-            return HttpError(411, "length_required", msg), has_body
-        rule = endpoint.body
-        if rule is None:
-            limit, code = self._limits.max_block_bytes, "block_too_large"
-        else:
-            limit = rule.limit(self._limits, self._ctx.store.max_block_bytes)
-            code = rule.code
-            if cl is None:
-                return HttpError(
-                    411, "length_required", "this route needs Content-Length"
-                ), has_body
-        if req.content_length > limit:
-            msg = f"body of {req.content_length} bytes exceeds the limit of {limit} bytes"
-            return HttpError(413, code, msg), has_body
-        if rule is not None:
-            refused = self._account.take("body", req.content_length)
-            if refused is not None:
-                return busy_error(refused), has_body
-            req.reserved = req.content_length
-            req.body = body_buffer(rule.buffer, req.content_length, self._limits)
-        return None, has_body
+    # -- admission (server/http/admission.py decides from the head alone) ----------------
 
     def _authenticate(self, req: PendingRequest) -> HttpError | None:
         found = check_credentials(
@@ -570,7 +482,7 @@ class HttpConnection(asyncio.BufferedProtocol):
             self._write_continue(req)
 
     async def _answer(self, req: PendingRequest) -> bool:
-        resp = await self._respond(req)
+        resp = await respond(self._ctx, self._account, req)
         req.body = None
         self._release(req)
         close = not req.keep_alive or (self._draining and self._nothing_follows())
@@ -591,42 +503,6 @@ class HttpConnection(asyncio.BufferedProtocol):
                 elapsed,
             )
         return close
-
-    async def _respond(self, req: PendingRequest) -> Response:
-        """The handler's answer, or the error answer for what it raised."""
-        if req.error is not None:
-            return req.error.response()
-        route = ROUTES.get(req.route or "")
-        endpoint = route.endpoint(req.method) if route is not None else None
-        if endpoint is None:  # admission let only routed requests through
-            return Response.error(500, "internal", "unrouted request")
-        request = Request(
-            ctx=self._ctx,
-            account=self._account,
-            method=req.method,
-            route=req.route or "",
-            target=bytes(req.url),
-            tenant=req.identity.tenant if req.identity is not None else None,
-            key=req.key,
-            headers=req.headers,
-            body=req.body,
-        )
-        try:
-            return await endpoint.handler(request)
-        except HttpError as exc:
-            return exc.response()
-        except StoreError as exc:
-            return store_error_response(exc)
-        except Busy as exc:
-            return busy_error(exc.limit).response()
-        except BatchTooLarge as exc:
-            return Response.error(413, "batch_too_large", str(exc))
-        except RemoteProtocolError as exc:
-            code = _STATUS_CODES.get(exc.status_hint, "bad_request")
-            return Response.error(exc.status_hint, code, str(exc))
-        except Exception:
-            log.exception("http: %s %s failed", req.method, req.route)
-            return Response.error(500, "internal", "internal server error")
 
     def _send(self, resp: Response, *, head_only: bool, close: bool, http10: bool) -> None:
         transport = self._transport
@@ -671,7 +547,7 @@ class HttpConnection(asyncio.BufferedProtocol):
     @property
     def drained(self) -> bool:
         """`LiveConnection.drained`: closed, or shut after its last answer."""
-        if self._closed or self._lingering:
+        if self._closed or self._linger.active:
             return True
         return self._stopped and self._task is None and not self._queue
 
@@ -750,16 +626,6 @@ class HttpConnection(asyncio.BufferedProtocol):
         transport = self._transport
         if transport is None or transport.is_closing():
             return
-        if not transport.can_write_eof():
-            transport.close()
-            return
-        try:
-            transport.write_eof()
-        except (OSError, RuntimeError):
-            transport.close()
-            return
-        self._lingering = True
-        self._linger = self._loop.call_later(LINGER_S, transport.close)
-        if self._reading_paused:
+        if self._linger.start(self._loop, transport) and self._reading_paused:
             self._reading_paused = False
             transport.resume_reading()
