@@ -45,6 +45,6 @@ def test_client_variables_documented_exactly() -> None:
     from epistemic_kvcache.client.config import CLIENT_ENV_NAMES, DEPRECATED_ENV
 
     doc = (ROOT / "docs" / "configuration.md").read_text()
-    section = doc.split("## Server and client variables", 1)[1]
+    section = doc.split("## Server and client variables", 1)[1].split("\n## ", 1)[0]
     named = set(re.findall(r"EPISTEMIC_GRAPH_KVCACHE_[A-Z_]*[A-Z]", section)) - {PREFIX + "CLIENT"}
     assert named == set(CLIENT_ENV_NAMES) | set(DEPRECATED_ENV)
