@@ -25,7 +25,7 @@ from epistemic_kvcache.errors import ConfigurationError
 from epistemic_kvcache.proto import resp_parser
 from epistemic_kvcache.proto.resp_types import MAX_LIMIT
 from epistemic_kvcache.shared import ServerLimits
-from epistemic_kvcache.twins import PURE_PYTHON_ENV
+from epistemic_kvcache.twins import PURE_BUILD_ENV, PURE_PYTHON_ENV
 from helpers import compiled_twin
 from servers import ServeProcess, running_listener
 
@@ -114,6 +114,12 @@ def test_a_listener_with_every_framer_limit_at_the_maximum_serves() -> None:
 def test_the_pure_python_variable_is_known() -> None:
     for value in ("1", "fast_path", "resp_framer,store_core"):
         assert load_config(env={PURE_PYTHON_ENV: value}).warnings == ()
+
+
+def test_the_build_time_variable_is_known() -> None:
+    """Set where the package is built (setup.py), it may be in the server's environment
+    too: known, not warned about as an unknown variable."""
+    assert load_config(env={PURE_BUILD_ENV: "1"}).warnings == ()
 
 
 def test_a_twin_name_that_is_no_twins_is_warned_about() -> None:

@@ -24,7 +24,15 @@ from pathlib import Path
 from types import ModuleType
 from typing import Final
 
-__all__ = ["PURE_PYTHON_ENV", "TWIN_NAMES", "forced_pure", "select", "source_stamp", "stale"]
+__all__ = [
+    "PURE_BUILD_ENV",
+    "PURE_PYTHON_ENV",
+    "TWIN_NAMES",
+    "forced_pure",
+    "select",
+    "source_stamp",
+    "stale",
+]
 
 PURE_PYTHON_ENV: Final = "EPISTEMIC_GRAPH_KVCACHE_PURE_PYTHON"
 """`1` (or anything else but "" or "0") runs every pure-Python twin even when the compiled
@@ -32,6 +40,9 @@ ones are built; a comma-separated list of twin names (`resp_framer`, `store_core
 `fast_path`) runs only those pure."""
 
 TWIN_NAMES: Final = ("resp_framer", "store_core", "fast_path")
+
+PURE_BUILD_ENV: Final = "EPISTEMIC_GRAPH_KVCACHE_PURE_BUILD"
+"""Read by setup.py when the package is built: `1` builds no compiled twin (a pure wheel)."""
 
 
 def forced_pure(name: str) -> bool:

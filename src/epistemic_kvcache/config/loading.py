@@ -35,7 +35,7 @@ from epistemic_kvcache.options import StoreOptions, first_write_wins_of
 from epistemic_kvcache.shared import (
     ServerLimits,
 )
-from epistemic_kvcache.twins import PURE_PYTHON_ENV, TWIN_NAMES
+from epistemic_kvcache.twins import PURE_BUILD_ENV, PURE_PYTHON_ENV, TWIN_NAMES
 
 
 def _twin_warnings(value: str) -> list[str]:
@@ -84,6 +84,7 @@ def load_config(
 
     known_env = {name for s in SETTINGS for name in s.env_names} | {CONFIG_FILE_ENV}
     known_env.add(PURE_PYTHON_ENV)  # read by twins.py (docs/configuration.md)
+    known_env.add(PURE_BUILD_ENV)  # read by setup.py when the package is built
     warnings += _twin_warnings(env.get(PURE_PYTHON_ENV, ""))
     all_names = sorted(s.env for s in SETTINGS)
     for name in sorted(env):
