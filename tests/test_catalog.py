@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from epistemic_kvcache.errors import QuotaExceededError
-from epistemic_kvcache.store.catalog import RamEpochs
+from epistemic_kvcache.store.seams import RamEpochs
 
 
 def test_bumps_count_per_tenant_and_scope() -> None:
