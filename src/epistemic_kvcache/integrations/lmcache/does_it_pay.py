@@ -139,6 +139,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="skip: measure only the fetch half",
     )
     parser.add_argument("--workers", type=int, default=WORKERS, help="I/O workers per client (8)")
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=None,
+        help="our clients' transfer and lookup timeouts (default: theirs, 2 s and 1 s: what "
+        "a deployment runs with); LMCache's own clients keep their own",
+    )
     parser.add_argument("--out", default="does-it-pay", help="folder for the JSON and the PNG")
 
 
@@ -168,7 +175,11 @@ def _target(args: argparse.Namespace) -> Target:
         raise ConfigurationError(
             f"invalid --workers: expected a positive integer (got {args.workers})"
         )
-    return Target(url.rstrip("/"), resp, token, args.workers)
+    if args.timeout_s is not None and not args.timeout_s > 0:
+        raise ConfigurationError(
+            f"invalid --timeout-s: expected seconds > 0 (got {args.timeout_s})"
+        )
+    return Target(url.rstrip("/"), resp, token, args.workers, args.timeout_s)
 
 
 def _lengths(text: str, chunk: int) -> list[int]:
@@ -211,7 +222,7 @@ def measure_fetch(
     if not pin:  # one memcpy per chunk, as LMCache's copy; no OpenMP team to wait for
         torch.set_num_threads(1)
     prefix = f"does-it-pay/{run_id}/"
-    sweeper = EpistemicGraphKVBackend(base_url=target.url, token=target.token)
+    sweeper = EpistemicGraphKVBackend(**target.client())
     driver = make_driver(
         path,
         target,

@@ -312,17 +312,19 @@ def resp_connector_config(workers: int = WORKERS) -> Any:
     )
 
 
-def path_a_config(url: str, token: str, workers: int = WORKERS) -> Any:
+def path_a_config(url: str, token: str, workers: int = WORKERS, **params: Any) -> Any:
+    """LMCache v1 settings loading our storage plugin; `params`: more plugin settings."""
     p = "storage_plugin.epistemic_graph."
+    settings = {
+        "module_path": "epistemic_kvcache.integrations.lmcache.external_backend",
+        "class_name": "EpistemicGraphExternalBackend",
+        "base_url": url,
+        "token": token,
+        "num_workers": workers,
+        **params,
+    }
     return v1_config(
-        storage_plugins=["epistemic_graph"],
-        extra_config={
-            p + "module_path": "epistemic_kvcache.integrations.lmcache.external_backend",
-            p + "class_name": "EpistemicGraphExternalBackend",
-            p + "base_url": url,
-            p + "token": token,
-            p + "num_workers": workers,
-        },
+        storage_plugins=["epistemic_graph"], extra_config={p + k: v for k, v in settings.items()}
     )
 
 
@@ -334,6 +336,26 @@ class Target:
     resp: tuple[str, int] | None
     token: str
     workers: int = WORKERS
+    timeout_s: float | None = None
+    """Our clients' transfer and lookup timeouts (None: their defaults, as deployed)."""
+
+    def ours(self) -> dict[str, Any]:
+        """Our clients' settings: URL, token and the timeouts when given."""
+        t = (
+            {}
+            if self.timeout_s is None
+            else {"timeout_s": self.timeout_s, "lookup_timeout_s": self.timeout_s}
+        )
+        return {"base_url": self.url, "token": self.token, **t}
+
+    def client(self) -> dict[str, Any]:
+        """`EpistemicGraphKVBackend`'s settings: URL, token and the timeouts when given."""
+        t = (
+            {}
+            if self.timeout_s is None
+            else {"read_timeout_s": self.timeout_s, "lookup_timeout_s": self.timeout_s}
+        )
+        return {"base_url": self.url, "token": self.token, **t}
 
 
 def unavailable(path: str, target: Target, lmcache_missing: str | None) -> str | None:
@@ -360,14 +382,10 @@ def make_driver(
     """A driver of `path` holding `count` chunks of `size` bytes (`kv_shape` for the v1
     paths: (layers, 2, tokens, KV heads, head size), float16, `size` bytes)."""
     if path == "mp-native":
-        conn = EpistemicGraphL2Connector(
-            base_url=target.url, token=target.token, num_workers=target.workers
-        )
+        conn = EpistemicGraphL2Connector(num_workers=target.workers, **target.ours())
         return NativeDriver(conn, count, size, pin)
     if path == "client":
-        return ClientDriver(
-            EpistemicGraphKVBackend(base_url=target.url, token=target.token), count, size, pin
-        )
+        return ClientDriver(EpistemicGraphKVBackend(**target.client()), count, size, pin)
     host, port = target.resp or ("", 0)
     if path == "mp-resp":
         from lmcache.lmcache_redis import LMCacheRedisClient
@@ -376,12 +394,9 @@ def make_driver(
             LMCacheRedisClient(host, port, target.workers, "", target.token), count, size, pin
         )
     if path == "path-a":
-        return PathADriver(
-            V1Engine(
-                path_a_config(target.url, target.token, target.workers), kv_shape, model, count
-            ),
-            count,
-        )
+        ours = target.ours()
+        config = path_a_config(ours.pop("base_url"), ours.pop("token"), target.workers, **ours)
+        return PathADriver(V1Engine(config, kv_shape, model, count), count)
     if path == "v1-resp":
         os.environ["LMCACHE_RESP_PASSWORD"] = target.token
         engine = V1Engine(resp_connector_config(target.workers), kv_shape, model, count)

@@ -3,9 +3,10 @@
 Shared with scripts/gen_does_it_pay.py, which builds docs/does-it-pay.md from the JSON.
 
 - `crossing(prefill, fetch)`: the measured break-even. Both curves are measured at the
-  same prompt lengths; the break-even is where fetching first takes less time than
-  recomputing, interpolated between the two measured lengths around it (log-log), or
-  "below the shortest" / "beyond the longest" length measured (never extrapolated).
+  same prompt lengths; the break-even is the length from which on fetching takes less
+  time than recomputing at every longer length measured, interpolated between the two
+  measured lengths around it (log-log), or "every length measured" / "beyond the longest
+  length measured" (never extrapolated).
 - `computed_break_even(shape, rate, fixed_s, peak, mfu)`: the smallest n with
   `fixed_s + n x KV bytes / rate < prefill_flops(n) / (peak x mfu)`: the arithmetic the
   docs use for GPUs this project could not measure on, with every input named.
@@ -15,7 +16,6 @@ Shared with scripts/gen_does_it_pay.py, which builds docs/does-it-pay.md from th
 
 from __future__ import annotations
 
-import itertools
 import math
 import statistics
 from pathlib import Path
@@ -31,28 +31,32 @@ NEVER_TOKENS = 1 << 20
 
 
 def crossing(prefill: list[dict[str, Any]], fetch: list[dict[str, Any]]) -> dict[str, Any]:
-    """Where the fetch curve first drops below the prefill curve (measured lengths)."""
+    """From what measured length on fetching takes less time than recomputing, at that
+    length and every longer one measured (a shorter length where it also won does not
+    count: noise at short lengths must not hide a loss above them)."""
     pre = {p["tokens"]: p["seconds"] for p in prefill}
-    pairs = [(p["tokens"], pre[p["tokens"]], p["total_s"]) for p in fetch if p["tokens"] in pre]
-    pairs.sort()
+    pairs = sorted(
+        (p["tokens"], pre[p["tokens"]], p["total_s"]) for p in fetch if p["tokens"] in pre
+    )
     if not pairs:
         return {"kind": "none", "tokens": None, "text": "no common lengths measured"}
-    n0, p0, f0 = pairs[0]
-    if f0 < p0:
+    losing = [i for i, (_, p, f) in enumerate(pairs) if f >= p]
+    if not losing:
+        n0 = pairs[0][0]
+        return {"kind": "below", "tokens": n0, "text": f"<= {n0:,} (pays at every length measured)"}
+    last = losing[-1]
+    if last == len(pairs) - 1:
+        nl = pairs[-1][0]
         return {
-            "kind": "below",
-            "tokens": n0,
-            "text": f"<= {n0:,} (pays at the shortest length measured)",
+            "kind": "beyond",
+            "tokens": nl,
+            "text": f"> {nl:,} (not within the lengths measured)",
         }
-    for (na, pa, fa), (nb, pb, fb) in itertools.pairwise(pairs):
-        if fb < pb:
-            # log(f/p) goes from >= 0 at na to < 0 at nb: interpolate its zero in log n
-            da, db = math.log(fa / pa), math.log(fb / pb)
-            x = math.log(na) + (math.log(nb) - math.log(na)) * da / (da - db)
-            n = round(math.exp(x))
-            return {"kind": "interpolated", "tokens": n, "text": f"{n:,}"}
-    nl = pairs[-1][0]
-    return {"kind": "beyond", "tokens": nl, "text": f"> {nl:,} (not within the lengths measured)"}
+    (na, pa, fa), (nb, pb, fb) = pairs[last], pairs[last + 1]
+    # log(f/p) goes from >= 0 at na to < 0 at nb: interpolate its zero in log n
+    da, db = math.log(fa / pa), math.log(fb / pb)
+    n = round(math.exp(math.log(na) + (math.log(nb) - math.log(na)) * da / (da - db)))
+    return {"kind": "interpolated", "tokens": n, "text": f"{n:,}"}
 
 
 def fetch_fit(points: list[dict[str, Any]]) -> dict[str, float]:
