@@ -49,7 +49,7 @@ from epistemic_kvcache.server.context import Authenticator, ServerContext, Serve
 from epistemic_kvcache.server.http.connection import make_http_factory
 from epistemic_kvcache.server.metrics import Metrics
 from epistemic_kvcache.server.process import ServerProcess, write_token_file
-from epistemic_kvcache.server.resp.connection import make_resp_factory
+from epistemic_kvcache.server.resp.listener import make_resp_factory
 from epistemic_kvcache.store import SharedKvBackend, SharedKvIndex
 
 TOKEN = "client-test-token-0123456789"

@@ -17,7 +17,7 @@ import pytest
 
 from epistemic_kvcache.server.context import ServerContext
 from epistemic_kvcache.server.resp import make_resp_factory
-from epistemic_kvcache.server.resp.connection import RespFactory
+from epistemic_kvcache.server.resp.listener import RespFactory
 from helpers import FakeTransport, eventually_async
 from servers import run_in_context
 

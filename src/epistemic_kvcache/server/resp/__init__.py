@@ -1,6 +1,8 @@
 """The Redis (RESP2/RESP3) listener (docs/resp.md).
 
-- `connection`: the asyncio protocol: framing, back-pressure, accounting, timers.
+- `listener`: the protocol factory, one per event loop; `connection`: the asyncio
+  protocol (framing, the command task, flow control), over `state` (its phase, task and
+  reading, named), `accounting` (its memory, back-pressure) and `deadlines` (its clocks).
 - `dispatch`: the command table, checks, batching on the thread pool, fast paths.
 - `commands`, `commands_keys`, `commands_admin`, `commands_info`, `commands_txn`: the
   command handlers, each given a narrow `Session`; `refusals`: the commands not served,
@@ -16,11 +18,8 @@ from epistemic_kvcache.server.resp import (  # noqa: F401  (they register comman
 from epistemic_kvcache.server.resp.commands import EPOCH_CHANNEL
 from epistemic_kvcache.server.resp.commands_admin import install_help
 from epistemic_kvcache.server.resp.common import REDIS_COMPAT_VERSION
-from epistemic_kvcache.server.resp.connection import (
-    RespConnection,
-    RespFactory,
-    make_resp_factory,
-)
+from epistemic_kvcache.server.resp.connection import RespConnection
+from epistemic_kvcache.server.resp.listener import RespFactory, make_resp_factory
 from epistemic_kvcache.server.resp.registry import COMMANDS, CommandSpec
 
 install_help()

@@ -26,28 +26,20 @@ from the others: a quiet tenant's GET p99 on the flooded loop was 40-250 ms, 5-1
 without that yield (one loop: 4-7 ms; tests/test_abuse.py `unauth_ping_flood`, 2 loops
 on 2 cores).
 
-Accounting (server/budget.py): the connection's `Account` holds, under its tenant (or
-the unauthenticated pseudo-tenant): "bulk" — large bulks preallocated by the parser;
-"input" — the parser's other buffered bytes (small arguments with their overhead,
-framed commands, the unparsed tail); "reply" — cold-read buffers reserved by handlers;
-"output" — replies queued in the transport. Growing "bulk" or "input" can be refused:
-the command being framed is then dropped and answered `-ERR server busy` (or the
-tenant's own busy error). Limits per connection: `resp_max_query_buffer_bytes` of
-"input" and `client_output_buffer_limit_bytes` of "output"; a client over either is
-disconnected, as Redis does.
-
-Back-pressure: reading pauses while a complete command waits and more than
-`READ_HIGH_WATER` bytes are buffered (before AUTH: more than
-`resp_unauthenticated_max_buffer_bytes`), and resumes when the task drains it or needs
-data. While the peer does not read its replies (`pause_writing`) the task goes on
-running commands as long as its tenant and the server have budget left for the replies,
-as Redis does: a client may write a whole pipeline before it reads (redis-py's pipeline
-does). Over `client_output_buffer_limit_bytes` the client is disconnected (Redis's
-rule); with the budget spent the task waits until the peer reads, and reading pauses.
+Accounting and back-pressure (server/resp/accounting.py): the connection's memory
+("bulk", "input", "reply", "output") is held in its tenant's account, and a client over
+its query or output limit is disconnected, as Redis does. Reading pauses while too much
+is buffered, and resumes when the task drains it or needs data. While the peer does not
+read its replies (`pause_writing`) the task goes on running commands as long as its
+tenant and the server have budget left for the replies, as Redis does: a client may
+write a whole pipeline before it reads (redis-py's pipeline does). Over
+`client_output_buffer_limit_bytes` the client is disconnected (Redis's rule); with the
+budget spent the task waits until the peer reads, and reading pauses.
 
 The graceful stop (`begin_drain`): the task runs what is buffered and, once it waits
 for input with no command half-received and no MULTI open, shuts the write side after
-its last reply and lingers, reading and dropping input, until the peer closes.
+its last reply and lingers, reading and dropping input, until the peer closes
+(server/linger.py).
 
 State: the connection's phase of life (open, draining, close due, lingering, closed),
 what its task does (running, parked, waiting for the peer) and why it does not read
@@ -56,10 +48,8 @@ with its transition table); this class does the I/O they call for.
 
 Slots (server/budget.py `ConnectionSlots`): a connection takes an unauthenticated slot
 when it opens and moves to its tenant's share on AUTH; a tenant at its share is refused
-there. Timers: not authenticated within `auth_timeout_s` -> closed; no traffic for
-`idle_timeout_s` -> closed (subscribers: `subscriber_idle_timeout_s`); a command whose
-first byte arrived more than `request_timeout_s` ago and is still incomplete -> closed
-(slowloris); replies not read for `request_timeout_s` -> closed.
+there. Timers: not authenticated within `auth_timeout_s` -> closed; idle, a command
+half-received or replies unread for too long -> closed (server/resp/deadlines.py).
 """
 
 from __future__ import annotations
@@ -71,7 +61,6 @@ import time
 from typing import Final, cast
 
 from epistemic_kvcache.errors import RemoteProtocolError
-from epistemic_kvcache.proto import resp_framer
 from epistemic_kvcache.proto.resp import (
     NEED_DATA,
     Buffer,
@@ -80,10 +69,12 @@ from epistemic_kvcache.proto.resp import (
     serialize,
 )
 from epistemic_kvcache.server.budget import Account, Slot, peer_of
-from epistemic_kvcache.server.context import Identity, ServerContext, on_loop
-from epistemic_kvcache.server.resp import fast
+from epistemic_kvcache.server.context import Identity, on_loop
+from epistemic_kvcache.server.linger import DRAIN_IDLE_S, Linger
+from epistemic_kvcache.server.resp.accounting import Accounting
 from epistemic_kvcache.server.resp.commands import EPOCH_CHANNEL
 from epistemic_kvcache.server.resp.common import WIRE, log, push
+from epistemic_kvcache.server.resp.deadlines import MIN_CHECK_S, Deadlines, check_delay
 from epistemic_kvcache.server.resp.dispatch import Dispatcher
 from epistemic_kvcache.server.resp.fastpath import INLINE_MAX_COMMANDS
 from epistemic_kvcache.server.resp.session import Session, Shared
@@ -91,8 +82,6 @@ from epistemic_kvcache.server.resp.state import ConnState, Event, Phase, Task
 from epistemic_kvcache.server.sendfast import ReplyWriter
 from epistemic_kvcache.shared import MAX_KEY_BYTES
 
-READ_HIGH_WATER: Final = 4 * 1024 * 1024
-"""Bytes of not-yet-executed commands above which reading pauses."""
 MAX_FRAMED_AHEAD: Final = 256
 """Commands the parser frames ahead of the one running (the rest stays raw bytes)."""
 SLICE_S: Final = 0.001
@@ -100,49 +89,13 @@ SLICE_S: Final = 0.001
 READ_SLICE_S: Final = 0.001
 """A read whose parsing (and fast-path answers) took longer than this makes the
 connection skip reading until the event loop has served everyone else once."""
-DRAIN_IDLE_S: Final = 0.25
-"""Graceful stop: a connection that sent no command for this long since the stop began
-is closed (one that did is closed right after its reply)."""
-LINGER_S: Final = 2.0
-"""After closing at a boundary (graceful stop), read and drop input this long at most."""
-LINGER_MAX_BYTES: Final = 16 * 1024 * 1024
-"""... and drop at most this much before cutting the connection."""
 PUBSUB_OUTPUT_LIMIT: Final = 8 * 1024 * 1024
 """A subscriber whose unread messages exceed this is disconnected (Redis' soft pubsub
 client-output-buffer-limit is 8 MiB)."""
 
 
-class RespFactory:
-    """A protocol factory for `loop.create_server` serving RESP on `ctx`'s store; for
-    another event loop of the same server, pass the first loop's factory as `first`
-    (its `Shared` holds what the loops share: `Shared.peers`)."""
-
-    def __init__(self, ctx: ServerContext, first: RespFactory | None = None) -> None:
-        self.shared: Shared = Shared(ctx, None if first is None else first.shared)
-        ctx.slots_for(WIRE)
-        if first is None:  # said once per server, not once per event loop
-            log.info(
-                "RESP framer: %s twin%s",
-                resp_framer.IMPLEMENTATION,
-                f" ({resp_framer.WHY_PURE})" if resp_framer.WHY_PURE else "",
-            )
-            log.info(
-                "RESP fast path: %s twin%s",
-                fast.IMPLEMENTATION,
-                f" ({fast.WHY_PURE})" if fast.WHY_PURE else "",
-            )
-
-    def __call__(self) -> asyncio.BufferedProtocol:
-        return RespConnection(self.shared)
-
-
-def make_resp_factory(ctx: ServerContext, first: RespFactory | None = None) -> RespFactory:
-    """A `RespFactory` (see there)."""
-    return RespFactory(ctx, first)
-
-
 class RespConnection(asyncio.BufferedProtocol):
-    """One RESP client connection. Create through `make_resp_factory`."""
+    """One RESP client connection. Create through `make_resp_factory` (listener.py)."""
 
     def __init__(self, shared: Shared) -> None:
         self._shared = shared
@@ -150,13 +103,15 @@ class RespConnection(asyncio.BufferedProtocol):
         self._limits = limits = ctx.limits
         self._slots = ctx.slots_for(WIRE)
         self._account = Account(ctx.budget)
+        self._acc = Accounting(self._account, limits, self._note)
+        """The account over the parser, and when reading pauses (accounting.py)."""
         self.session = Session(shared, self._account, self)
         self._parser = RespParser(
             max_multibulk_len=limits.resp_max_args,
             max_bulk_bytes=max(limits.max_block_bytes, MAX_KEY_BYTES),
             unauthenticated_max_multibulk_len=limits.resp_unauthenticated_max_args,
             unauthenticated_max_bulk_bytes=limits.resp_unauthenticated_max_bulk_bytes,
-            reserve=self._reserve,
+            reserve=self._acc.reserve,
             scratch=shared.scratch,
             max_ready=MAX_FRAMED_AHEAD,
         )
@@ -175,19 +130,14 @@ class RespConnection(asyncio.BufferedProtocol):
         self._can_write.set()
         self._st = ConnState()
         """Phase, task and reading, named (server/resp/state.py)."""
-        self._output_held = False
-        """Whether "output" may be non-zero in the account (so `_write` can skip it)."""
-        self._write_paused_since: float | None = None
-        self._last_activity = self._loop.time()
-        self._partial_since: float | None = None
-        self._seen_parsed = 0
+        self._clocks = Deadlines(self._loop.time())
+        """Idle, partial-command and stall clocks (server/resp/deadlines.py)."""
         self._timer: asyncio.TimerHandle | None = None
         self._auth_timer: asyncio.TimerHandle | None = None
         self._sub_tenant: str | None = None
         self._counted_tenant: str | None = None
-        self._account_holds_input = False
-        """Whether "input" may be non-zero in the account (so the fast path can skip it)."""
-        self._linger_bytes = 0
+        self._linger = Linger()
+        """After the last reply of a graceful stop: input dropped (server/linger.py)."""
 
     @property
     def transport(self) -> asyncio.Transport | None:
@@ -206,7 +156,7 @@ class RespConnection(asyncio.BufferedProtocol):
         self._ctx.open_connections[WIRE] = self._slots.open
         if isinstance(admitted, str):
             self._st.on(Event.CLOSE)
-            self._ctx.refusals.note(WIRE, self.peer, admitted)
+            self._note(admitted)
             transport.write(f"-ERR {admitted}\r\n".encode())
             transport.close()
             return
@@ -214,7 +164,7 @@ class RespConnection(asyncio.BufferedProtocol):
         self._shared.live.add(self)
         self._task = self._loop.create_task(self._serve())
         self._task.add_done_callback(self._task_done)
-        self._arm_timer(self._timeout_check_delay())
+        self._arm_timer(check_delay(self._limits))
         self.arm_auth_deadline()
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -244,11 +194,11 @@ class RespConnection(asyncio.BufferedProtocol):
         if parser.pending_bytes or parser.has_error:  # (a framed command counts in it)
             self._after_read()  # something is left: the general bookkeeping
         else:
-            self._last_activity = self._loop.time()
-            self._partial_since = None
-            if self._account_holds_input:
-                self._account.set("input", 0, force=True)
-                self._account_holds_input = False
+            clocks = self._clocks
+            clocks.last_activity = self._loop.time()
+            clocks.partial_since = None
+            if self._acc.holds_input:
+                self._acc.clear_input()
             if dispatcher.started:
                 self._wakeup.set()
         if now - started > READ_SLICE_S:
@@ -258,25 +208,14 @@ class RespConnection(asyncio.BufferedProtocol):
         """Bookkeeping after the parser took a read: progress, accounting, waking the
         task, back-pressure."""
         parser = self._parser
-        now = self._loop.time()
-        self._last_activity = now
-        if parser.has_partial:
-            if self._partial_since is None or parser.commands_parsed != self._seen_parsed:
-                self._partial_since = now
-                self._seen_parsed = parser.commands_parsed
-        else:
-            self._partial_since = None
+        now, parsed = self._loop.time(), parser.commands_parsed
+        self._clocks.read(now, has_partial=parser.has_partial, commands_parsed=parsed)
         if not self._account_input():
             return
-        s = self.session
         self._wakeup.set()
         if self._st.backpressure or self._transport is None:
             return
-        if s.identity is None:
-            over = parser.buffered_bytes > self._limits.resp_unauthenticated_max_buffer_bytes
-        else:
-            over = parser.peek() is not None and parser.buffered_bytes > READ_HIGH_WATER
-        if over:
+        if self._acc.over_high_water(parser, authenticated=self.session.identity is not None):
             self._st.backpressure = True
             self._apply_reading()
 
@@ -311,6 +250,7 @@ class RespConnection(asyncio.BufferedProtocol):
             if handle is not None:
                 handle.cancel()
         self._timer = self._auth_timer = None
+        self._linger.cancel()
         if self._task is not None and not self._task.done():
             self._task.cancel()
         self._can_write.set()
@@ -320,11 +260,11 @@ class RespConnection(asyncio.BufferedProtocol):
     def pause_writing(self) -> None:
         self._st.set_writable(False)
         self._can_write.clear()
-        self._write_paused_since = self._loop.time()
+        self._clocks.write_paused_since = self._loop.time()
 
     def resume_writing(self) -> None:
-        self._last_activity = self._loop.time()
-        self._write_paused_since = None
+        self._clocks.last_activity = self._loop.time()
+        self._clocks.write_paused_since = None
         self._account_output()
         self._st.set_writable(True)
         self._can_write.set()
@@ -350,7 +290,7 @@ class RespConnection(asyncio.BufferedProtocol):
                     self._close()
                     return
                 if event is NEED_DATA:
-                    self._settle()
+                    self._acc.settle(self._parser)
                     if st.phase is Phase.CLOSE_DUE and self._at_boundary():
                         self._close_at_boundary()
                         return
@@ -379,7 +319,7 @@ class RespConnection(asyncio.BufferedProtocol):
                 self._reply(await self._dispatcher.execute(event))
                 if st.closing:
                     return
-                self._last_activity = self._loop.time()
+                self._clocks.last_activity = self._loop.time()
                 if loop_time() - slice_start > SLICE_S:
                     await asyncio.sleep(0)  # let other connections run
                     slice_start = loop_time()
@@ -395,7 +335,7 @@ class RespConnection(asyncio.BufferedProtocol):
         st = self._st
         if st.closing:
             return
-        self._settle()
+        self._acc.settle(self._parser)
         buffers: list[Buffer] = []
         for reply in replies:
             buffers += self._dispatcher.encode(reply)
@@ -406,55 +346,24 @@ class RespConnection(asyncio.BufferedProtocol):
         elif st.phase is not Phase.OPEN:
             st.on(Event.REPLIED)
 
-    # -- accounting ---------------------------------------------------------------------------
-    def _reserve(self, nbytes: int) -> bool | str:
-        """The parser's `reserve` hook: hold `nbytes` of a large bulk under "bulk"."""
-        refused = self._account.take("bulk", nbytes)
-        if refused is None:
-            return True
-        self._ctx.refusals.note(WIRE, self.peer, f"{nbytes}-byte bulk over the {refused} limit")
-        return refused
+    # -- accounting (server/resp/accounting.py) ---------------------------------------------
+    def _note(self, why: str) -> None:
+        """Record in the refusal log why this connection was refused something."""
+        self._ctx.refusals.note(WIRE, self.peer, why)
 
     def _account_input(self) -> bool:
         """Count what the parser buffers; False (connection closed) over the query limit."""
-        parser = self._parser
-        pending = parser.pending_bytes
-        limit = self._limits.resp_max_query_buffer_bytes
-        if pending > limit:
-            self._ctx.refusals.note(
-                WIRE,
-                self.peer,
-                f"{pending} bytes of commands buffered (resp_max_query_buffer_bytes)",
-            )
-            self._write(
-                serialize(
-                    ErrorReply(
-                        "ERR Protocol error: query buffer limit reached "
-                        "(resp_max_query_buffer_bytes)"
-                    ),
-                    self.session.protocol_version,
-                )
-            )
-            self._close()
-            return False
-        refused = self._account.set("input", pending)
-        if refused is not None:
-            if parser.refuse_partial(refused):
-                pending = parser.pending_bytes
-            self._account.set("input", pending, force=True)
-        self._account_holds_input = pending > 0
-        return True
+        if self._acc.count_input(self._parser) is None:
+            return True
+        error = "ERR Protocol error: query buffer limit reached (resp_max_query_buffer_bytes)"
+        self._write(serialize(ErrorReply(error), self.session.protocol_version))
+        self._close()
+        return False
 
     def _account_output(self) -> None:
-        limit = self._limits.client_output_buffer_limit_bytes
-        queued = self._account.track_output(self._transport, limit)
-        self._output_held = self._account.holding("output") > 0
+        queued = self._acc.count_output(self._transport)
         if queued is not None and not self._st.closing:
-            self._ctx.refusals.note(
-                WIRE,
-                self.peer,
-                f"{queued} bytes of unread replies (client_output_buffer_limit_bytes)",
-            )
+            self._note(f"{queued} bytes of unread replies (client_output_buffer_limit_bytes)")
             self._close(abort=True)
 
     def _may_run_ahead(self) -> bool:
@@ -463,23 +372,11 @@ class RespConnection(asyncio.BufferedProtocol):
         replies, as Redis does: a client may send a whole pipeline before it reads. Past
         `client_output_buffer_limit_bytes` the client is disconnected (`_account_output`,
         Redis's rule); with the tenant's or the server's budget spent, the task waits
-        for the peer to read (and reading pauses once `READ_HIGH_WATER` is buffered)."""
+        for the peer to read (and reading pauses once enough is buffered)."""
         self._account_output()
         if self._st.closing or self.session.identity is None:
             return False
         return self._account.headroom() > 0
-
-    def _settle(self) -> None:
-        """Release what this connection holds beyond what its parser still buffers.
-
-        Call only while none of its commands runs and none waits in the queue: every
-        bulk taken out of the parser is then done with."""
-        account, parser = self._account, self._parser
-        if account.holding("bulk") > parser.held_bytes:
-            account.set("bulk", parser.held_bytes)
-        pending = parser.pending_bytes
-        account.set("input", pending, force=True)
-        self._account_holds_input = pending > 0
 
     # -- I/O helpers ------------------------------------------------------------------------
     def _write(self, buffers: list[Buffer]) -> bool:
@@ -494,7 +391,7 @@ class RespConnection(asyncio.BufferedProtocol):
             else:
                 writer.write(transport, buffers)
             # "output" counts what the transport holds back (most writes: nothing)
-            if self._output_held or transport.get_write_buffer_size():
+            if self._acc.output_held or transport.get_write_buffer_size():
                 self._account_output()
         st = self._st
         return st.writable and not st.closing
@@ -550,12 +447,14 @@ class RespConnection(asyncio.BufferedProtocol):
         input until the peer closes, `LINGER_S` passes or the drain ends: closing with
         unread input would reset the connection and could lose replies in flight."""
         transport = self._transport
-        if transport is None or transport.is_closing() or not transport.can_write_eof():
-            self._close()
-            return
-        try:
-            transport.write_eof()
-        except (OSError, RuntimeError):
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if (
+            transport is None
+            or transport.is_closing()
+            or not self._linger.start(self._loop, transport)
+        ):
             self._close()
             return
         st = self._st
@@ -564,9 +463,6 @@ class RespConnection(asyncio.BufferedProtocol):
         self._parser.reserve = _refuse_all
         st.backpressure = st.yielding = False
         self._apply_reading()
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = self._loop.call_later(LINGER_S, transport.close)
 
     def _discard(self, nbytes: int) -> None:
         """Input after `_close_at_boundary`: framed (so large bulks are skipped, never
@@ -575,9 +471,7 @@ class RespConnection(asyncio.BufferedProtocol):
         parser.buffer_updated(nbytes)
         parser.close()
         parser.reserve = _refuse_all
-        self._linger_bytes += nbytes
-        if self._linger_bytes > LINGER_MAX_BYTES and self._transport is not None:
-            self._transport.close()
+        self._linger.drop(self._transport, nbytes)
 
     def revoke(self) -> None:
         """The session's credential no longer verifies (credentials reloaded): close."""
@@ -632,14 +526,10 @@ class RespConnection(asyncio.BufferedProtocol):
     def _resume_reading(self, *, force: bool) -> None:
         if not self._st.backpressure or self._transport is None:
             return
-        parser = self._parser
-        if self.session.identity is None:
-            low = self._limits.resp_unauthenticated_max_buffer_bytes // 2
-        else:
-            low = READ_HIGH_WATER // 2
-        if force or parser.buffered_bytes <= low:
+        authenticated = self.session.identity is not None
+        if force or self._acc.below_low_water(self._parser, authenticated=authenticated):
             self._st.backpressure = False
-            self._partial_since = None  # the wait was ours, not the client's
+            self._clocks.partial_since = None  # the wait was ours, not the client's
             self._apply_reading()
 
     def arm_auth_deadline(self) -> None:
@@ -655,10 +545,6 @@ class RespConnection(asyncio.BufferedProtocol):
         log.debug("RESP connection from %s not authenticated in time, closing", self.peer)
         self._close(abort=True)
 
-    def _timeout_check_delay(self) -> float:
-        limits = self._limits
-        return max(0.05, min(limits.idle_timeout_s, limits.request_timeout_s))
-
     def _arm_timer(self, delay: float) -> None:
         self._timer = self._loop.call_later(delay, self._on_timer)
 
@@ -666,29 +552,22 @@ class RespConnection(asyncio.BufferedProtocol):
         self._timer = None
         if self._st.closing:
             return
-        limits = self._limits
         now = self._loop.time()
-        if self._dispatcher.busy:
-            self._last_activity = now
-        idle = limits.subscriber_idle_timeout_s if self.session.channels else limits.idle_timeout_s
-        deadline = self._last_activity + idle
-        why = "idle"
-        if self._partial_since is not None and not self._st.backpressure:
-            partial_deadline = self._partial_since + limits.request_timeout_s
-            if partial_deadline < deadline:
-                deadline, why = partial_deadline, "command not completed in time"
-        if self._write_paused_since is not None:
-            stall_deadline = self._write_paused_since + limits.request_timeout_s
-            if stall_deadline < deadline:
-                deadline, why = stall_deadline, "replies not read in time"
-        if now >= deadline:
-            if why == "idle":
-                log.debug("RESP connection from %s closed: idle", self.peer)
-            else:
-                self._ctx.refusals.note(WIRE, self.peer, why)
-            self._close(abort=True)
+        deadline, why = self._clocks.due(
+            now,
+            self._limits,
+            busy=self._dispatcher.busy,
+            subscribed=bool(self.session.channels),
+            backpressure=self._st.backpressure,
+        )
+        if now < deadline:
+            self._arm_timer(max(MIN_CHECK_S, min(deadline - now, check_delay(self._limits))))
             return
-        self._arm_timer(max(0.05, min(deadline - now, self._timeout_check_delay())))
+        if why == "idle":
+            log.debug("RESP connection from %s closed: idle", self.peer)
+        else:
+            self._note(why)
+        self._close(abort=True)
 
     # -- session hooks ------------------------------------------------------------------------
     def on_login(self, identity: Identity) -> ErrorReply | None:
@@ -697,7 +576,7 @@ class RespConnection(asyncio.BufferedProtocol):
         if slot is not None:
             refused = self._slots.authenticate(slot, identity.tenant)
             if refused is not None:
-                self._ctx.refusals.note(WIRE, self.peer, f"tenant {identity.tenant!r}: {refused}")
+                self._note(f"tenant {identity.tenant!r}: {refused}")
                 self.session.quit_requested = True
                 return ErrorReply(f"ERR {refused}")
         self._account.move_to(identity.tenant)
@@ -739,7 +618,7 @@ class RespConnection(asyncio.BufferedProtocol):
         if transport is None or transport.is_closing() or self._st.closing:
             return
         if transport.get_write_buffer_size() > PUBSUB_OUTPUT_LIMIT:
-            self._ctx.refusals.note(WIRE, self.peer, "subscriber does not read its messages")
+            self._note("subscriber does not read its messages")
             self._close(abort=True)
             return
         payload = f"{scope} {epoch}".encode()
