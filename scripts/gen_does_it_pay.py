@@ -236,6 +236,8 @@ def computed_section(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
         "|---|---|---|---|---|",
         *sens,
         "",
+        "`python -m bench.does_it_pay RUN.json` prints the same table for any run.",
+        "",
         "What this arithmetic leaves out: the fetch rates are one client against a server on "
         "the same machine (a fleet's clients reach it over a network, many at once); a hit "
         "costs the GPU no FLOPs, so under load every fetched token is compute left for other "
@@ -298,8 +300,8 @@ def stores_section(path: Path | None) -> list[str]:
     if doc.get("promises"):
         out += [
             "",
-            "What each store promises, each cell checked by the benchmark, not taken from "
-            "its docs:",
+            "What each store promises, each cell checked by `bench/store_promises.py` "
+            "(`python -m bench.store_promises` alone), not taken from its docs:",
             "",
             "| store | " + " | ".join(doc["promise_names"]) + " |",
             "|---|" + "---|" * len(doc["promise_names"]),

@@ -21,10 +21,11 @@ PAGE = ROOT / "docs" / "benchmarks.md"
 HELPERS = {"__init__", "loadgen", "plots", "abuse", "soak"}
 """bench/ modules that are not benchmarks: the load generator, the plots, and the abuse
 scenarios and soak loop shared with tests/test_abuse.py and tests/test_soak.py."""
-ELSEWHERE = {"does_it_pay": "docs/does-it-pay.md"}
+ELSEWHERE = {"does_it_pay": "docs/does-it-pay.md", "store_promises": "docs/does-it-pay.md"}
 """bench/ modules `make bench` cannot run alone, and the page that quotes each:
 does_it_pay computes that page's table from a measured `epistemic-kvcache does-it-pay`
-run, which needs a server to fetch from."""
+run, which needs a server to fetch from; store_promises (also run by bench_lmcache when
+Mooncake is installed) needs Mooncake Store."""
 
 COMMAND = re.compile(r"python -m (bench\.\w+)((?: [^`\n]*)?)")
 
