@@ -1,15 +1,25 @@
-"""server/writes.py's `KeyWatches`: which connections watch which keys, bounded and
-shared fairly (DESIGN.md: watches have per-tenant shares), and never forgotten silently.
+"""server/writes.py: `KeyWatches` (which connections watch which keys, bounded and shared
+fairly (DESIGN.md: watches have per-tenant shares), and never forgotten silently), and
+`TenantGates` against commands and holders on several event loops at once.
 
-The table is a plain thread-safe object: these tests drive it directly, with shares small
-enough to reach. tests/test_server_resp_watch.py drives it through real clients.
+Both are plain thread-safe objects: these tests drive them directly, with shares small
+enough to reach. tests/test_server_resp_watch.py drives them through real clients;
+tests/test_server_resp_multi.py and tests/test_server_loops.py hold the gate's rules
+step by step.
 """
 
 from __future__ import annotations
 
+import asyncio
+import sys
 import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
 
-from epistemic_kvcache.server.writes import KeyWatches, Watcher
+from epistemic_kvcache.server.writes import KeyWatches, TenantGates, Watcher
+from helpers import eventually
 
 
 def watched(w: Watcher) -> set[str]:
@@ -132,3 +142,183 @@ def test_threads_watching_and_writing_keep_the_books() -> None:
     assert not errors
     assert t.count == 0
     assert t.watched_by("t") == 0
+
+
+# -- TenantGates: entering takes no lock; EXEC's hold still runs alone --------------------------
+
+
+class SwitchingSet(set[str]):
+    """A set whose membership test hands the GIL over before and after it."""
+
+    def __contains__(self, item: object) -> bool:
+        time.sleep(0)
+        found = super().__contains__(item)
+        time.sleep(0)
+        return found
+
+
+def test_gates_hold_alone_against_commands_on_several_loops() -> None:
+    """Commands of one tenant on three event loops (their threads) enter and leave the
+    gate, without its lock, while EXECs on two more loops hold it over and over: no
+    command is ever inside while a holder runs, no holder or waiter is left parked (a
+    lost wake-up would hang here), and nothing is left counted.
+
+    CPython switches threads only at some bytecodes (calls, backward jumps), none of
+    them between a count and the read of `held`: the gate's `held` is swapped for a
+    set whose membership test lets the other threads run before and after it, so every
+    interleaving the order must survive happens here. (`enter_nowait` reading `held`
+    before counting itself in lets commands in beside the holder; `leave` reading it
+    before counting itself out strands the holder.)"""
+    gates = TenantGates()
+    gates.held = SwitchingSet()
+    box = threading.Lock()
+    inside = 0
+    holding = 0
+    violations: list[str] = []
+    commands, rounds, holds = 6, 300, 150
+
+    async def command() -> None:
+        nonlocal inside
+        for i in range(rounds):
+            if not gates.enter_nowait("t"):
+                await gates.enter("t")
+            with box:
+                inside += 1
+                if holding:
+                    violations.append("a command ran beside a holder")
+            await asyncio.sleep(0)  # inside, while the loop runs the others
+            with box:
+                inside -= 1
+            gates.leave("t")
+            if i % 3 == 0:
+                await asyncio.sleep(0)
+
+    async def exec_() -> None:
+        nonlocal holding
+        for _ in range(holds):
+            await gates.hold("t")
+            with box:
+                if inside or holding:
+                    violations.append(f"held with {inside} inside, {holding} holding")
+                holding += 1
+            await asyncio.sleep(0)
+            with box:
+                if inside:
+                    violations.append(f"{inside} got in while held")
+                holding -= 1
+            gates.release("t")
+            await asyncio.sleep(0)
+
+    async def loop_commands() -> None:
+        await asyncio.gather(*(command() for _ in range(commands)))
+
+    loops = [asyncio.new_event_loop() for _ in range(5)]
+    runners = [threading.Thread(target=lp.run_forever, daemon=True) for lp in loops]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for t in runners:
+            t.start()
+        work = [asyncio.run_coroutine_threadsafe(loop_commands(), lp) for lp in loops[:3]]
+        work += [asyncio.run_coroutine_threadsafe(exec_(), lp) for lp in loops[3:]]
+        for fut in work:
+            fut.result(60)  # (a lost wake-up parks a task for good: this fails)
+    finally:
+        sys.setswitchinterval(interval)
+        for lp in loops:
+            lp.call_soon_threadsafe(lp.stop)
+        for t in runners:
+            t.join(10)
+        for lp in loops:
+            lp.close()
+    assert violations == []
+    assert gates.active("t") == 0
+    assert not gates.held
+    assert len(gates) == 0
+
+
+def test_a_gate_left_on_another_thread_still_counts_right() -> None:
+    """Each thread writes only its own counts; a command that leaves on another thread
+    than it entered on (not done by the server, allowed) still leaves the sum right."""
+    gates = TenantGates()
+    assert gates.enter_nowait("t")
+    left = threading.Thread(target=gates.leave, args=("t",))
+    left.start()
+    left.join(10)
+    assert gates.active("t") == 0
+    assert len(gates) == 0
+
+    async def hold_and_release() -> None:
+        await asyncio.wait_for(gates.hold("t"), 10)  # nothing counted inside: at once
+        gates.release("t")
+
+    asyncio.run(hold_and_release())
+
+
+class HoldAfterRead(set[str]):
+    """`held`, whose first membership test, once answered, lets an EXEC on `other` run
+    `hold` until it either holds the tenant or parks for its running commands: the
+    interleaving where a holder comes between a command's read of `held` and what the
+    command does next."""
+
+    def __init__(self, gates: TenantGates, other: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self.gates, self.other = gates, other
+        self.holding: Future[None] | None = None
+
+    def __contains__(self, item: object) -> bool:
+        found = super().__contains__(item)
+        if self.holding is None:
+            gates = self.gates
+            self.holding = asyncio.run_coroutine_threadsafe(gates.hold("t"), self.other)
+            holding = self.holding
+
+            def settled() -> bool:
+                gate = gates._gates.get("t")
+                return holding.done() or (gate is not None and gate.drain is not None)
+
+            eventually(settled, what="the holder holds or parks")
+        return found
+
+
+@contextmanager
+def other_loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    try:
+        yield loop
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(10)
+        loop.close()
+
+
+def test_enter_counts_itself_in_before_it_reads_held() -> None:
+    """A holder between a command's read of `held` (not held) and its return: the
+    command was counted first, so the holder parks until the command leaves."""
+    gates = TenantGates()
+    with other_loop() as other:
+        gates.held = held = HoldAfterRead(gates, other)
+        assert gates.enter_nowait("t")
+        assert held.holding is not None
+        assert not held.holding.done(), "the holder ran beside a command inside the gate"
+        gates.leave("t")  # counted out, reads held: wakes the holder
+        held.holding.result(10)
+        other.call_soon_threadsafe(gates.release, "t")
+        eventually(lambda: len(gates) == 0, what="released")
+
+
+def test_leave_counts_itself_out_before_it_reads_held() -> None:
+    """A holder between a leaving command's read of `held` (not held) and its return:
+    the command was counted out first, so the holder saw none inside and holds at once
+    (counted out after the read, it would park with nobody left to wake it)."""
+    gates = TenantGates()
+    assert gates.enter_nowait("t")
+    with other_loop() as other:
+        gates.held = held = HoldAfterRead(gates, other)
+        gates.leave("t")
+        assert held.holding is not None
+        held.holding.result(10)  # held: nothing waits for a wake-up
+        other.call_soon_threadsafe(gates.release, "t")
+        eventually(lambda: len(gates) == 0, what="released")

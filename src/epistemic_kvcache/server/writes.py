@@ -48,15 +48,15 @@ WatchKey = tuple[str, str]
 
 
 class _Gate:
-    __slots__ = ("active", "held", "waiters")
+    """A tenant an EXEC holds: who waits for it (only a held tenant has one)."""
+
+    __slots__ = ("drain", "waiters")
 
     def __init__(self) -> None:
-        self.active = 0
-        """Plain commands of the tenant running now."""
-        self.held = False
-        """An EXEC holds (or is draining) the tenant."""
+        self.drain: asyncio.Future[None] | None = None
+        """The holder's wait for the tenant's running commands to finish."""
         self.waiters: list[asyncio.Future[None]] | None = None
-        """Parked `enter`s and `hold`s (None: none yet; most gates never have one)."""
+        """Parked `enter`s and `hold`s, woken by `release` (None: none yet)."""
 
 
 class TenantGates:
@@ -65,103 +65,142 @@ class TenantGates:
     A RESP command of a tenant enters its gate while it runs (`enter_nowait`/`enter`,
     then `leave`); `EXEC` takes it exclusively (`hold`): new commands of the tenant wait,
     the running ones finish, then the transaction's commands run with no other RESP
-    command of that tenant in between. `held` is the set the fast path checks (a hint:
-    `enter_nowait` decides under the lock).
+    command of that tenant in between. `held` is the set of held tenants (written under
+    the lock, read by anyone: the fast path checks it before it takes a command).
 
     One table serves every event loop of the server (`event_loops`), so a transaction
-    is isolated from the tenant's commands on the other loops too: the table is guarded
-    by a lock, and a waiter parked on one loop is woken from another through its own
-    loop's `call_soon_threadsafe` (on the same loop, at once)."""
+    is isolated from the tenant's commands on the other loops too; a waiter parked on
+    one loop is woken from another through its own loop's `call_soon_threadsafe` (on
+    the same loop, at once).
+
+    Entering and leaving take no lock (every write pays them: the fast path once per
+    read that SETs). Each thread counts its own commands inside, per tenant, in a table
+    only it writes (`_mine`: a plain dict in a `threading.local`; a tenant with none
+    inside has no entry), so no count is lost to a read-modify-write racing another
+    thread. Against `hold` the order does it (Dekker's), every step one atomic,
+    sequentially consistent operation under the GIL:
+
+    - `enter_nowait` counts itself in, *then* reads `held`; held: it counts itself out
+      again (as `leave` does) and answers False.
+    - `hold` adds the tenant to `held` under the lock, *then* sums the threads' counts
+      under the lock; above 0 it parks (`drain`) under that same lock.
+    - `leave` counts itself out, *then* reads `held`; held (rare), it takes the lock and,
+      the sum at 0, wakes the parked holder.
+
+    A command that got in read `held` before the tenant was added, so it had counted
+    itself in before `hold` summed, and is in the sum until it leaves: a holder that
+    saw 0 runs alone. A holder that parked did so under the lock after summing; the last
+    command to leave counted itself out after that sum, so it sees `held`, takes the
+    lock once the holder has parked, and finds the sum at 0. The lock remains for the
+    rare steps: holding, releasing, parking, waking, and a thread's first entry (its
+    table joins `_tables`, which `hold` sums over)."""
+
+    __slots__ = ("_gates", "_local", "_lock", "_tables", "held")
 
     def __init__(self) -> None:
         self._gates: dict[str, _Gate] = {}
+        """Held tenants' gates (under the lock); a tenant is in `held` iff it has one."""
         self.held: set[str] = set()
+        self._tables: dict[int, dict[str, int]] = {}
+        """Thread id -> that thread's table (under the lock). A thread that ends leaves
+        its table (empty, unless it died inside) until a thread of the same id, which
+        the system reuses, takes its place: as many as threads ever entered at once."""
+        self._local = threading.local()
         self._lock = threading.Lock()
 
-    def _gate(self, tenant: str) -> _Gate:
-        gate = self._gates.get(tenant)
-        if gate is None:
-            gate = self._gates[tenant] = _Gate()
-        return gate
+    def _mine(self) -> dict[str, int]:
+        """This thread's table (made and registered on its first entry)."""
+        try:
+            return self._local.counts  # type: ignore[no-any-return]
+        except AttributeError:
+            pass
+        counts: dict[str, int] = {}
+        with self._lock:
+            self._tables[threading.get_ident()] = counts
+        self._local.counts = counts
+        return counts
+
+    def _active(self, tenant: str) -> int:
+        """The tenant's commands inside, summed over the threads (call under the lock)."""
+        return sum(table.get(tenant, 0) for table in self._tables.values())
 
     def enter_nowait(self, tenant: str) -> bool:
-        """Enter as a plain command; False while an EXEC holds the tenant. (Every write
-        pays this and `leave`: the lock taken without a `with` block, a gate made only
-        for a tenant not in use, cost half as much.)"""
-        lock = self._lock
-        lock.acquire()
+        """Enter as a plain command; False while an EXEC holds the tenant."""
         try:
-            gate = self._gates.get(tenant)
-            if gate is None:
-                gate = self._gates[tenant] = _Gate()
-            elif gate.held:
-                return False
-            gate.active += 1
-            return True
-        finally:
-            lock.release()
+            mine = self._local.counts
+        except AttributeError:
+            mine = self._mine()
+        if tenant in mine:  # counted in first ...
+            mine[tenant] += 1
+        else:
+            mine[tenant] = 1
+        if tenant in self.held:  # ... then the flag read (see the class docstring)
+            self.leave(tenant)
+            return False
+        return True
 
     async def enter(self, tenant: str) -> None:
         """Enter as a plain command, waiting for an EXEC that holds the tenant."""
-        while True:
+        while not self.enter_nowait(tenant):
             with self._lock:
-                gate = self._gate(tenant)
-                if not gate.held:
-                    gate.active += 1
-                    return
+                gate = self._gates.get(tenant)
+                if gate is None:  # released meanwhile: try again
+                    continue
                 fut = self._park(gate)
-            await self._wait(gate, fut)
+            await self._wait(tenant, fut)
 
     def leave(self, tenant: str) -> None:
-        lock = self._lock
-        lock.acquire()
         try:
-            gate = self._gates[tenant]
-            gate.active -= 1
-            if gate.active:
+            mine = self._local.counts
+        except AttributeError:
+            mine = self._mine()
+        try:
+            left = mine[tenant] - 1
+        except KeyError:  # (it entered on another thread)
+            left = -1
+        if left:
+            mine[tenant] = left
+        else:
+            del mine[tenant]
+        if tenant in self.held:  # counted out first, then the flag read
+            self._drained(tenant)
+
+    def _drained(self, tenant: str) -> None:
+        """A command of a held tenant left: wake the holder once none is inside."""
+        with self._lock:
+            gate = self._gates.get(tenant)
+            if gate is None or gate.drain is None or self._active(tenant):
                 return
-            if not gate.held:  # (no waiter then: only a held gate parks anyone)
-                if not gate.waiters:
-                    del self._gates[tenant]
-                return
-            waiters, gate.waiters = gate.waiters, None
-        finally:
-            lock.release()
-        _wake(waiters)
+            fut, gate.drain = gate.drain, None
+        _wake([fut])
 
     async def hold(self, tenant: str) -> None:
         """Take the tenant alone: wait for another EXEC, then for running commands."""
         while True:
-            # fetched again after each wait: `release` drops a gate nobody is using, and
-            # the waiters it wakes must take the tenant's current gate, not the dropped one
             with self._lock:
-                gate = self._gate(tenant)
-                if not gate.held:
-                    gate.held = True
-                    self.held.add(tenant)
+                gate = self._gates.get(tenant)
+                if gate is None:
+                    gate = self._gates[tenant] = _Gate()
+                    self.held.add(tenant)  # the flag first ...
                     break
                 fut = self._park(gate)
-            await self._wait(gate, fut)
+            await self._wait(tenant, fut)
         try:
             while True:
                 with self._lock:
-                    if not gate.active:
+                    if not self._active(tenant):  # ... then the counts
                         return
-                    fut = self._park(gate)
-                await self._wait(gate, fut)
+                    fut = gate.drain = asyncio.get_running_loop().create_future()
+                await fut
         except BaseException:
             self.release(tenant)
             raise
 
     def release(self, tenant: str) -> None:
         with self._lock:
-            gate = self._gates[tenant]
-            gate.held = False
+            gate = self._gates.pop(tenant)
             self.held.discard(tenant)
-            waiters, gate.waiters = gate.waiters, None
-            if gate.active == 0:
-                del self._gates[tenant]
-        _wake(waiters)
+        _wake(gate.waiters)
 
     @staticmethod
     def _park(gate: _Gate) -> asyncio.Future[None]:
@@ -173,21 +212,25 @@ class TenantGates:
             gate.waiters.append(fut)
         return fut
 
-    async def _wait(self, gate: _Gate, fut: asyncio.Future[None]) -> None:
+    async def _wait(self, tenant: str, fut: asyncio.Future[None]) -> None:
         try:
             await fut
         finally:
             with self._lock:
-                if gate.waiters is not None and fut in gate.waiters:
+                gate = self._gates.get(tenant)
+                if gate is not None and gate.waiters is not None and fut in gate.waiters:
                     gate.waiters.remove(fut)
 
     def active(self, tenant: str) -> int:
         """Commands (and HTTP writes) of `tenant` inside its gate now."""
-        gate = self._gates.get(tenant)
-        return 0 if gate is None else gate.active
+        with self._lock:
+            return self._active(tenant)
 
     def __len__(self) -> int:
-        return len(self._gates)
+        """Tenants in use: held, or with commands inside."""
+        with self._lock:
+            counted = set().union(*self._tables.values())
+            return len(self._gates.keys() | {t for t in counted if self._active(t)})
 
 
 def _set_done(fut: asyncio.Future[None]) -> None:
