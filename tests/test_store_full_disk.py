@@ -11,11 +11,7 @@ capacity is).
 from __future__ import annotations
 
 import os
-import re
 import shutil
-import subprocess
-import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -24,6 +20,7 @@ from pathlib import Path
 import blake3
 import pytest
 
+from epistemic_kvcache.server.process import ServerProcess
 from helpers import small_tmpfs
 
 TOKEN = "full-disk-token-0123456789abcdef"
@@ -34,40 +31,25 @@ def content(key: str) -> bytes:
     return blake3.blake3(b"data:" + key.encode()).digest(length=BLOCK)
 
 
-class Server:
+class Server(ServerProcess):
+    """The server (durable, TOKEN, HTTP only, small tiers) on `persist_dir`, its output
+    appended to `log`."""
+
     def __init__(self, persist_dir: Path, log: Path, cold: str) -> None:
-        cmd = [sys.executable, "-m", "epistemic_kvcache", "serve", "--backend", "durable",
-               "--persist-dir", str(persist_dir), "--token", TOKEN,
-               "--addr", "127.0.0.1:0", "--resp-addr", "off",
-               "--hot-capacity-bytes", "8MiB", "--warm-capacity-bytes", "4MiB",
-               "--cold-capacity-bytes", cold, "--log-level", "info"]  # fmt: skip
-        self.log = log.open("a")
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        super().__init__(
+            persist_dir,
+            *("--hot-capacity-bytes", "8MiB", "--warm-capacity-bytes", "4MiB"),
+            *("--cold-capacity-bytes", cold, "--log-level", "info"),
+            backend="durable",
+            token=TOKEN,
+            resp=False,
+            log_path=log,
+            start_timeout_s=120,
         )
-        self.port = 0
-        ready = threading.Event()
-
-        def pump() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                self.log.write(line)
-                self.log.flush()
-                m = re.search(r"listening http=\S+:(\d+)", line)
-                if m:
-                    self.port = int(m.group(1))
-                    ready.set()
-            ready.set()
-
-        self._pump = threading.Thread(target=pump, daemon=True)
-        self._pump.start()
-        if not ready.wait(120) or not self.port:
-            self.stop()
-            raise RuntimeError(f"the server did not start: {log.read_text()[-3000:]}")
 
     def call(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
         req = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}{path}",
+            f"{self.url()}{path}",
             data=body,
             method=method,
             headers={"Authorization": f"Bearer {TOKEN}"},
@@ -77,14 +59,6 @@ class Server:
                 return resp.status, resp.read()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read()
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        self._pump.join(10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self.log.close()
 
 
 @pytest.mark.slow
@@ -133,4 +107,4 @@ def test_deleting_interleaved_keys_on_a_full_disk_lets_writes_in_again(
                 assert status == 200, key
                 assert body == content(key), key
         finally:
-            srv.stop()
+            srv.kill()
