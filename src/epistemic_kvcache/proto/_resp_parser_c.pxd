@@ -4,7 +4,9 @@
 # epistemic_kvcache.proto._resp_parser_c; Cython reads this file beside it and gives the
 # parser's hot attributes and the framer's locals C types. Nothing here changes what the
 # code does: the pure-Python reference and this twin run the same statements
-# (tests/test_proto_resp_twins.py holds them to the same commands and errors).
+# (tests/test_proto_resp_twins.py holds them to the same commands and errors). What the
+# framer calls off its fast path (Redis' limits and wording, the careful reading of a
+# header, inline requests) is plain Python in proto/resp_rules.py and resp_inline.py.
 
 cimport cython
 
@@ -55,10 +57,10 @@ cdef class RespParser:
 
     @cython.locals(
         state=Py_ssize_t, left=Py_ssize_t, nbytes=Py_ssize_t, held=Py_ssize_t,
-        length=Py_ssize_t, start=Py_ssize_t, stop=Py_ssize_t, cr=Py_ssize_t,
+        length=Py_ssize_t, start=Py_ssize_t, stop=Py_ssize_t,
         max_line=Py_ssize_t, max_bulk=Py_ssize_t, small_max=Py_ssize_t,
         missing=Py_ssize_t, avail=Py_ssize_t, filled=Py_ssize_t, drop=Py_ssize_t,
-        nxt=Py_ssize_t, refused=bint, cost=Py_ssize_t, args=list,
+        refused=bint, cost=Py_ssize_t, args=list,
         value=Py_ssize_t, after=Py_ssize_t,
     )
     cdef Py_ssize_t _frame(self, bytearray data, Py_ssize_t pos, Py_ssize_t end) except -1

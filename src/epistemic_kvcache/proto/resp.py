@@ -18,6 +18,9 @@ from epistemic_kvcache.proto.resp_inline import split_inline
 from epistemic_kvcache.proto.resp_parser import (
     ARG_OVERHEAD,
     COMMAND_OVERHEAD,
+    FIRST_READ_AFTER_BIG,
+)
+from epistemic_kvcache.proto.resp_rules import (
     DEFAULT_LARGE_BULK_THRESHOLD,
     DEFAULT_MAX_BULK_BYTES,
     DEFAULT_MAX_INLINE_BYTES,
@@ -25,9 +28,6 @@ from epistemic_kvcache.proto.resp_parser import (
     DEFAULT_READ_BUFFER_BYTES,
     DEFAULT_UNAUTHENTICATED_MAX_BULK_BYTES,
     DEFAULT_UNAUTHENTICATED_MAX_MULTIBULK_LEN,
-    FIRST_READ_AFTER_BIG,
-    args_size,
-    command_size,
 )
 from epistemic_kvcache.proto.resp_types import (
     NEED_DATA,
@@ -36,6 +36,8 @@ from epistemic_kvcache.proto.resp_types import (
     Command,
     Event,
     RefusedCommand,
+    args_size,
+    command_size,
 )
 
 __all__ = [

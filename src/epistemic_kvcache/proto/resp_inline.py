@@ -1,16 +1,17 @@
-"""Inline RESP requests (`SET k "v w"\n`, for telnet and hand-typed input): splitting a
-line into arguments the way Redis' `sdssplitargs` does (quotes and escapes)."""
+"""Inline RESP requests (`SET k "v w"\n`, for telnet and hand-typed input).
+
+How it works: the framer (proto/resp_parser.py) hands a command that does not start
+with `*` to `inline_command`, which finds its line, holds it to the parser's limits and
+splits it into arguments the way Redis' `sdssplitargs` does (`split_inline`: quotes and
+escapes). Inline requests are rare (a person at a terminal), so this stays plain Python
+beside the compiled framer."""
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, Protocol
 
-from epistemic_kvcache.errors import RemoteProtocolError
-
-
-def _perr(detail: str) -> RemoteProtocolError:
-    return RemoteProtocolError(f"Protocol error: {detail}")
-
+from epistemic_kvcache.proto.resp_rules import protocol_error as _perr
+from epistemic_kvcache.proto.resp_types import Command
 
 _ESCAPES: Final = {
     ord("n"): b"\n",
@@ -93,3 +94,38 @@ def split_inline(line: bytes | bytearray | memoryview) -> list[bytes]:
                     cur.append(c)
             i += 1
         out.append(bytes(cur))
+
+
+class InlineLimits(Protocol):
+    """The limits an inline request is held to: `RespParser`'s own attributes."""
+
+    max_inline_bytes: int
+    authenticated: bool
+    unauthenticated_max_multibulk_len: int
+    unauthenticated_max_bulk_bytes: int
+
+
+def inline_command(
+    data: bytearray, pos: int, end: int, limits: InlineLimits
+) -> tuple[Command, int] | None:
+    """The inline request whose line starts at `data[pos]`: its arguments (none for a
+    blank line) and where the next command starts, or None while its line is not
+    complete (before `end`). Raises Redis' "too big inline request" for a line longer
+    than `max_inline_bytes`, and before AUTH its "unauthenticated inline request" for
+    more or longer arguments than the unauthenticated limits allow."""
+    max_bytes = limits.max_inline_bytes
+    nl = data.find(b"\n", pos, end)
+    if nl < 0:
+        if end - pos > max_bytes:
+            raise _perr("too big inline request")
+        return None
+    if nl - pos > max_bytes:
+        raise _perr("too big inline request")
+    stop = nl - 1 if nl > pos and data[nl - 1] == 0x0D else nl
+    args: Command = list(split_inline(data[pos:stop]))
+    if not limits.authenticated and (
+        len(args) > limits.unauthenticated_max_multibulk_len
+        or any(len(a) > limits.unauthenticated_max_bulk_bytes for a in args)
+    ):
+        raise _perr("unauthenticated inline request")
+    return args, nl + 1

@@ -21,12 +21,13 @@ read buffer itself when nothing was left over from the previous read (so a read 
 complete commands is framed without being copied), else the receive buffer the leftover
 went to. Per state it takes as much as the bytes allow: a `*N` / `$N` header in
 canonical form is read in one step (`_canonical_head`; anything else goes to the careful
-path, which applies every limit and raises Redis' wording), and a run of small bulks is
-framed in one inner loop. Fed one byte at a time it is the byte-at-a-time
-state machine; fed a whole read it is the fast framer: the same code, so the two agree.
+path, proto/resp_rules.py `careful_head`, which applies every limit and raises Redis'
+wording), and a run of small bulks is framed in one inner loop. Fed one byte at a time
+it is the byte-at-a-time state machine; fed a whole read it is the fast framer: the
+same code, so the two agree.
 
 Two request forms, as Redis' `networking.c`: multibulk (`*N\\r\\n$len\\r\\n<bytes>\\r\\n...`)
-and inline (`SET k v\\n`, for telnet and hand-typed input).
+and inline (`SET k v\\n`, for telnet and hand-typed input; proto/resp_inline.py).
 
 A bulk argument of at least `large_bulk_threshold` bytes gets a `bytearray` of exactly
 its announced size as soon as its `$len` header is parsed; from then on `get_buffer`
@@ -54,35 +55,20 @@ framed before the bad bytes are still delivered first, then `next_command()` rai
 
 from __future__ import annotations
 
-import re
 from collections import deque
 from typing import TYPE_CHECKING, Final
 
 from epistemic_kvcache.buffers import alloc_block
 from epistemic_kvcache.errors import RemoteProtocolError
-from epistemic_kvcache.proto.resp_inline import split_inline
-from epistemic_kvcache.proto.resp_types import MAX_LIMIT, NEED_DATA, RefusedCommand
+from epistemic_kvcache.proto import resp_rules as rules
+from epistemic_kvcache.proto.resp_inline import inline_command
+from epistemic_kvcache.proto.resp_rules import KiB, careful_head, show_byte
+from epistemic_kvcache.proto.resp_rules import protocol_error as _perr
+from epistemic_kvcache.proto.resp_types import NEED_DATA, RefusedCommand, args_size
 
 if TYPE_CHECKING:
     from epistemic_kvcache.proto.resp_types import Arg, Buffer, Command, Event, ReserveFn
 
-KiB: Final = 1024
-MiB: Final = 1024 * 1024
-
-DEFAULT_MAX_INLINE_BYTES: Final = 64 * KiB
-"""Longest inline request, and longest `*N` / `$N` header line (Redis PROTO_INLINE_MAX_SIZE)."""
-DEFAULT_MAX_MULTIBULK_LEN: Final = 1024 * 1024
-"""Most arguments in one command (Redis' historic multibulk limit, 1024*1024)."""
-DEFAULT_MAX_BULK_BYTES: Final = 512 * MiB
-"""Longest bulk argument (Redis `proto-max-bulk-len` default, 512 MiB)."""
-DEFAULT_UNAUTHENTICATED_MAX_MULTIBULK_LEN: Final = 10
-"""Before AUTH: Redis refuses more than 10 arguments (CVE-2021-32675 fix)."""
-DEFAULT_UNAUTHENTICATED_MAX_BULK_BYTES: Final = 16 * KiB
-"""Before AUTH: Redis refuses bulk arguments over 16 KiB (CVE-2021-32675 fix)."""
-DEFAULT_LARGE_BULK_THRESHOLD: Final = 32 * KiB
-"""Bulks this long or longer get a preallocated buffer (Redis PROTO_MBULK_BIG_ARG, 32 KiB)."""
-DEFAULT_READ_BUFFER_BYTES: Final = 256 * KiB
-"""Size of the scratch buffer lent to the socket for everything but large bulks."""
 _NO_ROOM: Final = memoryview(b"")
 FIRST_READ_AFTER_BIG: Final = 4 * KiB
 """After a large bulk, the next read into the scratch buffer asks for this much: enough
@@ -94,58 +80,10 @@ COMMAND_OVERHEAD: Final = 128
 ARG_OVERHEAD: Final = 48
 """Memory one argument costs beyond its bytes (object header, list slot), estimated."""
 
-_INT_RE: Final = re.compile(rb"-?(?:0|[1-9][0-9]{0,18})")
 _HEAD_DIGITS: Final = 18
 """Most digits of a header read in one step (`_canonical_head`); 10**18 - 1 fits a C
 64-bit integer, so the compiled twin scans it without Python integers."""
-_INT64_MAX: Final = 2**63 - 1
-_INT64_MIN: Final = -(2**63)
 _COMPACT_AT: Final = 64 * KiB
-
-
-def args_size(cmd: Command) -> int:
-    """Bytes of a command's arguments together."""
-    size = 0
-    for arg in cmd:
-        size += len(arg)
-    return size
-
-
-def _held(cmd: Command) -> int:
-    """Bytes of a framed command's preallocated (large) bulks: the non-`bytes` ones."""
-    held = 0
-    for arg in cmd:
-        if type(arg) is not bytes:
-            held += len(arg)
-    return held
-
-
-def command_size(cmd: Command) -> int:
-    """Bytes of `cmd` as a RESP array on the wire: `*<n>\\r\\n`, then `$<len>\\r\\n`,
-    the argument and `\\r\\n` for each (what client libraries send; an inline command
-    is counted as if sent this way). 0 for a `RefusedCommand` (its arguments were
-    dropped as they arrived)."""
-    if isinstance(cmd, RefusedCommand):
-        return 0
-    size = 3 + len(str(len(cmd)))
-    for arg in cmd:
-        n = len(arg)
-        size += 5 + len(str(n)) + n
-    return size
-
-
-def _perr(detail: str) -> RemoteProtocolError:
-    return RemoteProtocolError(f"Protocol error: {detail}")
-
-
-def _parse_int(raw: Buffer) -> int | None:
-    """Strict signed 64-bit decimal (Redis `string2ll`), or None."""
-    if _INT_RE.fullmatch(raw) is None:
-        return None
-    value = int(raw)
-    if value > _INT64_MAX or value < _INT64_MIN:
-        return None
-    return value
 
 
 def _canonical_head(
@@ -183,11 +121,6 @@ def _canonical_head(
     return value, i + 2
 
 
-def _show_byte(b: int) -> str:
-    """A byte as Redis shows it in "expected '$', got 'x'", escaped when unprintable."""
-    return chr(b) if 0x20 <= b < 0x7F else f"\\x{b:02x}"
-
-
 # -- the request parser ---------------------------------------------------------------
 
 
@@ -207,38 +140,34 @@ _SKIP_BODY: Final = 4
 class RespParser:
     """Sans-IO RESP request parser. See the module docstring for how it works.
 
-    Every limit is a constructor argument; the defaults are Redis' own.
+    Every limit is a constructor argument; the defaults are Redis' own (resp_rules.py).
     `authenticated` selects which argument limits apply (set it after AUTH succeeds).
     """
 
     def __init__(
         self,
         *,
-        max_inline_bytes: int = DEFAULT_MAX_INLINE_BYTES,
-        max_multibulk_len: int = DEFAULT_MAX_MULTIBULK_LEN,
-        max_bulk_bytes: int = DEFAULT_MAX_BULK_BYTES,
-        unauthenticated_max_multibulk_len: int = DEFAULT_UNAUTHENTICATED_MAX_MULTIBULK_LEN,
-        unauthenticated_max_bulk_bytes: int = DEFAULT_UNAUTHENTICATED_MAX_BULK_BYTES,
-        large_bulk_threshold: int = DEFAULT_LARGE_BULK_THRESHOLD,
-        read_buffer_bytes: int = DEFAULT_READ_BUFFER_BYTES,
+        max_inline_bytes: int = rules.DEFAULT_MAX_INLINE_BYTES,
+        max_multibulk_len: int = rules.DEFAULT_MAX_MULTIBULK_LEN,
+        max_bulk_bytes: int = rules.DEFAULT_MAX_BULK_BYTES,
+        unauthenticated_max_multibulk_len: int = rules.DEFAULT_UNAUTHENTICATED_MAX_MULTIBULK_LEN,
+        unauthenticated_max_bulk_bytes: int = rules.DEFAULT_UNAUTHENTICATED_MAX_BULK_BYTES,
+        large_bulk_threshold: int = rules.DEFAULT_LARGE_BULK_THRESHOLD,
+        read_buffer_bytes: int = rules.DEFAULT_READ_BUFFER_BYTES,
         authenticated: bool = False,
         reserve: ReserveFn | None = None,
         scratch: bytearray | None = None,
         max_ready: int | None = None,
     ) -> None:
-        for name, value in (
-            ("max_inline_bytes", max_inline_bytes),
-            ("max_multibulk_len", max_multibulk_len),
-            ("max_bulk_bytes", max_bulk_bytes),
-            ("unauthenticated_max_multibulk_len", unauthenticated_max_multibulk_len),
-            ("unauthenticated_max_bulk_bytes", unauthenticated_max_bulk_bytes),
-            ("large_bulk_threshold", large_bulk_threshold),
-            ("read_buffer_bytes", read_buffer_bytes),
-        ):
-            if value < 1:
-                raise ValueError(f"invalid {name}: expected a positive integer (got {value!r})")
-            if value > MAX_LIMIT:
-                raise ValueError(f"invalid {name}: expected at most {MAX_LIMIT} (got {value!r})")
+        rules.check_limits(
+            max_inline_bytes=max_inline_bytes,
+            max_multibulk_len=max_multibulk_len,
+            max_bulk_bytes=max_bulk_bytes,
+            unauthenticated_max_multibulk_len=unauthenticated_max_multibulk_len,
+            unauthenticated_max_bulk_bytes=unauthenticated_max_bulk_bytes,
+            large_bulk_threshold=large_bulk_threshold,
+            read_buffer_bytes=read_buffer_bytes,
+        )
         self.max_inline_bytes = max_inline_bytes
         self.max_multibulk_len = max_multibulk_len
         self.max_bulk_bytes = max_bulk_bytes
@@ -378,10 +307,12 @@ class RespParser:
         """Put commands taken with `next_command` back at the front, in order (the owner
         did not run them); they count as buffered and held again."""
         for cmd in reversed(commands):
-            if isinstance(cmd, RefusedCommand):
-                size = held = 0
-            else:
-                size, held = args_size(cmd), _held(cmd)
+            size = held = 0
+            if not isinstance(cmd, RefusedCommand):
+                for arg in cmd:  # (large bulks, held apart, are the non-`bytes` ones)
+                    size += len(arg)
+                    if type(arg) is not bytes:
+                        held += len(arg)
             cost = size - held + COMMAND_OVERHEAD + ARG_OVERHEAD * len(cmd)
             self._ready.appendleft((cmd, size, held, cost))
             self._ready_bytes += size
@@ -487,22 +418,23 @@ class RespParser:
                     max_ready = self.max_ready
                     if max_ready is not None and len(ready) >= max_ready:
                         return pos
-                    if data[pos] != 0x2A:  # not '*': an inline command
-                        nxt = self._inline(data, pos, end)
-                        if nxt < 0:
+                    if data[pos] != 0x2A:  # not '*': an inline command (proto/resp_inline.py)
+                        found = inline_command(data, pos, end, self)
+                        if found is None:
                             return pos
-                        pos = nxt
+                        if found[0]:
+                            self._finish(found[0], args_size(found[0]))
+                        pos = found[1]
                         continue
                     value, after = _canonical_head(data, pos, end, 0x2A, self.max_inline_bytes)
                     if value >= 0:
                         count: int | None = value
                         pos = after
                     else:
-                        cr = self._header_line(data, pos, end, "mbulk")
-                        if cr < 0:
+                        count, after = careful_head(data, pos, end, "mbulk", self.max_inline_bytes)
+                        if after < 0:
                             return pos
-                        count = _parse_int(data[pos + 1 : cr])
-                        pos = cr + 2
+                        pos = after
                     if count is None or count < -1 or count > self.max_multibulk_len:
                         raise _perr("invalid multibulk length")
                     if not self.authenticated and count > self.unauthenticated_max_multibulk_len:
@@ -573,16 +505,14 @@ class RespParser:
                     length, start = _canonical_head(data, pos, end, 0x24, max_line)
                     if length < 0:
                         if data[pos] != 0x24:  # '$'
-                            raise _perr(f"expected '$', got '{_show_byte(data[pos])}'")
-                        cr = self._header_line(data, pos, end, "bulk")
-                        if cr < 0:
+                            raise _perr(f"expected '$', got '{show_byte(data[pos])}'")
+                        parsed, start = careful_head(data, pos, end, "bulk", max_line)
+                        if start < 0:
                             length = -1
                             break
-                        parsed = _parse_int(data[pos + 1 : cr])
                         if parsed is None or parsed < 0:
                             raise _perr("invalid bulk length")
                         length = parsed
-                        start = cr + 2
                     if length > small_max:
                         if length > max_bulk:
                             raise _perr("invalid bulk length")
@@ -636,40 +566,6 @@ class RespParser:
                 self._ready_bytes += nbytes
                 self._ready_cost += cost
                 self.commands_parsed += 1
-
-    def _header_line(self, data: bytearray, pos: int, end: int, what: str) -> int:
-        """Index of the CR of the header line at `pos`, or -1 (checks its length)."""
-        cr = data.find(b"\r\n", pos, end)
-        if cr < 0:
-            # the line so far, without a CR that may be its end (whose LF is to come)
-            if end - pos - (end > pos and data[end - 1] == 0x0D) > self.max_inline_bytes:
-                raise _perr(f"too big {what} count string")
-            return -1
-        if cr - pos > self.max_inline_bytes:
-            raise _perr(f"too big {what} count string")
-        return cr
-
-    def _inline(self, data: bytearray, pos: int, end: int) -> int:
-        """Frame the inline line at `pos`: where the next command starts, or -1 when
-        the line is not complete."""
-        nl = data.find(b"\n", pos, end)
-        if nl < 0:
-            if end - pos > self.max_inline_bytes:
-                raise _perr("too big inline request")
-            return -1
-        if nl - pos > self.max_inline_bytes:
-            raise _perr("too big inline request")
-        stop = nl - 1 if nl > pos and data[nl - 1] == 0x0D else nl
-        args: Command = list(split_inline(data[pos:stop]))
-        if not args:
-            return nl + 1
-        if not self.authenticated and (
-            len(args) > self.unauthenticated_max_multibulk_len
-            or any(len(a) > self.unauthenticated_max_bulk_bytes for a in args)
-        ):
-            raise _perr("unauthenticated inline request")
-        self._finish(args, sum(len(a) for a in args))
-        return nl + 1
 
     def _open_large(self, length: int) -> None:
         """A large bulk's header was read: its preallocated array (once `reserve`

@@ -4,7 +4,8 @@
 and proto/_resp_parser_c, the same source compiled by Cython; proto/resp_framer.py picks
 one). What their callers compare by identity (`NEED_DATA`) or by class
 (`RefusedCommand`) lives here, once, so a command or an event from either twin is the
-same object to the dispatcher.
+same object to the dispatcher; so do the sizes a command is accounted by (`args_size`,
+`command_size`).
 """
 
 from __future__ import annotations
@@ -54,3 +55,25 @@ NEED_DATA: Final = _NeedData.NEED_DATA
 """Returned by `RespParser.next_command()` when no complete command is buffered."""
 
 Event = Command | Literal[_NeedData.NEED_DATA]
+
+
+def args_size(cmd: Command) -> int:
+    """Bytes of a command's arguments together."""
+    size = 0
+    for arg in cmd:
+        size += len(arg)
+    return size
+
+
+def command_size(cmd: Command) -> int:
+    """Bytes of `cmd` as a RESP array on the wire: `*<n>\\r\\n`, then `$<len>\\r\\n`,
+    the argument and `\\r\\n` for each (what client libraries send; an inline command
+    is counted as if sent this way). 0 for a `RefusedCommand` (its arguments were
+    dropped as they arrived)."""
+    if isinstance(cmd, RefusedCommand):
+        return 0
+    size = 3 + len(str(len(cmd)))
+    for arg in cmd:
+        n = len(arg)
+        size += 5 + len(str(n)) + n
+    return size
