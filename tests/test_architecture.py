@@ -1,5 +1,5 @@
-"""The shape of src/epistemic_kvcache, checked on every run: no import circles, no module
-over 800 lines (issue 25's measures); the store's state has one owner: no store module
+"""The shape of src/epistemic_kvcache, checked on every run: no import circles (issue 25's
+measure); no module over 650 lines, and the store's state has one owner: no store module
 reads another object's private members (but the hot core's selector), and durable.py
 stays under 500 lines (issue 42's measures).
 
@@ -20,7 +20,8 @@ import grimp
 import epistemic_kvcache
 
 PACKAGE = "epistemic_kvcache"
-MAX_MODULE_LINES = 800
+MAX_MODULE_LINES = 650
+"""A module longer than this is split along a seam (h11's longest module is 659 lines)."""
 MAX_STORE_PRIVATE_READS = 9
 """Reads of another object's private members in store/ (`x._y`, `x` not self or cls):
 the hot core's selector reads its twin's two module-level names; nothing else may."""
@@ -119,7 +120,7 @@ def test_no_import_circles_in_the_package() -> None:
     assert not circles, f"{len(circles)} import circle(s) in {PACKAGE}:\n" + "\n".join(described)
 
 
-def test_no_module_over_800_lines() -> None:
+def test_no_module_over_650_lines() -> None:
     root = Path(epistemic_kvcache.__file__).parent
     sizes = {
         str(p.relative_to(root.parent)): len(p.read_text(encoding="utf-8").splitlines())
