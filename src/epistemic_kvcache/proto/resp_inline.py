@@ -39,61 +39,48 @@ def split_inline(line: bytes | bytearray | memoryview) -> list[bytes]:
         if i >= n:
             return out
         cur = bytearray()
-        in_dq = in_sq = False
+        quote = 0  # the quote the argument is inside of: 0x22 ("), 0x27 (') or none (0)
         while True:
-            if in_dq:
-                if i >= n:
-                    raise _perr("unbalanced quotes in request")
-                c = data[i]
-                if (
-                    c == 0x5C  # backslash
-                    and i + 3 < n
-                    and data[i + 1] == ord("x")
-                    and data[i + 2] in _HEX
-                    and data[i + 3] in _HEX
-                ):
-                    cur.append(int(data[i + 2 : i + 4], 16))
-                    i += 3
-                elif c == 0x5C and i + 1 < n:
-                    i += 1
-                    cur += _ESCAPES.get(data[i], bytes((data[i],)))
-                elif c == 0x22:  # closing double quote must end the argument
-                    if i + 1 < n and data[i + 1] not in _SPACE:
-                        raise _perr("unbalanced quotes in request")
-                    in_dq = False
-                    i += 1
+            if not quote:
+                if i >= n or data[i] in _SPACE:
                     break
+                c = data[i]
+                if c in {0x22, 0x27}:
+                    quote = c
                 else:
                     cur.append(c)
-            elif in_sq:
-                if i >= n:
+            elif i >= n:
+                raise _perr("unbalanced quotes in request")
+            elif data[i] == quote:  # a closing quote must end the argument
+                if i + 1 < n and data[i + 1] not in _SPACE:
                     raise _perr("unbalanced quotes in request")
-                c = data[i]
-                if c == 0x5C and i + 1 < n and data[i + 1] == 0x27:
-                    i += 1
-                    cur.append(0x27)
-                elif c == 0x27:
-                    if i + 1 < n and data[i + 1] not in _SPACE:
-                        raise _perr("unbalanced quotes in request")
-                    in_sq = False
-                    i += 1
-                    break
-                else:
-                    cur.append(c)
+                i += 1
+                break
+            elif data[i] == 0x5C and i + 1 < n:  # backslash
+                i += _unescape(data, i, quote, cur)
             else:
-                if i >= n:
-                    break
-                c = data[i]
-                if c in _SPACE:
-                    break
-                if c == 0x22:
-                    in_dq = True
-                elif c == 0x27:
-                    in_sq = True
-                else:
-                    cur.append(c)
+                cur.append(data[i])
             i += 1
         out.append(bytes(cur))
+
+
+def _unescape(data: bytes, i: int, quote: int, cur: bytearray) -> int:
+    """The backslash at `data[i]` inside quotes (a next byte exists): appends what it
+    stands for to `cur` and returns how many bytes after the backslash that took. In
+    double quotes `\\xHH` is a byte and `\\n` `\\r` `\\t` `\\b` `\\a` what C means by them,
+    any other escaped byte itself; in single quotes only `\\'` is an escape."""
+    nxt = data[i + 1]
+    if quote == 0x27:
+        if nxt != 0x27:
+            cur.append(0x5C)
+            return 0
+        cur.append(0x27)
+        return 1
+    if nxt == ord("x") and i + 3 < len(data) and data[i + 2] in _HEX and data[i + 3] in _HEX:
+        cur.append(int(data[i + 2 : i + 4], 16))
+        return 3
+    cur += _ESCAPES.get(nxt, bytes((nxt,)))
+    return 1
 
 
 class InlineLimits(Protocol):

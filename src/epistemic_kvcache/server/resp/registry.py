@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from epistemic_kvcache.proto.resp import Command
 
@@ -21,6 +21,7 @@ Handler = Callable[["Session", Command], Awaitable[object]]
 """Runs on the event loop (session state, no store access)."""
 BlockingHandler = Callable[["Session", Command], object]
 """Runs on the thread pool (store access); consecutive ones are batched in one job."""
+H = TypeVar("H", Handler, BlockingHandler)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,14 +55,9 @@ def command(
     no_auth: bool = False,
 ) -> Callable[[Handler], Handler]:
     """Register an event-loop handler."""
-
-    def register(fn: Handler) -> Handler:
-        COMMANDS[name.encode()] = CommandSpec(
-            name, arity, flags, *keys, group, summary, fn, no_auth=no_auth
-        )
-        return fn
-
-    return register
+    return _registrar(
+        lambda fn: CommandSpec(name, arity, flags, *keys, group, summary, fn, no_auth=no_auth)
+    )
 
 
 def blocking_command(
@@ -73,11 +69,17 @@ def blocking_command(
     summary: str,
 ) -> Callable[[BlockingHandler], BlockingHandler]:
     """Register a thread-pool handler."""
+    return _registrar(
+        lambda fn: CommandSpec(name, arity, flags, *keys, group, summary, None, blocking_handler=fn)
+    )
 
-    def register(fn: BlockingHandler) -> BlockingHandler:
-        COMMANDS[name.encode()] = CommandSpec(
-            name, arity, flags, *keys, group, summary, None, blocking_handler=fn
-        )
+
+def _registrar(spec_of: Callable[[H], CommandSpec]) -> Callable[[H], H]:
+    """A decorator that enters the function it decorates in `COMMANDS` as `spec_of(fn)`."""
+
+    def register(fn: H) -> H:
+        spec = spec_of(fn)
+        COMMANDS[spec.name.encode()] = spec
         return fn
 
     return register
