@@ -452,3 +452,25 @@ def test_large_values_inside_exec(server: _Server) -> None:
         pipe.strlen("big1")
         assert pipe.execute() == [True, True, True, big[0], len(big[1])]
     assert r.mget(["big0", "big1", "small"]) == [big[0], big[1], b"s"]
+
+
+def test_sets_inside_exec_hand_their_receive_buffers_to_the_store(server: _Server) -> None:
+    """A SET inside MULTI that the store starts inline (a value the parser received
+    into its own buffer, up to the inline size) is kept as received, as outside MULTI:
+    the transaction job passed the queued view as it was, and the store copied it."""
+    from epistemic_kvcache import buffers
+
+    r = server.client()
+    blocks = [os.urandom(64 << 10), os.urandom(256 << 10)]  # (own buffer from 32 KiB)
+    with r.pipeline() as pipe:
+        pipe.set("mx0", blocks[0])
+        pipe.set("mx1", blocks[1], nx=True)
+        pipe.set("msmall", b"tiny")
+        assert pipe.execute() == [True, True, True]
+    for key, block in (("mx0", blocks[0]), ("mx1", blocks[1])):
+        kept = server.store.get("alpha", key)
+        assert isinstance(kept, memoryview), type(kept)
+        assert kept == block
+        assert kept.readonly
+        assert isinstance(kept.obj, buffers._heap_type), type(kept.obj)  # the buffer itself
+    assert server.store.get("alpha", "msmall") == b"tiny"

@@ -1,6 +1,7 @@
 """server/writes.py: `KeyWatches` (which connections watch which keys, bounded and shared
-fairly (DESIGN.md: watches have per-tenant shares), and never forgotten silently), and
-`TenantGates` against commands and holders on several event loops at once.
+fairly (DESIGN.md: watches have per-tenant shares), and never forgotten silently),
+`TenantGates` against commands and holders on several event loops at once, and
+`start_put`, the one PUT entry every wire and MULTI goes through (on real listeners).
 
 Both are plain thread-safe objects: these tests drive them directly, with shares small
 enough to reach. tests/test_server_resp_watch.py drives them through real clients;
@@ -10,16 +11,24 @@ step by step.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
+import redis
+
+import epistemic_kvcache
 from epistemic_kvcache.server.writes import KeyWatches, TenantGates, Watcher
+from epistemic_kvcache.store import SharedKvIndex
 from helpers import eventually
+from servers import running_listener
 
 
 def watched(w: Watcher) -> set[str]:
@@ -322,3 +331,115 @@ def test_leave_counts_itself_out_before_it_reads_held() -> None:
         held.holding.result(10)  # held: nothing waits for a wake-up
         other.call_soon_threadsafe(gates.release, "t")
         eventually(lambda: len(gates) == 0, what="released")
+
+
+# -- start_put: the one PUT entry of every wire and MULTI ----------------------------------------
+
+TOKEN = "put-entry-token-0123456789"
+
+
+class EntryRecordingStore(SharedKvIndex):
+    """The memory store, noting at each `put_nowait` the key, the function that called
+    it, and the Python functions below that on the stack."""
+
+    calls: list[tuple[str, str, list[str]]]
+
+    def put_nowait(self, ns: str, key: str, data: Any, *, cond: Any = None) -> Any:
+        frame = sys._getframe(1)
+        below: list[str] = []
+        f = frame.f_back
+        while f is not None:
+            below.append(f.f_code.co_name)
+            f = f.f_back
+        self.calls.append((key, frame.f_code.co_name, below))
+        return super().put_nowait(ns, key, data, cond=cond)
+
+
+def test_every_wire_and_multi_start_a_put_through_start_put() -> None:
+    """The four ways a PUT used to start (the read callback's inline SETs, the
+    connection's task, MULTI's transaction job, HTTP's `ServerContext.put`) each
+    called the store's `put_nowait` themselves, and drifted (MULTI copied a large
+    value): all now reach it through `server.writes.start_put`, on real listeners."""
+    calls: list[tuple[str, str, list[str]]] = []
+    resp_store, http_store = EntryRecordingStore(), EntryRecordingStore()
+    resp_store.calls = http_store.calls = calls
+
+    def by(prefix: str) -> list[tuple[str, list[str]]]:
+        return [(caller, below) for key, caller, below in calls if key.startswith(prefix)]
+
+    with (
+        running_listener("resp", store=resp_store, tokens={TOKEN: "t"}) as rl,
+        running_listener("http", store=http_store, tokens={TOKEN: "t"}) as hl,
+        redis.Redis(port=rl.port, password=TOKEN, single_connection_client=True) as r,
+    ):
+        # the read callback (a loaded machine may leave a read to the task: then again)
+        for i in range(50):
+            with r.pipeline(transaction=False) as p:
+                p.set(f"fast{i}:a", b"v").set(f"fast{i}:b", b"w")
+                assert p.execute() == [True, True]
+            if any("buffer_updated" in [caller, *below] for caller, below in by(f"fast{i}:")):
+                break
+        else:
+            raise AssertionError("no SET was answered in the read callback")
+        # the connection's task: the tenant held, the read callback leaves the SETs to
+        # it, and it starts them once let in (the first, then those framed behind it)
+        gates = rl.ctx.writes.gates
+        asyncio.run_coroutine_threadsafe(gates.hold("t"), rl.loop).result(10)
+        with ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(
+                lambda: (
+                    r.pipeline(transaction=False).set("task:a", b"v").set("task:b", b"w").execute()
+                )
+            )
+            eventually(lambda: gates._gates["t"].waiters, what="the SETs wait at the gate")
+            rl.loop.call_soon_threadsafe(gates.release, "t")
+            assert sent.result(30) == [True, True]
+        # MULTI's transaction job (plain and conditional)
+        with r.pipeline() as p:
+            p.set("multi:a", b"v").set("multi:b", b"w", nx=True)
+            assert p.execute() == [True, True]
+        # HTTP PUT (plain and conditional)
+        conn = hl.conn(timeout=30)
+        for key, extra in (("http:a", {}), ("http:b", {"If-None-Match": "*"})):
+            conn.request(
+                "PUT",
+                f"/kv/{key}",
+                body=b"v",
+                headers={"Authorization": f"Bearer {TOKEN}", **extra},
+            )
+            answer = conn.getresponse()
+            answer.read()
+            assert answer.status == 201
+    assert {caller for _, caller, _ in calls} == {"start_put"}, calls
+    for prefix, where, count in (
+        ("task:", "_execute", 2),
+        ("multi:", "_run_transaction_job", 2),
+        ("http:", "key_put", 2),
+    ):
+        seen = by(prefix)
+        assert len(seen) == count, (prefix, seen)
+        assert all(where in below for _, below in seen), (prefix, seen)
+
+
+def test_no_module_but_start_put_calls_a_stores_put_nowait() -> None:
+    """Outside the store itself, `put_nowait` is called in one place: `start_put`."""
+    root = Path(epistemic_kvcache.__file__).parent
+    found: list[str] = []
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).parts[0] == "store":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(fn):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "put_nowait"
+                ):
+                    found.append(f"{path.relative_to(root)}:{node.lineno} in {fn.name}")
+    assert found
+    assert all(f.startswith("server/writes.py:") and f.endswith(" in start_put") for f in found), (
+        found
+    )

@@ -32,7 +32,7 @@ from epistemic_kvcache.server.budget import (
     SlotLimits,
 )
 from epistemic_kvcache.server.oplog import AccessLog, AuthFailureLog, RefusalLog
-from epistemic_kvcache.server.writes import Writes
+from epistemic_kvcache.server.writes import Writes, start_put
 from epistemic_kvcache.shared import ServerLimits
 from epistemic_kvcache.store.api import (
     WOULD_BLOCK,
@@ -405,14 +405,6 @@ class ServerContext:
         """The value's length (None: absent) when RAM answers at once, else `WOULD_BLOCK`."""
         return self.store.size_nowait(ns, key)
 
-    def put_nowait(
-        self, ns: str, key: str, data: BlockData, cond: PutCond = None
-    ) -> PutResult | concurrent.futures.Future[PutResult] | WouldBlock:
-        """Start a PUT inline when that is cheap (see `SharedKvBackend.put_nowait`)."""
-        if cond is None:
-            return self.store.put_nowait(ns, key, data)
-        return self.store.put_nowait(ns, key, data, cond=cond)
-
     async def get(self, ns: str, key: str, account: Account) -> Buffer | None:
         """`store.get`, inline when RAM answers, else on the thread pool with its buffer
         reserved from `account` first (`Busy` when refused)."""
@@ -457,9 +449,10 @@ class ServerContext:
         return blocks
 
     async def put(self, ns: str, key: str, data: BlockData, cond: PutCond = None) -> PutResult:
-        """`store.put`: small PUTs start inline and a durable one is awaited as a future;
-        the others run on the thread pool."""
-        started = self.put_nowait(ns, key, data, cond)
+        """`store.put`: small PUTs start inline, through the one PUT entry of every wire
+        (server/writes.py `start_put`), and a durable one is awaited as a future; the
+        others run on the thread pool."""
+        started = start_put(self.store, ns, key, data, cond)
         if started is WOULD_BLOCK:
             if cond is None:
                 return await self.run(self.store.put, ns, key, data)

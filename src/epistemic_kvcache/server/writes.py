@@ -1,8 +1,13 @@
-"""Every write the server makes to a tenant's keys, seen in one place: the tenant gates
-(MULTI/EXEC isolation) and the key watches (WATCH).
+"""Every write the server makes to a tenant's keys, seen in one place: the one PUT entry,
+the tenant gates (MULTI/EXEC isolation) and the key watches (WATCH).
 
 How it works
 ------------
+- `start_put`: the one way any wire starts a PUT (RESP's inline fast path, the
+  connection's task and MULTI's transaction job, HTTP's `ServerContext.put`): the
+  received value handed to the store without a copy, the store's `put_nowait`, and its
+  answer (a result, a future resolved once the PUT is durable, or `WOULD_BLOCK`); the
+  caller keeps its gate and its reply.
 - `TenantGates`: per tenant, across event loops, a command that writes (any RESP
   command; an HTTP PUT, DELETE, batch PUT or epoch bump) enters the tenant's gate while
   it runs, and `EXEC` (or a read-then-write command) takes it alone (`hold`): it waits
@@ -28,10 +33,14 @@ watch is never forgotten silently.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import threading
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, Final, TypeVar
+
+from epistemic_kvcache.buffers import received_block
+from epistemic_kvcache.store.api import BlockData, PutCond, PutResult, SharedKvBackend, WouldBlock
 
 T = TypeVar("T")
 
@@ -45,6 +54,24 @@ A key is at most 1 KiB: the table holds at most ~20 MiB of keys."""
 
 WatchKey = tuple[str, str]
 """(namespace, key)."""
+
+
+def start_put(
+    store: SharedKvBackend, ns: str, key: str, value: BlockData, cond: PutCond = None
+) -> PutResult | concurrent.futures.Future[PutResult] | WouldBlock:
+    """Start a PUT of `value` under `key` of `ns`: the one entry every wire and MULTI
+    starts a PUT through (the caller holds the tenant's gate).
+
+    A memoryview is handed over as it was received (`received_block`: a whole receive
+    buffer is kept by the store without a copy); bytes, a `Handover` or anything else go
+    as they are (the store copies what is mutable). Returns the store's `put_nowait`:
+    its `PutResult`, a future resolved once the PUT is durable, or `WOULD_BLOCK` (the
+    caller makes the blocking `put` off the event loop). A `StoreError` is raised as by
+    `put`; each wire maps it through proto/errors.py's table."""
+    data = received_block(value) if type(value) is memoryview else value
+    if cond is None:
+        return store.put_nowait(ns, key, data)
+    return store.put_nowait(ns, key, data, cond=cond)
 
 
 class _Gate:

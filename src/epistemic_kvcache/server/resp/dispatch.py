@@ -31,7 +31,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
 
-from epistemic_kvcache.buffers import received_block
 from epistemic_kvcache.errors import StoreError
 from epistemic_kvcache.proto.resp import (
     NULL_ARRAY,
@@ -77,6 +76,7 @@ from epistemic_kvcache.server.resp.registry import (
     BlockingHandler,
     CommandSpec,
 )
+from epistemic_kvcache.server.writes import start_put
 from epistemic_kvcache.store.api import WOULD_BLOCK, PutCond, PutResult
 
 if TYPE_CHECKING:
@@ -293,7 +293,7 @@ class Dispatcher:
                 self.observe(route, fast, time.perf_counter() - started, cmd)
                 return [fast]
         elif route == "set" and len(cmd) == 3:
-            outcome = self._try_set(cmd)
+            outcome = self._start_set(self.session.namespace, cmd)
             if outcome is not WOULD_BLOCK:
                 self.started.append((outcome, started, cmd))
                 self._start_following_sets()
@@ -449,7 +449,7 @@ class Dispatcher:
         """Thread-pool job: run a transaction's store commands in order; returns their
         replies and what the event loop counts (route, reply, seconds, command).
 
-        A SET (plain, NX or XX) is started without waiting for it (`put_nowait`), so the
+        A SET (plain, NX or XX) is started without waiting for it (`_start_set`), so the
         SETs of a transaction reach a durable store's committer together; a command that
         reads first waits for the SETs started before it (it sees their writes)."""
         s = self.session
@@ -482,6 +482,8 @@ class Dispatcher:
                     if isinstance(reply, concurrent.futures.Future):
                         pending.append((index, reply, t0))
                         continue
+                    if isinstance(reply, PutResult):
+                        reply = OK if reply.applied else None
                 if reply is WOULD_BLOCK:
                     if spec.name not in _NO_BARRIER:
                         settle()
@@ -502,8 +504,12 @@ class Dispatcher:
         return replies, observed
 
     def _start_set(self, ns: str, cmd: Command) -> object:
-        """Start `SET key value [NX|XX]` without waiting: a reply, a future, or
-        `WOULD_BLOCK` (another form of SET, or the store cannot start it inline)."""
+        """Start `SET key value [NX|XX]` without waiting, through the one PUT entry
+        (server/writes.py `start_put`: the received value without a copy): its
+        `PutResult`, a future (durable), an error reply, or `WOULD_BLOCK` (another form
+        of SET, or the store cannot start it inline). The connection's task and MULTI's
+        transaction job start their SETs here; the read callback's through `start_put`
+        directly (server/resp/fastpath.py)."""
         cond: PutCond = None
         if len(cmd) == 4:
             opt = bytes(cmd[3]).upper()
@@ -516,18 +522,11 @@ class Dispatcher:
         elif len(cmd) != 3:
             return WOULD_BLOCK
         try:
-            started = (
-                self.store.put_nowait(ns, to_key(cmd[1]), cmd[2])
-                if cond is None
-                else self.store.put_nowait(ns, to_key(cmd[1]), cmd[2], cond=cond)
-            )
+            return start_put(self.store, ns, to_key(cmd[1]), cmd[2], cond)
         except Reply as exc:
             return exc.reply
         except StoreError as exc:
             return store_error_reply(exc, "set")
-        if isinstance(started, PutResult):
-            return OK if started.applied else None
-        return started
 
     # -- fast paths -------------------------------------------------------------------------
     run_fast = _run_fast  # (server/resp/fastpath.py: the twin server/resp/fast.py picked)
@@ -554,17 +553,6 @@ class Dispatcher:
             raise Reply(store_error_reply(exc, "strlen")) from None
         return 0 if size is None else size
 
-    def _try_set(self, cmd: Command) -> object:
-        """Start `SET key value` inline: a reply, a future (durable), or `WOULD_BLOCK`."""
-        try:
-            return self.store.put_nowait(
-                self.session.namespace, to_key(cmd[1]), received_block(cmd[2])
-            )
-        except Reply as exc:
-            return exc.reply
-        except StoreError as exc:
-            return store_error_reply(exc, "set")
-
     def _start_following_sets(self) -> None:
         """Start the plain SETs framed right behind the started ones (task side), so
         durable ones share one group commit."""
@@ -575,7 +563,7 @@ class Dispatcher:
                 return
             assert following is not None  # _plain_set_ok is False for None
             t0 = time.perf_counter()
-            outcome = self._try_set(following)
+            outcome = self._start_set(self.session.namespace, following)
             if outcome is WOULD_BLOCK:
                 return
             self.queue.next_command()

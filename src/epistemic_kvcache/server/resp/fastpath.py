@@ -16,6 +16,7 @@ first (server/writes.py), as every write does, and marks the watchers of the key
 wrote before leaving it. Per command it does only what an answer needs:
 one dict lookup for the route, the store call, the reply bytes, one clock reading and
 its latency bucket; the tenant's tallies (INFO) are summed in locals and added once.
+A SET starts through the one PUT entry of every wire (server/writes.py `start_put`).
 
 One source, two twins, like proto/resp_parser.py: this file is the pure-Python
 reference, and server/resp/_fastpath_c is the same file compiled by Cython (setup.py,
@@ -30,10 +31,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
-from epistemic_kvcache.buffers import received_block
 from epistemic_kvcache.errors import RemoteProtocolError, StoreError
 from epistemic_kvcache.proto.resp import NEED_DATA, Arg, Buffer, Command, ErrorReply, Event
 from epistemic_kvcache.server.resp.common import INVALID_KEY, OK, Reply, store_error_reply
+from epistemic_kvcache.server.writes import start_put
 from epistemic_kvcache.store.api import WOULD_BLOCK, PutResult, SharedKvBackend
 
 _Future: Final = concurrent.futures.Future
@@ -202,12 +203,7 @@ def run_fast(
                         self.queue.unread([cmd])
                         break
                     self._gate = ns
-                value = cmd[2]
-                reply = store.put_nowait(
-                    ns,
-                    str(cmd[1], "utf-8"),
-                    value if type(value) is bytes else received_block(value),
-                )
+                reply = start_put(store, ns, str(cmd[1], "utf-8"), cmd[2])
             elif route == "exists":
                 reply = (
                     store.exists_nowait(ns, (str(cmd[1], "utf-8"),))
