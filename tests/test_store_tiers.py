@@ -60,7 +60,9 @@ def recount(store: TieredEngine, ns: str | None) -> dict[str, int]:
         sizes[ident] = size
     with store.ram.lock:
         blobs = [
-            b for b in store.ram.blob_list_locked() if ns is None or ns in {r[0] for r in b.key_refs()}
+            b
+            for b in store.ram.blob_list_locked()
+            if ns is None or ns in {r[0] for r in b.key_refs()}
         ]
         hot = [b for b in store.ram.tiers.hot.values() if b in blobs]
         warm = [b for b in store.ram.tiers.warm.values() if b in blobs]
@@ -233,7 +235,9 @@ def test_durable_tiers_hot_warm_cold_and_promotion(tmp_path: Path) -> None:
     assert_exact(store, [NS])
     # a block that is only on disk comes back through the read path, verified
     disk_only = [
-        k for k in data if not _in(store.ram.tiers.hot, store, k) and not _in(store.ram.tiers.warm, store, k)
+        k
+        for k in data
+        if not _in(store.ram.tiers.hot, store, k) and not _in(store.ram.tiers.warm, store, k)
     ]
     assert disk_only
     before = store.stats(NS).promotions

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import fcntl
 import gc
 import logging
 import os
@@ -83,7 +82,7 @@ from epistemic_kvcache.store.disklog import DiskLogTier, DurableLog, GroupCommit
 from epistemic_kvcache.store.engine import TieredEngine, digest_of
 from epistemic_kvcache.store.epochs import EpochRegistry
 from epistemic_kvcache.store.index import Index
-from epistemic_kvcache.store.opening import Opener
+from epistemic_kvcache.store.opening import Opener, lock_persist_dir
 from epistemic_kvcache.store.plan import BatchOp as _Op
 from epistemic_kvcache.store.recovery import Salvage
 from epistemic_kvcache.store.segments import DiskIO
@@ -235,15 +234,7 @@ class SharedKvStoreBackend(TieredEngine):
             raise ConfigurationError(
                 f"invalid persist_dir: cannot create {str(self.path)!r} ({exc.strerror})"
             ) from exc
-        fd = os.open(self.path / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            raise ConfigurationError(
-                f"invalid persist_dir: {str(self.path)!r} is in use by another process"
-            ) from exc
-        return fd
+        return lock_persist_dir(self.path)
 
     def _release_files(self) -> None:
         for res in (self._ix, self._epochs):

@@ -24,6 +24,7 @@ quarantine) are left on the opener for the store to take; nothing here touches R
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import secrets
@@ -67,6 +68,24 @@ __all__ = ["Opened", "Opener", "rebuild_hint"]
 
 Entry = tuple[str, str, bytes, int, int, int, tuple[str, int] | None, int]
 """A key RAM loads: (ns, key, sdig, size, segment, payload offset, tag, pins)."""
+
+
+def lock_persist_dir(path: Path, advice: str = "") -> int:
+    """Lock the persist dir `path` (a directory) for this process: the fd of its LOCK
+    file, locked while it stays open. Raises `ConfigurationError` naming the dir when
+    another process holds it (`advice`: what to do then, in parentheses)."""
+    if not path.is_dir():
+        raise ConfigurationError(f"invalid persist_dir: {str(path)!r} is not a directory")
+    fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        more = f" ({advice})" if advice else ""
+        raise ConfigurationError(
+            f"invalid persist_dir: {str(path)!r} is in use by another process{more}"
+        ) from exc
+    return fd
 
 
 def rebuild_hint(path: Path) -> str:

@@ -15,7 +15,6 @@ from the log, exactly as a server started with `--rebuild-index` does.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import os
 import time
 from collections.abc import Callable
@@ -26,7 +25,7 @@ from epistemic_kvcache.errors import ConfigurationError
 from epistemic_kvcache.options import DEFAULT_STORE_OPTIONS, StoreOptions
 from epistemic_kvcache.store import records
 from epistemic_kvcache.store.index import Index, IndexError_, open_index
-from epistemic_kvcache.store.opening import log_format_refusal
+from epistemic_kvcache.store.opening import lock_persist_dir, log_format_refusal
 from epistemic_kvcache.store.recovery import (
     LogState,
     absent_segments,
@@ -93,17 +92,7 @@ class CheckSummary:
 
 
 def _lock(path: Path) -> int:
-    if not path.is_dir():
-        raise ConfigurationError(f"invalid persist_dir: {str(path)!r} is not a directory")
-    fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        raise ConfigurationError(
-            f"invalid persist_dir: {str(path)!r} is in use by another process (stop the server)"
-        ) from exc
-    return fd
+    return lock_persist_dir(path, "stop the server")
 
 
 def check(
