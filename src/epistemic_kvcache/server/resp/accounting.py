@@ -26,6 +26,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
 
 from epistemic_kvcache.server.budget import Account
+from epistemic_kvcache.server.oplog import RefusalLog
+from epistemic_kvcache.server.resp.common import WIRE
 from epistemic_kvcache.shared import ServerLimits
 
 if TYPE_CHECKING:
@@ -33,6 +35,21 @@ if TYPE_CHECKING:
 
 READ_HIGH_WATER: Final = 4 * 1024 * 1024
 """Bytes of not-yet-executed commands above which reading pauses."""
+
+
+class RefusalNote:
+    """Notes in the refusal log why a connection (of `peer`) was refused something: the
+    `note` a connection gives its `Accounting` (it holds no reference back to the
+    connection, so the two make no reference cycle)."""
+
+    __slots__ = ("peer", "refusals")
+
+    def __init__(self, refusals: RefusalLog) -> None:
+        self.refusals = refusals
+        self.peer = "?"
+
+    def __call__(self, why: str) -> None:
+        self.refusals.note(WIRE, self.peer, why)
 
 
 class Accounting:

@@ -71,7 +71,7 @@ from epistemic_kvcache.proto.resp import (
 from epistemic_kvcache.server.budget import Account, Slot, peer_of
 from epistemic_kvcache.server.context import Identity, on_loop
 from epistemic_kvcache.server.linger import DRAIN_IDLE_S, Linger
-from epistemic_kvcache.server.resp.accounting import Accounting
+from epistemic_kvcache.server.resp.accounting import Accounting, RefusalNote
 from epistemic_kvcache.server.resp.commands import EPOCH_CHANNEL
 from epistemic_kvcache.server.resp.common import WIRE, log, push
 from epistemic_kvcache.server.resp.deadlines import MIN_CHECK_S, Deadlines, check_delay
@@ -103,7 +103,10 @@ class RespConnection(asyncio.BufferedProtocol):
         self._limits = limits = ctx.limits
         self._slots = ctx.slots_for(WIRE)
         self._account = Account(ctx.budget)
-        self._acc = Accounting(self._account, limits, self._note)
+        self._refused = RefusalNote(ctx.refusals)
+        """Why this connection was refused something, for the refusal log (it holds no
+        reference back to the connection: no reference cycle through `Accounting`)."""
+        self._acc = Accounting(self._account, limits, self._refused)
         """The account over the parser, and when reading pauses (accounting.py)."""
         self.session = Session(shared, self._account, self)
         self._parser = RespParser(
@@ -148,7 +151,7 @@ class RespConnection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport = cast(asyncio.Transport, transport)
         self._ctx.live.add(self)
-        self.peer = peer_of(transport)
+        self.peer = self._refused.peer = peer_of(transport)
         self.session.peer = self.peer
         self.session.addr = _host_port(transport.get_extra_info("peername"))
         self.session.laddr = _host_port(transport.get_extra_info("sockname"))
@@ -349,7 +352,7 @@ class RespConnection(asyncio.BufferedProtocol):
     # -- accounting (server/resp/accounting.py) ---------------------------------------------
     def _note(self, why: str) -> None:
         """Record in the refusal log why this connection was refused something."""
-        self._ctx.refusals.note(WIRE, self.peer, why)
+        self._refused(why)
 
     def _account_input(self) -> bool:
         """Count what the parser buffers; False (connection closed) over the query limit."""
