@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -21,13 +20,27 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def plain(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Plain vLLM (no connector) on the same prompt: the reference output."""
-    return harness.generate(tmp_path_factory.mktemp("plain"), "plain", model)
+def hybrid_model(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model.make_hybrid(tmp_path_factory.mktemp("hybrid-model"), model)
+
+
+@pytest.fixture(scope="session")
+def plain(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
+    """Plain vLLM (no connector) on each prompt: the reference outputs."""
+    vllm = harness.Vllm(tmp_path_factory.mktemp("plain"), "plain", model)
+    try:
+        vllm.start()
+        out = {}
+        for name in tiny_model.PROMPTS:
+            out[name] = vllm.generate(name, "plain" if name == "x" else None)["output_token_ids"]
+        vllm.close()
+    finally:
+        vllm.stop()
+    return out
 
 
 @pytest.fixture(autouse=True)
-def _stop_servers() -> Iterator[None]:
+def _stop_processes() -> Iterator[None]:
     yield
     while harness.LIVE:
         harness.LIVE.pop().stop()

@@ -12,6 +12,13 @@ place and nothing else changes.
 
 vLLM imports this module in each of its processes through `kv_connector_module_path`
 (`kv_connector="LMCacheCPUConnectorV1"`); importing it installs the replacement.
+
+Importing it also closes a race in LMCache's v1 native-client base class that `resp://`
+runs into (tests/e2e/lmcache_client_race.py; not CPU-specific: a GPU has it too).
+
+`LMCacheCPUMPConnector` is LMCache's MP connector (`LMCacheMPConnector`, unchanged) loaded
+the same way, so that tests/e2e/lmcache_cpu_mp.py's patches to LMCache's CPU server-driven
+transfer are installed in the vLLM process that registers its KV cache (the hybrid tests).
 """
 
 from __future__ import annotations
@@ -19,7 +26,10 @@ from __future__ import annotations
 from typing import Any
 
 import lmcache.v1.gpu_connector as gpu_connector
+import lmcache_client_race
+import lmcache_cpu_mp  # noqa: F401  (importing it installs its patches)
 import torch
+from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector
 from lmcache.utils import EngineType
 from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryFormat
@@ -92,7 +102,12 @@ def _create(config: Any, metadata: Any, engine: Any, layout_hints: Any = None) -
 
 
 gpu_connector.CreateGPUConnector = _create
+lmcache_client_race.install()
 
 
 class LMCacheCPUConnectorV1(LMCacheConnectorV1):  # type: ignore[misc]
     """vLLM's stock `LMCacheConnectorV1`, loaded from here so the patch above is in place."""
+
+
+class LMCacheCPUMPConnector(LMCacheMPConnector):  # type: ignore[misc]
+    """LMCache's `LMCacheMPConnector`, loaded from here so its CPU patches are in place."""

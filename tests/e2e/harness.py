@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+import redis
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # tests/: the main suite's helpers
@@ -28,16 +27,19 @@ ROOT = HERE.parent.parent
 DEPLOY = ROOT / "deploy" / "lmcache"
 BIN = Path(sys.executable).parent
 RESULTS = ROOT / "build" / "e2e-results.jsonl"
-LISTEN_RE = re.compile(r"listening (http|resp)=(\S+):(\d+)")
 
 # Two tenants (tokens from a --token-file); the second must never see the first's entries.
 TOKEN_A = "e2e-tenant-a-token-0123456789abcdef"
 TOKEN_B = "e2e-tenant-b-token-0123456789abcdef"
 
-# Every server process started here, so a failed test still stops them (conftest.py).
+# Every process started here, so a failed test still stops them (conftest.py).
 LIVE: list[Any] = []
 
-# A lean vLLM on a small shared CPU: one OpenMP thread, no thread pinning.
+# A lean vLLM on a small shared CPU: one OpenMP thread, no thread pinning, and its engine
+# in the test's vLLM process (vLLM's multiprocess engine imports vLLM twice more, in its
+# EngineCore and worker processes: about 30 s more per process here). The connectors,
+# LMCache and this server run the same code either way; E2E_VLLM_MULTIPROCESSING=1 runs
+# every vLLM with its multiprocess engine.
 VLLM_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "OMP_NUM_THREADS": "1",
@@ -48,6 +50,9 @@ VLLM_ENV = {
     "LMCACHE_TRACK_USAGE": "false",
     "LMCACHE_DISABLE_BANNER": "1",
     "PYTHONWARNINGS": "ignore",
+    # vLLM imports tests/e2e/cpu_connector.py by module name; the caller's path is kept
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
+    "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("E2E_VLLM_MULTIPROCESSING", "0"),
 }
 
 
@@ -68,55 +73,47 @@ def wait_until(what: str, ok: Any, timeout_s: float, proc: subprocess.Popen[Any]
             raise RuntimeError(f"{what}: process exited with {proc.returncode}\n{tail}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what}: not ready after {timeout_s} s")
-        time.sleep(0.5)
+        time.sleep(0.2)
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return bool(resp.status == 200)
+    except OSError:
+        return False
 
 
 class KvServer:
-    """`epistemic-kvcache serve`, durable backend, two tenants, on fresh loopback ports."""
+    """`epistemic-kvcache serve`, durable backend, two tenants, on held loopback ports.
 
-    def __init__(self, data: Path) -> None:
+    The ports are held for the whole run (helpers.held_port), so `restart()` brings the
+    server back on the same address and data, as an operator's restart does.
+    """
+
+    def __init__(self, data: Path, ports: tuple[int, int] | None = None) -> None:
         self.data = data
         data.mkdir(parents=True, exist_ok=True)
         tokens = data.parent / "tokens"
         tokens.write_text(f"{TOKEN_A} tenant-a\n{TOKEN_B} tenant-b\n")
         tokens.chmod(0o600)
+        self.http_port, self.resp_port = ports or (held_port(), held_port())
         self.log = data.parent / f"kvserver-{time.monotonic_ns()}.log"
-        cmd = [str(BIN / "epistemic-kvcache"), "serve", "--addr", "127.0.0.1:0",
-               "--resp-addr", "127.0.0.1:0", "--backend", "durable",
+        cmd = [str(BIN / "epistemic-kvcache"), "serve", "--addr", f"127.0.0.1:{self.http_port}",
+               "--resp-addr", f"127.0.0.1:{self.resp_port}", "--backend", "durable",
                "--persist-dir", str(data), "--token-file", str(tokens)]  # fmt: skip
-        self.proc = subprocess.Popen(
-            cmd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        self.ports: dict[str, int] = {}
-        ready = threading.Event()
-
-        def pump() -> None:
-            assert self.proc.stdout is not None
-            with self.log.open("w") as out:
-                for line in self.proc.stdout:
-                    out.write(line)
-                    out.flush()
-                    m = LISTEN_RE.search(line)
-                    if m:
-                        self.ports[m.group(1)] = int(m.group(3))
-                        if len(self.ports) == 2:
-                            ready.set()
-            ready.set()
-
-        self._pump = threading.Thread(target=pump, daemon=True)
-        self._pump.start()
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(cmd, env=clean_env(), stdout=out, stderr=subprocess.STDOUT)
         LIVE.append(self)
-        if not ready.wait(60) or len(self.ports) != 2:
-            self.stop()
-            raise RuntimeError("server did not start:\n" + self.log.read_text())
+        wait_until("our server", self._listening, 60, self.proc, self.log)
+
+    def _listening(self) -> bool:
+        text = self.log.read_text(errors="replace")
+        return "listening http=" in text and "listening resp=" in text
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.ports['http']}"
-
-    @property
-    def resp_port(self) -> int:
-        return self.ports["resp"]
+        return f"http://127.0.0.1:{self.http_port}"
 
     def stats(self, token: str = TOKEN_A) -> dict[str, Any]:
         req = urllib.request.Request(
@@ -126,12 +123,25 @@ class KvServer:
             doc: dict[str, Any] = json.loads(resp.read())
         return doc
 
+    def resp(self, token: str = TOKEN_A) -> redis.Redis:
+        """A redis-py client of the tenant's namespace (RESP, the tenant's token)."""
+        return redis.Redis(host="127.0.0.1", port=self.resp_port, password=token)
+
+    def keys(self, token: str = TOKEN_A) -> set[str]:
+        """Every key of the tenant's namespace (RESP `SCAN`)."""
+        with self.resp(token) as r:
+            return {k.decode() for k in r.scan_iter(count=1000)}
+
     def kill(self) -> None:
         """SIGKILL: nothing is flushed or closed on the way out."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(30)
-        self._close()
+
+    def restart(self) -> KvServer:
+        """SIGKILL, then a new server process on the same ports and data."""
+        self.kill()
+        return KvServer(self.data, (self.http_port, self.resp_port))
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -141,17 +151,11 @@ class KvServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
-        self._close()
-
-    def _close(self) -> None:
-        self._pump.join(10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
 
 
-def wait_stored(kv: KvServer, keys: int, timeout_s: float = 60.0) -> None:
+def wait_stored(kv: KvServer, keys: int, token: str = TOKEN_A, timeout_s: float = 60.0) -> None:
     """Until the tenant holds `keys` keys: LMCache writes to L2 behind the request."""
-    wait_until(f"{keys} keys stored", lambda: kv.stats()["total_refs"] >= keys, timeout_s)
+    wait_until(f"{keys} keys stored", lambda: kv.stats(token)["total_refs"] >= keys, timeout_s)
 
 
 def l2_adapter(kind: str, kv: KvServer) -> str:
@@ -166,32 +170,42 @@ def l2_adapter(kind: str, kv: KvServer) -> str:
 
 
 class LMCacheServer:
-    """`lmcache server` (MP mode) with one of our L2 adapters, engine-driven transfers."""
+    """`lmcache server` (MP mode) with one of our L2 adapters.
 
-    def __init__(self, tmp: Path, kind: str, kv: KvServer, token: str = TOKEN_A) -> None:
+    Dense models: engine-driven transfers (the worker hands LMCache the bytes), stock
+    `lmcache`. Hybrid models (`hybrid=True`): server-driven transfers over shared memory,
+    which LMCache needs for more than one KV group, with 256-token chunks and, if asked,
+    one object group per kind of layer; run through tests/e2e/lmcache_cpu_mp.py, which
+    patches LMCache's CPU code for it (see there).
+    """
+
+    def __init__(self, tmp: Path, kind: str, kv: KvServer, token: str = TOKEN_A, *,
+                 hybrid: bool = False, separate_groups: bool = False) -> None:  # fmt: skip
         # held for the rest of the run (LMCache's zmq and uvicorn bind with SO_REUSEADDR):
         # a port released before the server binds it could be taken by another process
         self.port = held_port()
         self.http_port = held_port()
         self.log = tmp / f"lmcache-{kind}-{self.port}.log"
-        cmd = [str(BIN / "lmcache"), "server", "--host", "127.0.0.1", "--port", str(self.port),
+        run = [str(BIN / "lmcache")]
+        mode = ["--supported-transfer-mode", "engine_driven"]
+        if hybrid:
+            run = [sys.executable, str(HERE / "lmcache_cpu_mp.py")]
+            mode = ["--supported-transfer-mode", "lmcache_driven", "--chunk-size", "256"]
+            if separate_groups:
+                mode.append("--separate-object-groups")
+        cmd = [*run, "server", "--host", "127.0.0.1", "--port", str(self.port),
                "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
-               "--l1-size-gb", "0.2", "--eviction-policy", "LRU",
-               "--supported-transfer-mode", "engine_driven", "--max-workers", "1",
+               "--l1-size-gb", "0.2", "--eviction-policy", "LRU", *mode, "--max-workers", "1",
                "--l2-adapter", l2_adapter(kind, kv), "--disable-observability"]  # fmt: skip
         env = clean_env(EPISTEMIC_GRAPH_KVCACHE_TOKEN=token, LMCACHE_RESP_PASSWORD=token)
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
         LIVE.append(self)
-        wait_until("lmcache server", self._up, 300, self.proc, self.log)
 
-    def _up(self) -> bool:
-        try:
-            url = f"http://127.0.0.1:{self.http_port}/config/adapters"
-            with urllib.request.urlopen(url, timeout=5) as resp:
-                return resp.status == 200
-        except OSError:
-            return False
+    def wait_up(self) -> None:
+        """Until its HTTP port answers (the constructor does not wait)."""
+        url = f"http://127.0.0.1:{self.http_port}/config/adapters"
+        wait_until("lmcache server", lambda: _http_ok(url), 300, self.proc, self.log)
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -206,25 +220,80 @@ class LMCacheServer:
                 self.proc.wait(10)
 
 
-def generate(tmp: Path, name: str, model: Path, *args: str, **env: str) -> dict[str, Any]:
-    """tests/e2e/generate.py in a fresh process; its JSON result. It must exit 0."""
-    out = tmp / f"{name}.json"
-    log = tmp / f"{name}.log"
-    cmd = [sys.executable, str(HERE / "generate.py"), "--model", str(model), "--out", str(out),
-           *args]  # fmt: skip
-    with log.open("w") as f:
-        done = subprocess.run(cmd, env=clean_env(**env), stdout=f, stderr=subprocess.STDOUT,
-                              timeout=900, check=False)  # fmt: skip
-    text = log.read_text(errors="replace")
-    assert done.returncode == 0, f"{name}: exit {done.returncode}\n{text[-6000:]}"
-    assert "Traceback" not in text, f"{name}: a traceback in vLLM's output\n{text[-6000:]}"
-    result: dict[str, Any] = json.loads(out.read_text())
-    result["log"] = str(log)
-    # Every process's figures, for docs/does-it-pay.md (build/ is not committed).
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    stamp = {"ts_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-             "load_average": list(os.getloadavg())}  # fmt: skip
-    with RESULTS.open("a") as f:
-        f.write(json.dumps({"name": name, **result, **stamp}) + "\n")
-    print(f"{name}: " + json.dumps({k: v for k, v in result.items() if k != "output_token_ids"}))
-    return result
+class Vllm:
+    """tests/e2e/generate.py: one vLLM process, started now, its engine built by `start`.
+
+    Starting the process early lets its import (most of its cost) overlap the test's other
+    work; the engine is built only when `start` is called.
+    """
+
+    def __init__(self, tmp: Path, name: str, model: Path, *, hybrid: bool = False,
+                 **env: str) -> None:  # fmt: skip
+        self.name = name
+        self.out = tmp / f"{name}.jsonl"
+        self.log = tmp / f"{name}.log"
+        self.answers = 0
+        cmd = [sys.executable, str(HERE / "generate.py"), "--model", str(model),
+               "--out", str(self.out)] + (["--hybrid"] if hybrid else [])  # fmt: skip
+        with self.log.open("w") as f:
+            self.proc = subprocess.Popen(cmd, env=clean_env(**env), stdin=subprocess.PIPE,
+                                         stdout=f, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        LIVE.append(self)
+
+    def _ask(self, cmd: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        self.answers += 1
+
+        def answered() -> list[str] | None:
+            lines = self.out.read_text().splitlines() if self.out.exists() else []
+            return lines if len(lines) >= self.answers else None
+
+        lines = wait_until(f"{self.name}: {cmd['op']}", answered, timeout_s, self.proc, self.log)
+        answer: dict[str, Any] = json.loads(lines[self.answers - 1])
+        return answer
+
+    def start(self, connector: str = "plain", mp_port: int | None = None,
+              **env: str) -> None:  # fmt: skip
+        self._ask({"op": "start", "connector": connector, "mp_port": mp_port, "env": env})
+
+    def generate(self, prompt: str, record: str | None = None) -> dict[str, Any]:
+        """One greedy generation; kept in build/e2e-results.jsonl under `record`."""
+        result = self._ask({"op": "generate", "prompt": prompt})
+        result["log"] = str(self.log)
+        # Every generation's figures, for docs/does-it-pay.md (build/ is not committed).
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        with RESULTS.open("a") as f:
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            doc = {"name": record or f"{self.name}-{prompt}", "ts_utc": stamp,
+                   "load_average": list(os.getloadavg()), **result}  # fmt: skip
+            f.write(json.dumps(doc) + "\n")
+        shown = {k: v for k, v in result.items() if k not in ("output_token_ids", "log")}
+        print(f"{self.name} {prompt}: {json.dumps(shown)}")
+        return result
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def close(self) -> None:
+        """Stop the engine and the process; it must exit 0 with no traceback."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+        self.proc.stdin.close()
+        try:
+            rc = self.proc.wait(300)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGUSR1)  # generate.py dumps every thread's stack
+            time.sleep(2)  # for the dump to reach the log; the process is killed next
+            raise AssertionError(
+                f"{self.name}: still running 300 s after quit\n{self.text()[-8000:]}"
+            ) from None
+        text = self.text()
+        assert rc == 0, f"{self.name}: exit {rc}\n{text[-6000:]}"
+        assert "Traceback" not in text, f"{self.name}: a traceback in vLLM's output\n{text[-6000:]}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
