@@ -10,7 +10,6 @@ drain cannot run in between, and the lookup returns the server's answer.
 from __future__ import annotations
 
 import asyncio
-import select
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,31 +35,46 @@ def kv(tmp_path: Path) -> Iterator[KvServer]:
         server.stop()
 
 
+class Drains:
+    """The native client, recording which completions the event loop has drained."""
+
+    def __init__(self, client: Any) -> None:
+        self._client, self.seen, self.cond = client, set[int](), threading.Condition()
+
+    def drain_completions(self) -> Any:
+        items = self._client.drain_completions()
+        with self.cond:
+            self.seen.update(int(item[0]) for item in items)
+            self.cond.notify_all()
+        return items
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
 def lookup_with_drain_first(kv: KvServer, fixed: bool) -> tuple[bool, list[bool] | None]:
-    """`batch_exists_sync(["present"])` with the event loop asked to drain between the
-    submit and the future's registration. Returns whether that drain had run when the
-    future was registered, and the lookup's answer (None: none 5 s after that, the
-    server long done)."""
+    """`batch_exists_sync(["present"])`, its future registered only once the event loop
+    has drained its completion (LMCache's code: the loop drains as soon as the server has
+    answered), or after 1 s if the loop cannot drain it (the fix holds it back). Returns
+    whether the drain came first, and the lookup's answer (None: none 5 s after the
+    registration, the server long done)."""
     lmcache_client_race.install(fixed)
     loop = asyncio.new_event_loop()
     client = RESPClient("127.0.0.1", kv.resp_port, 1, loop, "", TOKEN_A)
+    drains = Drains(client._client)
+    client._client = drains
     threading.Thread(target=loop.run_forever, daemon=True).start()
     register = type(client)._register_future_sync
-    drained, registered = threading.Event(), threading.Event()
+    registered = threading.Event()
     state: dict[str, bool] = {}
 
-    def register_after_drain(self: Any, *args: Any) -> Any:
-        # the completion is there to drain: the server has answered
-        poller = select.poll()
-        poller.register(self._fd, select.POLLIN)
-        assert poller.poll(30_000), "no completion in 30 s"
-        loop.call_soon_threadsafe(self._on_ready)
-        loop.call_soon_threadsafe(drained.set)  # runs once that drain has returned
-        # LMCache's code: the drain runs now (no lock). With the fix it waits for the
-        # lock this thread holds from the submit on: it cannot run, however long.
-        state["drained_first"] = drained.wait(1 if fixed else 30)
+    def register_after_drain(self: Any, op: str, future_id: int, *rest: Any) -> Any:
+        with drains.cond:
+            state["drained_first"] = drains.cond.wait_for(
+                lambda: int(future_id) in drains.seen, timeout=1 if fixed else 30
+            )
         try:
-            return register(self, *args)
+            return register(self, op, future_id, *rest)
         finally:
             registered.set()
 
