@@ -6,6 +6,7 @@ virtualenv (`sys.executable`'s folder) and waits for it by polling with a deadli
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -297,3 +298,6 @@ class Vllm:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(30)
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            with contextlib.suppress(BrokenPipeError):  # unread commands: of no use now
+                self.proc.stdin.close()

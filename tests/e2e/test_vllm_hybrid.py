@@ -194,3 +194,19 @@ def test_hybrid_resp_adapter_separate_groups_cannot_store(
         )
     finally:
         kv.stop()
+
+
+def test_hybrid_v1_connector_does_not_start(tmp_path: Path, hybrid_model: Path) -> None:
+    """vLLM 0.32 turns its hybrid KV-cache manager off for LMCache's v1 connector, and a
+    hybrid model then does not start: MP mode is the only LMCache path for it. Pinned
+    (Path A's settings), so a vLLM or LMCache that supports it shows here."""
+    kv = KvServer(tmp_path / "kv")
+    try:
+        p = Client(tmp_path, PATHS["path-a"], hybrid_model, "hybrid-v1", kv, hybrid=True)
+        with pytest.raises(RuntimeError, match="process exited"):
+            p.start(kv)
+        assert "Turning off hybrid kv cache manager" in p.vllm.text()
+        assert "Failed to promote local KV cache specs to one unified type" in p.vllm.text()
+        assert kv.keys() == set()
+    finally:
+        kv.stop()
