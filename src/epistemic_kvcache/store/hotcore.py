@@ -7,7 +7,7 @@ How it works
   types of store/_hotcore_c.pxd: a blob's and a counter set's numbers become C fields,
   and `HotCore`'s paths run as C over them. store/core.py picks the twin at import.
 - `HotCore` answers the requests that RAM alone answers, the most frequent ones, in one
-  call under the engine lock: a GET of a hot block or of an absent key, EXISTS, and a PUT
+  call under the RAM lock: a GET of a hot block or of an absent key, EXISTS, and a PUT
   of the bytes a key already holds (a duplicate: found equal to the hot copy byte for
   byte, or by its digest). For anything else it declines with `WOULD_BLOCK` (`DECLINED`
   for EXISTS) before it has counted or changed anything, and the engine's general path

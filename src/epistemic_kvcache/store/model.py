@@ -10,12 +10,12 @@ How it works
   `_Counters` records are defined in hotcore.py, which has a compiled twin (core.py
   picks it): the records get C fields there. They are re-exported here.
 - Mutations are *effects* (`AddKey`, `DelKey`, `PinDelta`, `MetaPut`, `MetaDel`,
-  `Move`); the engine applies them to RAM in one place (`TieredEngine._apply`).
+  `Move`); they change RAM in one place (`RamState.apply_locked`, store/effects.py).
 - Snapshot and branch entries live in internal namespaces that contain NUL, which a
   tenant's namespace never does, so no client can name them.
 - `Ledger` keeps the counters: every blob's footprint (unique block, resident bytes,
   per-tier occupancy, pinned) is added to each namespace that references it and to the
-  total, and moved with it, under the engine lock.
+  total, and moved with it, under the RAM lock.
 
 This module imports nothing else of the store but `api` and the hot core (`core`,
 `hotcore`): every other store module may import it.
@@ -170,7 +170,7 @@ def parse_internal_ns(ns: str) -> tuple[str, str, str] | None:
 
 
 class Ledger:
-    """The counters of every namespace and of the store (mutated under the engine lock)."""
+    """The counters of every namespace and of the store (mutated under the RAM lock)."""
 
     __slots__ = ("by_ns", "total")
 

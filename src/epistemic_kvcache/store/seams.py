@@ -2,15 +2,16 @@
 
 How it works
 ------------
-`TieredEngine` (engine.py) owns the index, the blobs, their refcounts and the RAM tiers
-(tiers.py). What differs between backends is behind three small protocols, each one
-object the engine calls (no subclass overrides an engine hook):
+`RamState` (ram.py) owns the index, the blobs, their refcounts and the RAM tiers
+(tiers.py); `TieredEngine` (engine.py) is the facade over it. What differs between
+backends is behind three small protocols, each one object the engine calls (no subclass
+overrides an engine hook):
 
 - `LowerTier`: where a block lives below RAM. `NoLowerTier` (memory backend: a block
   that leaves RAM leaves the store) or the durable backend's disk log
   (`disklog.DiskLogTier`: a RAM copy may be dropped, reads fall through to the log).
 - `Sequencer`: how a decided change reaches RAM. Apply-now (memory backend,
-  `memory.ApplyNow`: decide and apply under the engine lock, in the caller's thread)
+  `memory.ApplyNow`: decide and apply under the RAM lock, in the caller's thread)
   or group commit (`disklog.GroupCommit`: queue for the committer, which decides,
   writes and syncs a batch, then applies it).
 - `EpochSource`: the current epoch of a (tenant, scope): a dict in RAM (`RamEpochs`,
@@ -38,7 +39,7 @@ Started = PutResult | concurrent.futures.Future[PutResult]
 
 
 class LowerTier(Protocol):
-    """Where blocks live below the RAM tiers. Called with the engine lock NOT held,
+    """Where blocks live below the RAM tiers. Called with the RAM lock NOT held,
     except `hot_full`, `blob_created` and `blob_destroyed` (lock held)."""
 
     keeps_blocks: bool

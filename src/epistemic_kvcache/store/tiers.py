@@ -3,7 +3,7 @@
 How it works
 ------------
 `hot` and `warm` are LRU `OrderedDict`s of blobs (least recently used first). A block
-enters hot only through `hot_room` and warm only through `warm_room` (engine lock
+enters hot only through `hot_room` and warm only through `warm_room` (RAM lock
 held), so neither ever holds more than its capacity, whatever the path (single or batch
 PUT, a read that promotes).
 
