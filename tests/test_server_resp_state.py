@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from typing import Any
 
 import pytest
 
@@ -111,19 +112,25 @@ def test_reading_is_paused_for_either_reason_and_the_transport_told_once() -> No
     assert st.apply() is None
 
 
+async def _logged_in(ctx: ServerContext) -> tuple[Any, FakeTransport, ConnState]:
+    """A connection over a recording transport, authenticated, its task parked."""
+    proto = make_resp_factory(ctx)()
+    transport = FakeTransport().connect(proto)
+    st: ConnState = proto._st  # type: ignore[attr-defined]
+    feed(proto, b"AUTH " + TOKEN.encode() + b"\r\n")
+    await eventually_async(lambda: st.task is Task.PARKED, what="parked")
+    assert transport.take() == b"+OK\r\n"
+    return proto, transport, st
+
+
 def test_a_connection_through_a_graceful_stop() -> None:
     """Phases as a connection lives them: OPEN while serving; DRAINING at the stop;
     CLOSE_DUE after its next reply; LINGERING once it shut its write side at the
     boundary (after that reply, the last thing written); input then is dropped."""
 
     async def scenario(ctx: ServerContext) -> None:
-        proto = make_resp_factory(ctx)()
-        transport = FakeTransport().connect(proto)
-        st = proto._st  # type: ignore[attr-defined]
-        feed(proto, b"AUTH " + TOKEN.encode() + b"\r\n")
-        await eventually_async(lambda: st.task is Task.PARKED, what="parked")
+        proto, transport, st = await _logged_in(ctx)
         assert (st.phase, st.fast) == (P.OPEN, True)
-        assert transport.take() == b"+OK\r\n"
         proto.begin_drain()
         assert (st.phase, st.fast) == (P.DRAINING, False)
         feed(proto, b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\nv\r\n")
@@ -141,12 +148,7 @@ def test_a_connection_through_a_graceful_stop() -> None:
 
 def test_an_idle_connection_closes_after_the_drain_idle_time() -> None:
     async def scenario(ctx: ServerContext) -> None:
-        proto = make_resp_factory(ctx)()
-        transport = FakeTransport().connect(proto)
-        st = proto._st  # type: ignore[attr-defined]
-        feed(proto, b"AUTH " + TOKEN.encode() + b"\r\n")
-        await eventually_async(lambda: st.task is Task.PARKED, what="parked")
-        transport.take()
+        proto, transport, st = await _logged_in(ctx)
         proto.begin_drain()
         await eventually_async(lambda: st.phase is P.LINGERING, what="closed when idle")
         assert transport.events[-1] == "write_eof"
@@ -157,11 +159,9 @@ def test_an_idle_connection_closes_after_the_drain_idle_time() -> None:
 
 def test_inside_multi_the_close_waits_for_exec() -> None:
     async def scenario(ctx: ServerContext) -> None:
-        proto = make_resp_factory(ctx)()
-        transport = FakeTransport().connect(proto)
-        st = proto._st  # type: ignore[attr-defined]
-        feed(proto, b"AUTH " + TOKEN.encode() + b"\r\nMULTI\r\n")
-        await eventually_async(lambda: transport.written == b"+OK\r\n+OK\r\n", what="MULTI")
+        proto, transport, st = await _logged_in(ctx)
+        feed(proto, b"MULTI\r\n")
+        await eventually_async(lambda: transport.written == b"+OK\r\n", what="MULTI")
         transport.take()
         proto.begin_drain()
         feed(proto, b"SET k v\r\n")
