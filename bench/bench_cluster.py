@@ -1,6 +1,6 @@
 """Cluster mode benchmarks: front-ends over a real Redis Cluster, side by side, one run.
 
-    .venv/bin/python -m bench.bench_cluster [--quick] [--clients 4] [--sizes 4KiB,256KiB,4MiB]
+    .venv/bin/python -m bench.bench_cluster [--quick] [--seconds S] [--clients 4] [--sizes 4KiB,256KiB,4MiB]
 
 Starts on loopback (free ports): a Redis Cluster of 3 masters (Debian's redis-server,
 no replicas, AOF everysec), a single-node server (memory backend), and cluster-mode
@@ -119,8 +119,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="shorter runs")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--sizes", default="4KiB,256KiB,4MiB")
+    ap.add_argument("--seconds", type=float, help="per measurement (default 5, --quick 2)")
     args = ap.parse_args(argv)
-    seconds = 2.0 if args.quick else 5.0
+    seconds = args.seconds or (2.0 if args.quick else 5.0)
     sizes = parse_sizes(args.sizes)
     clients = args.clients
     with tempfile.TemporaryDirectory() as d, ExitStack() as stack:
@@ -154,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         }
         print(
             f"# cluster mode, {clients} client threads (redis-py {redis.__version__} + hiredis), "
-            f"{seconds:.0f} s per measurement, cores: {os.cpu_count()}\n"
+            f"{seconds:g} s per measurement, cores: {os.cpu_count()}\n"
         )
         print("| size | measurement | ours ops/s | ours MB/s | reference ops/s | ratio |")
         print("|---|---|---|---|---|---|")

@@ -55,6 +55,10 @@ UPSTREAM_FAILURES = {
     "test_native_connector_l2_adapter::TestLoadInterface::test_query_load_is_one_shot",
 }
 """Upstream tests that fail against redis-server as well (see the module docstring)."""
+NOT_RUN_AGAINST_US = {"test_resp_connector::test_resp_connector_nonexistent_key"}
+"""Known failures that cannot pass against any server (LMCache's C++ client reads past
+the missing key's reply and waits out the test's 30 s deadline): run against
+redis-server only, where they must still fail, and not against us."""
 
 
 def sdist_tests(cache: Path) -> Path:
@@ -162,6 +166,10 @@ def run_upstream(
     )
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-o", "log_cli=false",
            "-o", "timeout=180", f"--junitxml={report}", FILES[short]]  # fmt: skip
+    if target == "ours":
+        path = FILES[short].split("::")[0]
+        cmd += [f"--deselect={path}::{t.split('::', 1)[1]}" for t in sorted(NOT_RUN_AGAINST_US)
+                if t.split("::")[0] == short]  # fmt: skip
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=3000)
     if not report.exists():
         pytest.fail(
@@ -260,12 +268,13 @@ def test_upstream_file(
     assert not unexplained, f"fail against us, not a known LMCache problem: {unexplained}"
     on_redis = REDIS_RESULTS.get(short)
     if on_redis is not None:
-        assert results.keys() == on_redis.keys()
+        assert results.keys() == on_redis.keys() - NOT_RUN_AGAINST_US
+        assert all(on_redis[t] == "failed" for t in NOT_RUN_AGAINST_US if t in on_redis)
         regressions = sorted(
             t for t, o in on_redis.items() if o == "passed" and results[t] != "passed"
         )
         assert not regressions, f"pass against redis-server, fail against us: {regressions}"
         print(
             "passing only against us:",
-            sorted(t for t in on_redis if on_redis[t] == "failed" and results[t] == "passed"),
+            sorted(t for t in on_redis if on_redis[t] == "failed" and results.get(t) == "passed"),
         )
