@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,15 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.2f}" if s < 10 else f"{s:.1f} s"
 
 
+STALE_S = 3600
+"""A process name whose last record is this much older than the newest is left out."""
+
+
+def _utc(stamp: str) -> datetime:
+    """An e2e record's `ts_utc` (ISO 8601, `Z` or an offset) as an aware datetime."""
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+
+
 def e2e_section(path: Path) -> list[str]:
     out = ["## 1. vLLM end to end: the tiny model through each LMCache path", ""]
     if not path.exists():
@@ -73,18 +83,37 @@ def e2e_section(path: Path) -> list[str]:
         if line.strip():
             rec = json.loads(line)
             records[rec["name"]] = rec  # the last run of each process counts
+    # A name whose last record is much older than the newest is a process the tests no
+    # longer start (renamed or removed): left out, and counted.
+    stamps = [r["ts_utc"] for r in records.values() if r.get("ts_utc")]
+    stale: list[str] = []
+    if stamps:
+        newest = _utc(max(stamps, key=_utc))
+        stale = [
+            n for n, r in records.items()
+            if r.get("ts_utc") and (newest - _utc(r["ts_utc"])).total_seconds() > STALE_S
+        ]  # fmt: skip
+        for n in stale:
+            del records[n]
     loads = [r["load_average"][0] for r in records.values() if r.get("load_average")]
     when = sorted(r["ts_utc"] for r in records.values() if r.get("ts_utc"))
     out += [
         "`make e2e` (tests/e2e/) runs vLLM (CPU build) with LMCache and this server on "
-        "loopback, each LMCache path in turn: a first process computes a prompt and stores "
-        "its chunks, later fresh processes load what they can from this server (the cached "
-        "tokens column) and compute the rest. TTFT = arrival to first token, prefill = "
-        "scheduled to first token (LMCache's load included), from vLLM's "
-        "`RequestOutput.metrics`. One sample per row; the last record of each name in the "
-        "file, in the order first written.",
+        "loopback, each LMCache path in turn: a first process (`-p1`; `-y`, `-z`: other "
+        "prompts) computes prompts and stores their chunks; later fresh processes load what "
+        "they can from this server (the cached tokens column) and compute the rest: after "
+        "the server was SIGKILLed and restarted (`-p2`), with one entry's bytes zeroed "
+        "(`-p2-corrupt`: a full hit, another output), with the server SIGKILLed under them "
+        "(`-server-down`: recomputed) and as a second tenant (`-tenant-b`: no hit). "
+        "`hybrid-` rows are the hybrid model (attention and Gated DeltaNet layers) through "
+        "LMCache MP. TTFT = arrival to first token, prefill = scheduled to first token "
+        "(LMCache's load included), from vLLM's `RequestOutput.metrics`. One sample per "
+        "row; the last record of each name in the file, in the order first written; a name "
+        f"whose last record is over {STALE_S // 3600} h older than the newest is left out "
+        "(a process the tests no longer start).",
         "",
         f"Source: `{path.name}`, {len(records)} processes"
+        + (f" ({len(stale)} stale name{'s' * (len(stale) > 1)} left out)" if stale else "")
         + (f", {when[0]} to {when[-1]}" if when else "")
         + (
             f", load average {min(loads):.1f}-{max(loads):.1f}"

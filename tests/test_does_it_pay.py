@@ -400,6 +400,15 @@ def test_generated_page_from_the_commands_json(
                     "ts_utc": "2026-01-01T00:00:00Z",
                     "load_average": [1.5, 1, 1],
                 },
+                {  # a name the tests no longer start: over an hour older than the newest
+                    "name": "renamed-p1",
+                    "prompt_tokens": 900,
+                    "output_token_ids": out_ids,
+                    "num_cached_tokens": 0,
+                    "ttft_s": 0.5,
+                    "prefill_s": 0.5,
+                    "ts_utc": "2025-12-31T22:59:59Z",
+                },
                 {
                     "name": "native-p1",
                     "prompt_tokens": 900,
@@ -432,6 +441,8 @@ def test_generated_page_from_the_commands_json(
     assert "| native-p2 | — | — | 900 | 768 | 0.059 s | 0.012 s |" in page
     assert "| plain | 00:00:00 | 1.5 | 900 | 0 | 0.035 s | 0.027 s |" in page
     assert "load average 1.5-1.5" in page
+    assert "renamed-p1" not in page
+    assert "3 processes (1 stale name left out)" in page
     assert "**tiny**: 1,024 KV bytes per token." in page
     assert "Llama-3-70B (tensor-parallel over 4 GPUs, per rank)" in page
     assert "81,920 KV bytes per token per rank (327,680 for the whole model)" in page
