@@ -7,7 +7,9 @@ process's own cgroup below the root (systemd `CPUQuota=`) or on a parent were ig
 and the server ran one loop per core of the machine.
 
 Fixture trees stand for `/sys/fs/cgroup` and `/proc/self/cgroup` (both are parameters);
-the last test puts a real server process into a real cgroup with a 1-CPU quota.
+a real server process goes into a real cgroup with a 1-CPU quota. The memory limit is
+read the same way (v2 `memory.max`, v1 `memory.limit_in_bytes`): before, only the root's
+v2 `memory.max` was, and RAM tiers over a v1 container's limit were not warned about.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from epistemic_kvcache.config import load_config
-from epistemic_kvcache.config.cgroup import cgroup_cpu_limit, usable_cores
+from epistemic_kvcache.config.cgroup import cgroup_cpu_limit, cgroup_memory_limit, usable_cores
 from helpers import eventually
 from servers import ServeProcess
 
@@ -168,6 +170,25 @@ def test_the_default_loop_count_is_the_usable_cores() -> None:
     assert load_config({"event_loops": "3"}, {}).resolved_event_loops == 3
 
 
+def new_cgroup(v1_root: Path | None, controller: str, v2_file: str) -> tuple[Path, bool]:
+    """A fresh cgroup under `v1_root` (cgroup v1) or, without one, under the v2 root
+    where `controller` can be used (else the test is skipped): (its directory, is v2)."""
+    name = f"kvcache-test-{uuid.uuid4().hex[:8]}"
+    if v1_root is not None:
+        group = v1_root / name
+        group.mkdir()
+        return group, False
+    parent = Path("/sys/fs/cgroup")
+    if controller not in (parent / "cgroup.controllers").read_text().split():
+        pytest.skip(f"no cgroup {controller} controller here")
+    group = parent / name
+    group.mkdir()
+    if not (group / v2_file).is_file():
+        group.rmdir()
+        pytest.skip(f"the {controller} controller is not enabled for new cgroups here")
+    return group, True
+
+
 def _v1_cpu_root() -> Path | None:
     for name in ("cpu", "cpu,cpuacct"):
         base = Path("/sys/fs/cgroup") / name
@@ -183,23 +204,13 @@ def test_a_server_in_a_one_cpu_cgroup_runs_one_loop(tmp_path: Path) -> None:
     line says event_loops=1 while this machine has more cores."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one core here: a 1-CPU quota changes nothing")
-    name = f"kvcache-test-{uuid.uuid4().hex[:8]}"
     v1 = _v1_cpu_root()
-    if v1 is not None:
-        group = v1 / name
-        group.mkdir()
+    group, v2 = new_cgroup(v1, "cpu", "cpu.max")
+    if v2:
+        (group / "cpu.max").write_text("100000 100000")
+    else:
         (group / "cpu.cfs_period_us").write_text("100000")
         (group / "cpu.cfs_quota_us").write_text("100000")
-    else:
-        parent = Path("/sys/fs/cgroup")
-        if "cpu" not in (parent / "cgroup.controllers").read_text().split():
-            pytest.skip("no cgroup cpu controller to set a quota with")
-        group = parent / name
-        group.mkdir()
-        if not (group / "cpu.max").is_file():
-            group.rmdir()
-            pytest.skip("the cpu controller is not enabled for new cgroups here")
-        (group / "cpu.max").write_text("100000 100000")
     join = (
         "import os, sys; "
         f"open({str(group / 'cgroup.procs')!r}, 'w').write(str(os.getpid())); "
@@ -220,5 +231,72 @@ def test_a_server_in_a_one_cpu_cgroup_runs_one_loop(tmp_path: Path) -> None:
             capture_output=True, text=True, check=True, timeout=60,
         )  # fmt: skip
         assert int(out.stdout) >= 2
+    finally:
+        group.rmdir()
+
+
+@pytest.mark.parametrize(
+    ("proc", "files", "want"),
+    [
+        (V2_NS, {"memory.max": "1073741824\n"}, 1 << 30),
+        (V2_NS, {"memory.max": "max\n"}, None),
+        # v2: a parent's limit binds its children
+        (
+            "0::/kubepods/pod1/ctr\n",
+            {"kubepods/pod1/memory.max": "536870912\n", "kubepods/pod1/ctr/memory.max": "max\n"},
+            1 << 29,
+        ),
+        # v1 container: its own cgroup is the mount's root
+        (V1_POD, {"memory/memory.limit_in_bytes": "2147483648\n"}, 2 << 30),
+        # v1 "unlimited" is the page counter's maximum
+        (V1_POD, {"memory/memory.limit_in_bytes": "9223372036854771712\n"}, None),
+        # v1 on a host: the process's cgroup below the root
+        (
+            "4:memory:/batch/kv\n0::/\n",
+            {
+                "memory/memory.limit_in_bytes": "9223372036854771712\n",
+                "memory/batch/kv/memory.limit_in_bytes": "268435456\n",
+            },
+            1 << 28,
+        ),
+        ("", {}, None),
+        (V2_NS, {"memory.max": "lots\n"}, None),
+    ],
+    ids=["v2", "v2-max", "v2-parent", "v1-container", "v1-unlimited", "v1-host-nested",
+         "nothing", "garbage"],
+)  # fmt: skip
+def test_memory_limit_from_cgroup_fixtures(
+    tmp_path: Path, proc: str, files: dict[str, str], want: int | None
+) -> None:
+    root, proc_file = tree(tmp_path, proc, files)
+    assert cgroup_memory_limit(root, proc_file) == want
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="creates a cgroup: needs root")
+def test_tiers_over_a_real_cgroup_memory_limit_are_warned_about(tmp_path: Path) -> None:
+    """A real memory cgroup (v1 `memory.limit_in_bytes`, or v2 `memory.max` where the
+    controller can be enabled) of 512 MiB; a process inside it loads a configuration whose
+    RAM tiers are 1 GiB: the warning names the cgroup limit. Outside it: no warning."""
+    v1 = Path("/sys/fs/cgroup/memory")
+    group, v2 = new_cgroup(v1 if (v1 / "memory.limit_in_bytes").is_file() else None,
+                           "memory", "memory.max")  # fmt: skip
+    (group / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(512 << 20))
+    check = (
+        "from epistemic_kvcache.config import load_config; "
+        f"c = load_config({{'hot_capacity_bytes': '768MiB', 'warm_capacity_bytes': '256MiB', "
+        f"'persist_dir': {str(tmp_path / 'd')!r}}}, {{}}); "
+        "print('\\n'.join(w for w in c.warnings if 'capacity_bytes' in w))"
+    )
+    join = f"import os; open({str(group / 'cgroup.procs')!r}, 'w').write(str(os.getpid())); "
+    try:
+        inside = subprocess.run(
+            [sys.executable, "-c", join + check], capture_output=True, text=True, timeout=120
+        )
+        assert inside.returncode == 0, inside.stderr
+        assert "exceed this process's cgroup memory limit (512MiB)" in inside.stdout, inside.stdout
+        outside = subprocess.run(
+            [sys.executable, "-c", check], capture_output=True, text=True, timeout=120, check=True
+        )
+        assert "memory limit" not in outside.stdout, outside.stdout
     finally:
         group.rmdir()

@@ -18,6 +18,10 @@ exists, so the root's own files (the container's) are read. A CPU *request* with
 limit (Kubernetes `requests.cpu` alone) sets no quota: such a pod sees every core of
 the node, which is why the manifests in deploy/k8s set `event_loops` explicitly.
 
+`cgroup_memory_limit` reads the memory limit the same way (v2 `memory.max`, v1
+`memory.limit_in_bytes` of the `memory` controller; "max" or v1's page-counter maximum:
+none): the tightest level binds. The start-up check compares the RAM tiers with it.
+
 Both roots are parameters, so tests read fixture trees (tests/test_config_cgroup.py).
 """
 
@@ -30,6 +34,9 @@ from pathlib import Path
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_SELF_CGROUP = Path("/proc/self/cgroup")
 _V1_CPU_DIRS = ("cpu", "cpu,cpuacct", "cpuacct,cpu")
+_V1_UNLIMITED = 1 << 60
+"""v1 writes "no limit" as the page counter's maximum (9223372036854771712 with 4 KiB
+pages): any value this large is none."""
 
 
 def affinity_cores() -> int:
@@ -40,8 +47,8 @@ def affinity_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _cgroup_paths(proc_cgroup: Path) -> tuple[str | None, str | None]:
-    """(v2 path, v1 cpu-controller path) of this process, from `/proc/self/cgroup`."""
+def _cgroup_paths(proc_cgroup: Path, controller: str = "cpu") -> tuple[str | None, str | None]:
+    """(v2 path, v1 `controller` path) of this process, from `/proc/self/cgroup`."""
     v2 = v1 = None
     try:
         text = proc_cgroup.read_text()
@@ -54,7 +61,7 @@ def _cgroup_paths(proc_cgroup: Path) -> tuple[str | None, str | None]:
         hid, controllers, path = parts
         if hid == "0" and controllers == "":
             v2 = path
-        elif "cpu" in controllers.split(","):
+        elif controller in controllers.split(","):
             v1 = path
     return v2, v1
 
@@ -107,6 +114,28 @@ def cgroup_cpu_limit(
         base = root / name  # (`cpu` is often a link to `cpu,cpuacct`: read twice, harmless)
         if base.is_dir():
             limits += [_read_v1(level) for level in _levels(base, v1_path)]
+    found = [x for x in limits if x is not None]
+    return min(found) if found else None
+
+
+def _read_int(file: Path) -> int | None:
+    try:
+        raw = file.read_text().strip()
+    except OSError:
+        return None
+    return int(raw) if raw.isdigit() and int(raw) < _V1_UNLIMITED else None
+
+
+def cgroup_memory_limit(
+    root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_SELF_CGROUP
+) -> int | None:
+    """The tightest memory limit on this process's cgroups (v2 `memory.max`, v1
+    `memory.limit_in_bytes`), in bytes; None when no level sets one."""
+    v2_path, v1_path = _cgroup_paths(proc_cgroup, "memory")
+    limits = [_read_int(level / "memory.max") for level in _levels(root, v2_path)]
+    base = root / "memory"
+    if base.is_dir():
+        limits += [_read_int(level / "memory.limit_in_bytes") for level in _levels(base, v1_path)]
     found = [x for x in limits if x is not None]
     return min(found) if found else None
 

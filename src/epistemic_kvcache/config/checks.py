@@ -12,6 +12,7 @@ import ssl
 from collections.abc import Sequence
 from pathlib import Path
 
+from epistemic_kvcache.config.cgroup import cgroup_memory_limit
 from epistemic_kvcache.config.parsing import format_size
 from epistemic_kvcache.config.schema import (
     HMAC_MIN_SECRET_BYTES,
@@ -249,18 +250,17 @@ def load_tls_files(ctx: ssl.SSLContext, cert: Path, key: Path, client_ca: Path |
             ) from None
 
 
-def _memory_limit_bytes() -> int | None:
-    """RAM this process may use: the cgroup limit when there is one, else physical RAM."""
+def _memory_limit_bytes() -> tuple[int, str] | None:
+    """RAM this process may use and what sets it: the tightest cgroup limit (v2 or v1, on
+    its cgroup or one above) where it is under physical RAM, else physical RAM."""
     try:
-        raw = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if raw.isdigit():
-            return int(raw)
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        phys: int | None = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (OSError, ValueError):
-        return None
+        phys = None
+    limit = cgroup_memory_limit()
+    if limit is not None and (phys is None or limit < phys):
+        return limit, "this process's cgroup memory limit"
+    return (phys, "this machine's memory") if phys is not None else None
 
 
 def _disk_size_bytes(path: Path) -> int | None:
@@ -288,10 +288,10 @@ def resource_warnings(c: ServerConfig, explicit: set[str], *, machine: bool = Tr
         )
     ram = _memory_limit_bytes() if machine else None
     tiers = c.store.hot_capacity_bytes + c.store.warm_capacity_bytes
-    if ram is not None and tiers > ram:
+    if ram is not None and tiers > ram[0]:
         out.append(
-            f"hot_capacity_bytes + warm_capacity_bytes = {format_size(tiers)} exceed this "
-            f"machine's memory ({format_size(ram)}): the tiers will never fill, the kernel "
+            f"hot_capacity_bytes + warm_capacity_bytes = {format_size(tiers)} exceed "
+            f"{ram[1]} ({format_size(ram[0])}): the tiers will never fill, the kernel "
             "will kill the server first"
         )
     if c.cluster_mode:
