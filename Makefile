@@ -73,9 +73,12 @@ types: setup-dev
 
 # The whole suite on the compiled twins; then the protocol, dispatch, wire and store tests
 # again on the pure-Python twins. In CI (CI=true) a compiled twin that is missing fails
-# the run (tests/test_twins.py) instead of passing it pure.
+# the run (tests/test_twins.py) instead of passing it pure. The fast path's twin test
+# loads both twins itself whatever the environment: it runs once.
 PURE_AGAIN := tests/test_twins.py tests/test_proto_resp.py tests/test_proto_resp_framer.py \
-  tests/test_proto_resp_twins.py tests/test_server_resp*.py tests/test_server_wire_features.py \
+  tests/test_proto_resp_twins.py \
+  $(filter-out tests/test_server_resp_fastpath_twins.py,$(wildcard tests/test_server_resp*.py)) \
+  tests/test_server_wire_features.py \
   tests/test_store_hotcore_twins.py tests/test_store_model.py tests/test_store_nowait.py \
   tests/test_store_tiers.py tests/test_store_epochs.py tests/test_store_snapshots.py tests/test_model.py
 REQUIRE_COMPILED ?= $(if $(CI),1,)
