@@ -131,8 +131,9 @@ dist-check: dist
 
 # Quick start: set up from nothing and pass every check.
 # `make check` took 36 minutes from a fresh clone on a quiet 2-core machine (the test
-# suite 30 of them; README "Development"). A first run also builds .venv and, through `sysdeps`, installs the
-# Debian packages above with apt-get, which needs root (not root: install them first).
+# suite 30 of them; README "Development"). A first run also builds .venv and, through
+# `sysdeps`, installs the Debian packages above with apt-get, which needs root (not
+# root: install them first).
 # Every step runs even when an earlier one fails (--keep-going): a failing test still
 # lets lint, types and the wheel check report; the exit status is non-zero if any failed.
 check:
